@@ -1,0 +1,3 @@
+from epkit.cli import main
+
+raise SystemExit(main())

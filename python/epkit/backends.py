@@ -1,0 +1,233 @@
+"""Backend selection for every public op.
+
+Each op registers an :class:`OpSpec` naming the backends that implement it and
+the devices each one runs on. ``select(op, device, backend)`` resolves
+``backend="auto"`` to the best available implementation for the tensors'
+device, and turns an unavailable explicit choice into a
+:class:`BackendUnavailableError` that says what is missing and how to get it.
+
+Backends
+--------
+``reference``  plain torch, readable; the specification. Any device.
+``cpu``        the fastest CPU path (vectorised torch or the C++ extension).
+``tilelang``   TileLang kernels: the C target on CPU tensors, CUDA on GPU tensors.
+``triton``     Triton kernels on CUDA tensors; on CPU tensors the Triton
+               interpreter runs the same kernel source (slow; for verification).
+
+Nothing here imports triton or tilelang: availability is probed with
+``importlib.util.find_spec`` and the frameworks load on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "BackendInfo",
+    "OpSpec",
+    "register_op",
+    "registered_ops",
+    "backend_info",
+    "select",
+]
+
+BACKENDS = ("reference", "cpu", "tilelang", "triton")
+
+_INSTALL_HINT = {
+    "triton": "pip install 'epkit[kernels]' (triton==3.9.0)",
+    "tilelang": "pip install 'epkit[kernels]' (tilelang==0.1.15)",
+    "cpu": "reinstall epkit so that its C++ extension builds: pip install -e . (needs a C++17 compiler)",
+}
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run here; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What one backend can run on this machine.
+
+    ``devices`` holds the device types (``"cpu"``, ``"cuda"``) it can run on now;
+    ``missing`` explains, per device type it cannot run on, what is missing.
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    missing: dict[str, str] = field(default_factory=dict)
+
+    def available_on(self, device_type: str) -> bool:
+        return device_type in self.devices
+
+
+@functools.cache
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _c_compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+@functools.cache
+def c_extension_error() -> str | None:
+    """None when ``epkit._C`` imports, else the reason it does not."""
+    try:
+        from epkit import _C  # noqa: F401
+    except ImportError as exc:
+        return f"epkit._C failed to import ({exc})"
+    return None
+
+
+def backend_info(name: str) -> BackendInfo:
+    """Probe one backend (cheap: no framework is imported)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS} or 'auto'")
+    gpu = cuda_available()
+    no_gpu = "no CUDA device visible to torch (torch.cuda.is_available() is False)"
+    devices: list[str] = []
+    missing: dict[str, str] = {}
+    if name == "reference":
+        devices = ["cpu"] + (["cuda"] if gpu else [])
+        if not gpu:
+            missing["cuda"] = no_gpu
+    elif name == "cpu":
+        devices = ["cpu"]
+        missing["cuda"] = "the cpu backend runs on CPU tensors only"
+    elif name == "triton":
+        if not _has_module("triton"):
+            missing["cpu"] = missing["cuda"] = f"triton is not installed; {_INSTALL_HINT['triton']}"
+        else:
+            devices.append("cpu")  # the interpreter
+            if gpu:
+                devices.append("cuda")
+            else:
+                missing["cuda"] = no_gpu
+    elif name == "tilelang":
+        if not _has_module("tilelang"):
+            missing["cpu"] = missing["cuda"] = f"tilelang is not installed; {_INSTALL_HINT['tilelang']}"
+        else:
+            if _c_compiler():
+                devices.append("cpu")
+            else:
+                missing["cpu"] = "no C compiler (cc/gcc/clang) on PATH for TileLang's C target"
+            if gpu:
+                devices.append("cuda")
+            else:
+                missing["cuda"] = no_gpu
+    return BackendInfo(name, tuple(devices), missing)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Which backends implement an op, in order of preference per device type.
+
+    ``cpu`` and ``cuda`` list backends best-first; ``auto`` takes the first
+    available one. Every backend named in either list is accepted explicitly.
+    """
+
+    name: str
+    cpu: tuple[str, ...]
+    cuda: tuple[str, ...]
+    status: str = "done"
+    doc: str = ""
+    #: ``selfcheck(backend)`` runs the op on small CPU inputs and raises if it
+    #: disagrees with the reference (used by ``epkit selfcheck``).
+    selfcheck: Callable[[str], None] | None = None
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        seen = dict.fromkeys(self.cpu + self.cuda)
+        return tuple(seen)
+
+
+_OPS: dict[str, OpSpec] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    for b in spec.backends:
+        if b not in BACKENDS:
+            raise ValueError(f"op {spec.name!r} names unknown backend {b!r}")
+    _OPS[spec.name] = spec
+    return spec
+
+
+def registered_ops() -> dict[str, OpSpec]:
+    """The op table: every public op and the backends it has."""
+    return dict(_OPS)
+
+
+def select(op: str, device: torch.device | str, backend: str = "auto") -> str:
+    """Resolve the backend that runs ``op`` on tensors of ``device``.
+
+    Raises
+    ------
+    ValueError
+        ``backend`` is not a known name, or the op does not implement it.
+    BackendUnavailableError
+        ``backend`` is implemented but cannot run here (message says why).
+    """
+    spec = _OPS[op]
+    dtype = torch.device(device).type
+    order = spec.cuda if dtype == "cuda" else spec.cpu
+    if backend == "auto":
+        env = os.environ.get("EPKIT_BACKEND")
+        if env and env != "auto":
+            backend = env
+        else:
+            reasons = []
+            for cand in order:
+                info = backend_info(cand)
+                if info.available_on(dtype):
+                    if cand == "cpu" and c_extension_error() and _needs_c_ext(op):
+                        reasons.append(f"cpu: {c_extension_error()}")
+                        continue
+                    return cand
+                reasons.append(f"{cand}: {info.missing.get(dtype, 'unavailable')}")
+            raise BackendUnavailableError(f"no backend of {op} can run on {dtype} tensors here: " + "; ".join(reasons))
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} for {op}; expected 'auto' or one of {BACKENDS}")
+    if backend not in spec.backends:
+        raise ValueError(f"{op} has no {backend!r} backend; it has {spec.backends}")
+    if backend not in order:
+        raise BackendUnavailableError(
+            f"{op}'s {backend} backend does not run on {dtype} tensors; on {dtype} it has {order}"
+        )
+    info = backend_info(backend)
+    if not info.available_on(dtype):
+        raise BackendUnavailableError(
+            f"{op}: backend {backend!r} cannot run on {dtype} tensors here: {info.missing.get(dtype, 'unavailable')}"
+        )
+    return backend
+
+
+_C_EXT_OPS: set[str] = set()
+
+
+def _needs_c_ext(op: str) -> bool:
+    return op in _C_EXT_OPS
+
+
+def mark_needs_c_extension(op: str) -> None:
+    """Declare that ``op``'s cpu backend uses ``epkit._C`` (so auto skips it if the build is missing)."""
+    _C_EXT_OPS.add(op)

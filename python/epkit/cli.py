@@ -1,0 +1,222 @@
+"""The ``epkit`` command line.
+
+``epkit info``       versions, devices, which backends and transports run here and why others do not
+``epkit selfcheck``  runs every op on every backend this machine has against its reference
+
+Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are
+one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+import traceback
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nvshmem_root() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for base in list(spec.submodule_search_locations or []) if spec else []:
+        for sub in ("nvshmem", "cu13/nvshmem", "cu12/nvshmem"):
+            root = os.path.join(base, sub)
+            if os.path.exists(os.path.join(root, "include", "nvshmem.h")):
+                return root
+    return None
+
+
+def collect_info() -> dict:
+    """Everything ``epkit info`` reports, as a JSON-able dict."""
+    import torch
+
+    from epkit import backends
+
+    gpu = torch.cuda.is_available()
+    devices = {"cpu": {"threads": torch.get_num_threads(), "cores": os.cpu_count()}}
+    if gpu:
+        devices["cuda"] = [
+            {
+                "index": i,
+                "name": torch.cuda.get_device_name(i),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+            }
+            for i in range(torch.cuda.device_count())
+        ]
+    bk = {}
+    for name in backends.BACKENDS:
+        info = backends.backend_info(name)
+        bk[name] = {"devices": list(info.devices), "missing": info.missing}
+    c_err = backends.c_extension_error()
+    if c_err:
+        bk["cpu"]["note"] = f"ops whose cpu path needs the C++ extension fall back: {c_err}"
+    import torch.distributed as dist
+
+    nvshmem = _nvshmem_root()
+    transports = {
+        "shm": {
+            "ready": c_err is None and os.access("/dev/shm", os.W_OK),
+            "why": c_err
+            or ("/dev/shm is not writable" if not os.access("/dev/shm", os.W_OK) else "epkit._C and /dev/shm"),
+        },
+        "torch": {
+            "ready": dist.is_available() and dist.is_gloo_available(),
+            "why": "torch.distributed with gloo" if dist.is_available() else "torch built without distributed",
+        },
+        "nvshmem": {
+            "ready": bool(gpu and nvshmem),
+            "why": ("CUDA device and nvshmem at " + nvshmem)
+            if gpu and nvshmem
+            else "; ".join(
+                w
+                for w, bad in (
+                    ("no CUDA device", not gpu),
+                    ("no nvidia-nvshmem wheel (pip install 'epkit[cuda12]')", not nvshmem),
+                )
+                if bad
+            ),
+        },
+    }
+    ops = {
+        name: {
+            "backends": list(spec.backends),
+            "auto_cpu": _auto(name, "cpu"),
+            "auto_cuda": _auto(name, "cuda") if gpu else None,
+            "status": spec.status,
+        }
+        for name, spec in backends.registered_ops().items()
+    }
+    return {
+        "epkit": _version("epkit") or "source tree",
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {
+            p: _version(p)
+            for p in ("torch", "triton", "tilelang", "numpy", "nvidia-nvshmem-cu12", "nvidia-nvshmem-cu13")
+        },
+        "nvcc": shutil.which("nvcc"),
+        "devices": devices,
+        "backends": bk,
+        "c_extension": "ok" if c_err is None else c_err,
+        "transports": transports,
+        "ops": ops,
+    }
+
+
+def _auto(op: str, device: str) -> str:
+    from epkit import backends
+
+    try:
+        return backends.select(op, device, "auto")
+    except backends.BackendUnavailableError as exc:
+        return f"none ({exc})"
+
+
+def _print_info(info: dict) -> None:
+    w = sys.stdout.write
+    w(f"epkit {info['epkit']}  python {info['python']}  {info['platform']}\n")
+    w("packages: " + ", ".join(f"{k} {v}" for k, v in info["packages"].items() if v) + "\n")
+    missing = [k for k, v in info["packages"].items() if not v]
+    if missing:
+        w("not installed: " + ", ".join(missing) + "\n")
+    cuda = info["devices"].get("cuda")
+    w(f"cpu: {info['devices']['cpu']['cores']} cores, torch uses {info['devices']['cpu']['threads']} threads\n")
+    if cuda:
+        for d in cuda:
+            w(f"cuda:{d['index']}: {d['name']} (sm_{d['capability'].replace('.', '')})\n")
+    else:
+        w("cuda: no GPU visible - GPU backends are off; every op runs on its CPU backends\n")
+    w(f"C++ extension epkit._C: {info['c_extension']}\n\nbackends:\n")
+    for name, b in info["backends"].items():
+        runs = ", ".join(b["devices"]) or "nowhere"
+        w(f"  {name:<10} runs on: {runs}\n")
+        for dev, why in b["missing"].items():
+            w(f"  {'':<10}   not on {dev}: {why}\n")
+        if b.get("note"):
+            w(f"  {'':<10}   {b['note']}\n")
+    w("\ntransports (collectives):\n")
+    for name, t in info["transports"].items():
+        w(f"  {name:<8} {'ready' if t['ready'] else 'unavailable'}: {t['why']}\n")
+    w("\nops (auto backend on this machine):\n")
+    for name, o in info["ops"].items():
+        w(f"  {name:<20} cpu -> {o['auto_cpu']}")
+        w(f", cuda -> {o['auto_cuda']}" if o["auto_cuda"] else "")
+        w(f"   [backends: {', '.join(o['backends'])}]\n")
+
+
+def cmd_info(args) -> int:
+    info = collect_info()
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_info(info)
+    return 0
+
+
+def cmd_selfcheck(args) -> int:
+    from epkit import backends
+
+    failures = 0
+    ran = 0
+    for name, spec in backends.registered_ops().items():
+        if spec.selfcheck is None:
+            continue
+        for b in spec.cpu:
+            if args.backend and b != args.backend:
+                continue
+            info = backends.backend_info(b)
+            if not info.available_on("cpu"):
+                print(f"  {name:<20} {b:<10} skipped: {info.missing.get('cpu')}")
+                continue
+            t0 = time.perf_counter()
+            try:
+                spec.selfcheck(b)
+            except Exception as exc:  # report every failure, keep checking the rest
+                failures += 1
+                print(f"  {name:<20} {b:<10} FAILED: {type(exc).__name__}: {exc}")
+                if args.verbose:
+                    traceback.print_exc()
+                continue
+            ran += 1
+            print(f"  {name:<20} {b:<10} ok ({time.perf_counter() - t0:.2f} s, matches the reference)")
+    print(f"selfcheck: {ran} passed, {failures} failed")
+    if ran == 0 and failures == 0:
+        print("selfcheck: nothing ran (no backend available?)", file=sys.stderr)
+        return 1
+    return 1 if failures else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epkit", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    pi = sub.add_parser("info", help="what this machine can run")
+    pi.add_argument("--json", action="store_true", help="machine-readable output")
+    pi.set_defaults(func=cmd_info)
+    ps = sub.add_parser("selfcheck", help="run every op on every available CPU backend against its reference")
+    ps.add_argument("--backend", help="only this backend")
+    ps.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
+    ps.set_defaults(func=cmd_selfcheck)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"epkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2

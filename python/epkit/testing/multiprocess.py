@@ -1,0 +1,205 @@
+"""Run a function on N real processes joined by torch.distributed (gloo on 127.0.0.1).
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes; rank r
+calls ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``
+and sends back its return value. The parent hosts the TCP store on a free
+port chosen by the OS (no port races), waits with one deadline for all ranks,
+re-raises the first failing rank's exception with its traceback, and kills
+every rank when the deadline passes, so a test can never hang.
+
+``fn`` and its arguments must be picklable (define ``fn`` at module level).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+
+__all__ = ["RankError", "run_ranks", "ranks", "DEFAULT_TIMEOUT"]
+
+#: Seconds a whole multi-rank run may take before every rank is killed.
+DEFAULT_TIMEOUT = float(os.environ.get("EPKIT_TEST_RANK_TIMEOUT", "30"))
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds the rank and its traceback."""
+
+    def __init__(self, rank: int, exc_type: str, tb: str):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = tb
+        super().__init__(f"rank {rank} raised {exc_type}:\n{tb}")
+
+
+def _child(fn, rank, world_size, port, args, kwargs, results, init_timeout, init_dist):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        if init_dist:
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                world_size=None,
+                is_master=False,
+                timeout=timedelta(seconds=init_timeout),
+                wait_for_workers=False,
+            )
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout)
+            )
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put(("ok", rank, out))
+    except BaseException as exc:  # report everything, including SystemExit and KeyboardInterrupt
+        results.put(("err", rank, (type(exc).__name__, traceback.format_exc())))
+    finally:
+        if init_dist and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float | None = None, init_dist: bool = True, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
+
+    Parameters
+    ----------
+    fn : module-level callable
+    world_size : int, >= 1
+    timeout : float, optional
+        Seconds for the whole run (default ``DEFAULT_TIMEOUT``, 30 s; env
+        ``EPKIT_TEST_RANK_TIMEOUT``). On expiry every rank is killed and
+        ``TimeoutError`` names the ranks that had not finished.
+    init_dist : bool
+        Initialise torch.distributed (gloo) in each rank (default True).
+
+    Returns
+    -------
+    list
+        Each rank's return value, by rank.
+
+    Raises
+    ------
+    RankError
+        The first rank that raised, with its remote traceback.
+    TimeoutError
+        Some rank did not finish in time.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    ctx = mp.get_context("spawn")
+    store = None
+    port = 0
+    if init_dist:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size=None,
+            is_master=True,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        port = store.port
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, port, args, kwargs, results, timeout, init_dist),
+            daemon=True,
+            name=f"epkit-rank{r}",
+        )
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        out: dict[int, object] = {}
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pending = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(
+                    f"ranks {pending} of {world_size} did not finish within {timeout:.0f} s; killed all ranks"
+                )
+            try:
+                kind, rank, payload = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = [p for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode]
+                if dead:
+                    # A rank died without reporting (e.g. SIGKILL). Give its message a moment to arrive.
+                    try:
+                        kind, rank, payload = results.get(timeout=1.0)
+                    except queue.Empty:
+                        p = dead[0]
+                        raise RankError(
+                            int(p.name.removeprefix("epkit-rank")),
+                            "ProcessDied",
+                            f"process exited with code {p.exitcode} without reporting",
+                        ) from None
+                else:
+                    continue
+            if kind == "err":
+                raise RankError(rank, payload[0], payload[1])
+            out[rank] = payload
+        return [out[r] for r in range(world_size)]
+    finally:
+        _kill(procs)
+        results.close()
+        results.join_thread()
+        del store
+
+
+def ranks(world_size: int, timeout: float | None = None):
+    """Decorator: the test body ``fn(rank, world_size)`` runs on ``world_size`` ranks.
+
+    The decorated function must live at module level (it is pickled by name).
+    The wrapper takes no arguments and returns the per-rank results.
+    """
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper():
+            return run_ranks(_Unwrapped(fn.__module__, fn.__qualname__), world_size, timeout=timeout)
+
+        wrapper.__wrapped_rank_fn__ = fn
+        return wrapper
+
+    return deco
+
+
+class _Unwrapped:
+    """Picklable handle to the original function behind a ``@ranks`` wrapper."""
+
+    def __init__(self, module: str, qualname: str):
+        self.module, self.qualname = module, qualname
+
+    def __call__(self, rank, world_size, *args, **kwargs):
+        import importlib
+
+        obj = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return obj.__wrapped_rank_fn__(rank, world_size, *args, **kwargs)

@@ -1,0 +1,155 @@
+"""Build script for epkit.
+
+Layout (see DESIGN.md): python/epkit -> epkit, kernels -> epkit.kernels,
+collectives -> epkit.collectives, csrc -> the pybind11 extension epkit._C.
+
+CUDA sources in csrc/cuda/*.cu build into epkit._C_cuda with nvcc for sm_90
+when EPKIT_CUDA=1, or automatically when nvcc and an nvidia-nvshmem wheel are
+found (EPKIT_CUDA=0 turns that off). A missing CUDA toolchain never breaks the
+CPU build.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import build_ext as _pybind_build_ext
+from setuptools import Extension, find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = {"epkit": "python/epkit", "epkit.kernels": "kernels", "epkit.collectives": "collectives"}
+
+
+def _packages() -> list[str]:
+    pkgs = []
+    for name, path in PACKAGE_DIR.items():
+        pkgs.append(name)
+        pkgs += [f"{name}.{sub}" for sub in find_packages(os.path.join(ROOT, path))]
+    return pkgs
+
+
+def _find_nvshmem() -> str | None:
+    """Root of an installed nvidia-nvshmem wheel (has include/ and lib/), or None."""
+    roots = [os.environ.get("NVSHMEM_HOME", "")]
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        roots.append(os.path.join(site, "nvidia", "nvshmem"))
+        roots += glob.glob(os.path.join(site, "nvidia", "cu*", "nvshmem"))
+    for root in roots:
+        if root and os.path.exists(os.path.join(root, "include", "nvshmem.h")):
+            return root
+    return None
+
+
+def _cuda_wanted() -> tuple[bool, str]:
+    flag = os.environ.get("EPKIT_CUDA", "auto").lower()
+    nvcc = shutil.which("nvcc")
+    nvshmem = _find_nvshmem()
+    if flag in ("0", "off", "false", "no"):
+        return False, "EPKIT_CUDA=0"
+    missing = [what for what, ok in (("nvcc", nvcc), ("an nvidia-nvshmem wheel", nvshmem)) if not ok]
+    if flag in ("1", "on", "true", "yes"):
+        if missing:
+            raise RuntimeError(
+                f"EPKIT_CUDA=1 but {' and '.join(missing)} not found; "
+                "install CUDA and `pip install -e .[cuda12]` (or cuda13)"
+            )
+        return True, "EPKIT_CUDA=1"
+    return (not missing), ("auto: found nvcc and nvshmem" if not missing else f"auto: no {', '.join(missing)}")
+
+
+class CUDAExtension(Extension):
+    """Marker: sources compiled with nvcc -rdc=true for sm_90 and device-linked with NVSHMEM."""
+
+
+class build_ext(_pybind_build_ext):
+    def build_extension(self, ext):
+        if isinstance(ext, CUDAExtension):
+            return self._build_cuda(ext)
+        return super().build_extension(ext)
+
+    def _build_cuda(self, ext: CUDAExtension) -> None:
+        import pybind11
+
+        nvcc = shutil.which("nvcc")
+        nvshmem = _find_nvshmem()
+        out = self.get_ext_fullpath(ext.name)
+        tmp = os.path.join(self.build_temp, "cuda")
+        os.makedirs(tmp, exist_ok=True)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        arch = os.environ.get("EPKIT_CUDA_ARCH", "sm_90")
+        inc = [f"-I{nvshmem}/include", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+        common = ["-std=c++17", f"-arch={arch}", "-O3", "-Xcompiler", "-fPIC", "-rdc=true"]
+        objs = []
+        for src in ext.sources:
+            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            self._run([nvcc, *common, *inc, "-c", src, "-o", obj])
+            objs.append(obj)
+        lib = os.path.join(nvshmem, "lib")
+        dlink = os.path.join(tmp, "dlink.o")
+        self._run(
+            [
+                nvcc,
+                f"-arch={arch}",
+                "-Xcompiler",
+                "-fPIC",
+                "-dlink",
+                *objs,
+                os.path.join(lib, "libnvshmem_device.a"),
+                "-o",
+                dlink,
+            ]
+        )
+        self._run(
+            [
+                nvcc,
+                "-shared",
+                f"-arch={arch}",
+                *objs,
+                dlink,
+                os.path.join(lib, "libnvshmem_device.a"),
+                f"-L{lib}",
+                "-l:libnvshmem_host.so.3",
+                "-lcudart",
+                "-Xlinker",
+                f"-rpath,{lib}",
+                "-o",
+                out,
+            ]
+        )
+
+    @staticmethod
+    def _run(cmd: list[str]) -> None:
+        print(" ".join(cmd), file=sys.stderr)
+        subprocess.check_call(cmd)
+
+
+def _extensions():
+    exts = [
+        Pybind11Extension(
+            "epkit._C",
+            sorted(glob.glob("csrc/*.cpp")),
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    ]
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    want, why = _cuda_wanted()
+    print(f"epkit: CUDA extension {'enabled' if want and cuda_sources else 'skipped'} ({why})", file=sys.stderr)
+    if want and cuda_sources:
+        exts.append(CUDAExtension("epkit._C_cuda", cuda_sources))
+    return exts
+
+
+setup(
+    package_dir=PACKAGE_DIR,
+    packages=_packages(),
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": build_ext},
+    zip_safe=False,
+)

@@ -1,0 +1,159 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import epkit
+from epkit.backends import BackendUnavailableError, select
+from epkit.gather import gather_rows_reference
+from epkit.testing import assert_bitwise_equal, compile_triton, tilelang_compile_cuda
+from epkit.testing.markers import requires_cuda, requires_nvcc, requires_tilelang, requires_triton
+
+CPU_BACKENDS = [
+    "reference",
+    "cpu",
+    pytest.param("tilelang", marks=requires_tilelang),
+    pytest.param("triton", marks=requires_triton),
+]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.float8_e4m3fn,
+    torch.int64,
+    torch.bool,
+]
+
+
+def _rand(shape, dtype, g):
+    raw = torch.randint(
+        0,
+        256,
+        (*shape[:-1], shape[-1] * torch.empty((), dtype=dtype).element_size()),
+        generator=g,
+        dtype=torch.uint8,
+    )
+    if dtype == torch.bool:
+        return (raw % 2).bool()
+    return raw.view(dtype)  # arbitrary bit patterns, NaN payloads and -0.0 included
+
+
+def _expected(x, index):
+    """Independent of every backend: boolean mask + advanced indexing on byte views."""
+    xb = x if x.dtype == torch.bool else x.view(torch.uint8)
+    out = torch.zeros((index.numel(), *xb.shape[1:]), dtype=xb.dtype)
+    ok = index >= 0
+    out[ok] = xb[index[ok].long()]
+    return out if x.dtype == torch.bool else out.view(x.dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,m,width", [(37, 53, 5), (1, 4, 1), (0, 3, 7), (64, 0, 16), (300, 129, 96)])
+def test_gather_bit_exact(backend, dtype, n, m, width):
+    g = torch.Generator().manual_seed(n * 1000 + m + width)
+    x = _rand((n, width), dtype, g)
+    index = (
+        torch.randint(-1, max(n, 1), (m,), generator=g, dtype=torch.int32)
+        if n
+        else torch.full((m,), -1, dtype=torch.int32)
+    )
+    got = epkit.gather_rows(x, index, backend=backend)
+    assert_bitwise_equal(got, _expected(x, index), ctx=f"{backend=} {dtype=} {n=} {m=} {width=}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gather_nd_rows_int64_index_and_out(backend):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(11, 3, 4, generator=g).to(torch.bfloat16)
+    index = torch.tensor([10, -1, 0, 0, 5, -1], dtype=torch.int64)
+    out = torch.full((6, 3, 4), 9.0, dtype=torch.bfloat16)
+    res = epkit.gather_rows(x, index, out, backend=backend)
+    assert res.data_ptr() == out.data_ptr()
+    assert_bitwise_equal(out, gather_rows_reference(x, index), ctx=backend)
+    assert torch.equal(out[1], torch.zeros(3, 4, dtype=torch.bfloat16))
+
+
+@requires_tilelang
+@given(n=st.integers(0, 40), m=st.integers(0, 600), width=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_gather_property_tilelang_vs_cpu(n, m, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = _rand((n, width), torch.float16, g)
+    index = torch.randint(-1, n, (m,), generator=g, dtype=torch.int32) if n else torch.full((m,), -1, dtype=torch.int32)
+    assert_bitwise_equal(
+        epkit.gather_rows(x, index, backend="tilelang"),
+        epkit.gather_rows(x, index, backend="cpu"),
+        ctx=f"{n=} {m=} {width=} {seed=}",
+    )
+
+
+def test_gather_bad_input():
+    x = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match=r"index\[1\] = 4 is outside \[-1, 4\)"):
+        epkit.gather_rows(x, torch.tensor([0, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"index\[0\] = -2"):
+        epkit.gather_rows(x, torch.tensor([-2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        epkit.gather_rows(x, torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="out must be"):
+        epkit.gather_rows(x, torch.tensor([0], dtype=torch.int32), out=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="unknown backend"):
+        epkit.gather_rows(x, torch.tensor([0], dtype=torch.int32), backend="cuda-magic")
+
+
+def test_backend_selection():
+    assert select("gather_rows", "cpu") == "cpu"
+    with pytest.raises(BackendUnavailableError, match="does not run on cuda"):
+        select("gather_rows", "cuda", "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="no CUDA device"):
+            select("gather_rows", "cuda", "triton")
+
+
+def test_env_backend_override(monkeypatch):
+    monkeypatch.setenv("EPKIT_BACKEND", "reference")
+    assert select("gather_rows", "cpu") == "reference"
+
+
+# Rung 3: compiled for sm_90 without a GPU.
+
+
+@requires_triton
+@pytest.mark.parametrize("word,index", [("i32", "i32"), ("i16", "i64"), ("i64", "i32")])
+def test_gather_triton_compiles_for_sm90(word, index):
+    from epkit.kernels.triton.gather_rows import compile_signature
+
+    k = compile_triton(*compile_signature(word, index, 1024))
+    assert ".target sm_90" in k.ptx
+    assert "ld.global" in k.ptx and "st.global" in k.ptx, "the gather must load and store global memory"
+    assert k.cubin and len(k.cubin) > 1000
+    if k.sass is not None:
+        assert "LDG" in k.sass and "STG" in k.sass
+
+
+@requires_tilelang
+@requires_nvcc
+@pytest.mark.parametrize("word,width", [("int32", 1024), ("int16", 100)])
+def test_gather_tilelang_lowers_and_nvcc_compiles_for_sm90(word, width):
+    from epkit.kernels.tilelang.gather_rows import gather_rows_func
+
+    k = tilelang_compile_cuda(gather_rows_func(width, word, "cuda"), "sm_90")
+    assert "__global__" in k.source and "gather_rows_kernel" in k.source
+    assert k.cubin and len(k.cubin) > 1000
+    if k.sass is not None:
+        assert "STG" in k.sass
+
+
+# Rung 4: executed on a GPU.
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "tilelang", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=str)
+def test_gather_gpu(backend, dtype):
+    g = torch.Generator().manual_seed(3)
+    x = _rand((513, 7168), dtype, g)
+    index = torch.randint(-1, 513, (1031,), generator=g, dtype=torch.int32)
+    got = epkit.gather_rows(x.cuda(), index.cuda(), backend=backend)
+    assert_bitwise_equal(got.cpu(), _expected(x, index), ctx=f"{backend=} {dtype=}")
