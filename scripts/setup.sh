@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv and installs epkit with its pinned CPU stack (pyproject.toml holds every pin).
+# Idempotent: reinstalls only when pyproject.toml, setup.py or csrc/ changed since the last run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${EPKIT_EXTRAS:-cpu,kernels,dev}
+if [ ! -x .venv/bin/python ]; then
+    echo "epkit setup: creating .venv with $($PY --version)"
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.epkit-install-stamp
+want=$( (echo "$EXTRAS"; cat pyproject.toml setup.py; find csrc -type f | sort | xargs cat) | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import epkit._C" 2>/dev/null; then
+    exit 0
+fi
+echo "epkit setup: installing epkit[$EXTRAS] (pinned; CPU torch 2.13.0)"
+# Build requirements first, so the editable build can run without isolation (no network needed for it).
+.venv/bin/python -m pip install -q --disable-pip-version-check "setuptools==84.2.1" "pybind11==3.1.0" wheel
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[$EXTRAS]"
+echo "$want" > "$stamp"

@@ -1,0 +1,84 @@
+"""The multi-rank harness: real processes, results back, tracebacks out, no hangs."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epkit.testing.multiprocess import RankError, ranks, run_ranks
+
+
+def _all_reduce(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return (dist.get_rank(), dist.get_world_size(), t.item())
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_results_by_rank(world_size):
+    out = run_ranks(_all_reduce, world_size)
+    total = world_size * (world_size + 1) / 2
+    assert out == [(r, world_size, total) for r in range(world_size)]
+
+
+def _one_raises(rank, world_size):
+    if rank == 2:
+        raise ValueError("bad routing on rank two")
+    dist.barrier()  # the other ranks would wait forever for rank 2
+    return rank
+
+
+def test_failing_rank_traceback_is_reraised():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_one_raises, 4, timeout=25)
+    err = info.value
+    assert err.rank == 2 and err.exc_type == "ValueError"
+    assert "bad routing on rank two" in str(err)
+    assert "_one_raises" in err.remote_traceback  # the remote frame is in the traceback
+    assert time.monotonic() - t0 < 25
+
+
+def _one_hangs(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def test_hanging_rank_times_out_and_is_killed():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 3 did not finish within 6 s"):
+        run_ranks(_one_hangs, 3, timeout=6, init_dist=False)
+    assert time.monotonic() - t0 < 20
+
+
+def _killed(rank, world_size):
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_killed_rank_is_reported():
+    with pytest.raises(RankError, match="ProcessDied|exited with code"):
+        run_ranks(_killed, 2, timeout=20, init_dist=False)
+
+
+@ranks(2)
+def test_decorator_runs_on_two_ranks(rank, world_size):
+    assert dist.get_world_size() == world_size == 2
+    t = torch.tensor([rank])
+    dist.broadcast(t, src=1)
+    assert t.item() == 1
+
+
+@ranks(2, timeout=20)
+def _decorated_failure(rank, world_size):
+    assert rank == 0, f"rank {rank} disagrees"
+
+
+def test_decorated_failure_surfaces():
+    with pytest.raises(RankError, match="rank 1 disagrees"):
+        _decorated_failure()

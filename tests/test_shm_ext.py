@@ -1,0 +1,108 @@
+"""epkit._C: shared-memory segments, 64-bit signal words and timed waits."""
+
+import os
+import secrets
+import stat
+import time
+
+import pytest
+import torch
+
+from epkit import _C
+from epkit.testing.multiprocess import run_ranks
+
+
+def _name():
+    return f"/epkit-test-{secrets.token_hex(8)}"
+
+
+def test_segment_is_private_and_unlinks():
+    name = _name()
+    seg = _C.ShmSegment(name, 4096, True)
+    try:
+        mode = stat.S_IMODE(os.stat(f"/dev/shm{name}").st_mode)
+        assert mode == 0o600, oct(mode)
+        assert _C.shm_exists(name)
+        with pytest.raises(OSError):
+            _C.ShmSegment(name, 4096, True)  # O_EXCL: never reuse a live name
+        peer = _C.ShmSegment(name, 4096, False)
+        seg.store(8, 123)
+        assert peer.load(8) == 123
+        assert seg.unlink() is True
+        assert not _C.shm_exists(name)
+        assert seg.unlink() is False  # idempotent
+        peer.store(16, 7)  # mappings outlive the name
+        assert seg.load(16) == 7
+        peer.close()
+    finally:
+        seg.unlink()
+        seg.close()
+    assert not os.path.exists(f"/dev/shm{name}")
+
+
+def test_atomics_and_bounds():
+    seg = _C.ShmSegment(_name(), 64, True)
+    seg.unlink()
+    assert seg.load(0) == 0
+    assert seg.fetch_add(0, 5) == 0
+    assert seg.fetch_add(0, 2**64 - 1) == 5  # wraps like uint64
+    assert seg.load(0) == 4
+    assert seg.compare_exchange(0, 4, 9) == (True, 4)
+    assert seg.compare_exchange(0, 4, 11) == (False, 9)
+    seg.store(56, 2**64 - 1)
+    assert seg.load(56) == 2**64 - 1
+    with pytest.raises(IndexError, match="outside shm segment"):
+        seg.load(64)
+    with pytest.raises(ValueError, match="not 8-byte aligned"):
+        seg.store(4, 1)
+    with pytest.raises(ValueError, match="unknown comparison"):
+        seg.wait_until(0, "~", 1, 0.1)
+    src = torch.arange(8, dtype=torch.int64)
+    seg.write(0, src.data_ptr(), 64)
+    dst = torch.zeros(8, dtype=torch.int64)
+    seg.read(0, dst.data_ptr(), 64)
+    assert torch.equal(src, dst)
+    with pytest.raises(IndexError):
+        seg.write(8, src.data_ptr(), 64)
+    seg.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        seg.load(0)
+
+
+def test_wait_until_times_out_promptly():
+    seg = _C.ShmSegment(_name(), 8, True)
+    seg.unlink()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"last seen 0"):
+        seg.wait_until(0, ">=", 1, 0.2)
+    assert time.monotonic() - t0 < 5, "a timed wait must end near its timeout"
+    seg.store(0, 3)
+    assert seg.wait_until(0, ">=", 1, 0.0) == 3
+    assert seg.wait_until(0, "==", 3, 1.0) == 3
+
+
+def _ping_pong(rank, world_size, name, rounds):
+    seg = _C.ShmSegment(name, 64, False)
+    other = 1 - rank
+    for i in range(rounds):
+        if rank == 0:
+            seg.store(0, i + 1)  # ping
+            seg.wait_until(8, "==", i + 1, 10.0)  # wait for pong
+        else:
+            seg.wait_until(0, "==", i + 1, 10.0)
+            seg.store(8, i + 1)
+    seg.fetch_add(16, 1 + other)
+    seg.close()
+    return rounds
+
+
+def test_cross_process_signals():
+    name = _name()
+    seg = _C.ShmSegment(name, 64, True)
+    try:
+        assert run_ranks(_ping_pong, 2, name, 200, init_dist=False, timeout=60) == [200, 200]
+        assert seg.load(16) == 3  # both ranks added once
+        assert seg.load(0) == seg.load(8) == 200
+    finally:
+        seg.unlink()
+        seg.close()
