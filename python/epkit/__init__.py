@@ -5,12 +5,21 @@ The op table (every op takes ``backend="auto"``; see ``epkit.backends``):
 Layout and gathers
     gather_rows          out[i] = x[index[i]], zero rows at -1
 
+Topology and experts (control plane)
+    topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups
+    resolve_num_extra_experts, ExpertPlacement       logical / extra / physical / local experts
+    logical_to_physical  logical expert ids -> physical replica ids (own rank first, else round-robin)
+    eplb.rebalance_experts                           EPLB placement from per-expert load
+    lockstep             has_unfinished, PrefillVote, LockstepDriver, placeholder_batch
+    plan.plan            deployment calculator (also ``epkit plan``)
+
 Everything else (topology, experts, CP, Engram, GEMM, dispatch/combine) lands
 family by family; ``epkit info`` lists what this machine can run.
 """
 
-from epkit import backends
+from epkit import backends, eplb, lockstep, topology
 from epkit.backends import BackendUnavailableError, registered_ops
+from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows
 
 __version__ = "0.1.0"
@@ -22,4 +31,11 @@ __all__ = [
     "registered_ops",
     # layout and gathers
     "gather_rows",
+    # topology and experts
+    "topology",
+    "lockstep",
+    "eplb",
+    "ExpertPlacement",
+    "logical_to_physical",
+    "resolve_num_extra_experts",
 ]

@@ -2,6 +2,7 @@
 
 ``epkit info``       versions, devices, which backends and transports run here and why others do not
 ``epkit selfcheck``  runs every op on every backend this machine has against its reference
+``epkit plan``       deployment calculator: experts per rank, bytes, memory, communication, collective ledger
 
 Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are
 one line on stderr, never a traceback.
@@ -200,6 +201,30 @@ def cmd_selfcheck(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_plan(args) -> int:
+    from epkit.plan import format_plan, plan
+
+    p = plan(
+        args.model,
+        dp=args.dp,
+        ep=args.ep,
+        cp=args.cp,
+        enp=args.enp,
+        weight_format=args.weight_format,
+        tokens_per_rank=args.tokens_per_rank,
+        min_num_extra_experts=args.min_extra,
+        link_gbps=args.link_gbps,
+        alpha_us=args.alpha_us,
+        tp=args.tp,
+    )
+    if args.json:
+        json.dump(p.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_plan(p))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epkit", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -210,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--backend", help="only this backend")
     ps.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
     ps.set_defaults(func=cmd_selfcheck)
+    pp = sub.add_parser("plan", help="deployment calculator for DP attention + Wide-EP")
+    pp.add_argument("--model", default="v4.1-flash", help="preset (v4.1-flash, deepseek-v3) or config.json path")
+    pp.add_argument("--dp", type=int, required=True, help="data-parallel size (engines)")
+    pp.add_argument("--ep", type=int, help="expert-parallel size (default: world size)")
+    pp.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    pp.add_argument("--enp", type=int, help="Engram-parallel size (default dp*cp)")
+    pp.add_argument("--weight-format", default="fp4", choices=["fp4", "fp8", "bf16"], help="expert weights")
+    pp.add_argument("--tokens-per-rank", type=int, default=128, help="decode tokens per rank per step")
+    pp.add_argument("--min-extra", type=int, default=1, help="minimum redundant experts (default 1)")
+    pp.add_argument("--link-gbps", type=float, default=450.0, help="link bandwidth, GB/s (default 450: NVLink)")
+    pp.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency, us (default 10)")
+    pp.add_argument("--tp", type=int, help="TP degree for the comparison (default 8)")
+    pp.add_argument("--json", action="store_true", help="machine-readable output")
+    pp.set_defaults(func=cmd_plan)
     return p
 
 
