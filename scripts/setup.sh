@@ -4,7 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS=${EPKIT_EXTRAS:-cpu,kernels,dev}
+if [ -z "${EPKIT_EXTRAS:-}" ]; then
+    EXTRAS=cpu,kernels,dev
+    # With nvcc present, also take the NVSHMEM wheel so csrc/cuda compiles and links for sm_90 (rung 3).
+    if command -v nvcc >/dev/null 2>&1; then
+        case "$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')" in
+            12) EXTRAS=$EXTRAS,cuda12 ;;
+            13) EXTRAS=$EXTRAS,cuda13 ;;
+        esac
+    fi
+else
+    EXTRAS=$EPKIT_EXTRAS
+fi
 if [ ! -x .venv/bin/python ]; then
     echo "epkit setup: creating .venv with $($PY --version)"
     "$PY" -m venv .venv

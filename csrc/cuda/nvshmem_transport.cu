@@ -1,0 +1,197 @@
+// epkit._C_cuda: the host and device side of the `nvshmem` transport.
+//
+// Bootstrap: rank 0 calls get_unique_id(), the bytes travel over
+// torch.distributed, every rank calls init(uid, rank, world_size).
+// Memory: symmetric allocations (malloc/free), peer pointers (nvshmem_ptr) for
+// ranks in the same NVLink domain.
+// One-sided ops, launched on a caller-given CUDA stream so they order with the
+// caller's kernels: put_signal (putmem + 64-bit signal, SET or ADD) and
+// signal_wait (device-side wait on a local signal word).
+//
+// Built by setup.py with nvcc -rdc=true for sm_90 and device-linked against
+// libnvshmem_device.a from the nvidia-nvshmem wheel.
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+void check_cuda(cudaError_t err, const char *what) {
+    if (err != cudaSuccess) {
+        throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+    }
+}
+
+bool g_initialized = false;
+
+void require_init(const char *what) {
+    if (!g_initialized) throw std::runtime_error(std::string(what) + ": call init() first");
+}
+
+int parse_cmp(const std::string &s) {
+    if (s == "==" || s == "eq") return NVSHMEM_CMP_EQ;
+    if (s == "!=" || s == "ne") return NVSHMEM_CMP_NE;
+    if (s == ">=" || s == "ge") return NVSHMEM_CMP_GE;
+    if (s == ">" || s == "gt") return NVSHMEM_CMP_GT;
+    if (s == "<=" || s == "le") return NVSHMEM_CMP_LE;
+    if (s == "<" || s == "lt") return NVSHMEM_CMP_LT;
+    throw std::invalid_argument("unknown comparison '" + s + "': use one of == != >= > <= <");
+}
+
+int parse_signal_op(const std::string &s) {
+    if (s == "set") return NVSHMEM_SIGNAL_SET;
+    if (s == "add") return NVSHMEM_SIGNAL_ADD;
+    throw std::invalid_argument("unknown signal op '" + s + "': use 'set' or 'add'");
+}
+
+// One block copies `nbytes` to `pe` and then updates the signal word there; the
+// signal is visible only after the data (put-with-signal ordering).
+__global__ void put_signal_kernel(void *dst, const void *src, size_t nbytes, uint64_t *sig, uint64_t value,
+                                  int sig_op, int pe) {
+    nvshmemx_putmem_signal_block(dst, src, nbytes, sig, value, sig_op, pe);
+}
+
+__device__ bool compare(uint64_t v, int cmp, uint64_t target) {
+    switch (cmp) {
+        case NVSHMEM_CMP_EQ: return v == target;
+        case NVSHMEM_CMP_NE: return v != target;
+        case NVSHMEM_CMP_GE: return v >= target;
+        case NVSHMEM_CMP_GT: return v > target;
+        case NVSHMEM_CMP_LE: return v <= target;
+        case NVSHMEM_CMP_LT: return v < target;
+    }
+    return false;
+}
+
+// Polls the local signal word until the condition holds or `timeout_ns` passes
+// (globaltimer), so a dead peer cannot hang the stream forever. result[0] gets
+// the last value seen, result[1] = 1 on timeout (the host checks it).
+__global__ void signal_wait_kernel(uint64_t *sig, int cmp, uint64_t value, uint64_t timeout_ns, uint64_t *result) {
+    if (threadIdx.x != 0) return;
+    uint64_t start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    uint64_t v = nvshmem_signal_fetch(sig);
+    while (!compare(v, cmp, value)) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > timeout_ns) {
+            result[0] = v;
+            result[1] = 1;
+            return;
+        }
+        __nanosleep(100);
+        v = nvshmem_signal_fetch(sig);
+    }
+    result[0] = v;
+    result[1] = 0;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C_cuda, m) {
+    m.doc() = "epkit NVSHMEM transport: bootstrap, symmetric memory, put-with-signal and signal waits";
+
+    m.def("unique_id_size", []() { return sizeof(nvshmemx_uniqueid_t); });
+    m.def("get_unique_id", []() {
+        nvshmemx_uniqueid_t uid;
+        if (nvshmemx_get_uniqueid(&uid) != 0) throw std::runtime_error("nvshmemx_get_uniqueid failed");
+        return py::bytes(reinterpret_cast<const char *>(&uid), sizeof(uid));
+    }, "Rank 0: a fresh NVSHMEM unique id to broadcast to every rank.");
+    m.def(
+        "init",
+        [](py::bytes uid_bytes, int rank, int world_size) {
+            std::string raw = uid_bytes;
+            if (raw.size() != sizeof(nvshmemx_uniqueid_t)) {
+                throw std::invalid_argument("unique id has " + std::to_string(raw.size()) + " bytes, expected " +
+                                            std::to_string(sizeof(nvshmemx_uniqueid_t)));
+            }
+            if (rank < 0 || rank >= world_size) {
+                throw std::invalid_argument("rank " + std::to_string(rank) + " outside [0, " +
+                                            std::to_string(world_size) + ")");
+            }
+            nvshmemx_uniqueid_t uid;
+            std::memcpy(&uid, raw.data(), sizeof(uid));
+            nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+            if (nvshmemx_set_attr_uniqueid_args(rank, world_size, &uid, &attr) != 0) {
+                throw std::runtime_error("nvshmemx_set_attr_uniqueid_args failed");
+            }
+            if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
+                throw std::runtime_error("nvshmemx_init_attr failed");
+            }
+            g_initialized = true;
+        },
+        py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), "Join the NVSHMEM job (collective).");
+    m.def("finalize", []() {
+        if (g_initialized) {
+            nvshmem_finalize();
+            g_initialized = false;
+        }
+    });
+    m.def("initialized", []() { return g_initialized; });
+    m.def("my_pe", []() { require_init("my_pe"); return nvshmem_my_pe(); });
+    m.def("n_pes", []() { require_init("n_pes"); return nvshmem_n_pes(); });
+    m.def(
+        "malloc",
+        [](size_t nbytes) {
+            require_init("malloc");
+            void *p = nvshmem_malloc(nbytes);
+            if (p == nullptr && nbytes > 0) {
+                throw std::runtime_error("nvshmem_malloc(" + std::to_string(nbytes) + ") failed");
+            }
+            if (p != nullptr) check_cuda(cudaMemset(p, 0, nbytes), "zeroing symmetric memory");
+            return reinterpret_cast<uintptr_t>(p);
+        },
+        py::arg("nbytes"), "Collective symmetric allocation, zero-filled; returns the device address.");
+    m.def("free", [](uintptr_t ptr) {
+        require_init("free");
+        nvshmem_free(reinterpret_cast<void *>(ptr));
+    });
+    m.def(
+        "peer_ptr",
+        [](uintptr_t ptr, int pe) {
+            require_init("peer_ptr");
+            return reinterpret_cast<uintptr_t>(nvshmem_ptr(reinterpret_cast<void *>(ptr), pe));
+        },
+        py::arg("ptr"), py::arg("pe"), "Address of `ptr` on `pe` if directly addressable (NVLink), else 0.");
+    m.def("barrier_all", []() {
+        require_init("barrier_all");
+        nvshmem_barrier_all();
+    });
+    m.def(
+        "put_signal",
+        [](uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t sig, uint64_t value, const std::string &op, int pe,
+           uintptr_t stream) {
+            require_init("put_signal");
+            int sig_op = parse_signal_op(op);
+            put_signal_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+                reinterpret_cast<void *>(dst), reinterpret_cast<const void *>(src), nbytes,
+                reinterpret_cast<uint64_t *>(sig), value, sig_op, pe);
+            check_cuda(cudaGetLastError(), "put_signal launch");
+        },
+        py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("sig"), py::arg("value"), py::arg("op"),
+        py::arg("pe"), py::arg("stream"),
+        "On `stream`: copy nbytes to symmetric `dst` on `pe`, then set/add `value` to its signal word `sig`.");
+    m.def(
+        "signal_wait",
+        [](uintptr_t sig, const std::string &cmp, uint64_t value, double timeout_s, uintptr_t result,
+           uintptr_t stream) {
+            require_init("signal_wait");
+            int c = parse_cmp(cmp);
+            if (result == 0) throw std::invalid_argument("signal_wait needs a 2-word device result buffer");
+            uint64_t timeout_ns = static_cast<uint64_t>((timeout_s < 0 ? 0 : timeout_s) * 1e9);
+            signal_wait_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+                reinterpret_cast<uint64_t *>(sig), c, value, timeout_ns, reinterpret_cast<uint64_t *>(result));
+            check_cuda(cudaGetLastError(), "signal_wait launch");
+        },
+        py::arg("sig"), py::arg("cmp"), py::arg("value"), py::arg("timeout"), py::arg("result"), py::arg("stream"),
+        "On `stream`: wait until the local signal word satisfies `cmp value` or `timeout` s pass; "
+        "result (2 device uint64) gets [last value, timed_out].");
+}
