@@ -52,11 +52,11 @@ def _cuda_wanted() -> tuple[bool, str]:
     nvshmem = _find_nvshmem()
     if flag in ("0", "off", "false", "no"):
         return False, "EPKIT_CUDA=0"
-    missing = [what for what, ok in (("nvcc", nvcc), ("an nvidia-nvshmem wheel", nvshmem)) if not ok]
+    missing = [what for what, ok in (("nvcc", nvcc), ("nvidia-nvshmem wheel", nvshmem)) if not ok]
     if flag in ("1", "on", "true", "yes"):
         if missing:
             raise RuntimeError(
-                f"EPKIT_CUDA=1 but {' and '.join(missing)} not found; "
+                f"EPKIT_CUDA=1 but no {' and no '.join(missing)} found; "
                 "install CUDA and `pip install -e .[cuda12]` (or cuda13)"
             )
         return True, "EPKIT_CUDA=1"

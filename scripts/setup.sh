@@ -29,4 +29,11 @@ echo "epkit setup: installing epkit[$EXTRAS] (pinned; CPU torch 2.13.0)"
 # Build requirements first, so the editable build can run without isolation (no network needed for it).
 .venv/bin/python -m pip install -q --disable-pip-version-check "setuptools==84.2.1" "pybind11==3.1.0" wheel
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[$EXTRAS]"
+# The NVSHMEM wheel arrives with the extras, after setup.py looked for it: build again to compile csrc/cuda.
+case ",$EXTRAS," in *,cuda1[23],*)
+    if ! .venv/bin/python -c "import epkit._C_cuda" 2>/dev/null; then
+        echo "epkit setup: building the CUDA/NVSHMEM extension (csrc/cuda, sm_90)"
+        .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+    fi ;;
+esac
 echo "$want" > "$stamp"

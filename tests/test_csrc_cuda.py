@@ -69,7 +69,7 @@ def test_setup_cuda_switch_is_respected():
     assert "(False, 'EPKIT_CUDA=0')" in res.stdout
     # A PATH without nvcc: EPKIT_CUDA=1 must fail loudly, auto must quietly skip.
     env["PATH"] = os.path.dirname(sys.executable)
-    for flag, want in (("1", "EPKIT_CUDA=1 but nvcc"), ("auto", "(False, 'auto: no nvcc")):
+    for flag, want in (("1", "EPKIT_CUDA=1 but no nvcc"), ("auto", "(False, 'auto: no nvcc")):
         env["EPKIT_CUDA"] = flag
         res = subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120

@@ -1,0 +1,1 @@
+"""Collectives of epkit (package ``epkit.collectives``): CP communication, symmetric memory, dispatch/combine."""
