@@ -5,6 +5,11 @@ The op table (every op takes ``backend="auto"``; see ``epkit.backends``):
 Layout and gathers
     gather_rows          out[i] = x[index[i]], zero rows at -1
 
+Context parallelism
+    prepare_cp_mirror    zigzag CP indices: mirror index, reverse index, ks/ke per compression ratio
+    to_mirror / from_mirror                          rows into / out of the mirror layout
+    collectives.cp.CPGroup                           async CP all-gather, driver broadcasts
+
 Topology and experts (control plane)
     topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups
     resolve_num_extra_experts, ExpertPlacement       logical / extra / physical / local experts
@@ -19,6 +24,7 @@ family by family; ``epkit info`` lists what this machine can run.
 
 from epkit import backends, eplb, lockstep, topology
 from epkit.backends import BackendUnavailableError, registered_ops
+from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
 from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows
 
@@ -31,6 +37,11 @@ __all__ = [
     "registered_ops",
     # layout and gathers
     "gather_rows",
+    # context parallelism
+    "CPMirror",
+    "prepare_cp_mirror",
+    "to_mirror",
+    "from_mirror",
     # topology and experts
     "topology",
     "lockstep",
