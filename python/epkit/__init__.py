@@ -10,6 +10,10 @@ Context parallelism
     to_mirror / from_mirror                          rows into / out of the mirror layout
     collectives.cp.CPGroup                           async CP all-gather, driver broadcasts
 
+Engram
+    engram_hash          n-gram hash -> table rows (public demo ABI): XOR of id*multiplier, mod prime, + offset
+    engram.hash_tokens / engram.hash_params / engram.EngramLayer
+
 Topology and experts (control plane)
     topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups
     resolve_num_extra_experts, ExpertPlacement       logical / extra / physical / local experts
@@ -25,6 +29,7 @@ family by family; ``epkit info`` lists what this machine can run.
 from epkit import backends, eplb, lockstep, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
+from epkit.engram import EngramConfig, EngramLayer, engram_hash, hash_params, hash_tokens
 from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows
 
@@ -42,6 +47,12 @@ __all__ = [
     "prepare_cp_mirror",
     "to_mirror",
     "from_mirror",
+    # engram
+    "EngramConfig",
+    "EngramLayer",
+    "engram_hash",
+    "hash_params",
+    "hash_tokens",
     # topology and experts
     "topology",
     "lockstep",

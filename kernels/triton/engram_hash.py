@@ -1,0 +1,121 @@
+"""Triton Engram n-gram hash: ``out[l, t, h] = (XOR_{k' <= k} ids[t, k'] * mult[l, k']) mod vocab[l, h] + off[l, h]``.
+
+Head ``h`` belongs to order ``k = h // K + 1``. The modulo is numpy's floor-mod
+of a wrapped int64 by ``2 <= d < 2**31`` without integer division: two
+``q = trunc(x * (1/d))`` steps in float64 and exact corrections (the same
+scheme as the TileLang kernel; see ``epkit.kernels.tilelang.engram_hash``), so
+the result is bit-exact whatever the float rounding. One program handles
+``BLOCK_T`` tokens of one layer. Run ``python -m epkit.kernels.triton.engram_hash``
+to check it against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from epkit.kernels.triton._launch import for_device
+
+
+@triton.jit
+def _engram_hash_kernel(
+    ids_ptr,
+    mult_ptr,
+    vocab_ptr,
+    inv_ptr,
+    off_ptr,
+    out_ptr,
+    num_tokens,
+    NGRAM: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    layer = tl.program_id(1)
+    num_heads: tl.constexpr = (NGRAM - 1) * HEADS
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    tok64 = tok.to(tl.int64)
+    j = tl.arange(0, BLOCK_K)
+    j_ok = j < HEADS
+    store_mask = tok_ok[:, None] & j_ok[None, :]
+    mix = tl.load(ids_ptr + tok64 * NGRAM, mask=tok_ok, other=0).to(tl.int64) * tl.load(mult_ptr + layer * NGRAM)
+    out_row = out_ptr + (layer.to(tl.int64) * num_tokens + tok64) * num_heads
+    for k in tl.static_range(1, NGRAM):
+        ids_k = tl.load(ids_ptr + tok64 * NGRAM + k, mask=tok_ok, other=0).to(tl.int64)
+        mix = mix ^ (ids_k * tl.load(mult_ptr + layer * NGRAM + k))
+        h = (k - 1) * HEADS + j
+        d = tl.load(vocab_ptr + layer * num_heads + h, mask=j_ok, other=2)
+        inv_d = tl.load(inv_ptr + layer * num_heads + h, mask=j_ok, other=0.5)
+        off = tl.load(off_ptr + layer * num_heads + h, mask=j_ok, other=0)
+        # floor-mod without division (inlined: the interpreter twin cannot call nested jit functions)
+        x = tl.broadcast_to(mix[:, None], (BLOCK_T, BLOCK_K))
+        dd = tl.broadcast_to(d[None, :], (BLOCK_T, BLOCK_K))
+        r = x - (x.to(tl.float64) * inv_d[None, :]).to(tl.int64) * dd
+        r = r - (r.to(tl.float64) * inv_d[None, :]).to(tl.int64) * dd
+        r = tl.where(r < 0, r + dd, r)
+        r = tl.where(r < 0, r + dd, r)
+        r = tl.where(r >= dd, r - dd, r)
+        tl.store(out_row[:, None] + h[None, :], (r + off[None, :]).to(tl.int32), mask=store_mask)
+
+
+BLOCK_T = 128
+
+
+def engram_hash_tokens(
+    ids: torch.Tensor,
+    mult: torch.Tensor,
+    vocab: torch.Tensor,
+    inv: torch.Tensor,
+    off: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Launch on validated, contiguous tensors: ``ids [T, N] int32``, ``mult [L, N] int64``,
+    ``vocab / off [L, H] int64``, ``inv [L, H] float64``, ``out [L, T, H] int32``."""
+    num_layers, num_tokens, num_heads = out.shape
+    ngram = ids.shape[1]
+    if num_tokens == 0 or num_layers == 0 or num_heads == 0:
+        return
+    heads = num_heads // (ngram - 1)
+    grid = (triton.cdiv(num_tokens, BLOCK_T), num_layers)
+    kernel = for_device(_engram_hash_kernel, ids.device)
+    kernel[grid](
+        ids,
+        mult,
+        vocab,
+        inv,
+        off,
+        out,
+        num_tokens,
+        NGRAM=ngram,
+        HEADS=heads,
+        BLOCK_T=BLOCK_T,
+        BLOCK_K=triton.next_power_of_2(heads),
+    )
+
+
+def compile_signature(ngram: int = 3, heads: int = 8):
+    """(kernel, signature, constexprs) for an ahead-of-time compile (see epkit.testing.compile_triton)."""
+    sig = {
+        "ids_ptr": "*i32",
+        "mult_ptr": "*i64",
+        "vocab_ptr": "*i64",
+        "inv_ptr": "*fp64",
+        "off_ptr": "*i64",
+        "out_ptr": "*i32",
+        "num_tokens": "i32",
+        "NGRAM": "constexpr",
+        "HEADS": "constexpr",
+        "BLOCK_T": "constexpr",
+        "BLOCK_K": "constexpr",
+    }
+    consts = {"NGRAM": ngram, "HEADS": heads, "BLOCK_T": BLOCK_T, "BLOCK_K": triton.next_power_of_2(heads)}
+    return _engram_hash_kernel, sig, consts
+
+
+if __name__ == "__main__":
+    from epkit.engram import _bench_main
+
+    _bench_main("triton")

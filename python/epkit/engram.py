@@ -1,0 +1,732 @@
+"""Engram: hashed n-gram embeddings (hash ABI of DeepSeek's public Engram demo) and the gated Engram layer.
+
+An Engram layer looks up, for every token, ``(N-1) * K`` rows of a large
+embedding table: for each n-gram order ``n = 2..N`` and each of ``K`` heads, the
+row is a multiplicative-XOR hash of the last ``n`` (compressed) token ids
+modulo a per-head prime, plus the head's offset in the table. Hashes depend on
+token ids only, so the lookup can start before the model's layers run.
+
+Hash ABI (``hash_params``), per the public demo ``engram_demo_v1.py``:
+
+* ``half_bound = max(1, (INT64_MAX // vocab_size) // 2)``; per layer,
+  ``r = numpy.random.default_rng(seed + 10007 * layer_id).integers(0, half_bound, N, dtype=int64)``
+  and ``multipliers = 2 * r + 1``;
+* head table sizes are distinct primes: layers in order, orders ``n = 2..N``
+  in order, the search starts at ``ngram_vocab_sizes[n-2] - 1`` and each head
+  takes the next prime strictly above the start that no earlier head of any
+  layer took; the start moves to that prime;
+* offsets are the exclusive prefix sum of a layer's head sizes (order 2 first).
+
+``engram_hash`` (the op, interface of TileKernels' ``engram_hash``)::
+
+    h[l, t, k]  = XOR_{k' <= k} ids[t, k'] * multipliers[l, k']      (int64, wrapping)
+    out[l, t, (k-1)*K + j] = h[l, t, k] mod vocab_sizes[l, k-1, j] + offsets[l, (k-1)*K + j]
+
+for ``k >= 1``, where column ``k`` of ``ids`` is the token at ``t - k`` and
+``mod`` is numpy's int64 ``%`` (floor-mod: the result is in ``[0, d)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epkit.backends import OpSpec, register_op, select
+
+__all__ = [
+    "EngramConfig",
+    "hash_params",
+    "engram_hash",
+    "engram_hash_reference",
+    "hash_tokens",
+    "EngramLayer",
+    "DEMO_NGRAM_VOCAB_SIZE",
+]
+
+INT64_MAX = int(np.iinfo(np.int64).max)
+INT32_MAX = int(np.iinfo(np.int32).max)
+#: The demo's default table size per n-gram order: 5 x DeepSeek-V3's 129,280-token vocabulary.
+DEMO_NGRAM_VOCAB_SIZE = 129280 * 5
+_LAYER_SEED_STRIDE = 10007
+
+
+# Primes
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin (exact for n < 3.3e24)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        s += 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _next_unused_prime(start: int, taken: set[int]) -> int:
+    cand = start + 1
+    while not (_is_prime(cand) and cand not in taken):
+        cand += 1
+    return cand
+
+
+# Configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class EngramConfig:
+    """Engram hashing configuration (field names and defaults of the public demo).
+
+    Parameters
+    ----------
+    vocab_size : int
+        Size of the (optionally compressed) token vocabulary the hash sees; ids
+        fed to the hash are in ``[0, vocab_size)``.
+    max_ngram_size : int
+        ``N``: orders ``2..N`` are hashed. Default 3.
+    n_head_per_ngram : int
+        ``K``: hash heads per order. Default 8.
+    n_embed_per_ngram : int
+        Embedding width per order; each head row has ``n_embed_per_ngram // K`` values. Default 512.
+    layer_ids : tuple of int
+        Model layers that hold an Engram layer, in order. Default ``(1, 15)``.
+    pad_id : int
+        Token id (raw, before the lookup table) for positions before a sequence start. Default 2.
+    seed : int
+        Base seed of the multipliers. Default 0.
+    ngram_vocab_sizes : tuple of int, optional
+        Target table size per order (``N - 1`` values, the prime search starts
+        just below each). Default: the demo's ``DEMO_NGRAM_VOCAB_SIZE``
+        (``129280 * 5``) for every order.
+    """
+
+    vocab_size: int
+    max_ngram_size: int = 3
+    n_head_per_ngram: int = 8
+    n_embed_per_ngram: int = 512
+    layer_ids: tuple[int, ...] = (1, 15)
+    pad_id: int = 2
+    seed: int = 0
+    ngram_vocab_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        def bad(name, value, want):
+            raise ValueError(f"EngramConfig.{name} = {value!r}: expected {want}")
+
+        for name in ("vocab_size", "max_ngram_size", "n_head_per_ngram", "n_embed_per_ngram", "pad_id", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                bad(name, v, "an int")
+        if self.vocab_size < 1:
+            bad("vocab_size", self.vocab_size, ">= 1")
+        if self.max_ngram_size < 2:
+            bad("max_ngram_size", self.max_ngram_size, ">= 2 (orders 2..N are hashed)")
+        if self.n_head_per_ngram < 1:
+            bad("n_head_per_ngram", self.n_head_per_ngram, ">= 1")
+        if self.n_embed_per_ngram < 1 or self.n_embed_per_ngram % self.n_head_per_ngram:
+            bad(
+                "n_embed_per_ngram",
+                self.n_embed_per_ngram,
+                f"a positive multiple of n_head_per_ngram ({self.n_head_per_ngram})",
+            )
+        if self.pad_id < 0:
+            bad("pad_id", self.pad_id, ">= 0")
+        ids = tuple(int(i) for i in self.layer_ids)
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+            bad("layer_ids", self.layer_ids, "a non-empty sequence of distinct non-negative ints")
+        object.__setattr__(self, "layer_ids", ids)
+        sizes = self.ngram_vocab_sizes
+        if sizes is None:
+            sizes = (DEMO_NGRAM_VOCAB_SIZE,) * (self.max_ngram_size - 1)
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) != self.max_ngram_size - 1 or min(sizes) < 2:
+            bad("ngram_vocab_sizes", self.ngram_vocab_sizes, f"{self.max_ngram_size - 1} ints >= 2 (one per order)")
+        object.__setattr__(self, "ngram_vocab_sizes", sizes)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def num_heads(self) -> int:
+        """``(N - 1) * K``: table rows looked up per token and layer."""
+        return (self.max_ngram_size - 1) * self.n_head_per_ngram
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embed_per_ngram // self.n_head_per_ngram
+
+
+@functools.cache
+def _hash_params_np(config: EngramConfig):
+    n, k = config.max_ngram_size, config.n_head_per_ngram
+    half_bound = max(1, (INT64_MAX // config.vocab_size) // 2)
+    mult = np.empty((config.num_layers, n), dtype=np.int64)
+    for li, layer_id in enumerate(config.layer_ids):
+        rng = np.random.default_rng(config.seed + _LAYER_SEED_STRIDE * layer_id)
+        mult[li] = rng.integers(0, half_bound, n, dtype=np.int64) * 2 + 1
+    taken: set[int] = set()
+    vocab = np.empty((config.num_layers, n - 1, k), dtype=np.int64)
+    for li in range(config.num_layers):
+        for order in range(2, n + 1):
+            start = config.ngram_vocab_sizes[order - 2] - 1
+            for j in range(k):
+                start = _next_unused_prime(start, taken)
+                taken.add(start)
+                vocab[li, order - 2, j] = start
+    flat = vocab.reshape(config.num_layers, -1)
+    totals = flat.sum(axis=1)
+    if int(totals.max()) > INT32_MAX + 1:
+        li = int(totals.argmax())
+        raise ValueError(
+            f"Engram layer {config.layer_ids[li]} has {int(totals[li])} table rows, which overflows int32 row ids "
+            f"(at most {INT32_MAX + 1}); lower ngram_vocab_sizes {config.ngram_vocab_sizes} or n_head_per_ngram"
+        )
+    offsets = np.cumsum(flat, axis=1) - flat
+    return mult, vocab.astype(np.int32), offsets.astype(np.int32)
+
+
+def hash_params(config: EngramConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multipliers, per-head prime table sizes and row offsets of every Engram layer (the demo's ABI).
+
+    Parameters
+    ----------
+    config : EngramConfig
+
+    Returns
+    -------
+    multipliers : Tensor [L, N] int64
+        Odd, per layer: ``2 * default_rng(seed + 10007 * layer_id).integers(0, half_bound, N) + 1``.
+    vocab_sizes : Tensor [L, N-1, K] int32
+        Distinct primes across all heads and layers (see the module docstring).
+    offsets : Tensor [L, (N-1)*K] int32
+        Exclusive prefix sum of each layer's head sizes (order 2 first).
+
+    Raises
+    ------
+    ValueError
+        A layer's total rows overflow int32 row ids.
+    """
+    mult, vocab, off = _hash_params_np(config)
+    return torch.from_numpy(mult.copy()), torch.from_numpy(vocab.copy()), torch.from_numpy(off.copy())
+
+
+# Reference
+
+
+def engram_hash_reference(
+    ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Readable specification in numpy int64 (wrapping products, floor-mod), one head at a time."""
+    ids = ngram_token_ids.cpu().numpy().astype(np.int64)
+    mult = multipliers.cpu().numpy()
+    vocab = vocab_sizes.cpu().numpy().astype(np.int64)
+    off = offsets.cpu().numpy().astype(np.int64)
+    num_layers, orders, heads = vocab.shape
+    out = np.empty((num_layers, ids.shape[0], orders * heads), dtype=np.int32)
+    for layer in range(num_layers):
+        mix = ids[:, 0] * mult[layer, 0]
+        for k in range(1, orders + 1):
+            mix = np.bitwise_xor(mix, ids[:, k] * mult[layer, k])
+            for j in range(heads):
+                col = (k - 1) * heads + j
+                out[layer, :, col] = mix % vocab[layer, k - 1, j] + off[layer, col]
+    return torch.from_numpy(out).to(ngram_token_ids.device)
+
+
+# Implementation
+
+
+def _validate_hash_args(ids, mult, vocab, off, out) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int32 or ids.shape[1] < 2:
+        raise ValueError(
+            f"ngram_token_ids must be an int32 tensor [T, N] with N >= 2, got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}"
+        )
+    n = ids.shape[1]
+    if not isinstance(mult, torch.Tensor) or mult.dtype != torch.int64 or mult.dim() != 2 or mult.shape[1] != n:
+        raise ValueError(
+            f"multipliers must be int64 [L, {n}], got "
+            f"{getattr(mult, 'dtype', None)} {tuple(getattr(mult, 'shape', ()))}"
+        )
+    num_layers = mult.shape[0]
+    if (
+        not isinstance(vocab, torch.Tensor)
+        or vocab.dtype != torch.int32
+        or vocab.dim() != 3
+        or tuple(vocab.shape[:2]) != (num_layers, n - 1)
+        or vocab.shape[2] < 1
+    ):
+        raise ValueError(
+            f"vocab_sizes must be int32 [{num_layers}, {n - 1}, K>=1], got "
+            f"{getattr(vocab, 'dtype', None)} {tuple(getattr(vocab, 'shape', ()))}"
+        )
+    num_heads = (n - 1) * vocab.shape[2]
+    if not isinstance(off, torch.Tensor) or off.dtype != torch.int32 or tuple(off.shape) != (num_layers, num_heads):
+        raise ValueError(
+            f"offsets must be int32 [{num_layers}, {num_heads}], got "
+            f"{getattr(off, 'dtype', None)} {tuple(getattr(off, 'shape', ()))}"
+        )
+    for name, t in (("multipliers", mult), ("vocab_sizes", vocab), ("offsets", off)):
+        if t.device != ids.device:
+            raise ValueError(f"{name} is on {t.device} but ngram_token_ids is on {ids.device}")
+    sizes = vocab.reshape(-1).tolist()
+    seen: dict[int, int] = {}
+    for i, d in enumerate(sizes):
+        if not _is_prime(d):
+            raise ValueError(f"vocab_sizes.flatten()[{i}] = {d} is not a prime (head table sizes must be primes)")
+        if d in seen:
+            raise ValueError(
+                f"vocab_sizes.flatten()[{i}] = {d} repeats vocab_sizes.flatten()[{seen[d]}] "
+                "(head sizes must be distinct)"
+            )
+        seen[d] = i
+    last = off.to(torch.int64) + vocab.reshape(num_layers, num_heads).to(torch.int64)
+    if num_layers and num_heads:
+        if int(off.min()) < 0:
+            i = int((off.reshape(-1) < 0).nonzero()[0])
+            raise ValueError(f"offsets.flatten()[{i}] = {int(off.reshape(-1)[i])} is negative")
+        if int(last.max()) > INT32_MAX + 1:
+            i = int(last.reshape(-1).argmax())
+            raise ValueError(
+                f"offsets.flatten()[{i}] + vocab size = {int(last.reshape(-1)[i])} rows overflows int32 row ids "
+                f"(at most {INT32_MAX + 1})"
+            )
+    if out is not None:
+        want = (num_layers, ids.shape[0], num_heads)
+        if tuple(out.shape) != want or out.dtype != torch.int32 or out.device != ids.device or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous int32 tensor {want} on {ids.device}, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}"
+            )
+
+
+def _engram_hash_cpu(ids, mult, vocab, off, out, chunk: int = 1 << 16) -> None:
+    """Vectorised torch: int64 wraps, ``torch.remainder`` is floor-mod like numpy's ``%``."""
+    num_layers, orders, heads = vocab.shape
+    d = vocab.to(torch.int64)
+    o = off.to(torch.int64).view(num_layers, orders, heads)
+    for s in range(0, ids.shape[0], chunk):
+        x = ids[s : s + chunk].to(torch.int64)
+        for layer in range(num_layers):
+            mix = x[:, 0] * mult[layer, 0]
+            for k in range(1, orders + 1):
+                mix = mix ^ (x[:, k] * mult[layer, k])
+                r = torch.remainder(mix[:, None], d[layer, k - 1][None, :]).add_(o[layer, k - 1][None, :])
+                out[layer, s : s + chunk, (k - 1) * heads : k * heads] = r
+
+
+def engram_hash(
+    ngram_token_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Table row of every (layer, token, order, head): multiplicative-XOR n-gram hash mod a prime, plus offset.
+
+    Parameters
+    ----------
+    ngram_token_ids : Tensor [T, N], int32
+        Column ``k`` is the (compressed) token at ``t - k``, the pad id before a sequence start
+        (see :func:`hash_tokens`).
+    multipliers : Tensor [L, N], int64
+    vocab_sizes : Tensor [L, N-1, K], int32
+        Per-head table sizes: distinct primes (checked).
+    offsets : Tensor [L, (N-1)*K], int32
+        First row of each head's table; ``offsets + vocab_sizes`` must not exceed ``2**31`` (checked).
+    out : Tensor [L, T, (N-1)*K], int32, optional
+        Preallocated contiguous output.
+    backend : str
+        ``"auto"`` (default), ``"tilelang"``, ``"cpu"``, ``"triton"`` or ``"reference"``.
+
+    Returns
+    -------
+    Tensor [L, T, (N-1)*K], int32
+        ``out[l, t, (k-1)*K + j] = (XOR_{k'<=k} ids[t, k'] * multipliers[l, k']) mod vocab_sizes[l, k-1, j]
+        + offsets[l, (k-1)*K + j]`` with int64 wrapping products and floor-mod (numpy's ``%``).
+
+    Examples
+    --------
+    >>> cfg = EngramConfig(vocab_size=1000, ngram_vocab_sizes=(5000, 7000), n_head_per_ngram=2, layer_ids=(0,))
+    >>> ids = torch.tensor([[5, 2, 2], [9, 5, 2]], dtype=torch.int32)
+    >>> engram_hash(ids, *hash_params(cfg)).shape
+    torch.Size([1, 2, 4])
+    """
+    _validate_hash_args(ngram_token_ids, multipliers, vocab_sizes, offsets, out)
+    impl = select("engram_hash", ngram_token_ids.device, backend)
+    num_layers, orders, heads = vocab_sizes.shape
+    if impl == "reference":
+        res = engram_hash_reference(ngram_token_ids, multipliers, vocab_sizes, offsets)
+        return res if out is None else out.copy_(res)
+    if out is None:
+        out = torch.empty(
+            (num_layers, ngram_token_ids.shape[0], orders * heads), dtype=torch.int32, device=ngram_token_ids.device
+        )
+    if out.numel() == 0:
+        return out
+    ids = ngram_token_ids.contiguous()
+    if impl == "cpu":
+        _engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out)
+        return out
+    vocab64 = vocab_sizes.reshape(num_layers, -1).to(torch.int64).contiguous()
+    inv = 1.0 / vocab64.to(torch.float64)
+    off64 = offsets.to(torch.int64).contiguous()
+    if impl == "triton":
+        from epkit.kernels.triton.engram_hash import engram_hash_tokens
+    else:
+        from epkit.kernels.tilelang.engram_hash import engram_hash_tokens
+    engram_hash_tokens(ids, multipliers.contiguous(), vocab64, inv, off64, out)
+    return out
+
+
+# Token ids -> n-gram ids
+
+
+def _check_ids(name: str, t: torch.Tensor, upper: int, what: str) -> None:
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= upper:
+        bad = lo if lo < 0 else hi
+        pos = int((t.reshape(-1) == bad).nonzero()[0])
+        raise ValueError(f"{name}[{pos}] = {bad} is outside [0, {upper}) ({what})")
+
+
+def hash_tokens(
+    token_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: EngramConfig,
+    lookup_table: torch.Tensor | None = None,
+    prefix_tokens: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Engram table rows for a packed (varlen) batch of token ids, every layer of ``config``.
+
+    Parameters
+    ----------
+    token_ids : Tensor [T], int32
+        Raw token ids of ``B`` sequences packed back to back.
+    cu_seqlens : Tensor [B+1], int32 or int64
+        Sequence boundaries: ``0 = cu[0] <= cu[1] <= ... <= cu[B] = T``. N-grams never
+        cross a boundary: positions before a sequence start take the pad id.
+    config : EngramConfig
+    lookup_table : Tensor [V_raw], int32, optional
+        Tokenizer compression: raw id -> compressed id in ``[0, config.vocab_size)``.
+        ``V_raw`` (the raw vocabulary) must be at least ``config.vocab_size`` and above
+        ``config.pad_id``; the pad id is mapped through it too. Without it, ids are
+        used as they are and must be below ``config.vocab_size``.
+    prefix_tokens : Tensor [P], int32, optional, ``P <= N-1``
+        Raw ids of the ``P`` tokens that precede ``token_ids[0]`` in its sequence (a
+        context-parallel shard passes the tail of the previous shard), oldest first.
+        They feed the first sequence only; positions before them take the pad id.
+    backend : str
+        Backend of :func:`engram_hash`.
+
+    Returns
+    -------
+    Tensor [L, T, (N-1)*K], int32
+        ``engram_hash(ngram_ids, *hash_params(config))`` where ``ngram_ids[t, k]`` is the
+        compressed token at ``t - k`` in ``t``'s sequence, or the compressed pad id.
+    """
+    if not isinstance(config, EngramConfig):
+        raise ValueError(f"config must be an EngramConfig, got {type(config).__name__}")
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype != torch.int32:
+        raise ValueError(
+            f"token_ids must be a 1-D int32 tensor, got {getattr(token_ids, 'dtype', type(token_ids).__name__)} "
+            f"of shape {tuple(getattr(token_ids, 'shape', ()))}"
+        )
+    device = token_ids.device
+    num_tokens, n = token_ids.numel(), config.max_ngram_size
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.numel() < 1
+        or cu_seqlens.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [B+1], got {cu_seqlens!r}")
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens = {cu_seqlens.tolist()[:16]}... must start at 0, never decrease and end at T = {num_tokens}"
+        )
+    if lookup_table is not None:
+        if not isinstance(lookup_table, torch.Tensor) or lookup_table.dim() != 1 or lookup_table.dtype != torch.int32:
+            raise ValueError(f"lookup_table must be a 1-D int32 tensor, got {getattr(lookup_table, 'dtype', None)}")
+        raw_vocab = lookup_table.numel()
+        if raw_vocab < config.vocab_size or raw_vocab <= config.pad_id:
+            raise ValueError(
+                f"lookup_table has length {raw_vocab}; expected the raw vocabulary size, at least vocab_size = "
+                f"{config.vocab_size} and above pad_id = {config.pad_id}"
+            )
+        _check_ids("lookup_table", lookup_table, config.vocab_size, "compressed ids must be below vocab_size")
+        lookup_table = lookup_table.to(device)
+        pad = int(lookup_table[config.pad_id])
+    else:
+        raw_vocab = config.vocab_size
+        if config.pad_id >= config.vocab_size:
+            raise ValueError(f"pad_id = {config.pad_id} is outside [0, vocab_size = {config.vocab_size})")
+        pad = config.pad_id
+    _check_ids("token_ids", token_ids, raw_vocab, "the raw vocabulary")
+    num_prefix = 0
+    if prefix_tokens is not None:
+        if (
+            not isinstance(prefix_tokens, torch.Tensor)
+            or prefix_tokens.dim() != 1
+            or prefix_tokens.dtype != torch.int32
+        ):
+            raise ValueError(f"prefix_tokens must be a 1-D int32 tensor, got {getattr(prefix_tokens, 'dtype', None)}")
+        num_prefix = prefix_tokens.numel()
+        if num_prefix > n - 1:
+            raise ValueError(f"prefix_tokens has {num_prefix} tokens; at most max_ngram_size - 1 = {n - 1}")
+        _check_ids("prefix_tokens", prefix_tokens, raw_vocab, "the raw vocabulary")
+        prefix_tokens = prefix_tokens.to(device)
+    ngram_ids = _ngram_token_ids(token_ids, cu, n, pad, lookup_table, prefix_tokens)
+    mult, vocab, off = (t.to(device) for t in hash_params(config))
+    return engram_hash(ngram_ids, mult, vocab, off, backend=backend)
+
+
+def _ngram_token_ids(token_ids, cu, n, pad, lookup_table, prefix_tokens) -> torch.Tensor:
+    """``[T, N]`` int32: column k = compressed token at t-k in t's sequence, else the pad id."""
+    device, num_tokens = token_ids.device, token_ids.numel()
+    ids = token_ids.long()
+    if lookup_table is not None:
+        ids = lookup_table.long()[ids]
+    head = torch.full((n - 1,), pad, dtype=torch.int64, device=device)
+    if prefix_tokens is not None and prefix_tokens.numel():
+        pre = prefix_tokens.long()
+        if lookup_table is not None:
+            pre = lookup_table.long()[pre]
+        head[n - 1 - pre.numel() :] = pre
+    ext = torch.cat([head, ids])  # ext[t + n - 1] = token t
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    if prefix_tokens is not None:
+        starts = torch.where(starts == 0, torch.full_like(starts, -(n - 1)), starts)
+    t = torch.arange(num_tokens, device=device)
+    k = torch.arange(n, device=device)
+    src = t[:, None] - k[None, :]
+    vals = ext[src + (n - 1)] if num_tokens else torch.empty((0, n), dtype=torch.int64, device=device)
+    vals = torch.where(src >= starts[:, None], vals, torch.full_like(vals, pad))
+    return vals.to(torch.int32).contiguous()
+
+
+# Layer
+
+
+class EngramLayer(nn.Module):
+    """One Engram layer: multi-head n-gram embedding lookup and the demo's gated fusion (one branch).
+
+    With ``e [T, (N-1)*n_embed]`` the concatenated head rows of each token and ``h [T, D]``
+    the hidden states::
+
+        key   = RMSNorm_k(W_k e + b_k)            query = RMSNorm_q(h)
+        s     = <key, query> / sqrt(D)
+        gate  = sigmoid(sign(s) * sqrt(max(|s|, 1e-6)))
+        value = gate * (W_v e + b_v)
+        out   = value + SiLU(CausalDepthwiseConv1d(RMSNorm_c(value)))   (kernel 4, dilation N)
+
+    The causal convolution runs within each sequence of a packed batch (``cu_seqlens``).
+    The caller adds ``out`` to the residual stream. RMSNorm epsilons follow the demo:
+    ``torch.finfo(dtype).eps`` for key/query, ``conv_norm_eps`` for the convolution.
+
+    Parameters
+    ----------
+    config : EngramConfig
+    layer_id : int
+        One of ``config.layer_ids``; selects the layer's hash tables.
+    hidden_size : int
+        ``D``.
+    kernel_size : int
+        Convolution taps. Default 4.
+    conv_norm_eps : float
+        Default 1e-5.
+    with_table : bool
+        Allocate the full embedding table (``embedding``, ``[rows, head_dim]``). Pass False when
+        rows come from elsewhere (a sharded table) as ``embeddings`` to :meth:`forward`.
+    """
+
+    def __init__(
+        self,
+        config: EngramConfig,
+        layer_id: int,
+        hidden_size: int,
+        kernel_size: int = 4,
+        conv_norm_eps: float = 1e-5,
+        with_table: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if layer_id not in config.layer_ids:
+            raise ValueError(f"layer_id = {layer_id} is not one of config.layer_ids = {config.layer_ids}")
+        if hidden_size < 1 or kernel_size < 1:
+            raise ValueError(f"hidden_size = {hidden_size} and kernel_size = {kernel_size} must be >= 1")
+        kw = {"device": device, "dtype": dtype}
+        self.config, self.layer_id, self.hidden_size = config, layer_id, hidden_size
+        self.kernel_size, self.dilation, self.conv_norm_eps = kernel_size, config.max_ngram_size, conv_norm_eps
+        li = config.layer_ids.index(layer_id)
+        _, vocab, off = _hash_params_np(config)
+        self.num_rows = int(off[li, -1]) + int(vocab[li].reshape(-1)[-1])
+        self.embedding = nn.Embedding(self.num_rows, config.head_dim, **kw) if with_table else None
+        width = config.num_heads * config.head_dim
+        self.key_proj = nn.Linear(width, hidden_size, **kw)
+        self.value_proj = nn.Linear(width, hidden_size, **kw)
+        self.key_norm = nn.RMSNorm(hidden_size, **kw)
+        self.query_norm = nn.RMSNorm(hidden_size, **kw)
+        self.conv_norm = nn.RMSNorm(hidden_size, eps=conv_norm_eps, **kw)
+        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False, **kw)
+
+    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the full table: ``hash_ids [T, H] int32`` -> ``[T, H, head_dim]``."""
+        if self.embedding is None:
+            raise ValueError("this EngramLayer has no table (with_table=False); pass embeddings to forward")
+        if hash_ids.dim() != 2 or hash_ids.shape[1] != self.config.num_heads:
+            raise ValueError(f"hash_ids must be [T, {self.config.num_heads}], got {tuple(hash_ids.shape)}")
+        _check_ids("hash_ids", hash_ids, self.num_rows, "the layer's table rows")
+        return self.embedding(hash_ids.long())
+
+    def _causal_conv(self, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        num_tokens = v.shape[0]
+        t = torch.arange(num_tokens, device=v.device)
+        if cu_seqlens is None:
+            starts = torch.zeros_like(t)
+        else:
+            cu = cu_seqlens.to(device=v.device, dtype=torch.int64)
+            if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seqlens = {cu_seqlens.tolist()[:16]} must go from 0 to T = {num_tokens}")
+            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+        w = self.conv.weight[:, 0, :]  # [D, kernel]
+        y = torch.zeros_like(v)
+        for i in range(self.kernel_size):
+            shift = (self.kernel_size - 1 - i) * self.dilation
+            src = t - shift
+            ok = (src >= starts)[:, None]
+            y = y + torch.where(ok, v[src.clamp(min=0)], torch.zeros_like(v)) * w[:, i]
+        return y
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        hash_ids: torch.Tensor | None = None,
+        *,
+        embeddings: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Engram output for packed hidden states.
+
+        Parameters
+        ----------
+        hidden_states : Tensor [T, D]
+        hash_ids : Tensor [T, (N-1)*K], int32, optional
+            This layer's rows (``hash_tokens(...)[layer index]``); looked up in ``embedding``.
+        embeddings : Tensor [T, (N-1)*K, head_dim], optional
+            Rows fetched elsewhere (e.g. a sharded table); exactly one of ``hash_ids`` / ``embeddings``.
+        cu_seqlens : Tensor [B+1], optional
+            Sequence boundaries for the causal convolution; default: one sequence.
+
+        Returns
+        -------
+        Tensor [T, D]
+        """
+        if (hash_ids is None) == (embeddings is None):
+            raise ValueError("pass exactly one of hash_ids and embeddings")
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
+        num_tokens = hidden_states.shape[0]
+        if embeddings is None:
+            embeddings = self.lookup(hash_ids)
+        want = (num_tokens, self.config.num_heads, self.config.head_dim)
+        if tuple(embeddings.shape) != want:
+            raise ValueError(f"embeddings must be {want}, got {tuple(embeddings.shape)}")
+        e = embeddings.reshape(num_tokens, -1).to(hidden_states.dtype)
+        key = self.key_norm(self.key_proj(e))
+        query = self.query_norm(hidden_states)
+        s = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
+        gate = torch.sigmoid(s.sign() * s.abs().clamp_min(1e-6).sqrt())
+        value = gate * self.value_proj(e)
+        conv = F.silu(self._causal_conv(self.conv_norm(value), cu_seqlens))
+        return value + conv
+
+
+# Op table
+
+
+def _selfcheck(backend: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    cfg = EngramConfig(
+        vocab_size=977,
+        n_head_per_ngram=3,
+        n_embed_per_ngram=12,
+        ngram_vocab_sizes=(1009, 2003),
+        layer_ids=(0, 7),
+        seed=3,
+    )
+    mult, vocab, off = hash_params(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (97, cfg.max_ngram_size), generator=g, dtype=torch.int32)
+    got = engram_hash(ids, mult, vocab, off, backend=backend)
+    want = engram_hash_reference(ids, mult, vocab, off)
+    if not torch.equal(got, want):
+        raise AssertionError(f"engram_hash[{backend}] differs from the reference")
+
+
+SPEC = register_op(
+    OpSpec(
+        name="engram_hash",
+        cpu=("tilelang", "cpu", "reference", "triton"),
+        cuda=("triton", "tilelang", "reference"),
+        doc="Engram n-gram hash rows: XOR of id*multiplier, mod prime head sizes, plus offsets",
+        selfcheck=_selfcheck,
+    )
+)
+
+
+def _bench_main(backend: str, num_tokens: int = 1 << 20) -> None:
+    """Check one backend against the reference, then time it on the benchmark shape."""
+    device = "cuda" if torch.cuda.is_available() and backend not in ("cpu", "reference") else "cpu"
+    _selfcheck(backend)
+    print(f"engram_hash[{backend}] matches the reference")
+    if device == "cpu" and backend == "triton":
+        return  # the interpreter is for verification, not timing
+    cfg = EngramConfig(vocab_size=129280)
+    mult, vocab, off = (t.to(device) for t in hash_params(cfg))
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens, cfg.max_ngram_size), dtype=torch.int32).to(device)
+    out = torch.empty((cfg.num_layers, num_tokens, cfg.num_heads), dtype=torch.int32, device=device)
+    fn = lambda: engram_hash(ids, mult, vocab, off, out, backend=backend)  # noqa: E731
+    fn()
+    reps = 5
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / reps
+    moved = ids.numel() * 4 + out.numel() * 4
+    print(f"engram_hash[{backend}]: {dt * 1e3:.2f} ms, {moved / dt / 1e9:.2f} GB/s ({num_tokens} tokens, N=3 K=8 L=2)")
