@@ -14,6 +14,12 @@ Engram
     engram_hash          n-gram hash -> table rows (public demo ABI): XOR of id*multiplier, mod prime, + offset
     engram.hash_tokens / engram.hash_params / engram.EngramLayer
 
+Quantization, grouped GEMM, expert MLP (DeepGEMM-compatible semantics)
+    quant                per_token_group_cast_to_fp8, per_block_cast_to_fp8, cast_to_mxfp4, cast_to_nvfp4
+    m_grouped_{fp8,fp8_fp4,bf16}_gemm_nt_{contiguous,masked}
+    get_mk_alignment_for_contiguous_layout, build_m_indices
+    expert_mlp           gate/up GEMM -> SwiGLU -> FP8 -> down GEMM, contiguous or masked layout
+
 Topology and experts (control plane)
     topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups
     resolve_num_extra_experts, ExpertPlacement       logical / extra / physical / local experts
@@ -26,12 +32,23 @@ Everything else (topology, experts, CP, Engram, GEMM, dispatch/combine) lands
 family by family; ``epkit info`` lists what this machine can run.
 """
 
-from epkit import backends, eplb, lockstep, topology
+from epkit import backends, eplb, lockstep, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
 from epkit.engram import EngramConfig, EngramLayer, engram_hash, hash_params, hash_tokens
 from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows
+from epkit.gemm import (
+    build_m_indices,
+    get_mk_alignment_for_contiguous_layout,
+    m_grouped_bf16_gemm_nt_contiguous,
+    m_grouped_bf16_gemm_nt_masked,
+    m_grouped_fp8_fp4_gemm_nt_contiguous,
+    m_grouped_fp8_fp4_gemm_nt_masked,
+    m_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_fp8_gemm_nt_masked,
+)
+from epkit.moe import expert_mlp
 
 __version__ = "0.1.0"
 
@@ -53,6 +70,17 @@ __all__ = [
     "engram_hash",
     "hash_params",
     "hash_tokens",
+    # quantization, grouped GEMM, expert MLP
+    "quant",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "m_grouped_fp8_fp4_gemm_nt_masked",
+    "m_grouped_bf16_gemm_nt_contiguous",
+    "m_grouped_bf16_gemm_nt_masked",
+    "get_mk_alignment_for_contiguous_layout",
+    "build_m_indices",
+    "expert_mlp",
     # topology and experts
     "topology",
     "lockstep",

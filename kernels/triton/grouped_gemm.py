@@ -1,0 +1,301 @@
+"""Triton grouped GEMMs ``d = a @ b[g].T`` (contiguous and masked layouts; FP8, FP8 x MXFP4, BF16).
+
+One kernel source serves every variant through constexprs:
+
+- ``B_KIND`` 0 = bf16 x bf16, 1 = FP8 x FP8 with 1x128 activation and 128x128
+  weight block scales (block-scaled ``tl.dot``: per 128-wide K block, an e4m3
+  dot accumulated in fp32 then multiplied by ``sfa[row, kb] * sfb[nb, kb]``),
+  2 = FP8 x MXFP4 (weights decoded in the kernel: e2m1 nibbles times the e8m0
+  scale are exact in bf16; the e4m3 activations are exact in bf16 too).
+- ``MASKED``: program ``(g, t)`` covers rows ``[t*BLOCK_M, masked_m[g])`` of group
+  g; otherwise a host-built tile schedule (group, first row, run end) covers
+  the contiguous layout, including ``-1`` padding runs whose rows get zeros.
+
+Row offsets are int64, so M beyond 2**31 / K elements is safe.
+Run ``python -m epkit.kernels.triton.grouped_gemm`` to check against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from epkit.kernels.triton._launch import for_device
+
+_KINDS = {"bf16": 0, "fp8": 1, "fp8_fp4": 2}
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    sfa_ptr,
+    b_ptr,
+    sfb_ptr,
+    d_ptr,
+    tile_group_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    masked_m_ptr,
+    N,
+    K,
+    M_MAX,
+    TILES_PER_GROUP,
+    stride_am,
+    stride_sfam,
+    stride_bg,
+    stride_bn,
+    stride_sfbg,
+    stride_sfbn,
+    stride_dm,
+    B_KIND: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if MASKED:
+        g = pid // TILES_PER_GROUP
+        t = pid % TILES_PER_GROUP
+        rows_in_group = tl.load(masked_m_ptr + g)
+        row0 = g.to(tl.int64) * M_MAX + t * BLOCK_M
+        row_end = g.to(tl.int64) * M_MAX + rows_in_group
+        num_k = tl.where(t * BLOCK_M < rows_in_group, (K + BLOCK_K - 1) // BLOCK_K, 0)
+    else:
+        g = tl.load(tile_group_ptr + pid)
+        row0 = tl.load(tile_start_ptr + pid).to(tl.int64)
+        row_end = tl.load(tile_end_ptr + pid).to(tl.int64)
+        num_k = tl.where(g >= 0, (K + BLOCK_K - 1) // BLOCK_K, 0)  # padding tiles: zeros
+        g = tl.maximum(g, 0)
+    rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok = rows < row_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    b_base = b_ptr + g.to(tl.int64) * stride_bg + cols.to(tl.int64)[:, None] * stride_bn
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros is a jit fn the interpreter twin cannot call
+    for kb in range(0, num_k):
+        ks = kb * BLOCK_K + offs_k
+        k_ok = ks < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if B_KIND == 0:
+            b = tl.load(b_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST_DOT:  # interpreter: its bf16 dot is wrong (triton 3.9); bf16 products are exact in fp32
+                acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+            else:
+                acc += tl.dot(a, tl.trans(b))
+        elif B_KIND == 1:
+            b = tl.load(b_base + ks[None, :], mask=col_ok[:, None], other=0.0)
+            sa = tl.load(sfa_ptr + rows * stride_sfam + kb, mask=row_ok, other=0.0)
+            sb = tl.load(sfb_ptr + g.to(tl.int64) * stride_sfbg + ((pid_n * BLOCK_N) // 128) * stride_sfbn + kb)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
+        else:
+            half = tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(b_base + kb * (BLOCK_K // 2) + half[None, :], mask=col_ok[:, None], other=0).to(tl.int32)
+            # e2m1 decode (inlined: the interpreter twin cannot call nested jit functions)
+            code = tl.join(packed & 15, packed >> 4)  # [BLOCK_N, BLOCK_K/2, 2]
+            e = (code >> 1) & 3
+            m = (code & 1).to(tl.float32)
+            mag = tl.where(e == 0, m * 0.5, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+            vals = tl.where((code & 8) != 0, -mag, mag)
+            w = tl.reshape(vals, (BLOCK_N, BLOCK_K))  # even element from the low nibble
+            sidx = tl.arange(0, BLOCK_K // 32)
+            sbytes = tl.load(
+                sfb_ptr
+                + g.to(tl.int64) * stride_sfbg
+                + cols.to(tl.int64)[:, None] * stride_sfbn
+                + kb * (BLOCK_K // 32)
+                + sidx[None, :],
+                mask=col_ok[:, None],
+                other=127,
+            )
+            sw = tl.exp2(sbytes.to(tl.float32) - 127.0)
+            w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * sw[:, :, None], (BLOCK_N, BLOCK_K))
+            sa = tl.load(sfa_ptr + rows * stride_sfam + kb, mask=row_ok, other=0.0)
+            if UPCAST_DOT:
+                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)))
+            else:
+                part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            acc += part * sa[:, None]
+    tl.store(
+        d_ptr + rows[:, None] * stride_dm + cols[None, :],
+        acc.to(d_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+# Configs: a small heuristic table with an override hook.
+
+_CONFIG_OVERRIDE = None
+
+
+def set_config_override(fn) -> None:
+    """Install ``fn(kind, n, k, m_hint, device_type) -> dict | None`` to replace the heuristic (None restores it).
+
+    The dict holds ``BLOCK_M``, ``BLOCK_N`` (<= 128, dividing 128), ``BLOCK_K`` (128 for
+    scaled kinds), ``num_warps`` and ``num_stages``; returning None falls back to the table.
+    """
+    global _CONFIG_OVERRIDE
+    _CONFIG_OVERRIDE = fn
+
+
+def get_config(kind: str, n: int, k: int, m_hint: int, device_type: str) -> dict:
+    """Kernel config for one call: tile sizes by rows-per-group bucket (``m_hint``) and kind."""
+    if _CONFIG_OVERRIDE is not None:
+        cfg = _CONFIG_OVERRIDE(kind, n, k, m_hint, device_type)
+        if cfg is not None:
+            return dict(cfg)
+    block_k = 64 if kind == "bf16" else 128
+    if device_type != "cuda":  # interpreter: big tiles mean fewer Python-level programs
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=1)
+    if m_hint <= 64:  # decode-sized groups
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3 if kind != "bf16" else 4)
+
+
+def _check_config(cfg: dict, kind: str) -> None:
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if kind != "bf16" and (bk != 128 or 128 % bn):
+        raise ValueError(f"scaled kinds need BLOCK_K == 128 and BLOCK_N dividing 128, got {cfg}")
+
+
+def _launch(kind, a, sfa, b, sfb, d, grid, sched, masked_m, m_max, tiles_per_group, cfg):
+    _check_config(cfg, kind)
+    n, k = b.shape[1], a.shape[-1]
+    dummy = d  # any pointer for the arguments a variant does not read
+    kernel = for_device(_grouped_gemm_kernel, d.device)
+    extra = {} if d.device.type != "cuda" else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    kernel[grid](
+        a,
+        sfa if sfa is not None else dummy,
+        b,
+        sfb if sfb is not None else dummy,
+        d,
+        *(sched if sched is not None else (dummy, dummy, dummy)),
+        masked_m if masked_m is not None else dummy,
+        n,
+        k,
+        m_max,
+        tiles_per_group,
+        k,
+        k // 128 if sfa is not None else 0,
+        b.stride(0),
+        b.stride(1),
+        sfb.stride(0) if sfb is not None else 0,
+        sfb.stride(1) if sfb is not None else 0,
+        n,
+        B_KIND=_KINDS[kind],
+        MASKED=masked_m is not None,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        UPCAST_DOT=d.device.type != "cuda",
+        **extra,
+    )
+
+
+def tile_schedule(m_indices: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split runs of equal ``m_indices`` into tiles of ``block_m`` rows: (group, start, run end), int32 each."""
+    ids = m_indices.to(torch.int32)
+    m = ids.numel()
+    change = torch.ones(m, dtype=torch.bool, device=ids.device)
+    change[1:] = ids[1:] != ids[:-1]
+    starts = change.nonzero().flatten()
+    ends = torch.cat((starts[1:], torch.tensor([m], device=ids.device)))
+    ntiles = (ends - starts + block_m - 1) // block_m
+    run = torch.repeat_interleave(torch.arange(starts.numel(), device=ids.device), ntiles)
+    first_tile = torch.cumsum(ntiles, 0) - ntiles
+    t = torch.arange(run.numel(), device=ids.device) - first_tile[run]
+    tile_start = starts[run] + t * block_m
+    return ids[starts][run].contiguous(), tile_start.to(torch.int32), ends[run].to(torch.int32)
+
+
+def grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None) -> None:
+    """Contiguous layout on validated inputs (see epkit.gemm): ``m_indices [M]`` per-row groups, -1 padding."""
+    m, n = d.shape
+    if m == 0 or n == 0:
+        return
+    g = b.shape[0]
+    cfg = config or get_config(kind, n, a.shape[1], max(1, m // max(g, 1)), d.device.type)
+    sched = tile_schedule(m_indices, cfg["BLOCK_M"])
+    grid = (sched[0].numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    a, b = a.contiguous(), b.contiguous()
+    sfa = sfa.contiguous() if sfa is not None else None
+    sfb = sfb.contiguous() if sfb is not None else None
+    _launch(kind, a, sfa, b, sfb, d, grid, sched, None, 0, 1, cfg)
+
+
+def grouped_gemm_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: dict | None = None) -> None:
+    """Masked layout on validated inputs: ``a [G, M_max, K]``, rows ``>= masked_m[g]`` untouched."""
+    g, m_max, n = d.shape
+    if g == 0 or m_max == 0 or n == 0:
+        return
+    cfg = config or get_config(kind, n, a.shape[-1], max(1, expected_m), d.device.type)
+    tiles = triton.cdiv(m_max, cfg["BLOCK_M"])
+    grid = (g * tiles, triton.cdiv(n, cfg["BLOCK_N"]))
+    a, b = a.contiguous(), b.contiguous()
+    sfa = sfa.contiguous() if sfa is not None else None
+    sfb = sfb.contiguous() if sfb is not None else None
+    _launch(kind, a, sfa, b, sfb, d, grid, None, masked_m.to(torch.int32).contiguous(), m_max, tiles, cfg)
+
+
+def compile_signature(kind: str = "fp8", masked: bool = False, block_m: int = 128, block_n: int = 128):
+    """(kernel, signature, constexprs) for an ahead-of-time sm_90 compile (epkit.testing.compile_triton)."""
+    a_t = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_fp4": "*fp8e4nv"}[kind]
+    b_t = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_fp4": "*u8"}[kind]
+    sfb_t = "*u8" if kind == "fp8_fp4" else "*fp32"
+    sig = {
+        "a_ptr": a_t,
+        "sfa_ptr": "*fp32",
+        "b_ptr": b_t,
+        "sfb_ptr": sfb_t,
+        "d_ptr": "*bf16",
+        "tile_group_ptr": "*i32",
+        "tile_start_ptr": "*i32",
+        "tile_end_ptr": "*i32",
+        "masked_m_ptr": "*i32",
+        "N": "i32",
+        "K": "i32",
+        "M_MAX": "i32",
+        "TILES_PER_GROUP": "i32",
+        "stride_am": "i64",
+        "stride_sfam": "i32",
+        "stride_bg": "i64",
+        "stride_bn": "i32",
+        "stride_sfbg": "i32",
+        "stride_sfbn": "i32",
+        "stride_dm": "i32",
+        "B_KIND": "constexpr",
+        "MASKED": "constexpr",
+        "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr",
+        "BLOCK_K": "constexpr",
+        "UPCAST_DOT": "constexpr",
+    }
+    consts = {
+        "B_KIND": _KINDS[kind],
+        "MASKED": masked,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": 64 if kind == "bf16" else 128,
+        "UPCAST_DOT": False,
+    }
+    return _grouped_gemm_kernel, sig, consts
+
+
+if __name__ == "__main__":
+    from epkit.gemm import _selfcheck_for
+
+    for op, kind, masked in (
+        ("m_grouped_fp8_gemm_nt_contiguous", "fp8", False),
+        ("m_grouped_fp8_gemm_nt_masked", "fp8", True),
+        ("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", False),
+        ("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", True),
+        ("m_grouped_bf16_gemm_nt_contiguous", "bf16", False),
+        ("m_grouped_bf16_gemm_nt_masked", "bf16", True),
+    ):
+        _selfcheck_for(op, kind, masked)("triton")
+        print(f"{op}[triton] matches the reference")

@@ -1,0 +1,161 @@
+"""Expert MLP on the local experts: gate/up grouped GEMM -> SwiGLU -> FP8 re-quantization -> down GEMM.
+
+Weight layout (NT: every GEMM computes ``x @ w[g].T``):
+``w13 [G, 2*I, H]`` holds each expert's gate rows ``[0, I)`` then up rows
+``[I, 2*I)``; ``w2 [G, H, I]``. :func:`pack_moe_weight` turns the
+``(E * K, N)`` parameter of a routed linear into the expert-major ``[E, K, N]``
+view whose ``.mT`` is the contiguous ``[E, N, K]`` that the GEMMs read
+(the source engine's ``view(E, -1, N).mT.contiguous().mT`` repack).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit import gemm
+from epkit.quant import per_token_group_cast_to_fp8
+
+__all__ = ["expert_mlp", "expert_mlp_reference", "pack_moe_weight", "unpack_moe_weight", "fuse_gate_up"]
+
+
+def pack_moe_weight(w: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert-major repack of a routed linear's ``(E * K, N)`` weight.
+
+    Parameters
+    ----------
+    w : Tensor [E * K, N], any dtype
+    num_experts : int (E)
+
+    Returns
+    -------
+    Tensor [E, K, N] (a view of a new contiguous ``[E, N, K]`` buffer: ``result.mT`` is contiguous).
+    """
+    if w.dim() != 2 or num_experts <= 0 or w.shape[0] % num_experts:
+        raise ValueError(
+            f"w must be [E * K, N] with num_experts = {num_experts} dividing the rows, got {tuple(w.shape)}"
+        )
+    return w.view(num_experts, -1, w.shape[1]).mT.contiguous().mT
+
+
+def unpack_moe_weight(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_moe_weight`: ``[E, K, N]`` -> contiguous ``[E * K, N]``."""
+    if w.dim() != 3:
+        raise ValueError(f"w must be [E, K, N], got {tuple(w.shape)}")
+    return w.contiguous().view(-1, w.shape[2])
+
+
+def fuse_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """Stack gate and up weights ``[G, I, H]`` each into the fused ``w13 [G, 2*I, H]`` (gate rows first)."""
+    if w_gate.shape != w_up.shape or w_gate.dim() != 3:
+        raise ValueError(f"w_gate and w_up must both be [G, I, H], got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    return torch.cat((w_gate, w_up), dim=1).contiguous()
+
+
+def _kind_of(w13) -> str:
+    t = w13[0] if isinstance(w13, (tuple, list)) else w13
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"w13 must be a tensor or a (tensor, scales) pair, got {type(w13).__name__}")
+    kinds = {torch.float8_e4m3fn: "fp8", torch.uint8: "fp8_fp4", torch.bfloat16: "bf16"}
+    if t.dtype not in kinds:
+        raise ValueError(f"w13 must be float8_e4m3fn, uint8 (MXFP4) or bfloat16, got {t.dtype}")
+    return kinds[t.dtype]
+
+
+def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    inter = h.shape[-1] // 2
+    gate, up = h[..., :inter], h[..., inter:]
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def expert_mlp(
+    x,
+    layout: str,
+    w13,
+    w2,
+    *,
+    m_indices: torch.Tensor | None = None,
+    masked_m: torch.Tensor | None = None,
+    expected_m: int | None = None,
+    swiglu_limit: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Grouped expert MLP ``down(silu(gate(x)) * up(x))`` on the contiguous or masked layout.
+
+    Parameters
+    ----------
+    x : Tensor [M, H] (contiguous) or [G, M_max, H] (masked), bfloat16/float32, or an already
+        quantized ``(e4m3, float32 scales [..., H/128])`` pair for FP8/FP4 weights.
+    layout : ``"contiguous"`` or ``"masked"``
+    w13 : gate/up weights ``[G, 2*I, H]``: an FP8 pair ``(e4m3, float32 [G, 2I/128, H/128])``,
+        an MXFP4 pair ``(uint8 [G, 2I, H/2], uint8 [G, 2I, H/32])``, or a bfloat16 tensor.
+    w2 : down weights ``[G, H, I]`` in the same format.
+    m_indices : Tensor [M] int32 (contiguous layout): expert per row, -1 for padding.
+    masked_m, expected_m : Tensor [G] int32 and int (masked layout).
+    swiglu_limit : float, optional
+        Clamp gate to ``<= limit`` and up to ``[-limit, limit]`` before SwiGLU.
+    backend : passed to the grouped GEMMs.
+
+    Returns
+    -------
+    Tensor [M, H] or [G, M_max, H], bfloat16. Padding rows (contiguous) and rows beyond
+    ``masked_m[g]`` (masked) are zeros.
+    """
+    if layout not in ("contiguous", "masked"):
+        raise ValueError(f"layout must be 'contiguous' or 'masked', got {layout!r}")
+    kind = _kind_of(w13)
+    if _kind_of(w2) != kind:
+        raise ValueError(f"w13 and w2 must use one format, got {kind} and {_kind_of(w2)}")
+    b13 = w13[0] if kind != "bf16" else w13
+    two_i = b13.shape[1]
+    if two_i % 2:
+        raise ValueError(f"w13 must have 2*I rows per expert, got {two_i}")
+    inter = two_i // 2
+    masked = layout == "masked"
+    if masked and (masked_m is None or expected_m is None):
+        raise ValueError("the masked layout needs masked_m and expected_m")
+    if not masked and m_indices is None:
+        raise ValueError("the contiguous layout needs m_indices")
+    if kind != "bf16" and inter % 128:
+        raise ValueError(f"I = {inter} must be a multiple of 128 to re-quantize the intermediate to FP8")
+    if kind == "bf16":
+        xa = x.to(torch.bfloat16) if isinstance(x, torch.Tensor) else x
+    else:
+        xa = per_token_group_cast_to_fp8(x) if isinstance(x, torch.Tensor) else x
+    x0 = xa[0] if isinstance(xa, tuple) else xa
+    rows = tuple(x0.shape[:-1])
+    h = torch.zeros((*rows, two_i), dtype=torch.float32, device=x0.device)
+    out = torch.zeros((*rows, (w2[0] if kind != "bf16" else w2).shape[1]), dtype=torch.bfloat16, device=x0.device)
+    first = getattr(gemm, f"m_grouped_{kind}_gemm_nt_{layout}")
+    if masked:
+        first(xa, w13, h, masked_m, expected_m, backend=backend)
+    else:
+        first(xa, w13, h, m_indices, backend=backend)
+    act = _swiglu(h, swiglu_limit)
+    act_q = act.to(torch.bfloat16) if kind == "bf16" else per_token_group_cast_to_fp8(act)
+    if masked:
+        first(act_q, w2, out, masked_m, expected_m, backend=backend)
+    else:
+        first(act_q, w2, out, m_indices, backend=backend)
+    return out
+
+
+# Reference
+
+
+def expert_mlp_reference(x, w_gate, w_up, w_down, expert_of_row, swiglu_limit=None) -> torch.Tensor:
+    """Per-expert plain-torch MLP in float32: ``x [M, H]``, ``w_gate/w_up [G, I, H]``, ``w_down [G, H, I]``.
+
+    ``expert_of_row [M]`` gives each row's expert (-1: zero output row).
+    """
+    out = torch.zeros(x.shape[0], w_down.shape[1])
+    for e in range(w_gate.shape[0]):
+        sel = expert_of_row == e
+        xe = x[sel].float()
+        gate, up = xe @ w_gate[e].float().T, xe @ w_up[e].float().T
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        out[sel] = (torch.nn.functional.silu(gate) * up) @ w_down[e].float().T
+    return out

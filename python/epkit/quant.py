@@ -1,0 +1,332 @@
+"""Quantization formats of the expert GEMMs: FP8 (e4m3) per token group / per block, MXFP4, NVFP4.
+
+Conventions (DeepGEMM / OCP MX / NVIDIA NVFP4); every scale here is the
+*decode* factor, ``x ~= q * scale``:
+
+- FP8 per token group: ``scale = max(amax(|x|), 1e-4) / 448`` per ``1 x group_size``
+  group (optionally rounded up to a power of two, "UE8M0"), ``q = e4m3(x / scale)``.
+- FP8 per block: the same over ``128 x 128`` blocks of a weight ``[.., N, K]``.
+- MXFP4: e2m1 codes, two per byte (even element in the low nibble), one
+  e8m0 scale byte ``2**(byte - 127)`` per 32 elements along K, chosen as the
+  smallest power of two with ``amax / scale <= 6`` (no clipping).
+- NVFP4: e2m1 codes, one e4m3 scale per 16 elements and one float32 global
+  scale: ``x ~= e2m1 * float(block_scale) * global_scale`` with
+  ``global_scale = amax(|x|) / (448 * 6)``.
+
+All-zero groups get finite, positive scales (the amax is clamped). NaN or Inf
+input raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "FP4_E2M1_MAX",
+    "ceil_to_ue8m0",
+    "per_token_group_cast_to_fp8",
+    "per_block_cast_to_fp8",
+    "dequant_per_token_group_fp8",
+    "dequant_per_block_fp8",
+    "cast_to_mxfp4",
+    "dequant_mxfp4",
+    "cast_to_nvfp4",
+    "dequant_nvfp4",
+    "e2m1_to_float",
+]
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+_AMAX_EPS = 1e-4
+# e2m1 magnitudes by 3-bit code (sign is bit 3).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring magnitudes; ties go to the even code.
+_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose upper neighbour has the even code
+
+
+def _check_float(x: torch.Tensor, name: str, min_dim: int = 1) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name} holds {bad} NaN/Inf value(s); quantization needs finite input")
+
+
+def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
+    """Round positive scales up to the next power of two (``2**ceil(log2(|x|))``).
+
+    Parameters
+    ----------
+    x : Tensor, float32 (any shape)
+        Positive scales; zero maps to zero.
+
+    Returns
+    -------
+    Tensor of the same shape, float32: a power of two ``>= |x|``.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    return torch.pow(2.0, torch.ceil(torch.log2(x.float().abs())))
+
+
+def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x.shape[-1]) % multiple
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def per_token_group_cast_to_fp8(
+    x: torch.Tensor, group_size: int = 128, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to e4m3 with one float32 scale per ``1 x group_size`` group.
+
+    Parameters
+    ----------
+    x : Tensor [..., K], float32 / bfloat16 / float16
+        Finite values (NaN/Inf raise ``ValueError``).
+    group_size : int
+        Elements per scale along K (default 128).
+    ue8m0 : bool
+        Round scales up to powers of two (the UE8M0 recipe).
+
+    Returns
+    -------
+    q : Tensor [..., K], float8_e4m3fn
+    scale : Tensor [..., ceil(K / group_size)], float32
+        ``x ~= q * scale`` per group; all-zero groups get ``1e-4 / 448``.
+    """
+    _check_float(x, "x")
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    k = x.shape[-1]
+    groups = -(-k // group_size)
+    xv = _pad_last(x.float(), group_size).reshape(*x.shape[:-1], groups, group_size)
+    amax = xv.abs().amax(dim=-1).clamp(min=_AMAX_EPS)
+    scale = amax / FP8_E4M3_MAX
+    if ue8m0:
+        scale = ceil_to_ue8m0(scale)
+    q = (xv / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(*x.shape[:-1], groups * group_size)[..., :k].contiguous()
+    return q, scale.contiguous()
+
+
+def dequant_per_token_group_fp8(q: torch.Tensor, scale: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+    """Inverse of :func:`per_token_group_cast_to_fp8`.
+
+    Parameters
+    ----------
+    q : Tensor [..., K], float8_e4m3fn
+    scale : Tensor [..., ceil(K / group_size)], float32
+    group_size : int
+
+    Returns
+    -------
+    Tensor [..., K], float32: ``q * scale`` per group.
+    """
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q must be float8_e4m3fn, got {q.dtype}")
+    k = q.shape[-1]
+    groups = -(-k // group_size)
+    if tuple(scale.shape) != (*q.shape[:-1], groups):
+        raise ValueError(
+            f"scale must have shape {(*q.shape[:-1], groups)} for q {tuple(q.shape)}, got {tuple(scale.shape)}"
+        )
+    s = scale.float().repeat_interleave(group_size, dim=-1)[..., :k]
+    return q.float() * s
+
+
+def per_block_cast_to_fp8(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128), ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize weights to e4m3 with one float32 scale per ``block`` of the last two dims.
+
+    Parameters
+    ----------
+    w : Tensor [..., N, K], float32 / bfloat16 / float16
+        Finite values; leading dims (e.g. experts) are kept.
+    block : (int, int)
+        Block shape along (N, K); default (128, 128).
+    ue8m0 : bool
+        Round scales up to powers of two.
+
+    Returns
+    -------
+    q : Tensor [..., N, K], float8_e4m3fn
+    scale : Tensor [..., ceil(N / block[0]), ceil(K / block[1])], float32
+    """
+    _check_float(w, "w", min_dim=2)
+    bn, bk = block
+    if bn <= 0 or bk <= 0:
+        raise ValueError(f"block must be two positive ints, got {block!r}")
+    *lead, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
+    wv = wp.reshape(*lead, nb, bn, kb, bk)
+    amax = wv.abs().amax(dim=(-3, -1)).clamp(min=_AMAX_EPS)  # [..., nb, kb]
+    scale = amax / FP8_E4M3_MAX
+    if ue8m0:
+        scale = ceil_to_ue8m0(scale)
+    q = (wv / scale[..., :, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous()
+    return q, scale.contiguous()
+
+
+def dequant_per_block_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Inverse of :func:`per_block_cast_to_fp8`.
+
+    Parameters
+    ----------
+    q : Tensor [..., N, K], float8_e4m3fn
+    scale : Tensor [..., ceil(N / block[0]), ceil(K / block[1])], float32
+
+    Returns
+    -------
+    Tensor [..., N, K], float32.
+    """
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q must be float8_e4m3fn, got {q.dtype}")
+    *lead, n, k = q.shape
+    bn, bk = block
+    want = (*lead, -(-n // bn), -(-k // bk))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale must have shape {want} for q {tuple(q.shape)}, got {tuple(scale.shape)}")
+    s = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return q.float() * s
+
+
+# FP4 (e2m1) codes
+
+
+def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values (already scaled into [-6, 6]) to 4-bit e2m1 codes (uint8), ties to even."""
+    mag = v.abs().clamp(max=FP4_E2M1_MAX)
+    mids = torch.tensor(_E2M1_MIDS, dtype=torch.float32, device=v.device)
+    code = torch.bucketize(mag, mids, right=False)  # exact midpoints go to the lower code
+    ties_up = torch.isin(mag, torch.tensor(_E2M1_TIES_UP, dtype=torch.float32, device=v.device))
+    code = (code + ties_up.to(code.dtype)).to(torch.uint8)
+    sign = (v < 0) & (code > 0)  # no negative zero
+    return code | (sign.to(torch.uint8) << 3)
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """Decode 4-bit e2m1 codes (uint8 values 0..15, sign in bit 3) to float32."""
+    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0x0F, packed >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def cast_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize to MXFP4: e2m1 codes with one e8m0 scale per 32 elements along the last dim.
+
+    Parameters
+    ----------
+    w : Tensor [..., K], float32 / bfloat16 / float16, K a multiple of 32
+        Finite values.
+
+    Returns
+    -------
+    packed : Tensor [..., K // 2], uint8
+        Two codes per byte, the even element in the low nibble.
+    scale : Tensor [..., K // 32], uint8
+        e8m0 exponents: the block scale is ``2 ** (scale - 127)``, the smallest
+        power of two with ``amax / scale <= 6``.
+    """
+    _check_float(w, "w")
+    k = w.shape[-1]
+    if k % 32:
+        raise ValueError(f"w's last dim K = {k} must be a multiple of 32 (the MXFP4 block)")
+    wv = w.float().reshape(*w.shape[:-1], k // 32, 32)
+    amax = wv.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / FP4_E2M1_MAX)).clamp(-127, 127)
+    codes = _e2m1_encode(wv / torch.pow(2.0, exp).unsqueeze(-1)).reshape(w.shape)
+    return _pack_nibbles(codes), (exp + 127).to(torch.uint8).contiguous()
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`cast_to_mxfp4`.
+
+    Parameters
+    ----------
+    packed : Tensor [..., K // 2], uint8
+    scale : Tensor [..., K // 32], uint8 (e8m0)
+
+    Returns
+    -------
+    Tensor [..., K], float32.
+    """
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"packed and scale must be uint8, got {packed.dtype} and {scale.dtype}")
+    k = packed.shape[-1] * 2
+    if k % 32 or tuple(scale.shape) != (*packed.shape[:-1], k // 32):
+        raise ValueError(f"scale must have shape {(*packed.shape[:-1], k // 32)} for packed {tuple(packed.shape)}")
+    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // 32, 32)
+    s = torch.pow(2.0, scale.float() - 127.0)
+    return (vals * s.unsqueeze(-1)).reshape(*packed.shape[:-1], k)
+
+
+def cast_to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize to NVFP4: e2m1 codes, one e4m3 scale per 16 elements, one float32 global scale.
+
+    Parameters
+    ----------
+    w : Tensor [..., K], float32 / bfloat16 / float16, K a multiple of 16
+        Finite values.
+
+    Returns
+    -------
+    packed : Tensor [..., K // 2], uint8 (even element in the low nibble)
+    scale : Tensor [..., K // 16], float8_e4m3fn
+    global_scale : Tensor [], float32
+        ``w ~= e2m1 * float(scale) * global_scale``; ``global_scale = amax(|w|) / 2688``.
+    """
+    _check_float(w, "w")
+    k = w.shape[-1]
+    if k % 16:
+        raise ValueError(f"w's last dim K = {k} must be a multiple of 16 (the NVFP4 block)")
+    wf = w.float()
+    amax = wf.abs().amax() if wf.numel() else torch.zeros((), device=w.device)
+    gscale = amax.clamp(min=_AMAX_EPS) / (FP8_E4M3_MAX * FP4_E2M1_MAX)
+    wv = wf.reshape(*w.shape[:-1], k // 16, 16)
+    block = wv.abs().amax(dim=-1) / (FP4_E2M1_MAX * gscale)
+    scale = block.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    eff = scale.float() * gscale
+    safe = torch.where(eff > 0, eff, torch.ones_like(eff))
+    v = torch.where((eff > 0).unsqueeze(-1), wv / safe.unsqueeze(-1), torch.zeros_like(wv))
+    codes = _e2m1_encode(v).reshape(w.shape)
+    return _pack_nibbles(codes), scale.contiguous(), gscale.float()
+
+
+def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
+    """Inverse of :func:`cast_to_nvfp4`.
+
+    Parameters
+    ----------
+    packed : Tensor [..., K // 2], uint8
+    scale : Tensor [..., K // 16], float8_e4m3fn
+    global_scale : Tensor [] float32 or float
+
+    Returns
+    -------
+    Tensor [..., K], float32.
+    """
+    if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"packed must be uint8 and scale float8_e4m3fn, got {packed.dtype} and {scale.dtype}")
+    k = packed.shape[-1] * 2
+    if k % 16 or tuple(scale.shape) != (*packed.shape[:-1], k // 16):
+        raise ValueError(f"scale must have shape {(*packed.shape[:-1], k // 16)} for packed {tuple(packed.shape)}")
+    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // 16, 16)
+    g = float(global_scale) if not isinstance(global_scale, torch.Tensor) else global_scale.float()
+    return (vals * (scale.float() * g).unsqueeze(-1)).reshape(*packed.shape[:-1], k)

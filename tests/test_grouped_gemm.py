@@ -1,0 +1,318 @@
+import pytest
+import torch
+
+import epkit.gemm as gemm
+from epkit.gemm import build_m_indices, get_mk_alignment_for_contiguous_layout, make_inputs
+from epkit.testing import assert_bitwise_equal, assert_diff, calc_diff, compile_triton
+from epkit.testing.markers import requires_triton
+
+KINDS = ["fp8", "fp8_fp4", "bf16"]
+THRESH = {"fp8": 1e-3, "fp8_fp4": 1e-2, "bf16": 1e-5}
+CONTIG = {k: getattr(gemm, f"m_grouped_{k}_gemm_nt_contiguous") for k in KINDS}
+MASKED = {k: getattr(gemm, f"m_grouped_{k}_gemm_nt_masked") for k in KINDS}
+SHAPES_CPU = [(256, 512), (512, 256), (384, 1024)]
+
+
+def _ref_contiguous(af, bf, m_indices):
+    """float32 matmul of the UNQUANTIZED inputs, row by expert id; zeros for padding rows."""
+    ids = m_indices.long()
+    out = torch.einsum("mk,mnk->mn", af.float(), bf.float()[ids.clamp(min=0)])
+    out[ids < 0] = 0
+    return out
+
+
+def _counts(g, seed, hi=150):
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.randint(0, hi, (g,), generator=gen)
+    c[seed % g] = 0  # always one empty group
+    return c
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "g,n,k,backend",
+    [(g, n, k, "cpu") for g in (1, 4, 8) for n, k in SHAPES_CPU] + [(4, 256, 512, "reference")],
+)
+def test_contiguous_cpu(kind, g, n, k, backend):
+    counts = _counts(g, g * 7 + n + k)
+    m_indices = build_m_indices(counts)
+    m = m_indices.numel()
+    a, b, af, bf = make_inputs(kind, g, m, n, k, masked=False, seed=g + n + k)
+    d = torch.full((m, n), 7.0, dtype=torch.bfloat16)
+    CONTIG[kind](a, b, d, m_indices, backend=backend)
+    ctx = f"{kind=} {g=} {n=} {k=} {backend=} counts={counts.tolist()}"
+    pad = m_indices < 0
+    assert_bitwise_equal(d[pad], torch.zeros(int(pad.sum()), n, dtype=torch.bfloat16), ctx=ctx + " padding rows")
+    if m:
+        assert_diff(d.float(), _ref_contiguous(af, bf, m_indices), THRESH[kind], ctx)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("g,m_max", [(1, 1), (4, 64), (8, 96)])
+def test_masked_cpu(kind, g, m_max):
+    n, k = 256, 512
+    a, b, af, bf = make_inputs(kind, g, m_max, n, k, masked=True, seed=g * 3 + m_max)
+    gen = torch.Generator().manual_seed(g)
+    masked_m = torch.randint(0, m_max + 1, (g,), generator=gen, dtype=torch.int32)
+    masked_m[0] = m_max
+    if g > 1:
+        masked_m[1] = 0
+    d = torch.full((g, m_max, n), -3.0, dtype=torch.float32)
+    MASKED[kind](a, b, d, masked_m, m_max, backend="cpu")
+    ref = torch.einsum("gmk,gnk->gmn", af.float(), bf.float())
+    live = torch.arange(m_max)[None, :] < masked_m[:, None].long()
+    ctx = f"{kind=} {g=} {m_max=} masked_m={masked_m.tolist()}"
+    assert torch.equal(d[~live], torch.full_like(d[~live], -3.0)), ctx + ": rows beyond masked_m must be untouched"
+    assert_diff(d[live], ref[live], THRESH[kind], ctx)
+
+
+def test_psum_layout_and_unsorted_indices():
+    g, n, k = 3, 256, 512
+    counts = [5, 0, 130]
+    ends, pos = [], 0
+    for c in counts:
+        start = -(-pos // 128) * 128
+        pos = start + c if c else pos
+        ends.append(pos)
+    ends_t = torch.tensor(ends, dtype=torch.int32)  # [5, 5, 258]
+    m = 300
+    a, b, af, bf = make_inputs("fp8", g, m, n, k, masked=False, seed=5)
+    per_row = torch.full((m,), -1, dtype=torch.int32)
+    per_row[:5] = 0
+    per_row[128:258] = 2
+    d1 = torch.full((m, n), 1.0, dtype=torch.bfloat16)
+    d2 = torch.full((m, n), 2.0, dtype=torch.bfloat16)
+    gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, d1, ends_t, use_psum_layout=True, backend="cpu")
+    gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, d2, per_row, backend="cpu")
+    assert_bitwise_equal(d1, d2, ctx="psum layout vs per-row m_indices")
+    assert_diff(d1.float(), _ref_contiguous(af, bf, per_row), 1e-3, "psum")
+    # rows of one expert need not be adjacent on the cpu backend
+    perm = torch.randperm(m, generator=torch.Generator().manual_seed(0))
+    d3 = torch.empty((m, n), dtype=torch.bfloat16)
+    gemm.m_grouped_fp8_gemm_nt_contiguous((a[0][perm], a[1][perm]), b, d3, per_row[perm], backend="cpu")
+    assert_bitwise_equal(d3, d2[perm], ctx="shuffled rows")
+
+
+def test_build_m_indices():
+    assert get_mk_alignment_for_contiguous_layout() == 128
+    assert build_m_indices([1, 0, 2], alignment=2).tolist() == [0, -1, 2, 2]
+    ids = build_m_indices(torch.tensor([130, 0, 128]))
+    assert ids.dtype == torch.int32 and ids.numel() == 256 + 128
+    assert (ids[:130] == 0).all() and (ids[130:256] == -1).all() and (ids[256:] == 2).all()
+    assert build_m_indices([]).numel() == 0
+    with pytest.raises(ValueError, match="counts >= 0"):
+        build_m_indices([3, -1])
+
+
+def test_large_m_cpu():
+    # M > 65536 rows (64-bit offsets), tiny N and K.
+    g, n, k = 2, 16, 128
+    m_indices = build_m_indices([40000, 30001])
+    m = m_indices.numel()
+    assert m > 65536
+    a, b, af, bf = make_inputs("fp8", g, m, n, k, masked=False, seed=3)
+    d = torch.empty((m, n), dtype=torch.bfloat16)
+    gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, backend="cpu")
+    assert_diff(d.float(), _ref_contiguous(af, bf, m_indices), 1e-3, f"{m=}")
+    assert (d[m_indices < 0] == 0).all()
+
+
+def test_bad_input():
+    a, b, _, _ = make_inputs("fp8", 2, 8, 128, 256, masked=False)
+    d = torch.empty(8, 128, dtype=torch.bfloat16)
+    ok = torch.zeros(8, dtype=torch.int32)
+    f = gemm.m_grouped_fp8_gemm_nt_contiguous
+    with pytest.raises(ValueError, match=r"m_indices\[3\] = 2 is outside \[-1, 2\)"):
+        f(a, b, d, torch.tensor([0, 0, 0, 2, 0, 0, 0, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"= -2 is outside"):
+        f(a, b, d, torch.full((8,), -2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"sfa must have shape \(8, 2\)"):
+        f((a[0], a[1][:, :1]), b, d, ok)
+    with pytest.raises(ValueError, match="sfb must be torch.float32"):
+        f(a, (b[0], b[1].double()), d, ok)
+    with pytest.raises(ValueError, match="multiple of the scale block 128"):
+        f((a[0][:, :200], a[1]), b, d, ok)
+    with pytest.raises(ValueError, match=r"d must have shape \(8, 128\)"):
+        f(a, b, torch.empty(8, 64, dtype=torch.bfloat16), ok)
+    with pytest.raises(ValueError, match="m_indices must have shape"):
+        f(a, b, d, ok[:5])
+    with pytest.raises(ValueError, match="psum layout"):
+        f(a, b, d, torch.tensor([6, 3], dtype=torch.int32), use_psum_layout=True)
+    with pytest.raises(ValueError, match="share one device"):
+        f(a, b, d.to("meta"), ok)
+    am, bm, _, _ = make_inputs("fp8_fp4", 2, 8, 128, 256, masked=True)
+    dm = torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"masked_m\[1\] = 9 is outside \[0, M_max = 8\]"):
+        gemm.m_grouped_fp8_fp4_gemm_nt_masked(am, bm, dm, torch.tensor([1, 9], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="b must be torch.uint8"):
+        gemm.m_grouped_fp8_fp4_gemm_nt_masked(
+            am, (bm[0].to(torch.int32), bm[1]), dm, torch.ones(2, dtype=torch.int32), 4
+        )
+    with pytest.raises(ValueError, match="single bf16 tensor"):
+        gemm.m_grouped_bf16_gemm_nt_masked(am, bm, dm, torch.ones(2, dtype=torch.int32), 4)
+
+
+# Rung 2: the Triton kernel source under the interpreter (small shapes).
+
+
+@requires_triton
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("g", [1, 4])
+def test_contiguous_triton_interpreter(kind, g):
+    n, k = 128, 256
+    counts = _counts(g, g + 1, hi=40)
+    m_indices = build_m_indices(counts, alignment=16)
+    m = m_indices.numel()
+    a, b, af, bf = make_inputs(kind, g, m, n, k, masked=False, seed=g)
+    d = torch.full((m, n), 5.0, dtype=torch.bfloat16)
+    CONTIG[kind](a, b, d, m_indices, backend="triton")
+    ctx = f"triton {kind=} {g=} counts={counts.tolist()}"
+    assert (d[m_indices < 0] == 0).all(), ctx
+    if m:
+        assert_diff(d.float(), _ref_contiguous(af, bf, m_indices), THRESH[kind], ctx)
+        want = CONTIG[kind](a, b, torch.empty_like(d), m_indices, backend="reference")
+        assert_diff(d.float(), want.float(), 1e-5, ctx + " vs reference backend")
+
+
+@requires_triton
+@pytest.mark.parametrize("kind", KINDS)
+def test_masked_triton_interpreter(kind):
+    g, m_max, n, k = 3, 40, 96, 256
+    a, b, af, bf = make_inputs(kind, g, m_max, n, k, masked=True, seed=9)
+    masked_m = torch.tensor([m_max, 0, 17], dtype=torch.int32)
+    d = torch.full((g, m_max, n), 9.0, dtype=torch.float32)
+    MASKED[kind](a, b, d, masked_m, 20, backend="triton")
+    live = torch.arange(m_max)[None, :] < masked_m[:, None].long()
+    ref = torch.einsum("gmk,gnk->gmn", af.float(), bf.float())
+    assert (d[~live] == 9.0).all(), f"{kind}: rows beyond masked_m must be untouched"
+    assert_diff(d[live], ref[live], THRESH[kind], f"triton masked {kind=}")
+
+
+@requires_triton
+def test_large_m_triton_interpreter_with_config_override():
+    from epkit.kernels.triton import grouped_gemm as tk
+
+    g, n, k = 2, 16, 128
+    m_indices = build_m_indices([40000, 30001])
+    a, b, af, bf = make_inputs("fp8", g, m_indices.numel(), n, k, masked=False, seed=4)
+    d = torch.full((m_indices.numel(), n), 3.0, dtype=torch.bfloat16)
+    seen = []
+
+    def big_tiles(kind, n_, k_, m_hint, device_type):
+        seen.append((kind, n_, k_))
+        return dict(BLOCK_M=2048, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=1)
+
+    tk.set_config_override(big_tiles)
+    try:
+        gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, backend="triton")
+    finally:
+        tk.set_config_override(None)
+    assert seen == [("fp8", n, k)]
+    assert (d[m_indices < 0] == 0).all()
+    assert_diff(d.float(), _ref_contiguous(af, bf, m_indices), 1e-3, "large M interpreter")
+
+
+@requires_triton
+def test_tile_schedule():
+    from epkit.kernels.triton.grouped_gemm import tile_schedule
+
+    grp, start, end = tile_schedule(torch.tensor([0, 0, 0, -1, 2, 2, 2, 2, 2], dtype=torch.int32), 2)
+    assert grp.tolist() == [0, 0, -1, 2, 2, 2]
+    assert start.tolist() == [0, 2, 3, 4, 6, 8]
+    assert end.tolist() == [3, 3, 4, 9, 9, 9]
+
+
+# Rung 3: compiled for sm_90 without a GPU.
+
+
+@requires_triton
+@pytest.mark.parametrize("kind,masked,block_m", [("fp8", False, 128), ("fp8", True, 64), ("fp8_fp4", False, 128)])
+def test_triton_compiles_for_sm90_with_wgmma(kind, masked, block_m):
+    from epkit.kernels.triton.grouped_gemm import compile_signature
+
+    k = compile_triton(*compile_signature(kind, masked, block_m))
+    assert ".target sm_90" in k.ptx
+    assert "wgmma.mma_async" in k.ptx, f"{kind}: the grouped GEMM must use Hopper wgmma"
+    if kind == "fp8":
+        assert "e4m3" in k.ptx, "FP8 operands must feed the tensor cores directly"
+    assert k.cubin and len(k.cubin) > 1000
+
+
+def test_ops_registered_with_selfchecks():
+    from epkit.backends import registered_ops
+
+    ops = registered_ops()
+    for kind in KINDS:
+        for layout in ("contiguous", "masked"):
+            spec = ops[f"m_grouped_{kind}_gemm_nt_{layout}"]
+            assert spec.selfcheck is not None
+            spec.selfcheck("cpu")
+
+
+# Expert MLP (gate/up -> SwiGLU -> FP8 re-quantization -> down) against a per-expert plain-torch MLP.
+
+
+def _mlp_weights(kind, g, inter, hidden, seed):
+    from epkit.moe import fuse_gate_up
+    from epkit.quant import cast_to_mxfp4, per_block_cast_to_fp8
+
+    gen = torch.Generator().manual_seed(seed)
+    wg = torch.randn(g, inter, hidden, generator=gen) / hidden**0.5
+    wu = torch.randn(g, inter, hidden, generator=gen) / hidden**0.5
+    wd = torch.randn(g, hidden, inter, generator=gen) / inter**0.5
+    if kind == "bf16":
+        wg, wu, wd = wg.bfloat16(), wu.bfloat16(), wd.bfloat16()
+        return wg, wu, wd, fuse_gate_up(wg, wu), wd
+    cast = per_block_cast_to_fp8 if kind == "fp8" else cast_to_mxfp4
+    return wg, wu, wd, cast(fuse_gate_up(wg, wu)), cast(wd)
+
+
+# two quantized GEMMs plus an FP8 re-quantization in a chain: looser than one GEMM
+MLP_THRESH = {"fp8": 4e-3, "fp8_fp4": 4e-2, "bf16": 1e-4}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("limit", [None, 1.0])
+def test_expert_mlp_contiguous(kind, limit):
+    from epkit.moe import expert_mlp, expert_mlp_reference
+
+    g, inter, hidden = 4, 256, 256
+    wg, wu, wd, w13, w2 = _mlp_weights(kind, g, inter, hidden, seed=1)
+    m_indices = build_m_indices([5, 0, 140, 33])
+    x = torch.randn(m_indices.numel(), hidden, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = expert_mlp(x, "contiguous", w13, w2, m_indices=m_indices, swiglu_limit=limit)
+    want = expert_mlp_reference(x, wg, wu, wd, m_indices, swiglu_limit=limit)
+    assert got.dtype == torch.bfloat16 and got.shape == (m_indices.numel(), hidden)
+    assert (got[m_indices < 0] == 0).all()
+    assert_diff(got.float(), want, MLP_THRESH[kind], f"{kind=} {limit=}")
+    if limit is not None:  # the clamp is active on these inputs
+        unclamped = expert_mlp_reference(x, wg, wu, wd, m_indices)
+        assert calc_diff(unclamped, want) > 5 * MLP_THRESH[kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_mlp_masked(kind):
+    from epkit.moe import expert_mlp, expert_mlp_reference
+
+    g, m_max, inter, hidden = 3, 24, 128, 256
+    wg, wu, wd, w13, w2 = _mlp_weights(kind, g, inter, hidden, seed=3)
+    x = torch.randn(g, m_max, hidden, generator=torch.Generator().manual_seed(4)) * 100  # large rows beyond masked_m
+    masked_m = torch.tensor([m_max, 0, 7], dtype=torch.int32)
+    got = expert_mlp(x, "masked", w13, w2, masked_m=masked_m, expected_m=10)
+    live = torch.arange(m_max)[None, :] < masked_m[:, None].long()
+    rows = torch.arange(g)[:, None].expand(g, m_max)
+    want = expert_mlp_reference(x[live], wg, wu, wd, rows[live])
+    assert (got[~live] == 0).all()
+    assert_diff(got[live].float(), want, MLP_THRESH[kind], f"masked {kind=}")
+
+
+def test_pack_moe_weight_round_trip():
+    from epkit.moe import pack_moe_weight, unpack_moe_weight
+
+    w = torch.arange(3 * 4 * 5, dtype=torch.float32).view(12, 5)
+    p = pack_moe_weight(w, 3)
+    assert p.shape == (3, 4, 5) and p.mT.is_contiguous()
+    assert torch.equal(p[1], w[4:8])
+    assert torch.equal(unpack_moe_weight(p), w)
+    with pytest.raises(ValueError, match="num_experts"):
+        pack_moe_weight(w, 5)
