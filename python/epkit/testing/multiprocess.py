@@ -77,7 +77,15 @@ def _kill(procs) -> None:
             p.join(2)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float | None = None, init_dist: bool = True, **kwargs) -> list:
+def run_ranks(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float | None = None,
+    init_dist: bool = True,
+    may_die: tuple[int, ...] = (),
+    **kwargs,
+) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
 
     Parameters
@@ -90,6 +98,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float | None = None, init_dis
         ``TimeoutError`` names the ranks that had not finished.
     init_dist : bool
         Initialise torch.distributed (gloo) in each rank (default True).
+    may_die : tuple of int
+        Ranks allowed to die without reporting (fault tests); their result is None.
 
     Returns
     -------
@@ -147,6 +157,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float | None = None, init_dis
                 kind, rank, payload = results.get(timeout=min(left, 0.5))
             except queue.Empty:
                 dead = [p for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode]
+                for p in [p for p in dead if int(p.name.removeprefix("epkit-rank")) in may_die]:
+                    out[int(p.name.removeprefix("epkit-rank"))] = None
+                dead = [p for p in dead if int(p.name.removeprefix("epkit-rank")) not in may_die]
                 if dead:
                     # A rank died without reporting (e.g. SIGKILL). Give its message a moment to arrive.
                     try:

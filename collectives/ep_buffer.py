@@ -1,0 +1,497 @@
+"""EPBuffer: DeepEP-style dispatch/combine (normal and low-latency) on symmetric memory.
+
+The protocol is written once against :class:`~epkit.collectives.symm_buffer.SymmBuffer`'s
+exchange; only the transport differs (``shm``: one-sided copies into peers'
+shared memory, no staging; ``torch``: torch.distributed all-to-all).
+
+Semantics (shared with DeepEP where it has them):
+* experts are split evenly: expert ``e`` lives on rank ``e // num_local_experts``;
+* each token goes once to each destination rank that holds one of its experts;
+* received rows are ordered by source rank, then source token order (deterministic);
+* ``recv_topk_idx`` holds local expert ids, ``-1`` where the expert lives elsewhere;
+* ``expand=True`` gives one row per (token, local expert), grouped by expert, each
+  group padded to ``expert_alignment`` with zero rows, plus the ``m_indices`` the
+  contiguous grouped GEMM takes (``-1`` on padding rows);
+* combine sums in a fixed order (see :mod:`epkit.collectives.ep_reference`), so
+  results are bitwise equal across transports and runs.
+
+Every input is validated on every rank before any row moves: a bad call on one
+rank raises the same ``ValueError`` on all ranks. Every wait has a timeout and a
+``TimeoutError`` names the silent peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epkit.collectives.symm_buffer import SymmBuffer
+
+__all__ = ["EPBuffer", "DispatchHandle", "LowLatencyHandle"]
+
+_META_MSG = 192  # bytes of error text carried by the layout exchange
+_ALIGN = 16
+
+
+def _al(n: int, a: int = _ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclass
+class DispatchHandle:
+    """State that combine (and a cached dispatch) needs. Returned by :meth:`EPBuffer.dispatch`."""
+
+    send_tokens: list[torch.Tensor]  # per destination rank: source token indices, ascending
+    recv_counts: list[int]  # rows received from each source rank
+    num_tokens: int
+    recv_topk_idx: torch.Tensor  # [R, K] local ids
+    recv_topk_weights: torch.Tensor  # [R, K] float32
+    expand: bool
+    expert_alignment: int
+    expanded_rows: torch.Tensor | None  # [X] received row per expanded row, -1 = padding
+    expanded_slot: torch.Tensor | None  # [R, K] expanded row of (j, k), -1 if not local
+
+
+@dataclass
+class LowLatencyHandle:
+    """State for :meth:`EPBuffer.low_latency_combine`."""
+
+    num_tokens: int
+    dst_of: torch.Tensor  # [T, K] destination rank per slot (-1: none)
+    expert_of: torch.Tensor  # [T, K] local expert id on the destination
+    pos_of: torch.Tensor  # [T, K] slot position within (source, expert) block
+    recv_src: list[torch.Tensor]  # per local expert: for each received row, (src rank) and position
+    recv_pos: list[torch.Tensor]
+    counts: torch.Tensor  # [W, L] rows received from each source per local expert
+
+
+class EPBuffer:
+    """Dispatch/combine for one EP group.
+
+    Parameters
+    ----------
+    group : ProcessGroup
+        The EP group (gloo for CPU ranks).
+    hidden : int
+        Hidden size of the rows moved.
+    num_experts : int
+        Routed (physical) experts; divisible by the group size.
+    num_max_tokens_per_rank : int
+        Capacity: the most tokens any rank dispatches in one call.
+    num_topk : int
+        Experts per token.
+    transport : {"auto", "shm", "torch"}
+    num_max_dispatch_tokens_per_rank : int, optional
+        Capacity of the low-latency mode (default: ``num_max_tokens_per_rank``).
+    timeout : float
+        Seconds any wait may take (default 30).
+    """
+
+    def __init__(
+        self,
+        group,
+        hidden: int,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_topk: int,
+        transport: str = "auto",
+        num_max_dispatch_tokens_per_rank: int | None = None,
+        timeout: float = 30.0,
+    ):
+        w = dist.get_world_size(group)
+        for name, v in (
+            ("hidden", hidden),
+            ("num_experts", num_experts),
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+            ("num_topk", num_topk),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if num_experts % w:
+            raise ValueError(f"num_experts {num_experts} is not divisible by the EP group size {w}")
+        self.group, self.world_size, self.rank = group, w, dist.get_rank(group)
+        self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
+        self.num_local_experts = num_experts // w
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank or num_max_tokens_per_rank
+        self.timeout = timeout
+        h, k, n = hidden, num_topk, num_max_tokens_per_rank
+        # Normal-mode row: x (up to 4 bytes/elem) + FP8 scales + local ids + weights + source index.
+        self._row_bytes = _al(4 * h) + _al(4 * -(-h // 128)) + _al(4 * k) + _al(4 * k) + _ALIGN
+        region = max(_al(8 * (2 + self.num_local_experts)) + _META_MSG, n * self._row_bytes, n * _al(4 * h))
+        ll = self.num_max_dispatch_tokens_per_rank * self.num_local_experts * (_al(2 * h) + _al(4 * -(-h // 128)))
+        ll += _al(4 * self.num_local_experts)
+        self._region = _al(max(region, ll, self.num_max_dispatch_tokens_per_rank * num_topk * _al(2 * h)), 4096)
+        self.buffer = SymmBuffer(group, self._region * w, transport=transport, timeout=timeout)
+        self.transport = self.buffer.transport
+        #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter).
+        self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
+
+    def is_within_domain(self) -> bool:
+        return self.buffer.is_within_domain()
+
+    # layout
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor):
+        """``(num_tokens_per_rank [W] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool)``.
+
+        Entries of -1 in ``topk_idx`` are skipped; a token counts once per rank however
+        many of its experts live there.
+        """
+        self._check_topk(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1)
+        valid = topk_idx >= 0
+        ids = topk_idx.long()
+        rank_of = torch.where(valid, ids // self.num_local_experts, torch.full_like(ids, self.world_size))
+        in_rank = torch.zeros(topk_idx.shape[0], self.world_size + 1, dtype=torch.bool)
+        in_rank.scatter_(1, rank_of, True)
+        in_rank = in_rank[:, : self.world_size].contiguous()
+        per_expert = torch.bincount(ids[valid], minlength=self.num_experts).to(torch.int32)
+        return in_rank.sum(0).to(torch.int32), per_expert, in_rank
+
+    # validation
+
+    def _check_topk(self, topk_idx, num_tokens: int) -> None:
+        if (
+            not isinstance(topk_idx, torch.Tensor)
+            or topk_idx.dim() != 2
+            or topk_idx.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                f"topk_idx must be a [num_tokens, {self.num_topk}] int32/int64 tensor, got "
+                f"{getattr(topk_idx, 'dtype', type(topk_idx))} {tuple(getattr(topk_idx, 'shape', ()))}"
+            )
+        if topk_idx.shape != (num_tokens, self.num_topk):
+            raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}, expected ({num_tokens}, {self.num_topk})")
+        if topk_idx.numel():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= self.num_experts:
+                bad = lo if lo < -1 else hi
+                t, k = (int(i) for i in (topk_idx == bad).nonzero()[0])
+                raise ValueError(f"topk_idx[{t}, {k}] = {bad} is outside [-1, {self.num_experts})")
+
+    def _validate_dispatch(self, x, scales, topk_idx, topk_weights, capacity: int) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must be [num_tokens, {self.hidden}], got {tuple(getattr(x, 'shape', ()))}")
+        if x.dtype not in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn):
+            raise ValueError(f"x dtype {x.dtype} is not supported (bfloat16, float16, float32, float8_e4m3fn)")
+        if (x.dtype == torch.float8_e4m3fn) != (scales is not None):
+            raise ValueError("FP8 x must come as (x_fp8, scales) with float32 scales [num_tokens, ceil(hidden/128)]")
+        t = x.shape[0]
+        if t > capacity:
+            raise ValueError(f"{t} tokens exceed num_max_tokens_per_rank = {capacity}")
+        if scales is not None and (scales.dtype != torch.float32 or tuple(scales.shape) != (t, -(-self.hidden // 128))):
+            raise ValueError(
+                f"scales must be float32 [{t}, {-(-self.hidden // 128)}], got {scales.dtype} {tuple(scales.shape)}"
+            )
+        self._check_topk(topk_idx, t)
+        if topk_weights is not None and tuple(topk_weights.shape) != (t, self.num_topk):
+            raise ValueError(f"topk_weights must be [{t}, {self.num_topk}], got {tuple(topk_weights.shape)}")
+
+    # normal mode
+
+    def dispatch(
+        self,
+        x,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment: int = 1,
+        expand: bool = False,
+        handle: DispatchHandle | None = None,
+    ):
+        """Send each token to every rank holding one of its experts.
+
+        Parameters
+        ----------
+        x : Tensor [T, hidden] (bf16/fp16/fp32) or tuple (x_fp8 [T, hidden] e4m3, scales [T, ceil(hidden/128)] f32)
+        topk_idx : Tensor [T, num_topk] int32/int64, values in [-1, num_experts)
+        topk_weights : Tensor [T, num_topk] float32, optional (zeros if omitted)
+        expert_alignment : int
+            Per-expert counts (and expanded groups) are padded to a multiple of this.
+        expand : bool
+            Also return one row per (token, local expert), grouped by expert (see module doc).
+        handle : DispatchHandle, optional
+            Reuse a previous layout (cached dispatch): skips the layout exchange; topk come from it.
+
+        Returns
+        -------
+        recv_x : Tensor [R, hidden] (or (fp8, scales)); with ``expand=True`` [X, hidden] expanded rows
+        recv_topk_idx : Tensor [R, num_topk] local expert ids, -1 elsewhere
+        recv_topk_weights : Tensor [R, num_topk] float32
+        num_recv_tokens_per_expert : list[int], per local expert, aligned to ``expert_alignment``
+        handle : DispatchHandle (``handle.m_indices`` when expanded: see :attr:`DispatchHandle`)
+        """
+        scales = None
+        if isinstance(x, (tuple, list)):
+            x, scales = x
+        if handle is not None:
+            return self._dispatch_cached(x, scales, handle)
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+        w, L = self.world_size, self.num_local_experts
+        error = None
+        try:
+            self._validate_dispatch(x, scales, topk_idx, topk_weights, self.num_max_tokens_per_rank)
+        except ValueError as exc:
+            error = str(exc)
+        meta_rows = []
+        if error is None:
+            _, _, in_rank = self.get_dispatch_layout(topk_idx)
+            tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
+            ids = topk_idx.long()
+            for r in range(w):
+                loc = ids[tokens[r]] - r * L
+                counts = torch.bincount(loc[(loc >= 0) & (loc < L)], minlength=L)
+                meta_rows.append(torch.cat([torch.tensor([0, tokens[r].numel()]), counts]))
+        # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
+        got = self._agree_rows(error, meta_rows, 2 + L)
+        recv_counts = [int(g[1]) for g in got]
+        if topk_weights is None:
+            topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
+        recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts)
+        recv_x, recv_scales, recv_idx, recv_w = recv
+        recv_idx = recv_idx.to(topk_idx.dtype)
+        return self._finish_dispatch(
+            recv_x, recv_scales, recv_idx, recv_w, tokens, recv_counts, x.shape[0], expand, expert_alignment
+        )
+
+    def _agree_rows(self, error: str | None, rows: list[torch.Tensor], num_words: int) -> list[torch.Tensor]:
+        """Send each destination its int64 meta row (or this rank's error); raise if any rank failed."""
+        w = self.world_size
+        nbytes = num_words * 8 + _META_MSG
+        send = []
+        for r in range(w):
+            msg = torch.zeros(nbytes, dtype=torch.uint8)
+            if error is None:
+                msg[: num_words * 8].copy_(rows[r].view(torch.uint8))
+            else:
+                msg[:8].view(torch.int64)[0] = -1
+                raw = error.encode()[: _META_MSG - 1]
+                msg[num_words * 8 : num_words * 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            send.append(msg)
+        got = self.buffer.all_to_all(send, [nbytes] * w, self._region, tag="layout")
+        errors = []
+        for src, g in enumerate(got):
+            if int(g[:8].view(torch.int64)[0]) == -1:
+                text = bytes(g[num_words * 8 :].tolist()).rstrip(b"\0").decode(errors="replace")
+                errors.append(f"rank {src}: {text}")
+        if errors:
+            raise ValueError("dispatch rejected on every rank before any data moved: " + "; ".join(errors))
+        return [g[: num_words * 8].view(torch.int64) for g in got]
+
+    def _send_rows(self, x, scales, topk_idx, topk_weights, tokens, recv_counts):
+        """Move rows; returns (recv_x, recv_scales, recv_idx int32, recv_w float32), rows by source then token."""
+        w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
+        xb, sb = x.element_size() * h, (4 * scales.shape[1] if scales is not None else 0)
+        x_bytes = x.contiguous().view(torch.uint8).view(x.shape[0], xb)
+        s_bytes = scales.contiguous().view(torch.uint8).view(x.shape[0], sb) if scales is not None else None
+        ids = topk_idx.long()
+        ex = self.buffer.exchange(self._region, tag="dispatch")
+
+        def blocks(n):  # byte offsets of the field blocks of an n-row message
+            o_x = 0
+            o_s = _al(o_x + n * xb)
+            o_i = _al(o_s + n * sb)
+            o_w = _al(o_i + n * 4 * K)
+            o_t = _al(o_w + n * 4 * K)
+            return o_x, o_s, o_i, o_w, o_t, _al(o_t + n * 4)
+
+        for step in range(w):
+            dst = (self.rank + step) % w
+            t = tokens[dst]
+            n = t.numel()
+            if n == 0:
+                ex.commit(dst, 0)
+                continue
+            o_x, o_s, o_i, o_w, o_t, end = blocks(n)
+            region = ex.send_region(dst)
+            torch.index_select(x_bytes, 0, t, out=region[o_x : o_x + n * xb].view(n, xb))
+            if s_bytes is not None:
+                torch.index_select(s_bytes, 0, t, out=region[o_s : o_s + n * sb].view(n, sb))
+            loc = ids[t] - dst * L
+            loc = torch.where((ids[t] >= 0) & (loc >= 0) & (loc < L), loc, -1)
+            region[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K).copy_(loc)
+            torch.index_select(topk_weights, 0, t, out=region[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K))
+            region[o_t : o_t + n * 4].view(torch.int32).copy_(t)
+            ex.commit(dst, end)
+        total = sum(recv_counts)
+        recv_x = torch.empty((total, xb), dtype=torch.uint8)
+        recv_s = torch.empty((total, sb), dtype=torch.uint8) if s_bytes is not None else None
+        recv_i = torch.empty((total, K), dtype=torch.int32)
+        recv_w = torch.empty((total, K), dtype=torch.float32)
+        views = ex.receive([blocks(n)[5] if n else 0 for n in recv_counts])
+        row = 0
+        for src, v in enumerate(views):
+            n = recv_counts[src]
+            if n:
+                o_x, o_s, o_i, o_w, _, _ = blocks(n)
+                recv_x[row : row + n].copy_(v[o_x : o_x + n * xb].view(n, xb))
+                if recv_s is not None:
+                    recv_s[row : row + n].copy_(v[o_s : o_s + n * sb].view(n, sb))
+                recv_i[row : row + n].copy_(v[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K))
+                recv_w[row : row + n].copy_(v[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K))
+            row += n
+        ex.release()
+        recv_x = recv_x.view(x.dtype).view(total, h)
+        recv_s = recv_s.view(torch.float32).view(total, -1) if recv_s is not None else None
+        return recv_x, recv_s, recv_i, recv_w
+
+    def _finish_dispatch(
+        self, recv_x, recv_scales, recv_idx, recv_w, tokens, recv_counts, num_tokens, expand, alignment
+    ):
+        L = self.num_local_experts
+        valid = recv_idx >= 0
+        counts = torch.bincount(recv_idx[valid].long(), minlength=L)
+        self.recv_tokens_per_expert_total += counts
+        aligned = [int(-(-c // alignment) * alignment) for c in counts.tolist()]
+        rows = slot = None
+        out_x, out_s = recv_x, recv_scales
+        if expand:
+            rows, slot = self._expanded_layout(recv_idx, counts, alignment)
+            from epkit.gather import gather_rows
+
+            out_x = gather_rows(recv_x, rows)
+            out_s = gather_rows(recv_scales, rows) if recv_scales is not None else None
+        handle = DispatchHandle(
+            send_tokens=tokens,
+            recv_counts=recv_counts,
+            num_tokens=num_tokens,
+            recv_topk_idx=recv_idx,
+            recv_topk_weights=recv_w,
+            expand=expand,
+            expert_alignment=alignment,
+            expanded_rows=rows,
+            expanded_slot=slot,
+        )
+        x_out = (out_x, out_s) if out_s is not None else out_x
+        return x_out, recv_idx, recv_w, aligned, handle
+
+    def _expanded_layout(self, recv_idx: torch.Tensor, counts: torch.Tensor, alignment: int):
+        """Rows per (received token, local expert), by expert then received order; groups padded with -1."""
+        r, k = recv_idx.shape
+        L = self.num_local_experts
+        flat = recv_idx.long().reshape(-1)
+        sel = (flat >= 0).nonzero().flatten()  # (j, k) pairs in (j, k) order
+        order = torch.sort(flat[sel], stable=True).indices
+        pairs = sel[order]  # grouped by expert, within by received row
+        sizes = counts.tolist()
+        padded = [-(-c // alignment) * alignment for c in sizes]
+        starts = torch.tensor([0] + padded[:-1], dtype=torch.int64).cumsum(0) if L else torch.zeros(0)
+        rows = torch.full((sum(padded),), -1, dtype=torch.int64)
+        slot = torch.full((r * k,), -1, dtype=torch.int64)
+        pos_in_group = torch.arange(pairs.numel()) - torch.repeat_interleave(
+            torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0), torch.tensor(sizes)
+        )
+        dest = starts[flat[pairs]] + pos_in_group
+        rows[dest] = pairs // k
+        slot[pairs] = dest
+        return rows, slot.view(r, k)
+
+    @staticmethod
+    def m_indices(handle: DispatchHandle) -> torch.Tensor:
+        """``[X] int32`` local expert id per expanded row, -1 on padding (the contiguous grouped GEMM's input)."""
+        if not handle.expand:
+            raise ValueError("m_indices needs a dispatch with expand=True")
+        rows = handle.expanded_rows
+        out = torch.full(rows.shape, -1, dtype=torch.int32)
+        ok = handle.expanded_slot >= 0
+        flat_slot = handle.expanded_slot[ok]
+        out[flat_slot] = handle.recv_topk_idx[ok].to(torch.int32)
+        return out
+
+    def _dispatch_cached(self, x, scales, handle: DispatchHandle):
+        self._validate_dispatch(
+            x, scales, torch.zeros((x.shape[0], self.num_topk), dtype=torch.int64), None, self.num_max_tokens_per_rank
+        )
+        if x.shape[0] != handle.num_tokens:
+            raise ValueError(f"cached dispatch: x has {x.shape[0]} tokens, the handle was made for {handle.num_tokens}")
+        dummy_idx = torch.full((x.shape[0], self.num_topk), -1, dtype=torch.int64)
+        dummy_w = torch.zeros((x.shape[0], self.num_topk), dtype=torch.float32)
+        recv_x, recv_s, _, _ = self._send_rows(x, scales, dummy_idx, dummy_w, handle.send_tokens, handle.recv_counts)
+        out_x, out_s = recv_x, recv_s
+        if handle.expand:
+            from epkit.gather import gather_rows
+
+            out_x = gather_rows(recv_x, handle.expanded_rows)
+            out_s = gather_rows(recv_s, handle.expanded_rows) if recv_s is not None else None
+        x_out = (out_x, out_s) if out_s is not None else out_x
+        L, a = self.num_local_experts, handle.expert_alignment
+        counts = torch.bincount(handle.recv_topk_idx[handle.recv_topk_idx >= 0].long(), minlength=L)
+        aligned = [int(-(-c // a) * a) for c in counts.tolist()]
+        return x_out, handle.recv_topk_idx, handle.recv_topk_weights, aligned, handle
+
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None
+    ) -> torch.Tensor:
+        """Return every token's expert outputs to its source rank and sum them there.
+
+        Parameters
+        ----------
+        y : Tensor [R, hidden] (normal: one row per received row, routing weights already applied)
+            or [X, hidden] (``expand=True``: one row per expanded row; weighted here)
+        handle : DispatchHandle from the matching dispatch
+        topk_weights : Tensor [R, num_topk], optional
+            Expanded mode: weights to apply (default: the weights carried in the handle).
+        bias : Tensor [T, hidden] or a tuple of up to two, optional
+            Added after the sum (e.g. the shared expert's output).
+
+        Returns
+        -------
+        Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order.
+        """
+        w, h = self.world_size, self.hidden
+        biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
+        want_rows = handle.expanded_rows.numel() if handle.expand else sum(handle.recv_counts)
+        if (
+            y.dim() != 2
+            or tuple(y.shape) != (want_rows, h)
+            or y.dtype not in (torch.bfloat16, torch.float32, torch.float16)
+        ):
+            raise ValueError(f"y must be bf16/fp16/fp32 [{want_rows}, {h}], got {y.dtype} {tuple(y.shape)}")
+        for b in biases:
+            if tuple(b.shape) != (handle.num_tokens, h):
+                raise ValueError(f"bias must be [{handle.num_tokens}, {h}], got {tuple(b.shape)}")
+        if len(biases) > 2:
+            raise ValueError("at most two bias tensors")
+        if handle.expand:
+            weights = handle.recv_topk_weights if topk_weights is None else topk_weights.float()
+            if tuple(weights.shape) != tuple(handle.recv_topk_idx.shape):
+                raise ValueError(
+                    f"topk_weights must be {tuple(handle.recv_topk_idx.shape)}, got {tuple(weights.shape)}"
+                )
+            partial = torch.zeros((handle.recv_topk_idx.shape[0], h), dtype=torch.float32)
+            slot = handle.expanded_slot
+            yf = y.float()
+            for k in range(self.num_topk):
+                ok = slot[:, k] >= 0
+                contrib = weights[:, k : k + 1] * yf[slot[:, k].clamp(min=0)]
+                partial += torch.where(ok[:, None], contrib, torch.zeros((), dtype=torch.float32))
+            rows = partial.to(y.dtype)
+        else:
+            rows = y.contiguous()
+        es = rows.element_size()
+        row_bytes = h * es
+        ex = self.buffer.exchange(self._region, tag="combine")
+        offs = [0]
+        for c in handle.recv_counts:
+            offs.append(offs[-1] + c)
+        rows_b = (
+            rows.view(torch.uint8).view(-1, row_bytes) if rows.numel() else rows.view(torch.uint8).view(0, row_bytes)
+        )
+        for step in range(w):
+            dst = (self.rank + step) % w
+            n = handle.recv_counts[dst]
+            if n:
+                ex.send_region(dst)[: n * row_bytes].view(n, row_bytes).copy_(rows_b[offs[dst] : offs[dst] + n])
+            ex.commit(dst, n * row_bytes)
+        views = ex.receive([t.numel() * row_bytes for t in handle.send_tokens])
+        acc = torch.zeros((handle.num_tokens, h), dtype=torch.float32)
+        for r in range(w):
+            t = handle.send_tokens[r]
+            if t.numel():
+                acc.index_add_(0, t, views[r].view(rows.dtype).view(-1, h).float())
+        ex.release()
+        for b in biases:
+            acc += b.float()
+        return acc.to(y.dtype)

@@ -1,0 +1,141 @@
+"""Reference dispatch/combine: the textbook two-step exchange in plain torch over all_to_all_single.
+
+This is the specification EPBuffer is tested against, bit for bit. Step 1
+exchanges counts, step 2 the rows (each token once per destination rank, in
+token order); combine sends rows back and sums them at the source.
+
+Fixed arithmetic order (EPBuffer reproduces it exactly):
+* normal combine: ``out[t] = sum over destination ranks r ascending of y_r[t]`` in float32, then
+  biases in order, then cast to ``y.dtype``;
+* expanded combine: on the expert rank, ``partial[j] = sum over k ascending of w[j, k] * y[row(j, k)]``
+  in float32 (only slots whose expert is local), cast to ``y.dtype`` and sent back; the source
+  sums the partials as in normal combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["reference_dispatch", "reference_combine", "reference_layout"]
+
+
+def reference_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int):
+    """(num_tokens_per_rank [W], num_tokens_per_expert [E], is_token_in_rank [T, W] bool); -1 entries skipped."""
+    local = num_experts // world_size
+    valid = topk_idx >= 0
+    rank_of = torch.where(valid, topk_idx // local, torch.full_like(topk_idx, -1))
+    in_rank = torch.zeros(topk_idx.shape[0], world_size, dtype=torch.bool)
+    for k in range(topk_idx.shape[1]):
+        ok = rank_of[:, k] >= 0
+        in_rank[ok.nonzero().flatten(), rank_of[ok, k]] = True
+    per_rank = in_rank.sum(0).to(torch.int32)
+    per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
+    return per_rank, per_expert, in_rank
+
+
+def _a2a(send_rows: list[torch.Tensor], recv_counts: list[int], like: torch.Tensor, group) -> list[torch.Tensor]:
+    """all_to_all_single of row blocks; returns one block per source rank."""
+    send = torch.cat(send_rows) if send_rows else like.new_empty((0, *like.shape[1:]))
+    recv = like.new_empty((sum(recv_counts), *like.shape[1:]))
+    dist.all_to_all_single(
+        recv,
+        send.contiguous(),
+        output_split_sizes=recv_counts,
+        input_split_sizes=[r.shape[0] for r in send_rows],
+        group=group,
+    )
+    return list(torch.split(recv, recv_counts))
+
+
+def reference_dispatch(
+    x,
+    topk_idx,
+    topk_weights,
+    num_experts: int,
+    group=None,
+    expand: bool = False,
+    expert_alignment: int = 1,
+    x_scales: torch.Tensor | None = None,
+):
+    """The textbook dispatch. Returns a dict with every output EPBuffer.dispatch returns (and the combine state)."""
+    w, me = dist.get_world_size(group), dist.get_rank(group)
+    local = num_experts // w
+    per_rank, _, in_rank = reference_layout(topk_idx, num_experts, w)
+    tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
+    send_counts = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)
+    recv_counts = torch.empty(w, dtype=torch.int64)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    rc = recv_counts.tolist()
+
+    def ship(rows_of):
+        return torch.cat(_a2a([rows_of(r, t) for r, t in enumerate(tokens)], rc, rows_of(0, tokens[0]), group))
+
+    def local_ids(r, t):
+        ids = topk_idx[t].long()
+        on_r = (ids >= 0) & (ids // local == r)
+        return torch.where(on_r, ids - r * local, torch.full_like(ids, -1))
+
+    xb = x.view(torch.uint8) if x.dtype != torch.uint8 else x
+    recv_x = ship(lambda r, t: xb[t]).view(x.dtype).view(-1, *x.shape[1:])
+    recv_scales = ship(lambda r, t: x_scales[t]) if x_scales is not None else None
+    recv_idx = ship(local_ids)
+    recv_w = ship(lambda r, t: topk_weights[t].float())
+    out = {
+        "recv_x": recv_x,
+        "recv_scales": recv_scales,
+        "recv_topk_idx": recv_idx.to(topk_idx.dtype),
+        "recv_topk_weights": recv_w,
+        "tokens": tokens,
+        "recv_counts": rc,
+        "num_local": local,
+        "rank": me,
+    }
+    counts = torch.bincount(recv_idx[recv_idx >= 0], minlength=local)
+    a = expert_alignment
+    out["num_recv_tokens_per_expert"] = [int(-(-c // a) * a) for c in counts.tolist()]
+    if expand:
+        rows, m_indices, slot = [], [], {}
+        for e in range(local):
+            for j in range(recv_idx.shape[0]):
+                for k in range(recv_idx.shape[1]):
+                    if int(recv_idx[j, k]) == e:
+                        slot[(j, k)] = len(rows)
+                        rows.append(j)
+                        m_indices.append(e)
+            while len(rows) % a:
+                rows.append(-1)
+                m_indices.append(-1)
+        zero = torch.zeros_like(recv_x[:1]) if recv_x.shape[0] else recv_x.new_zeros((1, *recv_x.shape[1:]))
+        out["expanded_x"] = (
+            torch.cat([recv_x[j : j + 1] if j >= 0 else zero for j in rows])
+            if rows
+            else recv_x.new_empty((0, *recv_x.shape[1:]))
+        )
+        out["m_indices"] = torch.tensor(m_indices, dtype=torch.int32)
+        out["slot"] = slot
+    return out
+
+
+def reference_combine(y, state: dict, num_tokens: int, group=None, topk_weights=None, bias=None, expand=False):
+    """The textbook combine for a :func:`reference_dispatch` state; returns ``[num_tokens, hidden]``."""
+    w = dist.get_world_size(group)
+    rc = state["recv_counts"]
+    if expand:
+        recv_idx = state["recv_topk_idx"]
+        weights = state["recv_topk_weights"] if topk_weights is None else topk_weights.float()
+        partial = torch.zeros((recv_idx.shape[0], y.shape[1]), dtype=torch.float32)
+        for j in range(recv_idx.shape[0]):
+            for k in range(recv_idx.shape[1]):
+                if int(recv_idx[j, k]) >= 0:
+                    partial[j] += weights[j, k] * y[state["slot"][(j, k)]].float()
+        rows = partial.to(y.dtype)
+    else:
+        rows = y
+    back = _a2a(list(torch.split(rows, rc)), [t.numel() for t in state["tokens"]], rows, group)
+    acc = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32)
+    for r in range(w):
+        acc[state["tokens"][r]] += back[r].float()
+    for b in [] if bias is None else (bias if isinstance(bias, (tuple, list)) else [bias]):
+        acc += b.float()
+    return acc.to(y.dtype)

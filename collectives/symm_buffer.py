@@ -1,0 +1,352 @@
+"""Symmetric memory: one buffer of the same size on every rank of a group, plus 64-bit signal words.
+
+Transports
+----------
+``shm``      CPU ranks on one host. Each rank creates a POSIX shared-memory
+             segment (mode 0600, a random 128-bit name), the names travel over
+             the group, every rank maps every peer's segment, and each segment's
+             name is unlinked as soon as all ranks have attached: a killed rank
+             leaves nothing in /dev/shm. ``peer(r)`` is a direct view of rank r's
+             buffer; puts are plain copies into it; signals are atomics in
+             ``epkit._C`` and waits are timed.
+``torch``    torch.distributed exchanges for ranks on several hosts: ``local``
+             exists but no peer is addressable, so one-sided ``peer``/``signal``
+             raise; protocols use :meth:`SymmBuffer.all_to_all` instead.
+
+Every wait has a timeout and a :class:`TimeoutError` names the silent peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import secrets
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SymmBuffer", "TRANSPORTS"]
+
+TRANSPORTS = ("shm", "torch")
+_ALIGN = 4096
+# Reserved signal words per rank segment: data-ready, ack and barrier words, one per source rank.
+_READY, _ACK, _BARRIER = 0, 1, 2
+
+
+def _view(addr: int, nbytes: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+def _default_transport(group) -> str:
+    backend = dist.get_backend(group)
+    if backend == "gloo" and _all_on_one_host(group):
+        return "shm"
+    return "torch"
+
+
+def _all_on_one_host(group) -> bool:
+    host = os.uname().nodename
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, host, group=group)
+    return len(set(hosts)) == 1
+
+
+class SymmBuffer:
+    """A buffer of ``num_bytes`` on every rank of ``group``, with signal words.
+
+    Parameters
+    ----------
+    group : ProcessGroup
+        A gloo group (shm/torch transports). Creation is collective over it.
+    num_bytes : int
+        Size of each rank's buffer (``local``).
+    transport : {"auto", "shm", "torch"}
+        ``auto`` picks ``shm`` when every rank is on this host, else ``torch``.
+    num_signals : int
+        User signal words per rank (``signal``/``wait_until`` indices).
+    timeout : float
+        Default seconds for every wait.
+
+    Attributes
+    ----------
+    local : Tensor [num_bytes] uint8
+        This rank's buffer (views into it must not outlive :meth:`close`).
+    rank, world_size : int
+        Position in ``group``.
+    """
+
+    def __init__(self, group, num_bytes: int, transport: str = "auto", num_signals: int = 64, timeout: float = 30.0):
+        if not isinstance(num_bytes, int) or num_bytes < 0:
+            raise ValueError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
+        if not isinstance(num_signals, int) or num_signals < 0:
+            raise ValueError(f"num_signals must be a non-negative int, got {num_signals!r}")
+        if transport not in ("auto", *TRANSPORTS):
+            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {transport!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.num_bytes = num_bytes
+        self.num_signals = num_signals
+        self.timeout = timeout
+        self.transport = _default_transport(group) if transport == "auto" else transport
+        self._segments: list = []
+        self._peers: list[torch.Tensor] = []
+        self._epochs = {"barrier": 0}
+        if self.transport == "shm":
+            self._init_shm()
+        else:
+            self.local = torch.zeros(num_bytes, dtype=torch.uint8)
+
+    # shm transport
+
+    def _init_shm(self) -> None:
+        from epkit import _C
+
+        w = self.world_size
+        self._num_words = 3 * w + self.num_signals
+        self._data_offset = -(-self._num_words * 8 // _ALIGN) * _ALIGN
+        seg_bytes = self._data_offset + max(self.num_bytes, 1)
+        name = f"/epkit-{secrets.token_hex(16)}"
+        mine = _C.ShmSegment(name, seg_bytes, True)
+        try:
+            names = [None] * w
+            dist.all_gather_object(names, name, group=self.group)
+            segs = [mine if r == self.rank else _C.ShmSegment(names[r], seg_bytes, False) for r in range(w)]
+            # Every rank has attached every segment once this barrier passes: unlink the names now.
+            dist.barrier(group=self.group)
+        finally:
+            mine.unlink()
+        self._segments = segs
+        self._peers = [_view(s.addr + self._data_offset, self.num_bytes) for s in segs]
+        self.local = self._peers[self.rank]
+
+    def _check_shm(self, what: str) -> None:
+        if self.transport != "shm":
+            raise RuntimeError(
+                f"SymmBuffer.{what} needs a directly addressable transport (shm); this buffer uses "
+                f"{self.transport!r}: use all_to_all instead"
+            )
+        if not self._segments:
+            raise RuntimeError("SymmBuffer is closed")
+
+    def _check_rank(self, rank: int) -> int:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
+        return rank
+
+    def is_within_domain(self) -> bool:
+        """True when every peer is directly addressable (one host for shm)."""
+        return self.transport == "shm"
+
+    def peer(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s buffer as a ``[num_bytes]`` uint8 view (shm only); writes are one-sided puts."""
+        self._check_shm("peer")
+        return self._peers[self._check_rank(rank)]
+
+    # signals
+
+    def _word(self, kind: int, idx: int) -> int:
+        return (kind * self.world_size + idx) * 8
+
+    def _user_word(self, idx: int) -> int:
+        if not isinstance(idx, int) or not 0 <= idx < self.num_signals:
+            raise ValueError(f"signal index must be in [0, {self.num_signals}), got {idx!r}")
+        return (3 * self.world_size + idx) * 8
+
+    def signal(self, rank: int, idx: int, value: int, op: str = "set") -> None:
+        """Set or add ``value`` to user signal word ``idx`` of rank ``rank`` (release ordering after prior puts)."""
+        self._check_shm("signal")
+        seg = self._segments[self._check_rank(rank)]
+        off = self._user_word(idx)
+        if op == "set":
+            seg.store(off, value)
+        elif op == "add":
+            seg.fetch_add(off, value)
+        else:
+            raise ValueError(f"op must be 'set' or 'add', got {op!r}")
+
+    def read_signal(self, idx: int) -> int:
+        """Current value of this rank's user signal word ``idx``."""
+        self._check_shm("read_signal")
+        return self._segments[self.rank].load(self._user_word(idx))
+
+    def wait_until(self, idx: int, cmp: str, value: int, timeout: float | None = None) -> int:
+        """Wait until this rank's user signal ``idx`` satisfies ``cmp value``; returns the value seen."""
+        self._check_shm("wait_until")
+        t = self.timeout if timeout is None else timeout
+        return self._segments[self.rank].wait_until(self._user_word(idx), cmp, value, t)
+
+    def _post(self, kind: int, dst: int, value: int) -> None:
+        self._segments[dst].store(self._word(kind, self.rank), value)
+
+    def _wait_from(self, kind: int, src: int, value: int, what: str, timeout: float | None = None) -> None:
+        t = self.timeout if timeout is None else timeout
+        try:
+            self._segments[self.rank].wait_until(self._word(kind, src), ">=", value, t)
+        except TimeoutError:
+            raise TimeoutError(
+                f"rank {self.rank}: rank {src} sent no {what} signal within {t:g} s "
+                f"(epoch {value}); it died or stopped calling"
+            ) from None
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """All ranks of the group reach this point (signals on shm, torch.distributed otherwise)."""
+        if self.transport != "shm":
+            work = dist.barrier(group=self.group, async_op=True)
+            if not work.wait(timeout=timedelta(seconds=self.timeout if timeout is None else timeout)):
+                raise TimeoutError(f"rank {self.rank}: barrier timed out")
+            return
+        self._check_shm("barrier")
+        self._epochs["barrier"] += 1
+        e = self._epochs["barrier"]
+        for r in range(self.world_size):
+            self._post(_BARRIER, r, e)
+        for r in range(self.world_size):
+            self._wait_from(_BARRIER, r, e, "barrier", timeout)
+
+    # collective exchange used by the dispatch/combine protocol
+
+    def exchange(self, region_bytes: int, tag: str = "exchange", timeout: float | None = None) -> Exchange:
+        """Begin one all-to-all of byte payloads (collective: every rank calls it in the same order).
+
+        Each source rank owns a region of ``region_bytes`` in every receiver's buffer.
+        Write the payload for rank ``r`` into ``ex.send_region(r)`` (on shm that is rank r's
+        memory: a one-sided put with no staging copy), call ``ex.commit(r, nbytes)``,
+        then ``ex.receive(recv_bytes)`` returns per-source views of what arrived, valid
+        until ``ex.release()``. See :meth:`all_to_all` for the one-call form.
+        """
+        w = self.world_size
+        if self.transport == "shm":
+            self._check_shm("exchange")
+            if region_bytes * w > self.num_bytes:
+                raise ValueError(
+                    f"{w} regions of {region_bytes} bytes exceed the {self.num_bytes}-byte buffer; "
+                    f"create the buffer with num_bytes >= {region_bytes * w}"
+                )
+        self._epochs["a2a"] = self._epochs.get("a2a", 0) + 1
+        return Exchange(self, self._epochs["a2a"], region_bytes, tag, self.timeout if timeout is None else timeout)
+
+    def all_to_all(
+        self,
+        send: list[torch.Tensor],
+        recv_bytes: list[int],
+        region_bytes: int,
+        tag: str = "exchange",
+        timeout: float | None = None,
+    ) -> list[torch.Tensor]:
+        """Exchange byte payloads: ``send[r]`` (uint8, 1-D) goes to rank r; returns copies of what each rank sent.
+
+        ``recv_bytes[r]`` is the size rank r sends here (known from an earlier exchange
+        or fixed by the protocol).
+        """
+        w = self.world_size
+        if len(send) != w or len(recv_bytes) != w:
+            raise ValueError(f"all_to_all needs {w} send payloads and {w} receive sizes")
+        ex = self.exchange(region_bytes, tag, timeout)
+        for k in range(w):
+            dst = (self.rank + k) % w
+            n = send[dst].numel()
+            if n:
+                ex.send_region(dst)[:n].copy_(send[dst].reshape(-1))
+            ex.commit(dst, n)
+        out = [v.clone() for v in ex.receive(recv_bytes)]
+        ex.release()
+        return out
+
+    def close(self) -> None:
+        """Unmap every segment; views into the buffer become invalid."""
+        self._peers = []
+        self.local = torch.empty(0, dtype=torch.uint8)
+        for s in self._segments:
+            s.close()
+        self._segments = []
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class Exchange:
+    """One all-to-all in flight on a :class:`SymmBuffer` (see :meth:`SymmBuffer.exchange`)."""
+
+    def __init__(self, buf: SymmBuffer, epoch: int, region_bytes: int, tag: str, timeout: float):
+        self.buf, self.epoch, self.region_bytes, self.tag, self.timeout = buf, epoch, region_bytes, tag, timeout
+        w = buf.world_size
+        self._sizes = [None] * w
+        self._staging: list[torch.Tensor | None] = [None] * w
+        self._recv = None
+        self._acked = [False] * w
+
+    def send_region(self, dst: int) -> torch.Tensor:
+        """``[region_bytes]`` uint8 view to fill with the payload for ``dst``."""
+        buf = self.buf
+        if buf.transport != "shm":
+            if self._staging[dst] is None:
+                self._staging[dst] = torch.empty(self.region_bytes, dtype=torch.uint8)
+            return self._staging[dst]
+        if self.epoch > 1 and not self._acked[dst]:
+            # dst must have consumed our previous message before we overwrite its region.
+            buf._wait_from(_ACK, dst, self.epoch - 1, f"{self.tag} consumed", self.timeout)
+            self._acked[dst] = True
+        off = buf.rank * self.region_bytes
+        return buf._peers[dst][off : off + self.region_bytes]
+
+    def commit(self, dst: int, nbytes: int) -> None:
+        """The payload for ``dst`` (``nbytes`` at the start of its region) is complete."""
+        if not 0 <= nbytes <= self.region_bytes:
+            raise ValueError(f"payload of {nbytes} bytes for rank {dst} exceeds the {self.region_bytes}-byte region")
+        buf = self.buf
+        if nbytes and buf.transport == "shm" and self.epoch > 1 and not self._acked[dst]:
+            raise RuntimeError("commit() of a payload without send_region(): nothing was written for this epoch")
+        if nbytes and buf.transport != "shm" and self._staging[dst] is None:
+            raise RuntimeError("commit() of a payload without send_region(): nothing was written")
+        if buf.transport == "shm":
+            # A zero-byte message writes nothing, so it needs no acknowledgement of the previous one.
+            buf._post(_READY, dst, self.epoch)
+        self._sizes[dst] = nbytes
+
+    def receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+        """Wait for every source's payload; ``recv_bytes[r]`` bytes from rank r. Views valid until release()."""
+        buf = self.buf
+        w = buf.world_size
+        if any(s is None for s in self._sizes):
+            missing = [r for r, s in enumerate(self._sizes) if s is None]
+            raise RuntimeError(f"receive() before commit() for ranks {missing}")
+        if buf.transport != "shm":
+            send = torch.cat(
+                [self._staging[r][:n] if n else torch.empty(0, dtype=torch.uint8) for r, n in enumerate(self._sizes)]
+            )
+            recv = torch.empty(sum(recv_bytes), dtype=torch.uint8)
+            work = dist.all_to_all_single(
+                recv,
+                send,
+                output_split_sizes=list(recv_bytes),
+                input_split_sizes=list(self._sizes),
+                group=buf.group,
+                async_op=True,
+            )
+            if not work.wait(timeout=timedelta(seconds=self.timeout)):
+                raise TimeoutError(f"rank {buf.rank}: {self.tag} all-to-all timed out after {self.timeout:g} s")
+            self._recv = list(torch.split(recv, list(recv_bytes)))
+            return self._recv
+        out = []
+        for src in range(w):
+            buf._wait_from(_READY, src, self.epoch, f"{self.tag} data", self.timeout)
+            n = recv_bytes[src]
+            if n > self.region_bytes:
+                raise ValueError(f"rank {src} is said to send {n} bytes, more than the {self.region_bytes}-byte region")
+            out.append(buf.local[src * self.region_bytes : src * self.region_bytes + n])
+        self._recv = out
+        return out
+
+    def release(self) -> None:
+        """Done reading the received views: let every source reuse its region."""
+        buf = self.buf
+        if buf.transport == "shm":
+            for src in range(buf.world_size):
+                buf._post(_ACK, src, self.epoch)
+        self._recv = None

@@ -1,0 +1,88 @@
+"""SymmBuffer on real CPU ranks: shm segments, one-sided puts, signals, barriers, exchanges, cleanup."""
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epkit.collectives.symm_buffer import SymmBuffer
+from epkit.testing.multiprocess import run_ranks
+
+
+def _shm_names():
+    return set(glob.glob("/dev/shm/epkit-*"))
+
+
+def _puts_and_signals(rank, world_size, transport):
+    buf = SymmBuffer(dist.group.WORLD, 4096, transport=transport, num_signals=4, timeout=20)
+    assert buf.transport == transport and buf.is_within_domain() == (transport == "shm")
+    if transport == "shm":
+        nxt = (rank + 1) % world_size
+        buf.peer(nxt)[rank * 8 : rank * 8 + 8].copy_(torch.full((8,), rank + 1, dtype=torch.uint8))
+        buf.signal(nxt, 0, 1, op="add")
+        buf.wait_until(0, ">=", 1)
+        prev = (rank - 1) % world_size
+        assert buf.local[prev * 8 : prev * 8 + 8].tolist() == [prev + 1] * 8
+        buf.barrier()
+        buf.barrier()
+    else:
+        with pytest.raises(RuntimeError, match="directly addressable"):
+            buf.peer(0)
+        buf.barrier()
+    # all_to_all: rank r sends r+1 bytes of value 10*r+dst to each dst.
+    send = [torch.full((rank + 1,), 10 * rank + dst, dtype=torch.uint8) for dst in range(world_size)]
+    for _ in range(3):  # repeated exchanges reuse the regions safely
+        got = buf.all_to_all(send, [src + 1 for src in range(world_size)], region_bytes=64)
+        assert [g.tolist() for g in got] == [[10 * src + rank] * (src + 1) for src in range(world_size)]
+    buf.close()
+    return True
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_puts_signals_exchanges(transport, world_size):
+    before = _shm_names()
+    assert run_ranks(_puts_and_signals, world_size, transport, timeout=60) == [True] * world_size
+    assert _shm_names() <= before, "segments left in /dev/shm"
+
+
+def _segment_mode(rank, world_size):
+    from epkit import _C
+
+    buf = SymmBuffer(dist.group.WORLD, 64, transport="shm")
+    buf.barrier()  # every rank has returned from creation, so every rank has unlinked its own name
+    gone = [not _C.shm_exists(s.name) for s in buf._segments]
+    buf.close()
+    return gone
+
+
+def test_segments_unlinked_after_attach():
+    assert run_ranks(_segment_mode, 3, timeout=40) == [[True] * 3] * 3
+
+
+def _killed_peer(rank, world_size):
+    buf = SymmBuffer(dist.group.WORLD, 1 << 16, transport="shm", timeout=4)
+    buf.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        buf.barrier()
+    except TimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", 0.0
+
+
+def test_dead_peer_times_out_naming_it():
+    before = _shm_names()
+    res = run_ranks(_killed_peer, 3, timeout=40, may_die=(1,))
+    assert res[1] is None
+    for rank in (0, 2):
+        msg, waited = res[rank]
+        assert "rank 1 sent no barrier signal within 4 s" in msg, msg
+        assert waited < 15
+    assert _shm_names() <= before, "a killed rank must leave nothing in /dev/shm"
