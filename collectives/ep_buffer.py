@@ -495,3 +495,248 @@ class EPBuffer:
         for b in biases:
             acc += b.float()
         return acc.to(y.dtype)
+
+    # low-latency mode
+
+    def _ll_row(self, use_fp8: bool) -> tuple[int, int]:
+        """(x bytes, scale bytes) of one low-latency row."""
+        h = self.hidden
+        return (h, 4 * -(-h // 128)) if use_fp8 else (2 * h, 0)
+
+    def _ll_header(self) -> int:
+        return _al(4 * (1 + self.num_local_experts)) + _META_MSG
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        use_fp8: bool = True,
+        return_recv_hook: bool = False,
+    ):
+        """Fixed-slot dispatch into the masked layout (decode).
+
+        Each (token, expert) pair goes to the expert's rank; every message has a
+        fixed size, so shapes never depend on the routing.
+
+        Parameters
+        ----------
+        x : Tensor [T, hidden] bfloat16, T <= num_max_dispatch_tokens_per_rank
+        topk_idx : Tensor [T, num_topk] int32/int64 in [-1, num_experts)
+        num_max_dispatch_tokens_per_rank : int
+            Slots per (source rank, local expert); at most the buffer's capacity.
+        use_fp8 : bool
+            Send e4m3 rows with float32 per-128 scales (the grouped GEMM's activation format).
+        return_recv_hook : bool
+            Only send now; ``hook()`` waits and fills the outputs.
+
+        Returns
+        -------
+        recv_x : Tensor [num_local_experts, N * W, hidden] bf16, or (e4m3 tensor, scales [L, N*W, hidden/128])
+            Rows of expert e ordered by source rank, then source token order; rows past
+            ``recv_count[e]`` are unspecified.
+        recv_count : Tensor [num_local_experts] int32
+        handle : LowLatencyHandle
+        hook : callable; waits for the data (a no-op when ``return_recv_hook`` is False). Call it
+            before the next collective on this buffer.
+        """
+        n_max = num_max_dispatch_tokens_per_rank
+        w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
+        error = None
+        try:
+            if not isinstance(n_max, int) or not 0 < n_max <= self.num_max_dispatch_tokens_per_rank:
+                raise ValueError(
+                    f"num_max_dispatch_tokens_per_rank must be in [1, "
+                    f"{self.num_max_dispatch_tokens_per_rank}], got {n_max!r}"
+                )
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h or x.dtype != torch.bfloat16:
+                raise ValueError(
+                    f"x must be bfloat16 [num_tokens, {h}], got {getattr(x, 'dtype', None)} "
+                    f"{tuple(getattr(x, 'shape', ()))}"
+                )
+            if x.shape[0] > n_max:
+                raise ValueError(f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {n_max}")
+            self._check_topk(topk_idx, x.shape[0])
+        except ValueError as exc:
+            error = str(exc)
+        xb, sb = self._ll_row(use_fp8)
+        hdr = self._ll_header()
+        msg_bytes = hdr + L * n_max * (xb + sb)
+        if error is None and msg_bytes > self._region:
+            error = (
+                f"low-latency message of {msg_bytes} bytes exceeds the {self._region}-byte region; create the "
+                f"EPBuffer with num_max_dispatch_tokens_per_rank >= {n_max}"
+            )
+        ex = self.buffer.exchange(self._region, tag="ll_dispatch")
+        if error is not None:
+            for dst in range(w):  # tell every rank, then fail here too
+                region = ex.send_region(dst)
+                region[:4].view(torch.int32)[0] = -1
+                raw = error.encode()[: _META_MSG - 1]
+                region[hdr - _META_MSG : hdr - _META_MSG + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+                ex.commit(dst, min(msg_bytes, self._region))
+            raise ValueError(error)
+        t_num = x.shape[0]
+        ids = topk_idx.long()
+        flat = ids.reshape(-1)
+        sel = (flat >= 0).nonzero().flatten()  # (t, k) pairs in token order
+        order = torch.sort(flat[sel], stable=True).indices
+        pairs = sel[order]  # grouped by expert, token order within
+        e_sorted = flat[pairs]
+        counts_e = torch.bincount(e_sorted, minlength=self.num_experts)
+        starts = torch.cumsum(counts_e, 0) - counts_e
+        pos_sorted = torch.arange(pairs.numel()) - starts[e_sorted]
+        pos_of = torch.full((t_num * K,), -1, dtype=torch.int64)
+        pos_of[pairs] = pos_sorted
+        dst_of = torch.where(ids >= 0, ids // L, torch.full_like(ids, -1))
+        expert_of = torch.where(ids >= 0, ids % L, torch.full_like(ids, -1))
+        if use_fp8:
+            from epkit.quant import per_token_group_cast_to_fp8
+
+            xq, xs = per_token_group_cast_to_fp8(x, 128)
+            x_bytes = xq.view(torch.uint8)
+            s_bytes = xs.contiguous().view(torch.uint8).view(t_num, sb)
+        else:
+            x_bytes = x.contiguous().view(torch.uint8).view(t_num, xb)
+            s_bytes = None
+        tok_sorted = pairs // K
+        counts_by_rank = counts_e.view(w, L)
+        for step in range(w):
+            dst = (self.rank + step) % w
+            region = ex.send_region(dst)
+            head = region[: 4 * (1 + L)].view(torch.int32)
+            head[0] = 0
+            head[1:].copy_(counts_by_rank[dst])
+            lo, hi = int(starts[dst * L]), int(starts[dst * L] + counts_by_rank[dst].sum())
+            if hi > lo:
+                el = e_sorted[lo:hi] - dst * L
+                slot = el * n_max + pos_sorted[lo:hi]
+                rows = region[hdr : hdr + L * n_max * xb].view(L * n_max, xb)
+                rows.index_copy_(0, slot, x_bytes.index_select(0, tok_sorted[lo:hi]))
+                if s_bytes is not None:
+                    base = hdr + L * n_max * xb
+                    srows = region[base : base + L * n_max * sb].view(L * n_max, sb)
+                    srows.index_copy_(0, slot, s_bytes.index_select(0, tok_sorted[lo:hi]))
+            ex.commit(dst, msg_bytes)
+        if use_fp8:
+            recv_x = (
+                torch.empty((L, n_max * w, h), dtype=torch.float8_e4m3fn),
+                torch.empty((L, n_max * w, sb // 4), dtype=torch.float32),
+            )
+        else:
+            recv_x = torch.empty((L, n_max * w, h), dtype=torch.bfloat16)
+        recv_count = torch.zeros(L, dtype=torch.int32)
+        handle = LowLatencyHandle(
+            num_tokens=t_num,
+            dst_of=dst_of,
+            expert_of=expert_of,
+            pos_of=pos_of.view(t_num, K),
+            recv_src=[],
+            recv_pos=[],
+            counts=torch.zeros((w, L), dtype=torch.int64),
+        )
+        state = {"done": False}
+
+        def hook():
+            if state["done"]:
+                return
+            views = ex.receive([min(msg_bytes, self._region)] * w)
+            errors = []
+            for src, v in enumerate(views):
+                if int(v[:4].view(torch.int32)[0]) == -1:
+                    text = bytes(v[hdr - _META_MSG : hdr].tolist()).rstrip(b"\0").decode(errors="replace")
+                    errors.append(f"rank {src}: {text}")
+            if errors:
+                ex.release()
+                raise ValueError("low-latency dispatch rejected: " + "; ".join(errors))
+            counts = torch.stack([v[4 : 4 * (1 + L)].view(torch.int32).long() for v in views])  # [W, L]
+            handle.counts = counts
+            xv = recv_x[0] if use_fp8 else recv_x
+            x_dst = xv.view(torch.uint8).view(L, n_max * w, xb)
+            s_dst = recv_x[1].view(torch.uint8).view(L, n_max * w, sb) if use_fp8 else None
+            for e in range(L):
+                off = 0
+                for src in range(w):
+                    c = int(counts[src, e])
+                    if c:
+                        v = views[src]
+                        x_dst[e, off : off + c].copy_(v[hdr : hdr + L * n_max * xb].view(L, n_max, xb)[e, :c])
+                        if s_dst is not None:
+                            base = hdr + L * n_max * xb
+                            s_dst[e, off : off + c].copy_(v[base : base + L * n_max * sb].view(L, n_max, sb)[e, :c])
+                    off += c
+                recv_count[e] = off
+            ex.release()
+            self.recv_tokens_per_expert_total += recv_count.long()
+            state["done"] = True
+
+        if not return_recv_hook:
+            hook()
+        return recv_x, recv_count, handle, hook
+
+    def low_latency_combine(
+        self,
+        y: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        return_recv_hook: bool = False,
+    ):
+        """Send expert outputs back and reduce them at the source.
+
+        Parameters
+        ----------
+        y : Tensor [num_local_experts, N * W, hidden] bfloat16 (the masked layout of the dispatch)
+        topk_idx, topk_weights : Tensor [T, num_topk] as given to the dispatch (weights float32)
+        handle : LowLatencyHandle
+
+        Returns
+        -------
+        Tensor [T, hidden] bfloat16: ``sum over k ascending of w[t, k] * y_row(t, k)`` in float32
+        (and the hook, if ``return_recv_hook``).
+        """
+        w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
+        t_num = handle.num_tokens
+        if y.dtype != torch.bfloat16 or y.dim() != 3 or y.shape[0] != L or y.shape[2] != h or y.shape[1] % w:
+            raise ValueError(f"y must be bfloat16 [{L}, N * {w}, {h}], got {y.dtype} {tuple(y.shape)}")
+        n_max = y.shape[1] // w
+        if tuple(topk_idx.shape) != (t_num, K) or tuple(topk_weights.shape) != (t_num, K):
+            raise ValueError(f"topk_idx and topk_weights must be [{t_num}, {K}]")
+        row = 2 * h
+        msg_bytes = L * n_max * row
+        if msg_bytes > self._region:
+            raise ValueError(f"combine message of {msg_bytes} bytes exceeds the {self._region}-byte region")
+        ex = self.buffer.exchange(self._region, tag="ll_combine")
+        yb = y.contiguous().view(torch.uint8).view(L, n_max * w, row)
+        starts = torch.cumsum(handle.counts, 0) - handle.counts  # [W, L] offset of each source within expert rows
+        for step in range(w):
+            src = (self.rank + step) % w
+            region = ex.send_region(src)[:msg_bytes].view(L, n_max, row)
+            for e in range(L):
+                c = int(handle.counts[src, e])
+                if c:
+                    off = int(starts[src, e])
+                    region[e, :c].copy_(yb[e, off : off + c])
+            ex.commit(src, msg_bytes)
+        out = {}
+
+        def hook():
+            if "y" in out:
+                return out["y"]
+            views = [v.view(L * n_max, row) for v in ex.receive([msg_bytes] * w)]
+            acc = torch.zeros((t_num, h), dtype=torch.float32)
+            wts = topk_weights.float()
+            for k in range(K):  # k ascending: the fixed summation order
+                for d in range(w):
+                    sel = (handle.dst_of[:, k] == d).nonzero().flatten()
+                    if sel.numel():
+                        slot = handle.expert_of[sel, k] * n_max + handle.pos_of[sel, k]
+                        rows = views[d].index_select(0, slot).view(torch.bfloat16).float()
+                        acc[sel] += wts[sel, k : k + 1] * rows
+            ex.release()
+            out["y"] = acc.to(torch.bfloat16)
+            return out["y"]
+
+        if return_recv_hook:
+            return None, hook
+        return hook()

@@ -139,3 +139,76 @@ def reference_combine(y, state: dict, num_tokens: int, group=None, topk_weights=
     for b in [] if bias is None else (bias if isinstance(bias, (tuple, list)) else [bias]):
         acc += b.float()
     return acc.to(y.dtype)
+
+
+def reference_low_latency_dispatch(
+    x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int, group=None, use_fp8: bool = True
+):
+    """Textbook low-latency dispatch: every (token, expert) pair is sent to the expert's rank.
+
+    Returns per-expert received rows (source rank, then token order) and the state for combine.
+    """
+    w = dist.get_world_size(group)
+    local = num_experts // w
+    n = num_max_dispatch_tokens_per_rank
+    pairs = [(t, k) for t in range(topk_idx.shape[0]) for k in range(topk_idx.shape[1]) if int(topk_idx[t, k]) >= 0]
+    if use_fp8:
+        from epkit.quant import per_token_group_cast_to_fp8
+
+        xq, xs = per_token_group_cast_to_fp8(x, 128)
+        payload = torch.cat([xq.view(torch.uint8), xs.view(torch.uint8).view(x.shape[0], 4 * xs.shape[1])], dim=1)
+    else:
+        payload = x.view(torch.uint8).view(x.shape[0], 2 * x.shape[1])
+    by_dst = [[p for p in pairs if int(topk_idx[p]) // local == r] for r in range(w)]
+    send_counts = torch.tensor([len(b) for b in by_dst], dtype=torch.int64)
+    recv_counts = torch.empty(w, dtype=torch.int64)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    rc = recv_counts.tolist()
+    rows = _a2a([payload[[t for t, _ in b]] if b else payload[:0] for b in by_dst], rc, payload, group)
+    experts = _a2a(
+        [torch.tensor([int(topk_idx[p]) % local for p in b], dtype=torch.int64) for b in by_dst],
+        rc,
+        torch.zeros(1, dtype=torch.int64),
+        group,
+    )
+    per_expert = [[] for _ in range(local)]
+    where = []  # for each received pair (src, i): (expert, position)
+    for src in range(w):
+        for i in range(rc[src]):
+            e = int(experts[src][i])
+            where.append((src, i, e, len(per_expert[e])))
+            per_expert[e].append(rows[src][i])
+    hb = x.shape[1] if use_fp8 else 2 * x.shape[1]
+    recv = []
+    for e in range(local):
+        block = torch.stack(per_expert[e]) if per_expert[e] else payload.new_zeros((0, payload.shape[1]))
+        recv.append(block)
+    counts = [len(p) for p in per_expert]
+    out = {"counts": counts, "by_dst": by_dst, "rc": rc, "where": where, "n": n}
+    if use_fp8:
+        out["recv_x"] = [b[:, :hb].contiguous().view(torch.float8_e4m3fn) for b in recv]
+        out["recv_scales"] = [b[:, hb:].contiguous().view(torch.float32) for b in recv]
+    else:
+        out["recv_x"] = [b.contiguous().view(torch.bfloat16) for b in recv]
+    return out
+
+
+def reference_low_latency_combine(y_per_expert: list[torch.Tensor], topk_idx, topk_weights, state, group=None):
+    """Textbook low-latency combine: each pair's row goes back; the source sums over k ascending in float32."""
+    w = dist.get_world_size(group)
+    by_src = [[] for _ in range(w)]
+    for src, _i, e, pos in state["where"]:
+        by_src[src].append(y_per_expert[e][pos])
+    h = y_per_expert[0].shape[1] if y_per_expert else 0
+    empty = torch.zeros((0, h), dtype=torch.bfloat16)
+    back = _a2a([torch.stack(b) if b else empty for b in by_src], [len(b) for b in state["by_dst"]], empty, group)
+    row_of = {}
+    for d in range(w):
+        for i, p in enumerate(state["by_dst"][d]):
+            row_of[p] = back[d][i]
+    out = torch.zeros((topk_idx.shape[0], h), dtype=torch.float32)
+    for k in range(topk_idx.shape[1]):
+        for t in range(topk_idx.shape[0]):
+            if (t, k) in row_of:
+                out[t] += topk_weights[t, k].float() * row_of[(t, k)].float()
+    return out.to(torch.bfloat16)

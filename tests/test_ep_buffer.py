@@ -3,9 +3,17 @@
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epkit.collectives.ep_buffer import EPBuffer
-from epkit.collectives.ep_reference import reference_combine, reference_dispatch, reference_layout
+from epkit.collectives.ep_reference import (
+    reference_combine,
+    reference_dispatch,
+    reference_layout,
+    reference_low_latency_combine,
+    reference_low_latency_dispatch,
+)
 from epkit.testing import assert_bitwise_equal
 from epkit.testing.multiprocess import RankError, run_ranks
 
@@ -15,7 +23,8 @@ HIDDEN, EXPERTS, TOPK = 256, 16, 4
 def _routing(rank, world_size, case, seed):
     """Per-rank routing for a named case (uneven token counts, -1 entries, one hot expert...)."""
     g = torch.Generator().manual_seed(seed * 100 + rank)
-    num_tokens = {"uneven": [0, 37, 5, 64][rank % 4], "hot": 23, "full": 48, "minus1": 31}[case]
+    fixed = {"uneven": [0, 37, 5, 64][rank % 4], "hot": 23, "full": 48, "minus1": 31}
+    num_tokens = fixed[case] if case in fixed else int(torch.randint(0, 65, (1,), generator=g))
     if case == "hot":
         idx = torch.full((num_tokens, TOPK), -1, dtype=torch.int64)
         idx[:, 0] = 5  # every token to one expert
@@ -25,7 +34,7 @@ def _routing(rank, world_size, case, seed):
             if num_tokens
             else torch.empty((0, TOPK), dtype=torch.int64)
         )
-        if case == "minus1" and num_tokens:
+        if case in ("minus1", "random") and num_tokens:
             idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
     x = torch.randn(num_tokens, HIDDEN, generator=g).to(torch.bfloat16)
     w = torch.rand(num_tokens, TOPK, generator=g)
@@ -96,6 +105,19 @@ def test_dispatch_combine_matches_reference(transport, world_size):
         ), (case, expand, alignment, fp8)
 
 
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    world_size=st.sampled_from([2, 4]),
+    expand=st.booleans(),
+    alignment=st.sampled_from([1, 4, 128]),
+    fp8=st.booleans(),
+)
+def test_random_routings(seed, world_size, expand, alignment, fp8):
+    res = run_ranks(_compare, world_size, "shm", "random", expand, alignment, fp8, seed, timeout=90)
+    assert res == [True] * world_size
+
+
 def _bad_rank(rank, world_size):
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=8, num_topk=TOPK, timeout=10)
     x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
@@ -136,3 +158,132 @@ def test_constructor_errors():
 
 def _make(rank, world_size):
     EPBuffer(dist.group.WORLD, 8, 16, 4, 2)
+
+
+def _low_latency(rank, world_size, transport, use_fp8, hook_mode, num_tokens_fn):
+    n_max = 16
+    buf = EPBuffer(
+        dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=n_max, num_topk=TOPK, transport=transport, timeout=20
+    )
+    g = torch.Generator().manual_seed(rank + 7)
+    t = num_tokens_fn(rank)
+    idx = (
+        torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(t)])
+        if t
+        else torch.empty((0, TOPK), dtype=torch.int64)
+    )
+    if t:
+        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    x = torch.randn(t, HIDDEN, generator=g).to(torch.bfloat16)
+    wts = torch.rand(t, TOPK, generator=g)
+    recv_x, recv_count, handle, hook = buf.low_latency_dispatch(
+        x, idx, n_max, use_fp8=use_fp8, return_recv_hook=hook_mode
+    )
+    shape = recv_x[0].shape if use_fp8 else recv_x.shape
+    assert shape == (EXPERTS // world_size, n_max * world_size, HIDDEN)  # fixed, routing-independent
+    hook()
+    ref = reference_low_latency_dispatch(x, idx, n_max, EXPERTS, use_fp8=use_fp8)
+    assert recv_count.tolist() == ref["counts"]
+    for e, c in enumerate(ref["counts"]):
+        got = recv_x[0][e, :c] if use_fp8 else recv_x[e, :c]
+        assert_bitwise_equal(got, ref["recv_x"][e], f"{rank=} {e=} x")
+        if use_fp8:
+            assert_bitwise_equal(recv_x[1][e, :c], ref["recv_scales"][e], f"{rank=} {e=} scales")
+    # the experts' outputs: a function of the received rows, padded rows filled with garbage
+    y = torch.full((EXPERTS // world_size, n_max * world_size, HIDDEN), float("nan"), dtype=torch.bfloat16)
+    y_ref = []
+    for e, c in enumerate(ref["counts"]):
+        rows = (
+            (recv_x[0][e, :c].float() * recv_x[1][e, :c].repeat_interleave(128, dim=1))
+            if use_fp8
+            else recv_x[e, :c].float()
+        )
+        y[e, :c] = (rows * 2 - 1).to(torch.bfloat16)
+        y_ref.append(y[e, :c].clone())
+    out = buf.low_latency_combine(y, idx, wts, handle)
+    want = reference_low_latency_combine(y_ref, idx, wts, ref)
+    assert_bitwise_equal(out, want, f"{rank=} combine")
+    return True
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.parametrize("use_fp8,hook_mode", [(True, False), (False, True)])
+def test_low_latency_matches_reference(transport, use_fp8, hook_mode):
+    assert run_ranks(_low_latency, 4, transport, use_fp8, hook_mode, _ll_tokens, timeout=90) == [True] * 4
+
+
+def _ll_tokens(rank):
+    return 16 if rank == 0 else [3, 0, 11][rank % 3]  # rank 0 at exactly the slot capacity
+
+
+def _killed_mid_dispatch(rank, world_size):
+    import os
+    import signal
+    import time
+
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=32, num_topk=TOPK, timeout=5)
+    x, idx, w = _routing(rank, world_size, "full", 3)
+    x, idx, w = x[:32], idx[:32], w[:32]
+    buf.dispatch(x, idx, w)  # one good round
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies before the second dispatch's data
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w)
+    except TimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", 0.0
+
+
+def test_sigkilled_rank_times_out_naming_it_and_leaves_no_segment():
+    import glob
+
+    before = set(glob.glob("/dev/shm/epkit-*"))
+    res = run_ranks(_killed_mid_dispatch, 4, timeout=60, may_die=(2,))
+    assert res[2] is None
+    for rank in (0, 1, 3):
+        msg, waited = res[rank]
+        assert "rank 2 sent no" in msg and "within 5 s" in msg, msg
+        assert waited < 20
+    assert set(glob.glob("/dev/shm/epkit-*")) <= before
+
+
+def _moe_layer(rank, world_size, seed):
+    """Dispatch -> per-expert MLP -> combine against the same MoE layer computed in one process (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(EXPERTS, 2 * 32, HIDDEN, generator=g, dtype=torch.float64) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, 32, generator=g, dtype=torch.float64) / 32**0.5
+    xs, ids, ws = [], [], []
+    for r in range(world_size):  # every rank knows every rank's tokens for the single-process check
+        x, idx, wt = _routing(r, world_size, "minus1", seed)
+        xs.append(x.float())
+        ids.append(idx)
+        ws.append(wt)
+
+    def mlp(e, v):
+        gate, up = (v @ w1[e].T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2[e].T
+
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=64, num_topk=TOPK, timeout=20)
+    local = EXPERTS // world_size
+    recv_x, recv_idx, recv_w, _, handle = buf.dispatch(xs[rank], ids[rank], ws[rank], expand=True, expert_alignment=8)
+    m_idx = EPBuffer.m_indices(handle)
+    y = torch.zeros(recv_x.shape, dtype=torch.float32)
+    for e in range(local):
+        rows = (m_idx == e).nonzero().flatten()
+        if rows.numel():
+            y[rows] = mlp(rank * local + e, recv_x[rows].double()).float()
+    out = buf.combine(y, handle)
+    want = torch.zeros(xs[rank].shape, dtype=torch.float64)
+    for t in range(xs[rank].shape[0]):
+        for k in range(TOPK):
+            e = int(ids[rank][t, k])
+            if e >= 0:
+                want[t] += ws[rank][t, k].double() * mlp(e, xs[rank][t : t + 1].double())[0]
+    err = (out.double() - want).abs().max().item() if out.numel() else 0.0
+    return err
+
+
+def test_dispatch_mlp_combine_equals_single_process_moe():
+    errs = run_ranks(_moe_layer, 4, 5, timeout=90)
+    assert max(errs) < 1e-5, errs  # float32 transport of float64 math

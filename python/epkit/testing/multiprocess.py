@@ -66,6 +66,7 @@ def _child(fn, rank, world_size, port, args, kwargs, results, init_timeout, init
 
 
 def _kill(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a failed start (e.g. unpicklable fn) leaves some unstarted
     for p in procs:
         if p.is_alive():
             p.terminate()
