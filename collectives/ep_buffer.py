@@ -39,6 +39,64 @@ def _al(n: int, a: int = _ALIGN) -> int:
     return -(-n // a) * a
 
 
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def reduce_rows(
+    out: torch.Tensor,
+    addrs: torch.Tensor,
+    src_dtype: torch.dtype,
+    weights: torch.Tensor | None = None,
+    biases: list[torch.Tensor] = (),
+) -> torch.Tensor:
+    """``out[t] = cast(sum_k (w[t, k] *) row(addrs[t, k]) + sum biases)`` in float32, k ascending.
+
+    ``addrs [T, K]`` int64 holds row addresses (0: no row) of ``src_dtype`` rows of
+    ``out.shape[1]`` elements. Uses ``epkit._C.reduce_rows`` (multi-threaded, reads rows in
+    place) for bf16/f32; other dtypes take the same formula in torch.
+    """
+    t_num, h = out.shape
+    k = addrs.shape[1] if addrs.dim() == 2 else 0
+    if t_num == 0:
+        return out
+    codes = (_DTYPE_CODE.get(out.dtype), _DTYPE_CODE.get(src_dtype))
+    bias_code = {_DTYPE_CODE.get(b.dtype) for b in biases}
+    if None not in codes and len(bias_code) <= 1 and None not in bias_code and out.is_contiguous():
+        from epkit import _C
+
+        addrs = addrs.contiguous()
+        w = weights.float().contiguous() if weights is not None else None
+        bs = [b.contiguous() for b in biases]
+        _C.reduce_rows(
+            out.data_ptr(),
+            codes[0],
+            addrs.data_ptr(),
+            t_num,
+            k,
+            h,
+            codes[1],
+            w.data_ptr() if w is not None else 0,
+            [b.data_ptr() for b in bs],
+            next(iter(bias_code)) if bs else 0,
+            torch.get_num_threads(),
+        )
+        return out
+    # Same arithmetic in torch (fallback for other dtypes): rows are read through a byte view.
+    es = torch.empty((), dtype=src_dtype).element_size()
+    acc = torch.zeros((t_num, h), dtype=torch.float32)
+    for kk in range(k):
+        col = addrs[:, kk]
+        for t in (col != 0).nonzero().flatten().tolist():
+            import ctypes
+
+            raw = (ctypes.c_uint8 * (h * es)).from_address(int(col[t]))
+            row = torch.frombuffer(raw, dtype=torch.uint8).view(src_dtype).float()
+            acc[t] += weights[t, kk].float() * row if weights is not None else row
+    for b in biases:
+        acc += b.float()
+    return out.copy_(acc.to(out.dtype))
+
+
 @dataclass
 class DispatchHandle:
     """State that combine (and a cached dispatch) needs. Returned by :meth:`EPBuffer.dispatch`."""
@@ -454,47 +512,45 @@ class EPBuffer:
                 raise ValueError(f"bias must be [{handle.num_tokens}, {h}], got {tuple(b.shape)}")
         if len(biases) > 2:
             raise ValueError("at most two bias tensors")
+        weights = None
         if handle.expand:
             weights = handle.recv_topk_weights if topk_weights is None else topk_weights.float()
             if tuple(weights.shape) != tuple(handle.recv_topk_idx.shape):
                 raise ValueError(
                     f"topk_weights must be {tuple(handle.recv_topk_idx.shape)}, got {tuple(weights.shape)}"
                 )
-            partial = torch.zeros((handle.recv_topk_idx.shape[0], h), dtype=torch.float32)
-            slot = handle.expanded_slot
-            yf = y.float()
-            for k in range(self.num_topk):
-                ok = slot[:, k] >= 0
-                contrib = weights[:, k : k + 1] * yf[slot[:, k].clamp(min=0)]
-                partial += torch.where(ok[:, None], contrib, torch.zeros((), dtype=torch.float32))
-            rows = partial.to(y.dtype)
-        else:
-            rows = y.contiguous()
-        es = rows.element_size()
+        y = y.contiguous()
+        es = y.element_size()
         row_bytes = h * es
         ex = self.buffer.exchange(self._region, tag="combine")
         offs = [0]
         for c in handle.recv_counts:
             offs.append(offs[-1] + c)
-        rows_b = (
-            rows.view(torch.uint8).view(-1, row_bytes) if rows.numel() else rows.view(torch.uint8).view(0, row_bytes)
-        )
+        y_bytes = y.view(torch.uint8).view(-1, row_bytes)
         for step in range(w):
             dst = (self.rank + step) % w
             n = handle.recv_counts[dst]
             if n:
-                ex.send_region(dst)[: n * row_bytes].view(n, row_bytes).copy_(rows_b[offs[dst] : offs[dst] + n])
+                region = ex.send_region(dst)[: n * row_bytes]
+                if handle.expand:
+                    # Expert side: the weighted sum over this rank's experts, written straight into dst's region.
+                    slot = handle.expanded_slot[offs[dst] : offs[dst] + n]
+                    addrs = torch.where(slot >= 0, y.data_ptr() + slot.clamp(min=0) * row_bytes, 0)
+                    reduce_rows(region.view(y.dtype).view(n, h), addrs, y.dtype, weights[offs[dst] : offs[dst] + n])
+                else:
+                    region.view(n, row_bytes).copy_(y_bytes[offs[dst] : offs[dst] + n])
             ex.commit(dst, n * row_bytes)
         views = ex.receive([t.numel() * row_bytes for t in handle.send_tokens])
-        acc = torch.zeros((handle.num_tokens, h), dtype=torch.float32)
+        # Source side: sum over destination ranks ascending, reading the received rows in place.
+        addrs = torch.zeros((handle.num_tokens, w), dtype=torch.int64)
         for r in range(w):
             t = handle.send_tokens[r]
             if t.numel():
-                acc.index_add_(0, t, views[r].view(rows.dtype).view(-1, h).float())
+                addrs[t, r] = views[r].data_ptr() + torch.arange(t.numel(), dtype=torch.int64) * row_bytes
+        out = torch.empty((handle.num_tokens, h), dtype=y.dtype)
+        reduce_rows(out, addrs, y.dtype, None, biases)
         ex.release()
-        for b in biases:
-            acc += b.float()
-        return acc.to(y.dtype)
+        return out
 
     # low-latency mode
 
@@ -723,18 +779,15 @@ class EPBuffer:
         def hook():
             if "y" in out:
                 return out["y"]
-            views = [v.view(L * n_max, row) for v in ex.receive([msg_bytes] * w)]
-            acc = torch.zeros((t_num, h), dtype=torch.float32)
-            wts = topk_weights.float()
-            for k in range(K):  # k ascending: the fixed summation order
-                for d in range(w):
-                    sel = (handle.dst_of[:, k] == d).nonzero().flatten()
-                    if sel.numel():
-                        slot = handle.expert_of[sel, k] * n_max + handle.pos_of[sel, k]
-                        rows = views[d].index_select(0, slot).view(torch.bfloat16).float()
-                        acc[sel] += wts[sel, k : k + 1] * rows
+            views = ex.receive([msg_bytes] * w)
+            bases = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
+            ok = handle.dst_of >= 0
+            slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
+            addrs = torch.where(ok, bases[handle.dst_of.clamp(min=0)] + slot * row, 0)
+            res = torch.empty((t_num, h), dtype=torch.bfloat16)
+            reduce_rows(res, addrs, torch.bfloat16, topk_weights.float())
             ex.release()
-            out["y"] = acc.to(torch.bfloat16)
+            out["y"] = res
             return out["y"]
 
         if return_recv_hook:

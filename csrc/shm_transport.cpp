@@ -211,8 +211,7 @@ bool wait_word(const std::atomic<uint64_t> *w, Cmp cmp, uint64_t target, double 
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
-    m.doc() = "epkit host extension: shared-memory segments, 64-bit signal words, timed waits";
+void register_shm_transport(py::module_ &m) {
 
     py::register_exception_translator([](std::exception_ptr p) {
         try {

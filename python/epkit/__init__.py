@@ -20,6 +20,11 @@ Quantization, grouped GEMM, expert MLP (DeepGEMM-compatible semantics)
     get_mk_alignment_for_contiguous_layout, build_m_indices
     expert_mlp           gate/up GEMM -> SwiGLU -> FP8 -> down GEMM, contiguous or masked layout
 
+Collectives (symmetric memory, dispatch/combine; transports shm / torch)
+    SymmBuffer           one buffer per rank, peer views, 64-bit signals, barriers, exchanges
+    EPBuffer             DeepEP-style get_dispatch_layout / dispatch / combine / low_latency_*
+    ShardedEngramTable   ENP-sharded Engram rows with prefetched fetch() -> hook()
+
 Topology and experts (control plane)
     topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups
     resolve_num_extra_experts, ExpertPlacement       logical / extra / physical / local experts
@@ -34,8 +39,11 @@ family by family; ``epkit info`` lists what this machine can run.
 
 from epkit import backends, eplb, lockstep, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.symm_buffer import SymmBuffer
 from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
 from epkit.engram import EngramConfig, EngramLayer, engram_hash, hash_params, hash_tokens
+from epkit.engram_table import ShardedEngramTable
 from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows
 from epkit.gemm import (
@@ -81,6 +89,10 @@ __all__ = [
     "get_mk_alignment_for_contiguous_layout",
     "build_m_indices",
     "expert_mlp",
+    # collectives
+    "SymmBuffer",
+    "EPBuffer",
+    "ShardedEngramTable",
     # topology and experts
     "topology",
     "lockstep",

@@ -1,0 +1,13 @@
+// epkit._C: one module, several source files (each registers its part).
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+void register_shm_transport(py::module_ &m);
+void register_reduce_rows(py::module_ &m);
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "epkit host extension: shm segments, 64-bit signals, timed waits, fused row reductions";
+    register_shm_transport(m);
+    register_reduce_rows(m);
+}

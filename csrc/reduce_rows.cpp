@@ -1,0 +1,135 @@
+// Fused row reductions for combine on CPU:
+//
+//   out[t, :] = cast( sum_{k < K, src[t,k] != 0} (w[t,k] *) float(src[t,k][:]) + sum_b float(bias_b[t, :]) )
+//
+// in float32, k ascending, then biases in order; each product is rounded before
+// the add (no FMA contraction: the file is compiled with -ffp-contract=off), so
+// results are bitwise equal to the torch formulation
+//   acc = zeros; for k: acc += w[:, k] * rows_k; for b: acc += b; out = acc.to(dtype).
+// Rows are given as raw addresses (0 = no row), which lets combine read straight
+// from shared-memory receive regions with no staging copy.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+enum DType : int { F32 = 0, BF16 = 1 };
+
+inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, NaN -> canonical quiet NaN: the conversion torch uses.
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load(const void *row, int dtype, int64_t h) {
+    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t *>(row)[h]) : static_cast<const float *>(row)[h];
+}
+
+void check_dtype(int d, const char *what) {
+    if (d != F32 && d != BF16) throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (f32) or 1 (bf16)");
+}
+
+void reduce_range(int64_t t0, int64_t t1, uintptr_t out, int out_dtype, const int64_t *src, int64_t K, int64_t H,
+                  int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype) {
+    std::vector<float> acc(static_cast<size_t>(H));
+    for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k = 0; k < K; ++k) {
+            const int64_t addr = src[t * K + k];
+            if (addr == 0) continue;
+            const void *row = reinterpret_cast<const void *>(addr);
+            if (weights != nullptr) {
+                const float w = weights[t * K + k];
+                if (src_dtype == BF16) {
+                    const uint16_t *r = static_cast<const uint16_t *>(row);
+                    for (int64_t h = 0; h < H; ++h) {
+                        const float p = w * bf16_to_f32(r[h]);
+                        acc[h] = acc[h] + p;
+                    }
+                } else {
+                    const float *r = static_cast<const float *>(row);
+                    for (int64_t h = 0; h < H; ++h) {
+                        const float p = w * r[h];
+                        acc[h] = acc[h] + p;
+                    }
+                }
+            } else if (src_dtype == BF16) {
+                const uint16_t *r = static_cast<const uint16_t *>(row);
+                for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + bf16_to_f32(r[h]);
+            } else {
+                const float *r = static_cast<const float *>(row);
+                for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + r[h];
+            }
+        }
+        for (uintptr_t b : bias) {
+            const char *base = reinterpret_cast<const char *>(b) + t * H * (bias_dtype == BF16 ? 2 : 4);
+            for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + load(base, bias_dtype, h);
+        }
+        if (out_dtype == BF16) {
+            uint16_t *o = reinterpret_cast<uint16_t *>(out) + t * H;
+            for (int64_t h = 0; h < H; ++h) o[h] = f32_to_bf16(acc[h]);
+        } else {
+            float *o = reinterpret_cast<float *>(out) + t * H;
+            std::memcpy(o, acc.data(), static_cast<size_t>(H) * 4);
+        }
+    }
+}
+
+}  // namespace
+
+void register_reduce_rows(py::module_ &m) {
+    m.def(
+        "reduce_rows",
+        [](uintptr_t out, int out_dtype, uintptr_t src_addrs, int64_t T, int64_t K, int64_t H, int src_dtype,
+           uintptr_t weights, std::vector<uintptr_t> bias, int bias_dtype, int num_threads) {
+            check_dtype(out_dtype, "out");
+            check_dtype(src_dtype, "src");
+            check_dtype(bias_dtype, "bias");
+            if (T < 0 || K < 0 || H < 0) throw std::invalid_argument("negative size");
+            if (T == 0 || H == 0) return;
+            if (out == 0 || (K > 0 && src_addrs == 0)) throw std::invalid_argument("null pointer");
+            const int64_t *src = reinterpret_cast<const int64_t *>(src_addrs);
+            const float *w = reinterpret_cast<const float *>(weights);
+            py::gil_scoped_release release;
+            const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, (T + 15) / 16));
+            if (n == 1) {
+                reduce_range(0, T, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype);
+                return;
+            }
+            std::vector<std::thread> pool;
+            const int64_t step = (T + n - 1) / n;
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t a = i * step, b = std::min(T, a + step);
+                if (a >= b) break;
+                pool.emplace_back(reduce_range, a, b, out, out_dtype, src, K, H, src_dtype, w, std::cref(bias),
+                                  bias_dtype);
+            }
+            for (auto &th : pool) th.join();
+        },
+        py::arg("out"), py::arg("out_dtype"), py::arg("src_addrs"), py::arg("num_tokens"), py::arg("k"),
+        py::arg("hidden"), py::arg("src_dtype"), py::arg("weights"), py::arg("bias"), py::arg("bias_dtype"),
+        py::arg("num_threads"),
+        "out[t] = cast(sum_k (w[t,k] *) row(t,k) + sum biases) in float32, k ascending; rows by address (0 = none).");
+}
