@@ -97,6 +97,23 @@ def reduce_rows(
     return out.copy_(acc.to(out.dtype))
 
 
+def _block_rows(counts: torch.Tensor, starts: torch.Tensor, slots_per_expert: int, rows_per_expert: int):
+    """For one source rank: (slot index in its [L * slots] message, row index in the [L * rows] expert layout).
+
+    Expert e holds ``counts[e]`` of this source's rows, at message slots ``e * slots + i``
+    and layout rows ``e * rows + starts[e] + i`` for ``i < counts[e]``.
+    """
+    counts = counts.long()
+    total = int(counts.sum())
+    if total == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    experts = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first = torch.cumsum(counts, 0) - counts
+    i = torch.arange(total) - first[experts]
+    return experts * slots_per_expert + i, experts * rows_per_expert + starts.long()[experts] + i
+
+
 @dataclass
 class DispatchHandle:
     """State that combine (and a cached dispatch) needs. Returned by :meth:`EPBuffer.dispatch`."""
@@ -708,20 +725,18 @@ class EPBuffer:
             counts = torch.stack([v[4 : 4 * (1 + L)].view(torch.int32).long() for v in views])  # [W, L]
             handle.counts = counts
             xv = recv_x[0] if use_fp8 else recv_x
-            x_dst = xv.view(torch.uint8).view(L, n_max * w, xb)
-            s_dst = recv_x[1].view(torch.uint8).view(L, n_max * w, sb) if use_fp8 else None
-            for e in range(L):
-                off = 0
-                for src in range(w):
-                    c = int(counts[src, e])
-                    if c:
-                        v = views[src]
-                        x_dst[e, off : off + c].copy_(v[hdr : hdr + L * n_max * xb].view(L, n_max, xb)[e, :c])
-                        if s_dst is not None:
-                            base = hdr + L * n_max * xb
-                            s_dst[e, off : off + c].copy_(v[base : base + L * n_max * sb].view(L, n_max, sb)[e, :c])
-                    off += c
-                recv_count[e] = off
+            x_dst = xv.view(torch.uint8).view(L * n_max * w, xb)
+            s_dst = recv_x[1].view(torch.uint8).view(L * n_max * w, sb) if use_fp8 else None
+            starts = torch.cumsum(counts, 0) - counts  # [W, L]: where each source's rows start per expert
+            for src in range(w):
+                src_rows, dst_rows = _block_rows(counts[src], starts[src], n_max, n_max * w)
+                if src_rows.numel():
+                    v = views[src]
+                    x_dst.index_copy_(0, dst_rows, v[hdr : hdr + L * n_max * xb].view(L * n_max, xb)[src_rows])
+                    if s_dst is not None:
+                        base = hdr + L * n_max * xb
+                        s_dst.index_copy_(0, dst_rows, v[base : base + L * n_max * sb].view(L * n_max, sb)[src_rows])
+            recv_count.copy_(counts.sum(0).to(torch.int32))
             ex.release()
             self.recv_tokens_per_expert_total += recv_count.long()
             state["done"] = True
@@ -765,14 +780,13 @@ class EPBuffer:
         ex = self.buffer.exchange(self._region, tag="ll_combine")
         yb = y.contiguous().view(torch.uint8).view(L, n_max * w, row)
         starts = torch.cumsum(handle.counts, 0) - handle.counts  # [W, L] offset of each source within expert rows
+        y_rows = yb.view(L * n_max * w, row)
         for step in range(w):
             src = (self.rank + step) % w
-            region = ex.send_region(src)[:msg_bytes].view(L, n_max, row)
-            for e in range(L):
-                c = int(handle.counts[src, e])
-                if c:
-                    off = int(starts[src, e])
-                    region[e, :c].copy_(yb[e, off : off + c])
+            region = ex.send_region(src)[:msg_bytes].view(L * n_max, row)
+            slots, rows = _block_rows(handle.counts[src], starts[src], n_max, n_max * w)
+            if slots.numel():
+                region.index_copy_(0, slots, y_rows[rows])
             ex.commit(src, msg_bytes)
         out = {}
 

@@ -133,3 +133,45 @@ void register_reduce_rows(py::module_ &m) {
         py::arg("num_threads"),
         "out[t] = cast(sum_k (w[t,k] *) row(t,k) + sum biases) in float32, k ascending; rows by address (0 = none).");
 }
+
+namespace {
+
+void gather_range(int64_t i0, int64_t i1, uintptr_t out, const int64_t *addrs, int64_t row_bytes) {
+    for (int64_t i = i0; i < i1; ++i) {
+        char *dst = reinterpret_cast<char *>(out) + i * row_bytes;
+        if (addrs[i] == 0) {
+            std::memset(dst, 0, static_cast<size_t>(row_bytes));
+        } else {
+            std::memcpy(dst, reinterpret_cast<const void *>(addrs[i]), static_cast<size_t>(row_bytes));
+        }
+    }
+}
+
+}  // namespace
+
+void register_gather_by_address(py::module_ &m) {
+    m.def(
+        "gather_rows_by_address",
+        [](uintptr_t out, uintptr_t addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {
+            if (num_rows < 0 || row_bytes < 0) throw std::invalid_argument("negative size");
+            if (num_rows == 0 || row_bytes == 0) return;
+            if (out == 0 || addrs == 0) throw std::invalid_argument("null pointer");
+            const int64_t *a = reinterpret_cast<const int64_t *>(addrs);
+            py::gil_scoped_release release;
+            const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / 64));
+            if (n == 1) {
+                gather_range(0, num_rows, out, a, row_bytes);
+                return;
+            }
+            std::vector<std::thread> pool;
+            const int64_t step = (num_rows + n - 1) / n;
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
+                if (lo >= hi) break;
+                pool.emplace_back(gather_range, lo, hi, out, a, row_bytes);
+            }
+            for (auto &th : pool) th.join();
+        },
+        py::arg("out"), py::arg("addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
+        "out[i] = bytes at addrs[i] (row_bytes each), a zero row where addrs[i] == 0.");
+}

@@ -23,6 +23,7 @@ Quantization, grouped GEMM, expert MLP (DeepGEMM-compatible semantics)
 Collectives (symmetric memory, dispatch/combine; transports shm / torch)
     SymmBuffer           one buffer per rank, peer views, 64-bit signals, barriers, exchanges
     EPBuffer             DeepEP-style get_dispatch_layout / dispatch / combine / low_latency_*
+    fused_moe            MegaMoE-style dispatch -> expert MLP -> combine in one call (shm domain, no staging)
     ShardedEngramTable   ENP-sharded Engram rows with prefetched fetch() -> hook()
 
 Topology and experts (control plane)
@@ -40,6 +41,7 @@ family by family; ``epkit info`` lists what this machine can run.
 from epkit import backends, eplb, lockstep, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.fused_moe import fused_moe
 from epkit.collectives.symm_buffer import SymmBuffer
 from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
 from epkit.engram import EngramConfig, EngramLayer, engram_hash, hash_params, hash_tokens
@@ -92,6 +94,7 @@ __all__ = [
     # collectives
     "SymmBuffer",
     "EPBuffer",
+    "fused_moe",
     "ShardedEngramTable",
     # topology and experts
     "topology",

@@ -1,0 +1,180 @@
+"""MegaMoE-style fused MoE layer: dispatch -> grouped GEMM -> SwiGLU -> grouped GEMM -> combine in one call.
+
+Allowed only when every EP peer is directly addressable (``EPBuffer.is_within_domain()``:
+the ``shm`` transport on one host). There is no dispatch staging: each rank
+publishes its tokens once in its own symmetric buffer, and every expert rank
+gathers the rows it needs straight from the senders' buffers into the grouped
+GEMM's input; the expert side then writes its weighted partial sums straight
+into the sources' buffers, and each source reduces them in place.
+
+The result is bitwise equal to the composed ops
+``dispatch(expand=True) -> expert_mlp -> combine`` (same row order, same
+expert MLP, same fixed summation order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit.collectives.ep_buffer import _META_MSG, EPBuffer, _al, reduce_rows
+
+__all__ = ["fused_moe"]
+
+
+def _publish_layout(t_num: int, xb: int, k: int) -> tuple[int, int, int, int]:
+    """Byte offsets (x, topk ids, weights, end) in a rank's publish area after the header."""
+    o_x = _al(16 + _META_MSG)
+    o_i = _al(o_x + t_num * xb)
+    o_w = _al(o_i + 4 * k * t_num)
+    return o_x, o_i, o_w, _al(o_w + 4 * k * t_num)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13,
+    w2,
+    buffer: EPBuffer,
+    *,
+    bias=None,
+    swiglu_limit: float | None = None,
+    expert_alignment: int = 128,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One fused MoE layer over the EP group of ``buffer``.
+
+    Parameters
+    ----------
+    x : Tensor [T, hidden] bfloat16
+    topk_idx : Tensor [T, num_topk] int32/int64 in [-1, num_experts)
+    topk_weights : Tensor [T, num_topk] float32
+    w13, w2 : this rank's local experts' weights, as :func:`epkit.moe.expert_mlp` takes them
+        (``[L, 2I, hidden]`` and ``[L, hidden, I]``; FP8, MXFP4 or bf16)
+    buffer : EPBuffer whose transport is directly addressable (shm)
+    bias : Tensor [T, hidden] or tuple of two, optional (e.g. the shared expert's output)
+    swiglu_limit : float, optional
+    expert_alignment : int
+        Rows per expert group are padded to this (the grouped GEMM's M alignment).
+    backend : str
+        Passed to the grouped GEMMs.
+
+    Returns
+    -------
+    Tensor [T, hidden] bfloat16, bitwise equal to dispatch(expand=True) -> expert_mlp -> combine.
+    """
+    from epkit.moe import expert_mlp
+
+    if not isinstance(buffer, EPBuffer):
+        raise ValueError(f"buffer must be an EPBuffer, got {type(buffer).__name__}")
+    if not buffer.is_within_domain():
+        raise ValueError(
+            f"fused_moe needs every EP peer directly addressable (shm transport); this buffer uses "
+            f"{buffer.transport!r}: compose dispatch -> expert_mlp -> combine instead"
+        )
+    sb = buffer.buffer
+    w, me, L, K, h = buffer.world_size, buffer.rank, buffer.num_local_experts, buffer.num_topk, buffer.hidden
+    region = buffer._region
+    error = None
+    try:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+            raise ValueError(f"x must be bfloat16 [num_tokens, {h}], got {getattr(x, 'dtype', type(x))}")
+        buffer._validate_dispatch(x, None, topk_idx, topk_weights, buffer.num_max_tokens_per_rank)
+        if topk_weights is None:
+            raise ValueError("topk_weights is required")
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+        if _publish_layout(x.shape[0], 2 * h, K)[3] > region:
+            raise ValueError(f"{x.shape[0]} tokens do not fit the buffer's {region}-byte publish area")
+    except ValueError as exc:
+        error = str(exc)
+    xb = 2 * h
+    pub = sb.local[me * region : (me + 1) * region]
+    head = pub[:16].view(torch.int64)
+    if error is not None:
+        head[0], head[1] = -1, 0
+        raw = error.encode()[: _META_MSG - 1]
+        pub[16 : 16 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    else:
+        t_num = x.shape[0]
+        o_x, o_i, o_w, _ = _publish_layout(t_num, xb, K)
+        head[0], head[1] = 0, t_num
+        pub[o_x : o_x + t_num * xb].view(t_num, xb).copy_(x.contiguous().view(torch.uint8).view(t_num, xb))
+        pub[o_i : o_i + 4 * K * t_num].view(torch.int32).view(t_num, K).copy_(topk_idx)
+        pub[o_w : o_w + 4 * K * t_num].view(torch.float32).view(t_num, K).copy_(topk_weights.float())
+    sb.barrier()  # every rank has published
+    peers = [sb.peer(r)[r * region : (r + 1) * region] for r in range(w)]
+    errors = []
+    for r, p in enumerate(peers):
+        if int(p[:8].view(torch.int64)[0]) == -1:
+            text = bytes(p[16 : 16 + _META_MSG].tolist()).rstrip(b"\0").decode(errors="replace")
+            errors.append(f"rank {r}: {text}")
+    if errors:
+        sb.barrier()  # nobody rewrites a publish area while another rank still reads the error text
+        raise ValueError("fused_moe rejected on every rank before any row moved: " + "; ".join(errors))
+
+    # Expert side: which (source, token) rows come here, in dispatch's received order.
+    recv_src, recv_tok, recv_idx, recv_w = [], [], [], []
+    for r, p in enumerate(peers):
+        t_r = int(p[8:16].view(torch.int64)[0])
+        o_x, o_i, o_w, _ = _publish_layout(t_r, xb, K)
+        ids = p[o_i : o_i + 4 * K * t_r].view(torch.int32).view(t_r, K).long()
+        on_me = (ids >= 0) & (ids // L == me)
+        toks = on_me.any(dim=1).nonzero().flatten()
+        recv_src.append(torch.full((toks.numel(),), r, dtype=torch.int64))
+        recv_tok.append(toks)
+        recv_idx.append(torch.where(on_me[toks], ids[toks] - me * L, -1))
+        recv_w.append(p[o_w : o_w + 4 * K * t_r].view(torch.float32).view(t_r, K)[toks])
+    recv_src, recv_tok = torch.cat(recv_src), torch.cat(recv_tok)
+    recv_idx = torch.cat(recv_idx).to(torch.int32)
+    recv_w = torch.cat(recv_w).clone()
+    counts = torch.bincount(recv_idx[recv_idx >= 0].long(), minlength=L)
+    buffer.recv_tokens_per_expert_total += counts
+    rows, slot = buffer._expanded_layout(recv_idx, counts, expert_alignment)
+    # Gather the GEMM's input straight from the senders' buffers (zero rows for padding).
+    from epkit import _C
+
+    bases = torch.tensor(
+        [p.data_ptr() + _publish_layout(int(p[8:16].view(torch.int64)[0]), xb, K)[0] for p in peers], dtype=torch.int64
+    )
+    row_addr = bases[recv_src] + recv_tok * xb
+    addrs = torch.where(rows >= 0, row_addr[rows.clamp(min=0)], 0) if rows.numel() else rows
+    expanded = torch.empty((rows.numel(), h), dtype=torch.bfloat16)
+    _C.gather_rows_by_address(
+        expanded.data_ptr(), addrs.contiguous().data_ptr(), rows.numel(), xb, torch.get_num_threads()
+    )
+    m_indices = torch.full((rows.numel(),), -1, dtype=torch.int32)
+    ok = slot >= 0
+    m_indices[slot[ok]] = recv_idx[ok]
+    if rows.numel():
+        y = expert_mlp(
+            expanded, "contiguous", w13, w2, m_indices=m_indices, swiglu_limit=swiglu_limit, backend=backend
+        ).contiguous()
+    else:
+        y = torch.zeros((0, h), dtype=torch.bfloat16)
+    sb.barrier()  # every rank is done reading the publish areas: regions may now be overwritten
+
+    # Expert side of combine: weighted partials written straight into each source's buffer.
+    for r in range(w):
+        sel = (recv_src == r).nonzero().flatten()
+        n = sel.numel()
+        if n:
+            dst = sb.peer(r)[me * region : me * region + n * xb].view(torch.bfloat16).view(n, h)
+            s = slot[sel]
+            a = torch.where(s >= 0, y.data_ptr() + s.clamp(min=0) * xb, 0)
+            reduce_rows(dst, a, torch.bfloat16, recv_w[sel])
+    sb.barrier()  # every partial has landed
+
+    # Source side: sum over ranks ascending, reading the partials in place.
+    t_num = x.shape[0]
+    ids = topk_idx.long()
+    src_addrs = torch.zeros((t_num, w), dtype=torch.int64)
+    for r in range(w):
+        toks = ((ids >= 0) & (ids // L == r)).any(dim=1).nonzero().flatten()
+        if toks.numel():
+            src_addrs[toks, r] = sb.local[r * region :].data_ptr() + torch.arange(toks.numel()) * xb
+    biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
+    out = torch.empty((t_num, h), dtype=torch.bfloat16)
+    reduce_rows(out, src_addrs, torch.bfloat16, None, biases)
+    sb.barrier()  # regions are free again for the next exchange
+    return out

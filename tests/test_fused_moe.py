@@ -1,0 +1,89 @@
+"""fused_moe equals dispatch -> expert_mlp -> combine bit for bit, with no staging copy on shm."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.fused_moe import fused_moe
+from epkit.moe import expert_mlp
+from epkit.quant import per_block_cast_to_fp8
+from epkit.testing import assert_bitwise_equal
+from epkit.testing.multiprocess import run_ranks
+
+HIDDEN, INTER, EXPERTS, TOPK = 256, 128, 8, 2
+
+
+def _weights(rank, world_size, fmt):
+    g = torch.Generator().manual_seed(1234)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / INTER**0.5
+    local = EXPERTS // world_size
+    w13, w2 = w13[rank * local : (rank + 1) * local], w2[rank * local : (rank + 1) * local]
+    if fmt == "bf16":
+        return w13.bfloat16(), w2.bfloat16()
+    return per_block_cast_to_fp8(w13), per_block_cast_to_fp8(w2)
+
+
+def _fused_vs_composed(rank, world_size, fmt, num_tokens):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=64, num_topk=TOPK, timeout=30)
+    g = torch.Generator().manual_seed(rank)
+    t = num_tokens[rank]
+    idx = (
+        torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(t)])
+        if t
+        else torch.empty((0, TOPK), dtype=torch.int64)
+    )
+    if t:
+        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    x = torch.randn(t, HIDDEN, generator=g).bfloat16()
+    wts = torch.rand(t, TOPK, generator=g)
+    shared = torch.randn(t, HIDDEN, generator=g).bfloat16()
+    w13, w2 = _weights(rank, world_size, fmt)
+    recv_x, _, _, _, handle = buf.dispatch(x, idx, wts, expand=True, expert_alignment=128)
+    y = expert_mlp(recv_x, "contiguous", w13, w2, m_indices=EPBuffer.m_indices(handle))
+    composed = buf.combine(y, handle, bias=shared)
+    fused = fused_moe(x, idx, wts, w13, w2, buf, bias=shared, expert_alignment=128)
+    assert_bitwise_equal(fused, composed, f"{rank=} {fmt=}")
+    again = fused_moe(x, idx, wts, w13, w2, buf, bias=shared, expert_alignment=128)  # buffer reuse
+    assert_bitwise_equal(again, fused, f"{rank=} {fmt=} second call")
+    return True
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_fused_equals_composed(fmt):
+    assert run_ranks(_fused_vs_composed, 4, fmt, [17, 0, 40, 64], timeout=120) == [True] * 4
+
+
+def _torch_transport(rank, world_size):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, transport="torch", timeout=10)
+    w13, w2 = _weights(rank, world_size, "bf16")
+    with pytest.raises(ValueError, match="directly addressable"):
+        fused_moe(
+            torch.zeros(2, HIDDEN).bfloat16(),
+            torch.zeros(2, TOPK, dtype=torch.int64),
+            torch.ones(2, TOPK),
+            w13,
+            w2,
+            buf,
+        )
+    return True
+
+
+def test_fused_needs_the_domain():
+    assert run_ranks(_torch_transport, 2, timeout=40) == [True, True]
+
+
+def _bad_input(rank, world_size):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, timeout=10)
+    w13, w2 = _weights(rank, world_size, "bf16")
+    idx = torch.zeros(2, TOPK, dtype=torch.int64)
+    if rank == 1:
+        idx[0, 0] = -5
+    with pytest.raises(ValueError, match=r"rank 1: topk_idx\[0, 0\] = -5"):
+        fused_moe(torch.zeros(2, HIDDEN).bfloat16(), idx, torch.ones(2, TOPK), w13, w2, buf)
+    return True
+
+
+def test_fused_bad_input_everywhere():
+    assert run_ranks(_bad_input, 2, timeout=40) == [True, True]
