@@ -207,6 +207,17 @@ class EPBuffer:
     def is_within_domain(self) -> bool:
         return self.buffer.is_within_domain()
 
+    def take_expert_load(self) -> torch.Tensor:
+        """Tokens received per local (physical) expert since the last call, ``[num_local_experts]`` int64; resets.
+
+        To feed :class:`epkit.eplb.ExpertLoadCounter` (logical experts), all-gather these
+        over the EP group (rank-major = physical ids) and fold them through the
+        placement's ``phy2log``: ``counts_logical.index_add_(0, phy2log, counts_physical)``.
+        """
+        out = self.recv_tokens_per_expert_total.clone()
+        self.recv_tokens_per_expert_total.zero_()
+        return out
+
     # layout
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):

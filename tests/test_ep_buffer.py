@@ -287,3 +287,33 @@ def _moe_layer(rank, world_size, seed):
 def test_dispatch_mlp_combine_equals_single_process_moe():
     errs = run_ranks(_moe_layer, 4, 5, timeout=90)
     assert max(errs) < 1e-5, errs  # float32 transport of float64 math
+
+
+def _feed_eplb(rank, world_size):
+    from epkit.eplb import ExpertLoadCounter
+    from epkit.experts import ExpertPlacement
+
+    placement = ExpertPlacement.default(12, world_size, min_num_extra_experts=4)  # 16 physical, 8 per rank
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, placement.num_physical, 64, TOPK, timeout=20)
+    counter = ExpertLoadCounter(num_layers=1, num_logical=12, window=4)
+    total = torch.zeros(12, dtype=torch.int64)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        logical = torch.stack([torch.randperm(12, generator=g)[:TOPK] for _ in range(20)])
+        physical = logical  # the default layout maps logical e to physical slot e first
+        buf.dispatch(torch.zeros(20, HIDDEN, dtype=torch.bfloat16), physical)
+        local = buf.take_expert_load()
+        gathered = [torch.zeros_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        per_logical = torch.zeros(12, dtype=torch.int64).index_add_(0, placement.phy2log.long(), torch.cat(gathered))
+        counter.add(0, per_logical)
+        counter.step()
+        everyone = [torch.zeros_like(logical) for _ in range(world_size)]
+        dist.all_gather(everyone, logical)
+        total += torch.bincount(torch.cat(everyone).flatten(), minlength=12)
+    assert torch.equal(counter.load()[0], total), (counter.load(), total)
+    return True
+
+
+def test_dispatch_counts_feed_the_eplb_counter():
+    assert run_ranks(_feed_eplb, 2, timeout=60) == [True, True]

@@ -31,7 +31,8 @@ def gather_rows_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 # Implementation
 
 
-def _validate(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None, check_index: bool) -> None:
+def _validate(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None, check_index: bool) -> int | None:
+    """Raise on bad input; returns ``index.min()`` when it was computed (else None)."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(
             f"x must be a tensor with at least 1 dimension (rows first), got {type(x).__name__} "
@@ -56,6 +57,8 @@ def _validate(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None, ch
             bad = lo if lo < -1 else hi
             pos = int((index == bad).nonzero()[0])
             raise ValueError(f"index[{pos}] = {bad} is outside [-1, {x.shape[0]}) (x has {x.shape[0]} rows)")
+        return lo
+    return None
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -106,7 +109,7 @@ def gather_rows(
             [0., 0.],
             [0., 1.]])
     """
-    _validate(x, index, out, check_index)
+    lo = _validate(x, index, out, check_index)
     impl = select("gather_rows", x.device, backend)
     if impl == "reference":
         res = gather_rows_reference(x, index)
@@ -127,6 +130,9 @@ def gather_rows(
     if impl == "cpu":
         if n == 0:  # every index is -1
             return out.zero_()
+        if lo is not None and lo >= 0:  # no padding: one pass, no extra index passes
+            torch.index_select(x_words, 0, index, out=out_words)
+            return out
         torch.index_select(x_words, 0, index.clamp(min=0), out=out_words)
         pad = index < 0
         if bool(pad.any()):

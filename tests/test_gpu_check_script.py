@@ -1,0 +1,103 @@
+"""bench/gpu_check.py (rung 4's one prepared script) runs end to end as a CPU dry run and writes a sound JSON.
+
+The GPU figures only exist where a GPU run happens; this catches errors in the script's control flow
+(section runner, timing helpers, the CPU stand-ins of every check) on machines without one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
+SECTIONS = (
+    "env",
+    "gather_rows",
+    "logical_to_physical",
+    "prepare_cp_mirror",
+    "engram_hash",
+    "grouped_gemm",
+    "nvshmem",
+)
+# Sections that need a CUDA device for everything they do; on CPU they must say so, not crash.
+CUDA_ONLY = {"nvshmem"}
+
+
+def _run(args, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check") / "dry.json"
+    proc = _run(["--device", "cpu", "--quick", "--out", str(out)])
+    assert out.exists(), f"no JSON written; rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    with open(out) as f:
+        return proc, json.load(f)
+
+
+def test_dry_run_every_section_present_with_a_status(dry_run):
+    proc, report = dry_run
+    sections = report["sections"]
+    assert list(sections) == list(SECTIONS), list(sections)
+    for name, sec in sections.items():
+        assert isinstance(sec.get("status"), str) and sec["status"], (name, sec)
+        assert "elapsed_s" in sec and sec["elapsed_s"] >= 0, (name, sec)
+    assert report["meta"]["device"] == "cpu" and report["meta"]["quick"] is True
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert report["meta"]["all_ok"] is True
+
+
+def test_dry_run_no_section_crashed(dry_run):
+    _, report = dry_run
+    for name, sec in report["sections"].items():
+        if name in CUDA_ONLY:
+            assert sec["status"] == "skipped: no CUDA", (name, sec)
+            continue
+        assert sec["status"] == "ok", f"{name}: {sec['status']}: {sec.get('error')}\n{sec.get('traceback', '')}"
+        assert "traceback" not in sec, (name, sec["traceback"])
+
+
+def test_dry_run_checks_ran_and_passed(dry_run):
+    _, report = dry_run
+    for name in ("gather_rows", "logical_to_physical", "prepare_cp_mirror", "engram_hash", "grouped_gemm"):
+        sec = report["sections"][name]
+        checks = sec.get("checks", [])
+        assert len(checks) >= 5, (name, checks)
+        assert sec["checks_failed"] == 0 and sec["checks_passed"] == len(checks), [c for c in checks if not c["ok"]]
+        # Every CPU backend that the op offers either ran its checks or says why it could not.
+        for backend, state in sec.get("backends", {}).items():
+            assert state == "ok" or state.startswith("unavailable: "), (name, backend, state)
+    assert report["sections"]["gather_rows"]["backends"]["cpu"] == "ok"
+
+
+def test_dry_run_records_measurements_against_peers(dry_run):
+    _, report = dry_run
+    bw = report["sections"]["gather_rows"]["bandwidth"]
+    for key in ("torch.index_select", "roof_clone", "roof_copy_", "cpu"):
+        assert bw[key]["median_ms"] > 0 and bw[key]["GBps"] > 0, (key, bw[key])
+    assert bw["cpu"]["fraction_of_clone_roof"] > 0
+    perf = report["sections"]["grouped_gemm"]["perf"]
+    assert len(perf) == 5, list(perf)  # 2 contiguous + 3 masked shapes
+    for name, entry in perf.items():
+        assert entry["epkit_fp8"]["TFLOPs"] > 0 and entry["torch_matmul_bf16_roof"]["TFLOPs"] > 0, name
+        assert entry["calc_diff"] <= 1e-3, (name, entry["calc_diff"])
+    env = report["sections"]["env"]
+    assert env["packages"]["torch"] and env["gpu"] is None
+
+
+def test_cli_rejects_unknown_sections_and_missing_cuda(tmp_path):
+    proc = _run(["--device", "cpu", "--sections", "env,bogus", "--out", str(tmp_path / "x.json")], timeout=120)
+    assert proc.returncode == 2 and "bogus" in proc.stderr, proc.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        proc = _run(["--device", "cuda", "--out", str(tmp_path / "y.json")], timeout=120)
+        assert proc.returncode == 2 and "no CUDA device" in proc.stderr, proc.stderr
+        assert not (tmp_path / "y.json").exists()
