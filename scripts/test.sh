@@ -6,4 +6,4 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
 ruff format --check .
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"
