@@ -40,6 +40,12 @@ def _nvshmem_root() -> str | None:
     return None
 
 
+def _has_c_cuda() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("epkit._C_cuda") is not None
+
+
 def collect_info() -> dict:
     """Everything ``epkit info`` reports, as a JSON-able dict."""
     import torch
@@ -78,17 +84,15 @@ def collect_info() -> dict:
             "why": "torch.distributed with gloo" if dist.is_available() else "torch built without distributed",
         },
         "nvshmem": {
-            "ready": bool(gpu and nvshmem),
-            "why": ("CUDA device and nvshmem at " + nvshmem)
-            if gpu and nvshmem
-            else "; ".join(
-                w
-                for w, bad in (
-                    ("no CUDA device", not gpu),
-                    ("no nvidia-nvshmem wheel (pip install 'epkit[cuda12]')", not nvshmem),
-                )
-                if bad
-            ),
+            "ready": False,
+            "why": "SymmBuffer's nvshmem transport is not implemented yet (GPU collectives are open); "
+            + (
+                "epkit._C_cuda (NVSHMEM bootstrap, malloc, put-with-signal) is built"
+                if _has_c_cuda()
+                else "epkit._C_cuda is not built (needs nvcc and an nvidia-nvshmem wheel at install time)"
+            )
+            + ("" if nvshmem else "; no nvidia-nvshmem wheel (pip install 'epkit[cuda12]')")
+            + ("" if gpu else "; no CUDA device"),
         },
     }
     ops = {
@@ -152,8 +156,9 @@ def _print_info(info: dict) -> None:
     for name, t in info["transports"].items():
         w(f"  {name:<8} {'ready' if t['ready'] else 'unavailable'}: {t['why']}\n")
     w("\nops (auto backend on this machine):\n")
+    width = max((len(n) for n in info["ops"]), default=0)
     for name, o in info["ops"].items():
-        w(f"  {name:<20} cpu -> {o['auto_cpu']}")
+        w(f"  {name:<{width}} cpu -> {o['auto_cpu']}")
         w(f", cuda -> {o['auto_cuda']}" if o["auto_cuda"] else "")
         w(f"   [backends: {', '.join(o['backends'])}]\n")
 
