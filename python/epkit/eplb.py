@@ -26,9 +26,10 @@ Also here: :func:`gpu_load` and :func:`imbalance` to score a placement, and
 from __future__ import annotations
 
 import heapq
-import operator
 
 import torch
+
+from epkit._util import check_int as _check_int
 
 __all__ = [
     "balanced_packing",
@@ -38,15 +39,6 @@ __all__ = [
     "imbalance",
     "ExpertLoadCounter",
 ]
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = operator.index(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_weight(weight, name: str = "weight") -> torch.Tensor:

@@ -15,12 +15,12 @@ one concrete replica.
 
 from __future__ import annotations
 
-import operator
-import time
 from dataclasses import dataclass
 
 import torch
 
+from epkit._util import check_int as _check_int
+from epkit._util import time_per_call
 from epkit.backends import OpSpec, register_op, select
 
 __all__ = [
@@ -29,15 +29,6 @@ __all__ = [
     "logical_to_physical",
     "logical_to_physical_reference",
 ]
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = operator.index(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def resolve_num_extra_experts(num_routed_experts: int, ep_size: int, min_num_extra_experts: int) -> int:
@@ -479,14 +470,5 @@ def _bench_main(backend: str, num_tokens: int = 16384, top_k: int = 6) -> None:
         (f"epkit[{backend}]", lambda: logical_to_physical(topk, placement, 5, backend=backend, check_index=False)),
         ("vectorised torch", lambda: _cpu_impl(topk, placement, 5, 0)),
     ):
-        fn()
-        reps = 20
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / reps
+        dt = time_per_call(fn, device, reps=20)
         print(f"{name:>20}: {dt * 1e6:9.1f} us  ({num_tokens} x {top_k} on {device}, 384 experts, EP64)")

@@ -8,10 +8,10 @@ every backend for every dtype: rows move as integer words.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
+from epkit._util import time_per_call
 from epkit.backends import OpSpec, register_op, select
 
 __all__ = ["gather_rows", "gather_rows_reference"]
@@ -186,15 +186,6 @@ def _bench_main(backend: str, rows: int = 65536, hidden: int = 2048) -> None:
         ("epkit", lambda: gather_rows(x, idx, out, backend=backend, check_index=False)),
         ("torch.index_select", lambda: torch.index_select(x, 0, idx, out=out)),
     ):
-        fn()
-        reps = 10
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / reps
+        dt = time_per_call(fn, device)
         gbs = 2 * x.numel() * x.element_size() / dt / 1e9
         print(f"{name:>20}: {dt * 1e3:8.3f} ms  {gbs:7.1f} GB/s  ({rows} x {hidden} bf16 rows)")
