@@ -50,9 +50,10 @@ def _one_hangs(rank, world_size):
 
 def test_hanging_rank_times_out_and_is_killed():
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 3 did not finish within 6 s"):
-        run_ranks(_one_hangs, 3, timeout=6, init_dist=False)
-    assert time.monotonic() - t0 < 20
+    # The deadline covers process start-up too, so leave room for a loaded 2-core machine.
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 3 did not finish within 25 s"):
+        run_ranks(_one_hangs, 3, timeout=25, init_dist=False)
+    assert time.monotonic() - t0 < 45
 
 
 def _killed(rank, world_size):
