@@ -316,3 +316,112 @@ def test_pack_moe_weight_round_trip():
     assert torch.equal(unpack_moe_weight(p), w)
     with pytest.raises(ValueError, match="num_experts"):
         pack_moe_weight(w, 5)
+
+
+# CPU backend internals: the fused C++ dequantizer must give the torch dequantizers' bits.
+
+requires_fused_dequant = pytest.mark.skipif(
+    gemm._ext() is None, reason="epkit._C was built without dequant_blocks (torch fallback in use)"
+)
+
+
+def _bits_equal_or_both_nan(got: torch.Tensor, want: torch.Tensor, ctx: str) -> None:
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), ctx + ": NaN positions differ"
+    assert_bitwise_equal(got[~nan], want[~nan], ctx=ctx)
+
+
+def _run_deq(kind, out, q, s, row_block, rows=None):
+    deq = gemm._Dequant()
+    deq.add(kind, out, q, s, row_block, rows=rows)
+    deq.run()
+    generic = out.clone()  # the generic (non-SIMD) loops must give the same bits
+    deq.run(simd=False)
+    assert_bitwise_equal(generic, out, ctx=f"{kind}: SIMD vs generic loops")
+    return out
+
+
+@requires_fused_dequant
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fused_fp8_dequant_bitwise_all_codes(out_dtype):
+    from epkit.quant import dequant_per_block_fp8, dequant_per_token_group_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    # every code in every 128-column block, in a different order per row; 200 rows, K = 384
+    q = codes[torch.stack([torch.randperm(256, generator=gen) for _ in range(600)]).view(200, 768)[:, :384]]
+    exps = torch.randint(-140, 120, (200, 3), generator=gen).float()  # includes bf16 under/overflow
+    s_tok = torch.rand(200, 3, generator=gen) * torch.pow(2.0, exps)
+    got = _run_deq("fp8", torch.empty(200, 384, dtype=out_dtype), q, s_tok, 1)
+    _bits_equal_or_both_nan(got, dequant_per_token_group_fp8(q, s_tok).to(out_dtype), "per-token scales")
+    s_blk = torch.rand(2, 3, generator=gen) * 4.0
+    got = _run_deq("fp8", torch.empty(200, 384, dtype=out_dtype), q, s_blk, 128)
+    _bits_equal_or_both_nan(got, dequant_per_block_fp8(q, s_blk).to(out_dtype), "128x128 block scales")
+    # batched weights [G, N, K] with N not a multiple of the block, and a gathered row subset
+    qb = q[:150].reshape(3, 50, 384)
+    sb = torch.rand(3, 1, 3, generator=gen)
+    got = _run_deq("fp8", torch.empty(3, 50, 384, dtype=out_dtype), qb, sb, 128)
+    _bits_equal_or_both_nan(got, dequant_per_block_fp8(qb, sb).to(out_dtype), "batched blocks")
+    rows = torch.randperm(200, generator=gen)[:77]
+    got = _run_deq("fp8", torch.empty(77, 384, dtype=out_dtype), q, s_tok, 1, rows=rows)
+    _bits_equal_or_both_nan(got, dequant_per_token_group_fp8(q[rows], s_tok[rows]).to(out_dtype), "row index")
+
+
+@requires_fused_dequant
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fused_mxfp4_dequant_bitwise_all_codes(out_dtype):
+    from epkit.quant import dequant_mxfp4
+
+    gen = torch.Generator().manual_seed(1)
+    # all 256 bytes (every nibble pair) under every e8m0 exponent 0..255, plus random rows
+    packed = torch.cat(
+        [
+            torch.arange(256, dtype=torch.uint8).repeat(256, 1),
+            torch.randint(0, 256, (40, 256), generator=gen, dtype=torch.uint8),
+        ]
+    )
+    scale = torch.cat(
+        [
+            torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16),
+            torch.randint(0, 256, (40, 16), generator=gen, dtype=torch.uint8),
+        ]
+    )
+    got = _run_deq("fp8_fp4", torch.empty(296, 512, dtype=out_dtype), packed, scale, 1)
+    _bits_equal_or_both_nan(got, dequant_mxfp4(packed, scale).to(out_dtype), "mxfp4")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp8_fp4"])
+def test_cpu_backend_same_bits_without_fused_dequant(kind, monkeypatch):
+    # uneven groups (per-group matmuls) and equal, evenly spaced groups (one batched matmul)
+    for counts in ([130, 0, 7, 128], [128, 128, 128]):
+        m_indices = build_m_indices(counts)
+        m = m_indices.numel()
+        a, b, _, _ = make_inputs(kind, len(counts), m, 256, 512, masked=False, seed=len(counts))
+        fused = CONTIG[kind](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
+        with monkeypatch.context() as mp:
+            mp.setattr(gemm, "_ext", lambda: None)
+            plain = CONTIG[kind](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
+        assert_bitwise_equal(fused, plain, ctx=f"{kind=} {counts=}: fused C++ vs torch dequantization")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_and_per_group_paths_agree(kind):
+    # Equal groups take one batched matmul; the same rows with one group split off take per-group matmuls.
+    g, n, k, c = 4, 256, 512, 128
+    m_indices = build_m_indices([c] * g)
+    a, b, af, bf = make_inputs(kind, g, g * c, n, k, masked=False, seed=9)
+    d_batched = CONTIG[kind](a, b, torch.full((g * c, n), 5.0, dtype=torch.bfloat16), m_indices, backend="cpu")
+    assert_diff(d_batched.float(), _ref_contiguous(af, bf, m_indices), THRESH[kind], f"{kind=} batched")
+    for grp in range(g):  # one group at a time: per-group path, same rows and weights
+        ids = torch.where(m_indices == grp, m_indices, torch.full_like(m_indices, -1))
+        d_one = CONTIG[kind](a, b, torch.full((g * c, n), 5.0, dtype=torch.bfloat16), ids, backend="cpu")
+        sel = slice(grp * c, (grp + 1) * c)
+        assert_diff(d_one[sel].float(), d_batched[sel].float(), 1e-6, f"{kind=} group {grp}")
+    # masked layout, all groups at the same count below M_max: rows past it stay untouched
+    am, bm, afm, bfm = make_inputs(kind, g, 96, n, k, masked=True, seed=10)
+    masked_m = torch.full((g,), 40, dtype=torch.int32)
+    dm = torch.full((g, 96, n), -3.0, dtype=torch.bfloat16)
+    MASKED[kind](am, bm, dm, masked_m, 40, backend="cpu")
+    assert torch.equal(dm[:, 40:], torch.full_like(dm[:, 40:], -3.0)), "rows beyond masked_m must be untouched"
+    ref = torch.einsum("gmk,gnk->gmn", afm.float(), bfm.float())
+    assert_diff(dm[:, :40].float(), ref[:, :40], THRESH[kind], f"{kind=} masked batched")

@@ -19,15 +19,19 @@ Formats
 ``bf16``     a bf16 [M, K]; b bf16 [G, N, K]; no scales.
 ``d`` is bfloat16 or float32.
 
-Backends: ``cpu`` (dequantize per group, one torch.matmul per group, float32
-accumulation; bf16 tensor-core-style matmul when the CPU has fast bf16 and d is
-bf16), ``triton`` (kernels/triton/grouped_gemm.py; the interpreter on CPU
+Backends: ``cpu`` (every call dequantizes the live groups' weights and rows in one
+threaded pass - fused C++ ``epkit._C.dequant_blocks`` when built, else the
+``epkit.quant`` dequantizers, with identical bits - then one torch matmul per group,
+or one batched matmul when the groups are equal and evenly spaced, written straight
+into d; bf16 operands when the CPU has fast bf16 and d is bf16, else float32),
+``triton`` (kernels/triton/grouped_gemm.py; the interpreter on CPU
 tensors), ``reference`` (float32 matmul of dequantized inputs, group by group).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -249,7 +253,9 @@ def grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=None, masked_m=Non
     return d
 
 
-# CPU backend: dequantize each group once, one matmul per group (no per-row Python work).
+# CPU backend: weights and activations dequantized on every call (fused C++ when epkit._C has it,
+# the quant module's torch dequantizers otherwise - the same bits), one matmul per group written
+# straight into d. No per-row Python work; padding rows and empty groups are skipped.
 
 
 @functools.cache
@@ -260,88 +266,220 @@ def _fast_bf16_matmul() -> bool:
         return False
 
 
-_BIAS = 2.0**120  # e4m3 bits shifted into bf16 read as value * 2**-120
-
-
-def _fp8_bits_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """e4m3 -> bf16 holding ``value * 2**-120`` exactly (subnormals included), by integer shifts."""
-    y = x.view(torch.int8).to(torch.int16)
-    y.bitwise_left_shift_(4).bitwise_and_(-30721)  # keep sign (bit 15) and exp|mantissa (bits 4..10)
-    return y.view(torch.bfloat16)
-
-
-def _fp8_dequant(x: torch.Tensor, scale: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
-    """x [R, K] e4m3, scale [R, K/128] float32 (already per row) -> [R, K] in dtype cd."""
-    r, k = x.shape
-    if cd == torch.bfloat16 and r and float(scale.max()) <= 2.0**7:
-        v = _fp8_bits_to_bf16(x).view(r, k // _SF_K, _SF_K)
-        return v.mul_((scale * _BIAS).to(torch.bfloat16).unsqueeze(-1)).view(r, k)
-    return (x.float().view(r, k // _SF_K, _SF_K) * scale.unsqueeze(-1)).view(r, k).to(cd)
-
-
 @functools.cache
-def _e2m1_pair_table(dtype: torch.dtype) -> torch.Tensor:
-    from epkit.quant import e2m1_to_float
-
-    byte = torch.arange(256, dtype=torch.uint8)
-    return torch.stack((e2m1_to_float(byte & 0x0F), e2m1_to_float(byte >> 4)), dim=-1).to(dtype)  # [256, 2]
-
-
-def _cpu_deq_b(kind: str, b: torch.Tensor, sfb: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor:
-    n = b.shape[0]
-    if kind == "fp8":
-        return _fp8_dequant(b, sfb.repeat_interleave(128, dim=0)[:n], cd)
-    if kind == "fp8_fp4":
-        k = b.shape[1] * 2
-        vals = torch.index_select(_e2m1_pair_table(cd), 0, b.reshape(-1).to(torch.int32)).view(n, k // 32, 32)
-        return vals.mul_(torch.pow(2.0, sfb.float() - 127.0).to(cd).unsqueeze(-1)).view(n, k)
-    return b.to(cd)
+def _ext():
+    """``epkit._C`` when it has the fused dequantizer, else None (torch fallback, same bits)."""
+    try:
+        from epkit import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "dequant_blocks") else None
 
 
-def _cpu_deq_a(kind: str, a: torch.Tensor, sfa: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor:
-    return a.to(cd) if kind == "bf16" else _fp8_dequant(a, sfa, cd)
+_OUT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_SCRATCH_CAP = 1 << 28  # bytes of per-thread scratch kept between calls (larger requests are one-off)
+_SCRATCH_ALIGN = 64
+_tls = threading.local()
 
 
-def _group_rows(m_indices: torch.Tensor, g: int) -> list:
-    """Row selector per group: a slice when the group's rows are contiguous, else an index tensor."""
-    ids = m_indices.long()
-    counts = torch.bincount(ids + 1, minlength=g + 1).tolist()
-    order = torch.argsort(ids, stable=True)
-    out, off = [], counts[0]
-    for grp in range(g):
-        cnt = counts[grp + 1]
-        rows = order[off : off + cnt]
-        off += cnt
-        if cnt == 0:
-            out.append(None)
-        elif int(rows[-1]) - int(rows[0]) + 1 == cnt:
-            out.append(slice(int(rows[0]), int(rows[0]) + cnt))
-        else:
-            out.append(rows)
+def _scratch(sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Flat per-thread scratch tensors of ``sizes`` elements (64-byte aligned).
+
+    Only memory is reused across calls (it avoids page-faulting fresh buffers on every call);
+    every element handed out is overwritten by a dequantization before anything reads it.
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    offs, total = [], 0
+    for numel in sizes:
+        offs.append(total)
+        total += -(-numel * item // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.numel() < total:
+        buf = torch.empty(max(total, 1), dtype=torch.uint8)
+        if total <= _SCRATCH_CAP:
+            _tls.buf = buf
+    return [buf[o : o + numel * item].view(dtype) for o, numel in zip(offs, sizes)]
+
+
+def _inner_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _as3(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+
+class _Dequant:
+    """Dequantization jobs of one GEMM call, run together in one threaded C++ pass.
+
+    Each job writes ``out [.., R, K]`` (bf16 / f32) from ``q`` with block scales ``s``:
+    fp8: ``q [.., Rq, K]`` e4m3, ``s [.., ceil(Rq/row_block), K/128]`` float32;
+    fp8_fp4: ``q [.., Rq, K/2]`` uint8 e2m1 pairs, ``s [.., Rq, K/32]`` uint8 e8m0 (row_block 1).
+    ``rows`` (int64 [R], optional, 2-D jobs with row_block 1) picks source rows. The result is
+    bitwise equal to ``epkit.quant``'s float32 dequantizers followed by ``.to(out.dtype)``,
+    which is also the fallback when ``epkit._C`` lacks the fused kernel.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: list = []
+
+    def add(self, kind: str, out: torch.Tensor, q: torch.Tensor, s: torch.Tensor, row_block: int, rows=None) -> None:
+        self.jobs.append((kind, out, _inner_contig(q), _inner_contig(s), row_block, rows))
+
+    def run(self, simd: bool = True) -> None:
+        ext = _ext()
+        if ext is None or any(j[1].device.type != "cpu" or j[1].stride(-1) != 1 for j in self.jobs):
+            for kind, out, q, s, row_block, rows in self.jobs:
+                if rows is not None:
+                    q, s = q[rows], s[rows]
+                if kind == "fp8_fp4":
+                    out.copy_(dequant_mxfp4(q, s))
+                elif row_block == 1:
+                    out.copy_(dequant_per_token_group_fp8(q, s, _SF_K))
+                else:
+                    out.copy_(dequant_per_block_fp8(q, s, (row_block, _SF_K)))
+            return
+        specs = []
+        for kind, out, q, s, row_block, rows in self.jobs:
+            o3, q3, s3 = _as3(out), _as3(q), _as3(s)
+            batches, nrows, k = o3.shape
+            fp4 = kind == "fp8_fp4"
+            specs.append(
+                (int(fp4), _OUT_CODE[out.dtype], o3.data_ptr(), o3.stride(0), o3.stride(1))
+                + (q3.data_ptr(), q3.stride(0), q3.stride(1), s3.data_ptr(), s3.stride(0), s3.stride(1))
+                + (batches, nrows, k, 1 if fp4 else row_block, _FP4_BLOCK if fp4 else _SF_K)
+                + (0 if rows is None else rows.data_ptr(),)
+            )
+        ext.dequant_blocks(specs, torch.get_num_threads(), simd)
+
+
+def _compute_dtype(d: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if (d.dtype == torch.bfloat16 and _fast_bf16_matmul()) else torch.float32
+
+
+def _weights(deq: _Dequant | None, kind: str, b, sfb, live: list[int], cd: torch.dtype, buf) -> torch.Tensor:
+    """``[len(live), N, K]`` weights of the live groups in dtype cd.
+
+    Scaled kinds are dequantized into ``buf`` (queued on ``deq``); bf16 weights are used as they are.
+    """
+    if kind == "bf16":
+        if len(live) == b.shape[0] and b.dtype == cd:
+            return b
+        return b[torch.tensor(live, dtype=torch.long, device=b.device)].to(cd)
+    out = buf.view(len(live), b.shape[1], -1)
+    row_block = 128 if kind == "fp8" else 1
+    if len(live) == b.shape[0]:
+        deq.add(kind, out, b, sfb, row_block)  # every expert in one job
+    else:
+        for i, grp in enumerate(live):
+            deq.add(kind, out[i], b[grp], sfb[grp], row_block)
     return out
 
 
+def _mm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x @ w^T`` for 2-D (one group) or 3-D (a batch of groups) operands; out is a view of d."""
+    mm = torch.matmul if x.dim() == 2 else torch.bmm
+    if out.dtype == x.dtype and out.is_contiguous():
+        mm(x, w.transpose(-1, -2), out=out)
+    else:
+        out.copy_(mm(x, w.transpose(-1, -2)))
+
+
+def _group_rows(m_indices: torch.Tensor, g: int):
+    """Rows of each group for the contiguous layout.
+
+    Returns ``(counts, order)``: ``counts`` a list of G row counts, ``order`` int64 [rows in
+    groups] listing the rows of group 0, then group 1, ..., each in ascending order.
+    """
+    ids = m_indices.long()
+    counts = torch.bincount(ids + 1, minlength=g + 1).tolist()
+    order = torch.argsort(ids, stable=True)
+    return counts[1:], order[counts[0] :]
+
+
+def _even_stride(starts: list[int], cnt: list[int]) -> int | None:
+    """Row stride when equal-sized groups start at evenly spaced rows (one batched matmul), else None."""
+    if len(cnt) < 2 or min(cnt) != max(cnt):
+        return None
+    stride = starts[1] - starts[0]
+    if stride < cnt[0] or any(y - x != stride for x, y in zip(starts, starts[1:])):
+        return None
+    return stride
+
+
 def _cpu_contiguous(kind, a, sfa, b, sfb, d, m_indices) -> None:
-    cd = torch.bfloat16 if (d.dtype == torch.bfloat16 and _fast_bf16_matmul()) else torch.float32
-    for grp, rows in enumerate(_group_rows(m_indices, b.shape[0])):
-        if rows is None:
-            continue
-        x = _cpu_deq_a(kind, a[rows], None if sfa is None else sfa[rows], cd)
-        w = _cpu_deq_b(kind, b[grp], None if sfb is None else sfb[grp], cd)
-        d[rows] = torch.matmul(x, w.T).to(d.dtype)
+    cd = _compute_dtype(d)
+    n, k = b.shape[1], a.shape[1]
+    counts, order = _group_rows(m_indices, b.shape[0])
+    live = [grp for grp, c in enumerate(counts) if c]
+    if live:
+        offs = [0]
+        for grp in live:
+            offs.append(offs[-1] + counts[grp])
+        firsts = order[offs[:-1]].tolist()
+        lasts = order[[o - 1 for o in offs[1:]]].tolist()
+        is_slice = [y - x + 1 == counts[grp] for grp, x, y in zip(live, firsts, lasts)]
+        if kind == "bf16":
+            w = _weights(None, kind, b, None, live, cd, None)
+            x_all = None if (all(is_slice) and a.dtype == cd) else a[order].to(cd)
+        else:
+            wbuf, x_all = _scratch([len(live) * n * k, offs[-1] * k], cd)
+            deq = _Dequant()
+            w = _weights(deq, kind, b, sfb, live, cd, wbuf)
+            x_all = x_all.view(offs[-1], k)
+            deq.add("fp8", x_all, a, sfa, 1, rows=order)  # live rows, gathered group by group
+            deq.run()
+        stride = _even_stride(firsts, [counts[grp] for grp in live]) if all(is_slice) else None
+        if stride is not None:  # equal, evenly spaced groups: one batched matmul
+            c, ng = counts[live[0]], len(live)
+            if x_all is not None:
+                x3 = x_all.view(ng, c, k)
+            else:
+                sa = a.stride()
+                x3 = a.as_strided((ng, c, k), (stride * sa[0], sa[0], sa[1]), a.storage_offset() + firsts[0] * sa[0])
+            out = d.as_strided((ng, c, n), (stride * n, n, 1), d.storage_offset() + firsts[0] * n)
+            _mm_into(x3, w, out)
+        else:
+            for i in range(len(live)):
+                x = x_all[offs[i] : offs[i + 1]] if x_all is not None else a[firsts[i] : lasts[i] + 1]
+                if is_slice[i]:
+                    _mm_into(x, w[i], d[firsts[i] : lasts[i] + 1])
+                else:
+                    d.index_copy_(0, order[offs[i] : offs[i + 1]], torch.matmul(x, w[i].T).to(d.dtype))
     pad = m_indices < 0
     if bool(pad.any()):
         d[pad] = 0
 
 
 def _cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:
-    cd = torch.bfloat16 if (d.dtype == torch.bfloat16 and _fast_bf16_matmul()) else torch.float32
-    for grp, rows in enumerate(masked_m.tolist()):
-        if rows == 0:
-            continue
-        x = _cpu_deq_a(kind, a[grp, :rows], None if sfa is None else sfa[grp, :rows], cd)
-        w = _cpu_deq_b(kind, b[grp], None if sfb is None else sfb[grp], cd)
-        d[grp, :rows] = torch.matmul(x, w.T).to(d.dtype)
+    cd = _compute_dtype(d)
+    n, k = b.shape[1], a.shape[2]
+    counts = masked_m.tolist()
+    live = [grp for grp, c in enumerate(counts) if c]
+    if not live:
+        return
+    offs = [0]
+    for grp in live:
+        offs.append(offs[-1] + counts[grp])
+    if kind == "bf16":
+        w = _weights(None, kind, b, None, live, cd, None)
+        x_all = None
+    else:
+        wbuf, x_all = _scratch([len(live) * n * k, offs[-1] * k], cd)
+        deq = _Dequant()
+        w = _weights(deq, kind, b, sfb, live, cd, wbuf)
+        x_all = x_all.view(offs[-1], k)
+        for i, grp in enumerate(live):
+            deq.add("fp8", x_all[offs[i] : offs[i + 1]], a[grp, : counts[grp]], sfa[grp, : counts[grp]], 1)
+        deq.run()
+    c, g0, ng = counts[live[0]], live[0], len(live)
+    if ng >= 2 and live == list(range(g0, g0 + ng)) and all(counts[grp] == c for grp in live):
+        x3 = x_all.view(ng, c, k) if x_all is not None else a[g0 : g0 + ng, :c].to(cd)
+        _mm_into(x3, w, d[g0 : g0 + ng, :c])  # one batched matmul
+        return
+    for i, grp in enumerate(live):
+        x = x_all[offs[i] : offs[i + 1]] if x_all is not None else a[grp, : counts[grp]].to(cd)
+        _mm_into(x, w[i], d[grp, : counts[grp]])
 
 
 # Public ops
