@@ -187,6 +187,67 @@ def test_engram_hash_bit_exact(backend, num_tokens, n, heads, num_layers, wrap):
     assert_bitwise_equal(got, _numpy_expected(ids, mult, vocab, off), ctx=f"{backend=} {num_tokens=} {n=} {wrap=}")
 
 
+# int64 values at the edges of the division-free floor-mod: extremes, multiples of d and their neighbours.
+_EDGE_DIVISORS = [2, 3, 65537, 646403, 2147483629, 2147483647, 1000003, 999983]
+
+
+def _edge_values(divisors):
+    vals = {0, 1, -1, 2**63 - 1, -(2**63), 2**62, -(2**62), 2**42, 2**42 - 1, -(2**42), 2**21, 2**21 - 1}
+    for d in divisors:
+        for m in (1, 7, 2**20, 2**31 + 5, (2**63 - 1) // d, -((2**63) // d)):
+            for delta in (-1, 0, 1):
+                v = m * d + delta
+                if -(2**63) <= v < 2**63:
+                    vals.add(v)
+    return sorted(vals)
+
+
+def _ids_for_int64(values):
+    """[T, 2] int32 ids with ids[t, 0] * 2**32 XOR ids[t, 1] * 1 == values[t] (int64), for mult = [2**32, 1]."""
+    rows = []
+    for v in values:
+        u = v % 2**64
+        lo = u % 2**32
+        lo_s = lo - 2**32 if lo >= 2**31 else lo
+        ext = (lo_s % 2**64) >> 32  # upper half of the sign-extended low word
+        hi = (u >> 32) ^ ext
+        rows.append([hi - 2**32 if hi >= 2**31 else hi, lo_s])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_engram_hash_floor_mod_edge_values(backend):
+    values = _edge_values(_EDGE_DIVISORS)
+    ids = _ids_for_int64(values)
+    mult = torch.tensor([[2**32, 1]], dtype=torch.int64)
+    vocab = torch.tensor(_EDGE_DIVISORS, dtype=torch.int32).reshape(1, 1, -1)
+    off = torch.zeros((1, len(_EDGE_DIVISORS)), dtype=torch.int32)
+    off[0, :2] = 7  # small tables placed at an offset
+    want = torch.tensor([[v % d + int(o) for d, o in zip(_EDGE_DIVISORS, off[0])] for v in values], dtype=torch.int32)
+    got = engram_hash(ids, mult, vocab, off, backend=backend)
+    assert_bitwise_equal(got[0], want, ctx=f"{backend=}")
+
+
+@requires_tilelang
+def test_engram_hash_tilelang_unaligned_out_and_partial_blocks():
+    # An output view 4 bytes past a 64-byte boundary takes the plain-store path; 16 heads use row stores.
+    cfg = EngramConfig(vocab_size=129280)
+    mult, vocab, off = hash_params(cfg)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (9001, 3), generator=g, dtype=torch.int32)
+    want = engram_hash(ids, mult, vocab, off, backend="cpu")
+    buf = torch.full((want.numel() + 32,), -7, dtype=torch.int32)
+    for start in (0, 1, 16):
+        buf.fill_(-7)
+        view = buf[start : start + want.numel()].view(want.shape)
+        engram_hash(ids, mult, vocab, off, view, backend="tilelang")
+        assert_bitwise_equal(view, want, ctx=f"{start=}")
+        assert bool((buf[:start] == -7).all()) and bool((buf[start + want.numel() :] == -7).all())
+    for num_tokens in (1, 63, 64, 65):
+        got = engram_hash(ids[:num_tokens], mult, vocab, off, backend="tilelang")
+        assert_bitwise_equal(got, want[:, :num_tokens], ctx=f"{num_tokens=}")
+
+
 @requires_tilelang
 def test_engram_hash_tilelang_equals_cpu_on_many_tokens():
     cfg = EngramConfig(vocab_size=129280, ngram_vocab_sizes=(2**26, 2**26 + 12345))
@@ -196,7 +257,10 @@ def test_engram_hash_tilelang_equals_cpu_on_many_tokens():
     ids[:5] = cfg.vocab_size - 1
     out = torch.full((2, 20011, 16), -1, dtype=torch.int32)
     engram_hash(ids, mult, vocab, off, out, backend="tilelang")
-    assert_bitwise_equal(out, engram_hash(ids, mult, vocab, off, backend="cpu"), ctx="tilelang vs cpu")
+    # Both split the tokens across threads at this size; the numpy reference does not.
+    want = engram_hash(ids, mult, vocab, off, backend="reference")
+    assert_bitwise_equal(out, want, ctx="tilelang vs reference")
+    assert_bitwise_equal(engram_hash(ids, mult, vocab, off, backend="cpu"), want, ctx="cpu vs reference")
 
 
 def test_hash_tokens_varlen_equals_per_sequence_and_prefix():
