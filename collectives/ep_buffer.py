@@ -203,6 +203,7 @@ class EPBuffer:
         self.transport = self.buffer.transport
         #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter).
         self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
+        self._ll_cache: dict = {}
 
     def is_within_domain(self) -> bool:
         return self.buffer.is_within_domain()
@@ -590,6 +591,21 @@ class EPBuffer:
     def _ll_header(self) -> int:
         return _al(4 * (1 + self.num_local_experts)) + _META_MSG
 
+    def _ll_outputs(self, n_max: int, use_fp8: bool):
+        """Persistent low-latency receive tensors (as DeepEP: valid until the next low-latency dispatch)."""
+        key = (n_max, use_fp8)
+        if key not in self._ll_cache:
+            L, w, h = self.num_local_experts, self.world_size, self.hidden
+            if use_fp8:
+                recv_x = (
+                    torch.zeros((L, n_max * w, h), dtype=torch.float8_e4m3fn),
+                    torch.zeros((L, n_max * w, -(-h // 128)), dtype=torch.float32),
+                )
+            else:
+                recv_x = torch.zeros((L, n_max * w, h), dtype=torch.bfloat16)
+            self._ll_cache[key] = (recv_x, torch.zeros(L, dtype=torch.int32))
+        return self._ll_cache[key]
+
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -618,7 +634,8 @@ class EPBuffer:
         -------
         recv_x : Tensor [num_local_experts, N * W, hidden] bf16, or (e4m3 tensor, scales [L, N*W, hidden/128])
             Rows of expert e ordered by source rank, then source token order; rows past
-            ``recv_count[e]`` are unspecified.
+            ``recv_count[e]`` are unspecified. Like DeepEP's, these tensors are owned by the
+            buffer and reused: they stay valid until the next low-latency dispatch (clone to keep).
         recv_count : Tensor [num_local_experts] int32
         handle : LowLatencyHandle
         hook : callable; waits for the data (a no-op when ``return_recv_hook`` is False). Call it
@@ -702,14 +719,7 @@ class EPBuffer:
                     srows = region[base : base + L * n_max * sb].view(L * n_max, sb)
                     srows.index_copy_(0, slot, s_bytes.index_select(0, tok_sorted[lo:hi]))
             ex.commit(dst, msg_bytes)
-        if use_fp8:
-            recv_x = (
-                torch.empty((L, n_max * w, h), dtype=torch.float8_e4m3fn),
-                torch.empty((L, n_max * w, sb // 4), dtype=torch.float32),
-            )
-        else:
-            recv_x = torch.empty((L, n_max * w, h), dtype=torch.bfloat16)
-        recv_count = torch.zeros(L, dtype=torch.int32)
+        recv_x, recv_count = self._ll_outputs(n_max, use_fp8)
         handle = LowLatencyHandle(
             num_tokens=t_num,
             dst_of=dst_of,
