@@ -35,12 +35,13 @@ inline float bf16_to_f32(uint16_t b) {
 }
 
 // Round to nearest even, NaN -> canonical quiet NaN: the conversion torch uses.
+// Branch-free so the loops around it vectorise.
 inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    if (std::isnan(f)) return 0x7FC0;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    return static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
 }
 
 inline float load(const void *row, int dtype, int64_t h) {
@@ -51,6 +52,10 @@ void check_dtype(int d, const char *what) {
     if (d != F32 && d != BF16) throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (f32) or 1 (bf16)");
 }
 
+// Compiled for several ISAs; the loader picks the best one for this CPU at run time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 void reduce_range(int64_t t0, int64_t t1, uintptr_t out, int out_dtype, const int64_t *src, int64_t K, int64_t H,
                   int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype) {
     std::vector<float> acc(static_cast<size_t>(H));
