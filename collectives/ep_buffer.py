@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from epkit._util import check_topk_idx
 from epkit.collectives.symm_buffer import SymmBuffer
 
 __all__ = ["EPBuffer", "DispatchHandle", "LowLatencyHandle"]
@@ -240,23 +241,9 @@ class EPBuffer:
     # validation
 
     def _check_topk(self, topk_idx, num_tokens: int) -> None:
-        if (
-            not isinstance(topk_idx, torch.Tensor)
-            or topk_idx.dim() != 2
-            or topk_idx.dtype not in (torch.int32, torch.int64)
-        ):
-            raise ValueError(
-                f"topk_idx must be a [num_tokens, {self.num_topk}] int32/int64 tensor, got "
-                f"{getattr(topk_idx, 'dtype', type(topk_idx))} {tuple(getattr(topk_idx, 'shape', ()))}"
-            )
-        if topk_idx.shape != (num_tokens, self.num_topk):
+        check_topk_idx(topk_idx, self.num_experts, self.num_topk)
+        if topk_idx.shape[0] != num_tokens:
             raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}, expected ({num_tokens}, {self.num_topk})")
-        if topk_idx.numel():
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < -1 or hi >= self.num_experts:
-                bad = lo if lo < -1 else hi
-                t, k = (int(i) for i in (topk_idx == bad).nonzero()[0])
-                raise ValueError(f"topk_idx[{t}, {k}] = {bad} is outside [-1, {self.num_experts})")
 
     def _validate_dispatch(self, x, scales, topk_idx, topk_weights, capacity: int) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:

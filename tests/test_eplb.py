@@ -350,5 +350,5 @@ def test_load_counter_bad_input():
         c.add(0, torch.tensor([0, -1, 0, 0]))
     with pytest.raises(ValueError, match=r"\[-1, 4\)"):
         c.add_topk(0, torch.tensor([[4]]))
-    with pytest.raises(ValueError, match="2-D int32/int64"):
+    with pytest.raises(ValueError, match="2-D \\[num_tokens, top_k\\] int32 or int64"):
         c.add_topk(0, torch.tensor([1, 2]))

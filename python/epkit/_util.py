@@ -31,3 +31,29 @@ def time_per_call(fn: Callable[[], object], device: str | torch.device, reps: in
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps
+
+
+def check_topk_idx(topk_idx, num_experts: int, num_topk: int | None = None, check_values: bool = True) -> None:
+    """Validate a ``[num_tokens, top_k]`` int32/int64 expert-id matrix with values in ``[-1, num_experts)``.
+
+    The message names the first offending entry (``topk_idx[t, k] = v``). ``check_values=False``
+    skips the value scan (one device->host sync on GPU).
+    """
+    if (
+        not isinstance(topk_idx, torch.Tensor)
+        or topk_idx.dim() != 2
+        or topk_idx.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"topk_idx must be a 2-D [num_tokens, top_k] int32 or int64 tensor, got "
+            f"{getattr(topk_idx, 'dtype', type(topk_idx).__name__)} of shape "
+            f"{tuple(getattr(topk_idx, 'shape', ()))}"
+        )
+    if num_topk is not None and topk_idx.shape[1] != num_topk:
+        raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}, expected ({topk_idx.shape[0]}, {num_topk})")
+    if check_values and topk_idx.numel():
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = lo if lo < -1 else hi
+            t, k = (int(i) for i in (topk_idx == bad).nonzero()[0])
+            raise ValueError(f"topk_idx[{t}, {k}] = {bad} is outside [-1, {num_experts})")

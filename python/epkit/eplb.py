@@ -30,6 +30,7 @@ import heapq
 import torch
 
 from epkit._util import check_int as _check_int
+from epkit._util import check_topk_idx
 
 __all__ = [
     "balanced_packing",
@@ -383,22 +384,8 @@ class ExpertLoadCounter:
             Logical expert ids in ``[-1, num_logical)``.
         """
         layer = self._check_layer(layer)
-        if (
-            not isinstance(topk_idx, torch.Tensor)
-            or topk_idx.dim() != 2
-            or topk_idx.dtype
-            not in (
-                torch.int32,
-                torch.int64,
-            )
-        ):
-            raise ValueError(
-                f"topk_idx must be a 2-D int32/int64 tensor, got {getattr(topk_idx, 'dtype', type(topk_idx).__name__)} "
-                f"of shape {tuple(getattr(topk_idx, 'shape', ()))}"
-            )
+        check_topk_idx(topk_idx, self.num_logical)
         ids = topk_idx.reshape(-1).to(self.device, torch.int64)
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.num_logical):
-            raise ValueError(f"topk_idx values must be in [-1, {self.num_logical})")
         ids = ids[ids >= 0]
         self._counts[self._pos, layer] += torch.bincount(ids, minlength=self.num_logical)
 

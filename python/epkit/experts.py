@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from epkit._util import check_int as _check_int
-from epkit._util import time_per_call
+from epkit._util import check_topk_idx, time_per_call
 from epkit.backends import OpSpec, register_op, select
 
 __all__ = [
@@ -307,30 +307,9 @@ def logical_to_physical_reference(
 def _validate(topk_idx, placement, ep_rank, token_offset, check_index: bool) -> tuple[int, int]:
     if not isinstance(placement, ExpertPlacement):
         raise ValueError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
-    if (
-        not isinstance(topk_idx, torch.Tensor)
-        or topk_idx.dim() != 2
-        or topk_idx.dtype
-        not in (
-            torch.int32,
-            torch.int64,
-        )
-    ):
-        raise ValueError(
-            f"topk_idx must be a 2-D [num_tokens, top_k] int32 or int64 tensor, got "
-            f"{getattr(topk_idx, 'dtype', type(topk_idx).__name__)} of shape {tuple(getattr(topk_idx, 'shape', ()))}"
-        )
     ep_rank = placement._check_rank(ep_rank)
     token_offset = _check_int("token_offset", token_offset, 0)
-    if check_index and topk_idx.numel() > 0:
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
-        if lo < -1 or hi >= placement.num_logical:
-            bad = lo if lo < -1 else hi
-            pos = tuple(int(i) for i in (topk_idx == bad).nonzero()[0])
-            raise ValueError(
-                f"topk_idx[{pos[0]}, {pos[1]}] = {bad} is outside [-1, {placement.num_logical}) "
-                f"(num_logical={placement.num_logical})"
-            )
+    check_topk_idx(topk_idx, placement.num_logical, check_values=check_index)
     return ep_rank, token_offset
 
 
