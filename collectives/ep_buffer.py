@@ -22,6 +22,7 @@ rank raises the same ``ValueError`` on all ranks. Every wait has a timeout and a
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,17 @@ def _block_rows(counts: torch.Tensor, starts: torch.Tensor, slots_per_expert: in
     return experts * slots_per_expert + i, experts * rows_per_expert + starts.long()[experts] + i
 
 
+def _check_biases(bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:
+    """``bias`` as a list of at most two ``[num_tokens, hidden]`` tensors (the fused reduction reads T*H of each)."""
+    biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
+    if len(biases) > 2:
+        raise ValueError(f"at most two bias tensors, got {len(biases)}")
+    for b in biases:
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (num_tokens, hidden):
+            raise ValueError(f"bias must be [{num_tokens}, {hidden}], got {tuple(getattr(b, 'shape', ()))}")
+    return biases
+
+
 @dataclass
 class DispatchHandle:
     """State that combine (and a cached dispatch) needs. Returned by :meth:`EPBuffer.dispatch`."""
@@ -141,6 +153,7 @@ class LowLatencyHandle:
     recv_src: list[torch.Tensor]  # per local expert: for each received row, (src rank) and position
     recv_pos: list[torch.Tensor]
     counts: torch.Tensor  # [W, L] rows received from each source per local expert
+    n_max: int = 0  # slots per (source, local expert) of the dispatch
 
 
 class EPBuffer:
@@ -208,6 +221,21 @@ class EPBuffer:
 
     def is_within_domain(self) -> bool:
         return self.buffer.is_within_domain()
+
+    @contextlib.contextmanager
+    def _guard(self, what: str):
+        """Any failure while rows move leaves the ranks' exchange counters out of step: retire the buffer."""
+        try:
+            yield
+        except BaseException as exc:
+            self.buffer.mark_broken(f"{what} failed on rank {self.rank}: {type(exc).__name__}: {exc}")
+            raise
+
+    def _reject_locally(self, what: str, exc: Exception):
+        """A call with no agreement step failed validation on this rank only: peers will time out, so retire
+        the buffer here too instead of letting the next call pair with their stale messages."""
+        self.buffer.mark_broken(f"{what} rejected on rank {self.rank}: {exc}")
+        raise exc
 
     def take_expert_load(self) -> torch.Tensor:
         """Tokens received per local (physical) expert since the last call, ``[num_local_experts]`` int64; resets.
@@ -301,14 +329,16 @@ class EPBuffer:
             x, scales = x
         if handle is not None:
             return self._dispatch_cached(x, scales, handle)
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
         w, L = self.world_size, self.num_local_experts
         error = None
         try:
+            if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
+                raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
             self._validate_dispatch(x, scales, topk_idx, topk_weights, self.num_max_tokens_per_rank)
-        except ValueError as exc:
-            error = str(exc)
+            if topk_weights is not None and not isinstance(topk_weights, torch.Tensor):
+                raise ValueError(f"topk_weights must be a tensor, got {type(topk_weights).__name__}")
+        except Exception as exc:  # every rank must learn of it: no exception may skip the agreement
+            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         meta_rows = []
         if error is None:
             _, _, in_rank = self.get_dispatch_layout(topk_idx)
@@ -323,7 +353,8 @@ class EPBuffer:
         recv_counts = [int(g[1]) for g in got]
         if topk_weights is None:
             topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
-        recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts)
+        with self._guard("dispatch"):
+            recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts)
         recv_x, recv_scales, recv_idx, recv_w = recv
         recv_idx = recv_idx.to(topk_idx.dtype)
         return self._finish_dispatch(
@@ -475,14 +506,28 @@ class EPBuffer:
         return out
 
     def _dispatch_cached(self, x, scales, handle: DispatchHandle):
-        self._validate_dispatch(
-            x, scales, torch.zeros((x.shape[0], self.num_topk), dtype=torch.int64), None, self.num_max_tokens_per_rank
-        )
-        if x.shape[0] != handle.num_tokens:
-            raise ValueError(f"cached dispatch: x has {x.shape[0]} tokens, the handle was made for {handle.num_tokens}")
+        try:
+            if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                raise ValueError(f"x must be [num_tokens, {self.hidden}]")
+            self._validate_dispatch(
+                x,
+                scales,
+                torch.zeros((x.shape[0], self.num_topk), dtype=torch.int64),
+                None,
+                self.num_max_tokens_per_rank,
+            )
+            if x.shape[0] != handle.num_tokens:
+                raise ValueError(
+                    f"cached dispatch: x has {x.shape[0]} tokens, the handle was made for {handle.num_tokens}"
+                )
+        except ValueError as exc:
+            self._reject_locally("cached dispatch", exc)
         dummy_idx = torch.full((x.shape[0], self.num_topk), -1, dtype=torch.int64)
         dummy_w = torch.zeros((x.shape[0], self.num_topk), dtype=torch.float32)
-        recv_x, recv_s, _, _ = self._send_rows(x, scales, dummy_idx, dummy_w, handle.send_tokens, handle.recv_counts)
+        with self._guard("cached dispatch"):
+            recv_x, recv_s, _, _ = self._send_rows(
+                x, scales, dummy_idx, dummy_w, handle.send_tokens, handle.recv_counts
+            )
         out_x, out_s = recv_x, recv_s
         if handle.expand:
             from epkit.gather import gather_rows
@@ -514,27 +559,34 @@ class EPBuffer:
         -------
         Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order.
         """
-        w, h = self.world_size, self.hidden
-        biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
-        want_rows = handle.expanded_rows.numel() if handle.expand else sum(handle.recv_counts)
-        if (
-            y.dim() != 2
-            or tuple(y.shape) != (want_rows, h)
-            or y.dtype not in (torch.bfloat16, torch.float32, torch.float16)
-        ):
-            raise ValueError(f"y must be bf16/fp16/fp32 [{want_rows}, {h}], got {y.dtype} {tuple(y.shape)}")
-        for b in biases:
-            if tuple(b.shape) != (handle.num_tokens, h):
-                raise ValueError(f"bias must be [{handle.num_tokens}, {h}], got {tuple(b.shape)}")
-        if len(biases) > 2:
-            raise ValueError("at most two bias tensors")
-        weights = None
-        if handle.expand:
-            weights = handle.recv_topk_weights if topk_weights is None else topk_weights.float()
-            if tuple(weights.shape) != tuple(handle.recv_topk_idx.shape):
+        h = self.hidden
+        try:
+            biases = _check_biases(bias, handle.num_tokens, h)
+            want_rows = handle.expanded_rows.numel() if handle.expand else sum(handle.recv_counts)
+            if (
+                not isinstance(y, torch.Tensor)
+                or y.dim() != 2
+                or tuple(y.shape) != (want_rows, h)
+                or y.dtype not in (torch.bfloat16, torch.float32, torch.float16)
+            ):
                 raise ValueError(
-                    f"topk_weights must be {tuple(handle.recv_topk_idx.shape)}, got {tuple(weights.shape)}"
+                    f"y must be bf16/fp16/fp32 [{want_rows}, {h}], got {getattr(y, 'dtype', None)} "
+                    f"{tuple(getattr(y, 'shape', ()))}"
                 )
+            weights = None
+            if handle.expand:
+                weights = handle.recv_topk_weights if topk_weights is None else topk_weights.float()
+                if tuple(weights.shape) != tuple(handle.recv_topk_idx.shape):
+                    raise ValueError(
+                        f"topk_weights must be {tuple(handle.recv_topk_idx.shape)}, got {tuple(weights.shape)}"
+                    )
+        except ValueError as exc:
+            self._reject_locally("combine", exc)
+        with self._guard("combine"):
+            return self._combine_rows(y, handle, weights, biases)
+
+    def _combine_rows(self, y, handle: DispatchHandle, weights, biases) -> torch.Tensor:
+        w, h = self.world_size, self.hidden
         y = y.contiguous()
         es = y.element_size()
         row_bytes = h * es
@@ -576,7 +628,24 @@ class EPBuffer:
         return (h, 4 * -(-h // 128)) if use_fp8 else (2 * h, 0)
 
     def _ll_header(self) -> int:
-        return _al(4 * (1 + self.num_local_experts)) + _META_MSG
+        """Header of a low-latency message: int32 [status, n_max, use_fp8, count per local expert], error text."""
+        return _al(4 * (3 + self.num_local_experts)) + _META_MSG
+
+    @staticmethod
+    def _ll_errors(views, hdr: int, n_max: int | None, use_fp8: bool) -> list[str]:
+        """Rejections and parameter mismatches seen in the received headers (identical on every rank)."""
+        errors = []
+        for src, v in enumerate(views):
+            head = v[:12].view(torch.int32).tolist()
+            if head[0] == -1:
+                text = bytes(v[hdr - _META_MSG : hdr].tolist()).rstrip(b"\0").decode(errors="replace")
+                errors.append(f"rank {src}: {text}")
+            elif n_max is not None and (head[1] != n_max or head[2] != int(use_fp8)):
+                errors.append(
+                    f"rank {src} used num_max_dispatch_tokens_per_rank={head[1]}, use_fp8={bool(head[2])}"
+                    f" but this rank {n_max}, {use_fp8}"
+                )
+        return errors
 
     def _ll_outputs(self, n_max: int, use_fp8: bool):
         """Persistent low-latency receive tensors (as DeepEP: valid until the next low-latency dispatch)."""
@@ -630,9 +699,18 @@ class EPBuffer:
         """
         n_max = num_max_dispatch_tokens_per_rank
         w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
+        xb, sb = self._ll_row(use_fp8)
+        hdr = self._ll_header()
+        # Every message has the same size on every rank (the buffer's capacity, bf16 rows), so a rank that
+        # rejects its input still takes part in the exchange, whatever it passed.
+        msg_bytes = min(self._region, hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h)
         error = None
         try:
-            if not isinstance(n_max, int) or not 0 < n_max <= self.num_max_dispatch_tokens_per_rank:
+            if (
+                isinstance(n_max, bool)
+                or not isinstance(n_max, int)
+                or not 0 < n_max <= self.num_max_dispatch_tokens_per_rank
+            ):
                 raise ValueError(
                     f"num_max_dispatch_tokens_per_rank must be in [1, "
                     f"{self.num_max_dispatch_tokens_per_rank}], got {n_max!r}"
@@ -645,67 +723,70 @@ class EPBuffer:
             if x.shape[0] > n_max:
                 raise ValueError(f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {n_max}")
             self._check_topk(topk_idx, x.shape[0])
-        except ValueError as exc:
-            error = str(exc)
-        xb, sb = self._ll_row(use_fp8)
-        hdr = self._ll_header()
-        msg_bytes = hdr + L * n_max * (xb + sb)
-        if error is None and msg_bytes > self._region:
-            error = (
-                f"low-latency message of {msg_bytes} bytes exceeds the {self._region}-byte region; create the "
-                f"EPBuffer with num_max_dispatch_tokens_per_rank >= {n_max}"
-            )
+            t_num = x.shape[0]
+            ids = topk_idx.long()
+            flat = ids.reshape(-1)
+            sel = (flat >= 0).nonzero().flatten()  # (t, k) pairs in token order
+            order = torch.sort(flat[sel], stable=True).indices
+            pairs = sel[order]  # grouped by expert, token order within
+            e_sorted = flat[pairs]
+            counts_e = torch.bincount(e_sorted, minlength=self.num_experts)
+            if counts_e.numel() and int(counts_e.max()) > n_max:
+                e = int(counts_e.argmax())
+                raise ValueError(
+                    f"expert {e} gets {int(counts_e[e])} (token, expert) pairs from this rank, more than "
+                    f"its {n_max} slots (duplicate expert ids within a token?)"
+                )
+            if hdr + L * n_max * (xb + sb) > msg_bytes:
+                raise ValueError(f"low-latency message exceeds the {self._region}-byte region")
+        except Exception as exc:  # every rank must learn of it through the message header
+            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         ex = self.buffer.exchange(self._region, tag="ll_dispatch")
         if error is not None:
-            for dst in range(w):  # tell every rank, then fail here too
+            for dst in range(w):  # tell every rank, finish the exchange so the counters stay in step, then fail
                 region = ex.send_region(dst)
                 region[:4].view(torch.int32)[0] = -1
                 raw = error.encode()[: _META_MSG - 1]
                 region[hdr - _META_MSG : hdr - _META_MSG + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-                ex.commit(dst, min(msg_bytes, self._region))
-            raise ValueError(error)
-        t_num = x.shape[0]
-        ids = topk_idx.long()
-        flat = ids.reshape(-1)
-        sel = (flat >= 0).nonzero().flatten()  # (t, k) pairs in token order
-        order = torch.sort(flat[sel], stable=True).indices
-        pairs = sel[order]  # grouped by expert, token order within
-        e_sorted = flat[pairs]
-        counts_e = torch.bincount(e_sorted, minlength=self.num_experts)
+                ex.commit(dst, msg_bytes)
+            errors = self._ll_errors(ex.receive([msg_bytes] * w), hdr, None, use_fp8)
+            ex.release()
+            raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
         starts = torch.cumsum(counts_e, 0) - counts_e
         pos_sorted = torch.arange(pairs.numel()) - starts[e_sorted]
         pos_of = torch.full((t_num * K,), -1, dtype=torch.int64)
         pos_of[pairs] = pos_sorted
         dst_of = torch.where(ids >= 0, ids // L, torch.full_like(ids, -1))
         expert_of = torch.where(ids >= 0, ids % L, torch.full_like(ids, -1))
-        if use_fp8:
-            from epkit.quant import per_token_group_cast_to_fp8
+        with self._guard("low-latency dispatch"):
+            if use_fp8:
+                from epkit.quant import per_token_group_cast_to_fp8
 
-            xq, xs = per_token_group_cast_to_fp8(x, 128)
-            x_bytes = xq.view(torch.uint8)
-            s_bytes = xs.contiguous().view(torch.uint8).view(t_num, sb)
-        else:
-            x_bytes = x.contiguous().view(torch.uint8).view(t_num, xb)
-            s_bytes = None
-        tok_sorted = pairs // K
-        counts_by_rank = counts_e.view(w, L)
-        for step in range(w):
-            dst = (self.rank + step) % w
-            region = ex.send_region(dst)
-            head = region[: 4 * (1 + L)].view(torch.int32)
-            head[0] = 0
-            head[1:].copy_(counts_by_rank[dst])
-            lo, hi = int(starts[dst * L]), int(starts[dst * L] + counts_by_rank[dst].sum())
-            if hi > lo:
-                el = e_sorted[lo:hi] - dst * L
-                slot = el * n_max + pos_sorted[lo:hi]
-                rows = region[hdr : hdr + L * n_max * xb].view(L * n_max, xb)
-                rows.index_copy_(0, slot, x_bytes.index_select(0, tok_sorted[lo:hi]))
-                if s_bytes is not None:
-                    base = hdr + L * n_max * xb
-                    srows = region[base : base + L * n_max * sb].view(L * n_max, sb)
-                    srows.index_copy_(0, slot, s_bytes.index_select(0, tok_sorted[lo:hi]))
-            ex.commit(dst, msg_bytes)
+                xq, xs = per_token_group_cast_to_fp8(x, 128)
+                x_bytes = xq.view(torch.uint8)
+                s_bytes = xs.contiguous().view(torch.uint8).view(t_num, sb)
+            else:
+                x_bytes = x.contiguous().view(torch.uint8).view(t_num, xb)
+                s_bytes = None
+            tok_sorted = pairs // K
+            counts_by_rank = counts_e.view(w, L)
+            for step in range(w):
+                dst = (self.rank + step) % w
+                region = ex.send_region(dst)
+                head = region[: 4 * (3 + L)].view(torch.int32)
+                head[0], head[1], head[2] = 0, n_max, int(use_fp8)
+                head[3:].copy_(counts_by_rank[dst])
+                lo, hi = int(starts[dst * L]), int(starts[dst * L] + counts_by_rank[dst].sum())
+                if hi > lo:
+                    el = e_sorted[lo:hi] - dst * L
+                    slot = el * n_max + pos_sorted[lo:hi]
+                    rows = region[hdr : hdr + L * n_max * xb].view(L * n_max, xb)
+                    rows.index_copy_(0, slot, x_bytes.index_select(0, tok_sorted[lo:hi]))
+                    if s_bytes is not None:
+                        base = hdr + L * n_max * xb
+                        srows = region[base : base + L * n_max * sb].view(L * n_max, sb)
+                        srows.index_copy_(0, slot, s_bytes.index_select(0, tok_sorted[lo:hi]))
+                ex.commit(dst, msg_bytes)
         recv_x, recv_count = self._ll_outputs(n_max, use_fp8)
         handle = LowLatencyHandle(
             num_tokens=t_num,
@@ -715,22 +796,20 @@ class EPBuffer:
             recv_src=[],
             recv_pos=[],
             counts=torch.zeros((w, L), dtype=torch.int64),
+            n_max=n_max,
         )
         state = {"done": False}
 
         def hook():
             if state["done"]:
                 return
-            views = ex.receive([min(msg_bytes, self._region)] * w)
-            errors = []
-            for src, v in enumerate(views):
-                if int(v[:4].view(torch.int32)[0]) == -1:
-                    text = bytes(v[hdr - _META_MSG : hdr].tolist()).rstrip(b"\0").decode(errors="replace")
-                    errors.append(f"rank {src}: {text}")
+            with self._guard("low-latency dispatch receive"):
+                views = ex.receive([msg_bytes] * w)
+            errors = self._ll_errors(views, hdr, n_max, use_fp8)
             if errors:
                 ex.release()
-                raise ValueError("low-latency dispatch rejected: " + "; ".join(errors))
-            counts = torch.stack([v[4 : 4 * (1 + L)].view(torch.int32).long() for v in views])  # [W, L]
+                raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+            counts = torch.stack([v[12 : 4 * (3 + L)].view(torch.int32).long() for v in views])  # [W, L]
             handle.counts = counts
             xv = recv_x[0] if use_fp8 else recv_x
             x_dst = xv.view(torch.uint8).view(L * n_max * w, xb)
@@ -776,15 +855,26 @@ class EPBuffer:
         """
         w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
         t_num = handle.num_tokens
-        if y.dtype != torch.bfloat16 or y.dim() != 3 or y.shape[0] != L or y.shape[2] != h or y.shape[1] % w:
-            raise ValueError(f"y must be bfloat16 [{L}, N * {w}, {h}], got {y.dtype} {tuple(y.shape)}")
-        n_max = y.shape[1] // w
-        if tuple(topk_idx.shape) != (t_num, K) or tuple(topk_weights.shape) != (t_num, K):
-            raise ValueError(f"topk_idx and topk_weights must be [{t_num}, {K}]")
+        n_max = handle.n_max
+        try:
+            want = (L, n_max * w, h)
+            if not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16 or tuple(y.shape) != want:
+                raise ValueError(
+                    f"y must be bfloat16 {want} (the dispatch's masked layout), got "
+                    f"{getattr(y, 'dtype', None)} {tuple(getattr(y, 'shape', ()))}"
+                )
+            if tuple(topk_idx.shape) != (t_num, K) or tuple(topk_weights.shape) != (t_num, K):
+                raise ValueError(f"topk_idx and topk_weights must be [{t_num}, {K}]")
+        except ValueError as exc:
+            self._reject_locally("low-latency combine", exc)
         row = 2 * h
         msg_bytes = L * n_max * row
-        if msg_bytes > self._region:
-            raise ValueError(f"combine message of {msg_bytes} bytes exceeds the {self._region}-byte region")
+        with self._guard("low-latency combine"):
+            return self._ll_combine(y, topk_weights, handle, msg_bytes, row, return_recv_hook)
+
+    def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, msg_bytes: int, row: int, return_recv_hook):
+        w, L, h = self.world_size, self.num_local_experts, self.hidden
+        t_num, n_max = handle.num_tokens, handle.n_max
         ex = self.buffer.exchange(self._region, tag="ll_combine")
         yb = y.contiguous().view(torch.uint8).view(L, n_max * w, row)
         starts = torch.cumsum(handle.counts, 0) - handle.counts  # [W, L] offset of each source within expert rows
@@ -801,14 +891,15 @@ class EPBuffer:
         def hook():
             if "y" in out:
                 return out["y"]
-            views = ex.receive([msg_bytes] * w)
-            bases = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
-            ok = handle.dst_of >= 0
-            slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
-            addrs = torch.where(ok, bases[handle.dst_of.clamp(min=0)] + slot * row, 0)
-            res = torch.empty((t_num, h), dtype=torch.bfloat16)
-            reduce_rows(res, addrs, torch.bfloat16, topk_weights.float())
-            ex.release()
+            with self._guard("low-latency combine receive"):
+                views = ex.receive([msg_bytes] * w)
+                bases = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
+                ok = handle.dst_of >= 0
+                slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
+                addrs = torch.where(ok, bases[handle.dst_of.clamp(min=0)] + slot * row, 0)
+                res = torch.empty((t_num, h), dtype=torch.bfloat16)
+                reduce_rows(res, addrs, torch.bfloat16, topk_weights.float())
+                ex.release()
             out["y"] = res
             return out["y"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit.collectives.ep_buffer import _META_MSG, EPBuffer, _al, reduce_rows
+from epkit.collectives.ep_buffer import _META_MSG, EPBuffer, _al, _check_biases, reduce_rows
 
 __all__ = ["fused_moe"]
 
@@ -82,12 +82,13 @@ def fused_moe(
         buffer._validate_dispatch(x, None, topk_idx, topk_weights, buffer.num_max_tokens_per_rank)
         if topk_weights is None:
             raise ValueError("topk_weights is required")
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        biases = _check_biases(bias, x.shape[0], h)
         if _publish_layout(x.shape[0], 2 * h, K)[3] > region:
             raise ValueError(f"{x.shape[0]} tokens do not fit the buffer's {region}-byte publish area")
-    except ValueError as exc:
-        error = str(exc)
+    except Exception as exc:  # every rank must learn of it through the publish header
+        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     xb = 2 * h
     pub = sb.local[me * region : (me + 1) * region]
     head = pub[:16].view(torch.int64)
@@ -113,68 +114,69 @@ def fused_moe(
         sb.barrier()  # nobody rewrites a publish area while another rank still reads the error text
         raise ValueError("fused_moe rejected on every rank before any row moved: " + "; ".join(errors))
 
-    # Expert side: which (source, token) rows come here, in dispatch's received order.
-    recv_src, recv_tok, recv_idx, recv_w = [], [], [], []
-    for r, p in enumerate(peers):
-        t_r = int(p[8:16].view(torch.int64)[0])
-        o_x, o_i, o_w, _ = _publish_layout(t_r, xb, K)
-        ids = p[o_i : o_i + 4 * K * t_r].view(torch.int32).view(t_r, K).long()
-        on_me = (ids >= 0) & (ids // L == me)
-        toks = on_me.any(dim=1).nonzero().flatten()
-        recv_src.append(torch.full((toks.numel(),), r, dtype=torch.int64))
-        recv_tok.append(toks)
-        recv_idx.append(torch.where(on_me[toks], ids[toks] - me * L, -1))
-        recv_w.append(p[o_w : o_w + 4 * K * t_r].view(torch.float32).view(t_r, K)[toks])
-    recv_src, recv_tok = torch.cat(recv_src), torch.cat(recv_tok)
-    recv_idx = torch.cat(recv_idx).to(torch.int32)
-    recv_w = torch.cat(recv_w).clone()
-    counts = torch.bincount(recv_idx[recv_idx >= 0].long(), minlength=L)
-    buffer.recv_tokens_per_expert_total += counts
-    rows, slot = buffer._expanded_layout(recv_idx, counts, expert_alignment)
-    # Gather the GEMM's input straight from the senders' buffers (zero rows for padding).
-    from epkit import _C
+    with buffer._guard("fused_moe"):  # a failure past the agreement leaves peers at a barrier
+        # Expert side: which (source, token) rows come here, in dispatch's received order.
+        recv_src, recv_tok, recv_idx, recv_w = [], [], [], []
+        for r, p in enumerate(peers):
+            t_r = int(p[8:16].view(torch.int64)[0])
+            o_x, o_i, o_w, _ = _publish_layout(t_r, xb, K)
+            ids = p[o_i : o_i + 4 * K * t_r].view(torch.int32).view(t_r, K).long()
+            on_me = (ids >= 0) & (ids // L == me)
+            toks = on_me.any(dim=1).nonzero().flatten()
+            recv_src.append(torch.full((toks.numel(),), r, dtype=torch.int64))
+            recv_tok.append(toks)
+            recv_idx.append(torch.where(on_me[toks], ids[toks] - me * L, -1))
+            recv_w.append(p[o_w : o_w + 4 * K * t_r].view(torch.float32).view(t_r, K)[toks])
+        recv_src, recv_tok = torch.cat(recv_src), torch.cat(recv_tok)
+        recv_idx = torch.cat(recv_idx).to(torch.int32)
+        recv_w = torch.cat(recv_w).clone()
+        counts = torch.bincount(recv_idx[recv_idx >= 0].long(), minlength=L)
+        buffer.recv_tokens_per_expert_total += counts
+        rows, slot = buffer._expanded_layout(recv_idx, counts, expert_alignment)
+        # Gather the GEMM's input straight from the senders' buffers (zero rows for padding).
+        from epkit import _C
 
-    bases = torch.tensor(
-        [p.data_ptr() + _publish_layout(int(p[8:16].view(torch.int64)[0]), xb, K)[0] for p in peers], dtype=torch.int64
-    )
-    row_addr = bases[recv_src] + recv_tok * xb
-    addrs = torch.where(rows >= 0, row_addr[rows.clamp(min=0)], 0) if rows.numel() else rows
-    expanded = torch.empty((rows.numel(), h), dtype=torch.bfloat16)
-    _C.gather_rows_by_address(
-        expanded.data_ptr(), addrs.contiguous().data_ptr(), rows.numel(), xb, torch.get_num_threads()
-    )
-    m_indices = torch.full((rows.numel(),), -1, dtype=torch.int32)
-    ok = slot >= 0
-    m_indices[slot[ok]] = recv_idx[ok]
-    if rows.numel():
-        y = expert_mlp(
-            expanded, "contiguous", w13, w2, m_indices=m_indices, swiglu_limit=swiglu_limit, backend=backend
-        ).contiguous()
-    else:
-        y = torch.zeros((0, h), dtype=torch.bfloat16)
-    sb.barrier()  # every rank is done reading the publish areas: regions may now be overwritten
+        bases = torch.tensor(
+            [p.data_ptr() + _publish_layout(int(p[8:16].view(torch.int64)[0]), xb, K)[0] for p in peers],
+            dtype=torch.int64,
+        )
+        row_addr = bases[recv_src] + recv_tok * xb
+        addrs = torch.where(rows >= 0, row_addr[rows.clamp(min=0)], 0) if rows.numel() else rows
+        expanded = torch.empty((rows.numel(), h), dtype=torch.bfloat16)
+        _C.gather_rows_by_address(
+            expanded.data_ptr(), addrs.contiguous().data_ptr(), rows.numel(), xb, torch.get_num_threads()
+        )
+        m_indices = torch.full((rows.numel(),), -1, dtype=torch.int32)
+        ok = slot >= 0
+        m_indices[slot[ok]] = recv_idx[ok]
+        if rows.numel():
+            y = expert_mlp(
+                expanded, "contiguous", w13, w2, m_indices=m_indices, swiglu_limit=swiglu_limit, backend=backend
+            ).contiguous()
+        else:
+            y = torch.zeros((0, h), dtype=torch.bfloat16)
+        sb.barrier()  # every rank is done reading the publish areas: regions may now be overwritten
 
-    # Expert side of combine: weighted partials written straight into each source's buffer.
-    for r in range(w):
-        sel = (recv_src == r).nonzero().flatten()
-        n = sel.numel()
-        if n:
-            dst = sb.peer(r)[me * region : me * region + n * xb].view(torch.bfloat16).view(n, h)
-            s = slot[sel]
-            a = torch.where(s >= 0, y.data_ptr() + s.clamp(min=0) * xb, 0)
-            reduce_rows(dst, a, torch.bfloat16, recv_w[sel])
-    sb.barrier()  # every partial has landed
+        # Expert side of combine: weighted partials written straight into each source's buffer.
+        for r in range(w):
+            sel = (recv_src == r).nonzero().flatten()
+            n = sel.numel()
+            if n:
+                dst = sb.peer(r)[me * region : me * region + n * xb].view(torch.bfloat16).view(n, h)
+                s = slot[sel]
+                a = torch.where(s >= 0, y.data_ptr() + s.clamp(min=0) * xb, 0)
+                reduce_rows(dst, a, torch.bfloat16, recv_w[sel])
+        sb.barrier()  # every partial has landed
 
-    # Source side: sum over ranks ascending, reading the partials in place.
-    t_num = x.shape[0]
-    ids = topk_idx.long()
-    src_addrs = torch.zeros((t_num, w), dtype=torch.int64)
-    for r in range(w):
-        toks = ((ids >= 0) & (ids // L == r)).any(dim=1).nonzero().flatten()
-        if toks.numel():
-            src_addrs[toks, r] = sb.local[r * region :].data_ptr() + torch.arange(toks.numel()) * xb
-    biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
-    out = torch.empty((t_num, h), dtype=torch.bfloat16)
-    reduce_rows(out, src_addrs, torch.bfloat16, None, biases)
-    sb.barrier()  # regions are free again for the next exchange
-    return out
+        # Source side: sum over ranks ascending, reading the partials in place.
+        t_num = x.shape[0]
+        ids = topk_idx.long()
+        src_addrs = torch.zeros((t_num, w), dtype=torch.int64)
+        for r in range(w):
+            toks = ((ids >= 0) & (ids // L == r)).any(dim=1).nonzero().flatten()
+            if toks.numel():
+                src_addrs[toks, r] = sb.local[r * region :].data_ptr() + torch.arange(toks.numel()) * xb
+        out = torch.empty((t_num, h), dtype=torch.bfloat16)
+        reduce_rows(out, src_addrs, torch.bfloat16, None, biases)
+        sb.barrier()  # regions are free again for the next exchange
+        return out

@@ -96,6 +96,8 @@ class SymmBuffer:
         self._segments: list = []
         self._peers: list[torch.Tensor] = []
         self._epochs = {"barrier": 0}
+        self._broken: str | None = None
+        self._open: Exchange | None = None
         if self.transport == "shm":
             self._init_shm()
         else:
@@ -114,8 +116,14 @@ class SymmBuffer:
         mine = _C.ShmSegment(name, seg_bytes, True)
         try:
             names = [None] * w
-            dist.all_gather_object(names, name, group=self.group)
-            segs = [mine if r == self.rank else _C.ShmSegment(names[r], seg_bytes, False) for r in range(w)]
+            dist.all_gather_object(names, (name, seg_bytes), group=self.group)
+            sizes = [n[1] for n in names]
+            if len(set(sizes)) != 1:  # every rank sees the same list, so every rank raises
+                raise ValueError(
+                    f"SymmBuffer sizes differ across ranks (segment bytes per rank: {sizes}); every rank "
+                    f"must pass the same num_bytes and num_signals"
+                )
+            segs = [mine if r == self.rank else _C.ShmSegment(names[r][0], seg_bytes, False) for r in range(w)]
             # Every rank has attached every segment once this barrier passes: unlink the names now.
             dist.barrier(group=self.group)
         finally:
@@ -123,6 +131,29 @@ class SymmBuffer:
         self._segments = segs
         self._peers = [_view(s.addr + self._data_offset, self.num_bytes) for s in segs]
         self.local = self._peers[self.rank]
+
+    def mark_broken(self, reason: str) -> None:
+        """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree."""
+        if self._broken is None:
+            self._broken = reason
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: this SymmBuffer is unusable after an earlier failure ({self._broken});"
+                f" create a new one on every rank"
+            )
+
+    def _wait_work(self, work, what: str, timeout: float) -> None:
+        """Wait for a torch.distributed request; gloo reports a timeout as RuntimeError."""
+        try:
+            ok = work.wait(timeout=timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            self.mark_broken(f"{what} failed: {exc}")
+            raise TimeoutError(f"rank {self.rank}: {what} did not complete within {timeout:g} s ({exc})") from None
+        if ok is False:
+            self.mark_broken(f"{what} timed out")
+            raise TimeoutError(f"rank {self.rank}: {what} did not complete within {timeout:g} s")
 
     def _check_shm(self, what: str) -> None:
         if self.transport != "shm":
@@ -188,6 +219,7 @@ class SymmBuffer:
         try:
             self._segments[self.rank].wait_until(self._word(kind, src), ">=", value, t)
         except TimeoutError:
+            self.mark_broken(f"no {what} signal from rank {src}")
             raise TimeoutError(
                 f"rank {self.rank}: rank {src} sent no {what} signal within {t:g} s "
                 f"(epoch {value}); it died or stopped calling"
@@ -195,10 +227,10 @@ class SymmBuffer:
 
     def barrier(self, timeout: float | None = None) -> None:
         """All ranks of the group reach this point (signals on shm, torch.distributed otherwise)."""
+        self._check_usable()
         if self.transport != "shm":
             work = dist.barrier(group=self.group, async_op=True)
-            if not work.wait(timeout=timedelta(seconds=self.timeout if timeout is None else timeout)):
-                raise TimeoutError(f"rank {self.rank}: barrier timed out")
+            self._wait_work(work, "barrier", self.timeout if timeout is None else timeout)
             return
         self._check_shm("barrier")
         self._epochs["barrier"] += 1
@@ -220,6 +252,12 @@ class SymmBuffer:
         until ``ex.release()``. See :meth:`all_to_all` for the one-call form.
         """
         w = self.world_size
+        self._check_usable()
+        if self._open is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: exchange {self._open.tag!r} is still open (call its hook / "
+                f"release it before the next collective on this buffer)"
+            )
         if self.transport == "shm":
             self._check_shm("exchange")
             if region_bytes * w > self.num_bytes:
@@ -228,7 +266,10 @@ class SymmBuffer:
                     f"create the buffer with num_bytes >= {region_bytes * w}"
                 )
         self._epochs["a2a"] = self._epochs.get("a2a", 0) + 1
-        return Exchange(self, self._epochs["a2a"], region_bytes, tag, self.timeout if timeout is None else timeout)
+        self._open = Exchange(
+            self, self._epochs["a2a"], region_bytes, tag, self.timeout if timeout is None else timeout
+        )
+        return self._open
 
     def all_to_all(
         self,
@@ -246,6 +287,14 @@ class SymmBuffer:
         w = self.world_size
         if len(send) != w or len(recv_bytes) != w:
             raise ValueError(f"all_to_all needs {w} send payloads and {w} receive sizes")
+        for r, part in enumerate(send):
+            if part.dtype != torch.uint8 or part.numel() > region_bytes:
+                raise ValueError(
+                    f"payload for rank {r} must be uint8 of at most {region_bytes} bytes, got "
+                    f"{part.dtype} x {part.numel()}"
+                )
+        if any(not 0 <= n <= region_bytes for n in recv_bytes):
+            raise ValueError(f"receive sizes {recv_bytes} must lie in [0, {region_bytes}]")
         ex = self.exchange(region_bytes, tag, timeout)
         for k in range(w):
             dst = (self.rank + k) % w
@@ -329,8 +378,7 @@ class Exchange:
                 group=buf.group,
                 async_op=True,
             )
-            if not work.wait(timeout=timedelta(seconds=self.timeout)):
-                raise TimeoutError(f"rank {buf.rank}: {self.tag} all-to-all timed out after {self.timeout:g} s")
+            buf._wait_work(work, f"{self.tag} all-to-all", self.timeout)
             self._recv = list(torch.split(recv, list(recv_bytes)))
             return self._recv
         out = []
@@ -346,7 +394,15 @@ class Exchange:
     def release(self) -> None:
         """Done reading the received views: let every source reuse its region."""
         buf = self.buf
-        if buf.transport == "shm":
+        if buf.transport == "shm" and buf._segments:
             for src in range(buf.world_size):
                 buf._post(_ACK, src, self.epoch)
         self._recv = None
+        if buf._open is self:
+            buf._open = None
+
+    def abandon(self, reason: str) -> None:
+        """The protocol failed mid-exchange on this rank: the buffer can no longer be trusted."""
+        self.buf.mark_broken(reason)
+        if self.buf._open is self:
+            self.buf._open = None

@@ -177,6 +177,8 @@ inline bool compare(uint64_t v, Cmp cmp, uint64_t target) {
 // Returns true and the observed value when the condition holds.
 bool wait_word(const std::atomic<uint64_t> *w, Cmp cmp, uint64_t target, double timeout_s, uint64_t *seen) {
     using clock = std::chrono::steady_clock;
+    // Clamp so inf/NaN/huge timeouts cannot overflow the duration cast (NaN compares false: clamped too).
+    if (!(timeout_s < 1e9)) timeout_s = 1e9;
     const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                              std::chrono::duration<double>(timeout_s < 0 ? 0 : timeout_s));
     long sleep_ns = 1000;

@@ -317,3 +317,53 @@ def _feed_eplb(rank, world_size):
 
 def test_dispatch_counts_feed_the_eplb_counter():
     assert run_ranks(_feed_eplb, 2, timeout=60) == [True, True]
+
+
+def _local_failure_retires_buffer(rank, world_size):
+    import time
+
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 16, TOPK, timeout=3)
+    x, idx, w = _routing(rank, world_size, "minus1", 4)
+    x, idx, w = x[:16], idx[:16], w[:16]
+    recv, _, _, _, handle = buf.dispatch(x, idx, w)
+    y = recv if rank == 1 else recv[:, :-1]  # rank 0 passes a bad y: it fails alone, before any exchange
+    try:
+        buf.combine(y, handle)
+        first = "ok"
+    except (ValueError, TimeoutError) as exc:
+        first = type(exc).__name__
+    time.sleep(0.5)
+    try:  # nobody may pair this call with stale messages of the failed one
+        buf.combine(recv, handle)
+        second = "ok"
+    except (RuntimeError, TimeoutError) as exc:
+        second = type(exc).__name__ + (": unusable" if "unusable" in str(exc) else "")
+    return first, second
+
+
+def test_one_sided_failure_never_returns_stale_data():
+    res = run_ranks(_local_failure_retires_buffer, 2, timeout=60)
+    assert res[0] == ("ValueError", "RuntimeError: unusable"), res
+    assert res[1][0] == "TimeoutError" and res[1][1] == "RuntimeError: unusable", res
+
+
+def _ll_reject_then_recover(rank, world_size, transport):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, transport=transport, timeout=10)
+    x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1, -1, -1]] * 2, dtype=torch.int64)
+    if rank == 1:  # duplicate expert ids in every token: 16 pairs for expert 3's 8 slots
+        bad = torch.tensor([[3, 3, -1, -1]] * 8, dtype=torch.int64)
+        x_bad = torch.zeros(8, HIDDEN, dtype=torch.bfloat16)
+    else:
+        bad, x_bad = idx, x
+    with pytest.raises(ValueError, match="rank 1: expert 3 gets 16 .* more than its 8 slots"):
+        buf.low_latency_dispatch(x_bad, bad, 8, use_fp8=False)
+    recv, count, handle, _ = buf.low_latency_dispatch(x, idx, 8, use_fp8=False)  # the buffer still works
+    out = buf.low_latency_combine(recv, idx, torch.ones(2, TOPK), handle)
+    return count.tolist(), tuple(out.shape)
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_low_latency_rejection_leaves_buffer_usable(transport):
+    res = run_ranks(_ll_reject_then_recover, 2, transport, timeout=60)
+    assert res[0][0][:2] == [2 * 2, 2 * 2] and res[0][1] == (2, HIDDEN), res
