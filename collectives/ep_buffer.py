@@ -150,8 +150,6 @@ class LowLatencyHandle:
     dst_of: torch.Tensor  # [T, K] destination rank per slot (-1: none)
     expert_of: torch.Tensor  # [T, K] local expert id on the destination
     pos_of: torch.Tensor  # [T, K] slot position within (source, expert) block
-    recv_src: list[torch.Tensor]  # per local expert: for each received row, (src rank) and position
-    recv_pos: list[torch.Tensor]
     counts: torch.Tensor  # [W, L] rows received from each source per local expert
     n_max: int = 0  # slots per (source, local expert) of the dispatch
 
@@ -793,8 +791,6 @@ class EPBuffer:
             dst_of=dst_of,
             expert_of=expert_of,
             pos_of=pos_of.view(t_num, K),
-            recv_src=[],
-            recv_pos=[],
             counts=torch.zeros((w, L), dtype=torch.int64),
             n_max=n_max,
         )

@@ -6,7 +6,8 @@ Transports
              segment (mode 0600, a random 128-bit name), the names travel over
              the group, every rank maps every peer's segment, and each segment's
              name is unlinked as soon as all ranks have attached: a killed rank
-             leaves nothing in /dev/shm. ``peer(r)`` is a direct view of rank r's
+             leaves nothing in /dev/shm (except when it dies inside the short
+             bootstrap window between creating its segment and that point). ``peer(r)`` is a direct view of rank r's
              buffer; puts are plain copies into it; signals are atomics in
              ``epkit._C`` and waits are timed.
 ``torch``    torch.distributed exchanges for ranks on several hosts: ``local``
