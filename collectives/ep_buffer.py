@@ -42,6 +42,7 @@ def _al(n: int, a: int = _ALIGN) -> int:
 
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
 
 
 def reduce_rows(
@@ -339,15 +340,24 @@ class EPBuffer:
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         meta_rows = []
         if error is None:
+            # Word 0 of the layout message: the row format, which every rank must share.
+            fmt = 1 + 2 * _ROW_DTYPES.index(x.dtype) + int(scales is not None)
             _, _, in_rank = self.get_dispatch_layout(topk_idx)
             tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
             ids = topk_idx.long()
             for r in range(w):
                 loc = ids[tokens[r]] - r * L
                 counts = torch.bincount(loc[(loc >= 0) & (loc < L)], minlength=L)
-                meta_rows.append(torch.cat([torch.tensor([0, tokens[r].numel()]), counts]))
+                meta_rows.append(torch.cat([torch.tensor([fmt, tokens[r].numel()]), counts]))
         # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
         got = self._agree_rows(error, meta_rows, 2 + L)
+        formats = [int(g[0]) for g in got]
+        if len(set(formats)) != 1:  # every rank sees every rank's format, so every rank raises
+            names = [
+                f"rank {r}: {_ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
+                for r, f in enumerate(formats)
+            ]
+            raise ValueError("dispatch rows differ in format across ranks (" + "; ".join(names) + ")")
         recv_counts = [int(g[1]) for g in got]
         if topk_weights is None:
             topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)

@@ -367,3 +367,17 @@ def _ll_reject_then_recover(rank, world_size, transport):
 def test_low_latency_rejection_leaves_buffer_usable(transport):
     res = run_ranks(_ll_reject_then_recover, 2, transport, timeout=60)
     assert res[0][0][:2] == [2 * 2, 2 * 2] and res[0][1] == (2, HIDDEN), res
+
+
+def _mixed_formats(rank, world_size):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, timeout=10)
+    dtype = torch.float32 if rank == 1 else torch.bfloat16
+    idx = torch.tensor([[0, 5, -1, -1]] * 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="differ in format across ranks .*rank 1: torch.float32"):
+        buf.dispatch(torch.zeros(3, HIDDEN, dtype=dtype), idx)
+    recv, *_ = buf.dispatch(torch.zeros(3, HIDDEN, dtype=torch.bfloat16), idx)  # still usable
+    return tuple(recv.shape)
+
+
+def test_row_format_mismatch_is_caught_everywhere():
+    assert run_ranks(_mixed_formats, 2, timeout=40) == [(6, HIDDEN), (0, HIDDEN)]  # experts 0 and 5 live on rank 0
