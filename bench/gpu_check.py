@@ -551,18 +551,11 @@ def sec_prepare_cp_mirror(ctx: Ctx, res: dict):
 
 
 def sec_engram_hash(ctx: Ctx, res: dict):
-    from epkit.engram import EngramConfig, engram_hash, engram_hash_reference, hash_params
+    from epkit.engram import EngramConfig, engram_hash, engram_hash_reference, hash_params, selfcheck_config
 
     dev = ctx.device
     g = torch.Generator().manual_seed(5)
-    small_cfg = EngramConfig(
-        vocab_size=977,
-        n_head_per_ngram=3,
-        n_embed_per_ngram=12,
-        ngram_vocab_sizes=(1009, 2003),
-        layer_ids=(0, 7),
-        seed=3,
-    )
+    small_cfg = selfcheck_config()
     demo = EngramConfig(vocab_size=129280)  # demo defaults: N=3, K=8, layers (1, 15)
     n_big = (1 << 20) if not ctx.quick else ((1 << 18) if ctx.cuda else (1 << 14))
 

@@ -287,15 +287,8 @@ def compile_signature(kind: str = "fp8", masked: bool = False, block_m: int = 12
 
 
 if __name__ == "__main__":
-    from epkit.gemm import _selfcheck_for
+    from epkit.gemm import GROUPED_OPS, _selfcheck_for
 
-    for op, kind, masked in (
-        ("m_grouped_fp8_gemm_nt_contiguous", "fp8", False),
-        ("m_grouped_fp8_gemm_nt_masked", "fp8", True),
-        ("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", False),
-        ("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", True),
-        ("m_grouped_bf16_gemm_nt_contiguous", "bf16", False),
-        ("m_grouped_bf16_gemm_nt_masked", "bf16", True),
-    ):
+    for op, kind, masked in GROUPED_OPS:
         _selfcheck_for(op, kind, masked)("triton")
         print(f"{op}[triton] matches the reference")

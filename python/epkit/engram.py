@@ -762,9 +762,9 @@ class EngramLayer(nn.Module):
 # Op table
 
 
-def _selfcheck(backend: str) -> None:
-    g = torch.Generator().manual_seed(5)
-    cfg = EngramConfig(
+def selfcheck_config() -> EngramConfig:
+    """A small config (2 layers, N=3, K=3) for self-checks and the GPU check script."""
+    return EngramConfig(
         vocab_size=977,
         n_head_per_ngram=3,
         n_embed_per_ngram=12,
@@ -772,6 +772,11 @@ def _selfcheck(backend: str) -> None:
         layer_ids=(0, 7),
         seed=3,
     )
+
+
+def _selfcheck(backend: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    cfg = selfcheck_config()
     mult, vocab, off = hash_params(cfg)
     ids = torch.randint(0, cfg.vocab_size, (97, cfg.max_ngram_size), generator=g, dtype=torch.int32)
     got = engram_hash(ids, mult, vocab, off, backend=backend)

@@ -655,14 +655,17 @@ def _selfcheck_for(op: str, kind: str, masked: bool):
     return check
 
 
-for _op, _kind, _masked_layout in (
+#: (op name, weight kind, masked layout) of every grouped GEMM.
+GROUPED_OPS = (
     ("m_grouped_fp8_gemm_nt_contiguous", "fp8", False),
     ("m_grouped_fp8_gemm_nt_masked", "fp8", True),
     ("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", False),
     ("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", True),
     ("m_grouped_bf16_gemm_nt_contiguous", "bf16", False),
     ("m_grouped_bf16_gemm_nt_masked", "bf16", True),
-):
+)
+
+for _op, _kind, _masked_layout in GROUPED_OPS:
     register_op(
         OpSpec(
             name=_op,
