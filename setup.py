@@ -134,6 +134,7 @@ def _extensions():
         Pybind11Extension(
             "epkit._C",
             sorted(glob.glob("csrc/*.cpp")),
+            depends=sorted(glob.glob("csrc/*.h")),
             cxx_std=17,
             # No FMA contraction: the fused reductions must round like their torch formulation.
             extra_compile_args=["-O3", "-ffp-contract=off"],

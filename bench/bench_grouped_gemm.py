@@ -13,8 +13,9 @@ rotating order; the figures are medians over rounds):
 Also reported: the same grouped GEMM with MXFP4 weights (fp8_fp4), for information.
 
 Honesty note: the grouped GEMM dequantizes the FP8 weights (and activations) on every call
-(the op takes quantized weights and caches no dequantized data; only scratch memory is
-reused), so that cost is inside its time; the dense peers get dequantized operands for free.
+(the op takes quantized weights and caches no dequantized data; on CPUs with AMX the fused
+kernel dequantizes panel by panel into cache-resident tiles), so that cost is inside its
+time; the dense peers get dequantized operands for free.
 Absolute times are noise on a shared machine (the load average is recorded); the ratios of
 same-run medians are the result.
 
@@ -121,6 +122,7 @@ def main() -> None:
             loadavg_1_5_15_after=[round(v, 2) for v in load_after],
         ),
         "cpu_backend": dict(
+            fused_amx_kernel=gemm._amx() is not None,
             fused_cpp_dequant=gemm._ext() is not None,
             compute_dtype=str(gemm._compute_dtype(d)),
         ),

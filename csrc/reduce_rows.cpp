@@ -12,6 +12,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "lowp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,24 +27,10 @@ namespace py = pybind11;
 
 namespace {
 
+using epk::bf16_to_f32;
+using epk::f32_to_bf16;
+
 enum DType : int { F32 = 0, BF16 = 1 };
-
-inline float bf16_to_f32(uint16_t b) {
-    uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-// Round to nearest even, NaN -> canonical quiet NaN: the conversion torch uses.
-// Branch-free so the loops around it vectorise.
-inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-    return static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
-}
 
 inline float load(const void *row, int dtype, int64_t h) {
     return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t *>(row)[h]) : static_cast<const float *>(row)[h];

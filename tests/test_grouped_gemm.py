@@ -394,6 +394,7 @@ def test_fused_mxfp4_dequant_bitwise_all_codes(out_dtype):
 
 @pytest.mark.parametrize("kind", ["fp8", "fp8_fp4"])
 def test_cpu_backend_same_bits_without_fused_dequant(kind, monkeypatch):
+    monkeypatch.setattr(gemm, "_AMX_ENABLED", [False])  # the unfused path, with and without epkit._C
     # uneven groups (per-group matmuls) and equal, evenly spaced groups (one batched matmul)
     for counts in ([130, 0, 7, 128], [128, 128, 128]):
         m_indices = build_m_indices(counts)
@@ -406,9 +407,12 @@ def test_cpu_backend_same_bits_without_fused_dequant(kind, monkeypatch):
         assert_bitwise_equal(fused, plain, ctx=f"{kind=} {counts=}: fused C++ vs torch dequantization")
 
 
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
-def test_batched_and_per_group_paths_agree(kind):
-    # Equal groups take one batched matmul; the same rows with one group split off take per-group matmuls.
+def test_batched_and_per_group_paths_agree(kind, amx, monkeypatch):
+    # Without AMX, equal groups take one batched matmul and the same rows with one group split off take
+    # per-group matmuls; with AMX every case is the fused kernel's task list.
+    monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
     g, n, k, c = 4, 256, 512, 128
     m_indices = build_m_indices([c] * g)
     a, b, af, bf = make_inputs(kind, g, g * c, n, k, masked=False, seed=9)
@@ -427,3 +431,149 @@ def test_batched_and_per_group_paths_agree(kind):
     assert torch.equal(dm[:, 40:], torch.full_like(dm[:, 40:], -3.0)), "rows beyond masked_m must be untouched"
     ref = torch.einsum("gmk,gnk->gmn", afm.float(), bfm.float())
     assert_diff(dm[:, :40].float(), ref[:, :40], THRESH[kind], f"{kind=} masked batched")
+
+
+# The fused AMX kernel (cpu backend, bf16 output, CPUs with AMX-BF16)
+
+requires_amx = pytest.mark.skipif(
+    gemm._amx() is None,
+    reason="this CPU has no AMX-BF16 (or epkit._C lacks the kernel): the cpu backend uses "
+    "the unfused path, which the other tests cover",
+)
+
+
+def test_amx_used_wherever_the_cpu_has_it():
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    want = {"amx_tile", "amx_bf16", "avx512_fp16", "avx512_bf16", "avx512bw", "avx512dq"} <= set(flags)
+    assert (gemm._amx() is not None) == want, f"AMX kernel available: {gemm._amx() is not None}, cpu flags: {want}"
+
+
+def _equal_values(got: torch.Tensor, want: torch.Tensor, ctx: str) -> None:
+    """Exact equality of values. A sum of one product and exact zeros loses the sign of a zero, and AMX
+    treats bf16 denormals as zero (as every AMX bf16 matmul does), so expected denormals read as zero."""
+    want = want.float()
+    want = torch.where(want.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(want), want)
+    bad = (got.float() != want).nonzero()
+    assert bad.numel() == 0, f"{ctx}: {bad.shape[0]} values differ, first at {bad[0].tolist()}"
+    assert (want != 0).float().mean() > 0.5, f"{ctx}: the check needs mostly non-zero operands"
+
+
+def _raw_fp8(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float8_e4m3fn)
+
+
+@requires_amx
+@pytest.mark.parametrize("kind", KINDS)
+def test_amx_operands_are_the_dequantizers_bits(kind):
+    """One-hot rows make each output a single operand value: the kernel's bf16 operands must be exactly
+    ``epkit.quant``'s dequantized values rounded to bf16 (tiny scales exercise the exact slow path)."""
+    from epkit.quant import dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
+
+    g, n, k = 2, 200, 256
+    gen = torch.Generator().manual_seed(3)
+    # weights, read back through one-hot activations: d[g, m, :] = W_bf16[g][:, m]
+    a_hot = torch.zeros(g, k, k)
+    a_hot[:, torch.arange(k), torch.arange(k)] = 1.0
+    if kind == "bf16":
+        b = (torch.randn(g, n, k, generator=gen) * 3).bfloat16()
+        w_bits, a_in = b, a_hot.bfloat16()
+    else:
+        a_in = (_raw_fp8(a_hot), torch.ones(g, k, k // 128))
+        if kind == "fp8":
+            codes = torch.randint(0, 256, (g, n, k), generator=gen, dtype=torch.uint8)
+            codes[(codes & 0x7F) == 0x7F] = 0x11  # no NaN codes: a NaN times 0 would spread over the row
+            bq = codes.view(torch.float8_e4m3fn)
+            sfb = torch.rand(g, -(-n // 128), k // 128, generator=gen) * 4
+            sfb[1, 0, 1] = 1e-38  # some products below float32's normal range: the exact conversion path
+            b = (bq, sfb)
+            w_bits = dequant_per_block_fp8(bq, sfb).bfloat16()
+        else:
+            bq = torch.randint(0, 256, (g, n, k // 2), generator=gen, dtype=torch.uint8)
+            sfb = torch.randint(100, 150, (g, n, k // 32), generator=gen, dtype=torch.uint8)
+            b = (bq, sfb)
+            w_bits = dequant_mxfp4(bq, sfb).bfloat16()
+    d = torch.empty(g, k, n, dtype=torch.bfloat16)
+    MASKED[kind](a_in, b, d, torch.full((g,), k, dtype=torch.int32), k, backend="cpu")
+    _equal_values(d, w_bits.transpose(1, 2), f"{kind}: weights through one-hot rows")
+    if kind == "fp8":  # a NaN weight code gives NaN (not the 480 its bits would shift into)
+        bq[0, 7, 130] = torch.tensor(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        MASKED[kind](a_in, b, d, torch.full((g,), k, dtype=torch.int32), k, backend="cpu")
+        assert bool(d[0, :, 7].isnan().all()) and not bool(d[0, :, 8].isnan().any())
+    # activations, read back through one-hot weights: d[m, j] = A_bf16[m, j] for j < k
+    m = 70
+    b_hot = torch.zeros(1, k, k)
+    b_hot[0, torch.arange(k), torch.arange(k)] = 1.0
+    if kind == "bf16":
+        a = (torch.randn(m, k, generator=gen) * 5).bfloat16()
+        a_bits, b_in = a, b_hot.bfloat16()
+    else:
+        codes = torch.randint(0, 256, (m, k), generator=gen, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x22
+        aq = codes.view(torch.float8_e4m3fn)
+        sfa = torch.rand(m, k // 128, generator=gen) * 2
+        sfa[5, 1] = 2e-38
+        a = (aq, sfa)
+        a_bits = dequant_per_token_group_fp8(aq, sfa).bfloat16()
+        if kind == "fp8":
+            b_in = (_raw_fp8(b_hot), torch.ones(1, k // 128, k // 128))
+        else:  # MXFP4 1.0 = code 2 with scale 2**0; pack two codes per byte, low nibble first
+            packed = (b_hot[0].to(torch.uint8) * 2).view(k, k // 2, 2)
+            b_in = ((packed[..., 0] | (packed[..., 1] << 4))[None], torch.full((1, k, k // 32), 127, dtype=torch.uint8))
+    d = torch.empty(m, k, dtype=torch.bfloat16)
+    CONTIG[kind](a, b_in, d, torch.zeros(m, dtype=torch.int32), backend="cpu")
+    _equal_values(d, a_bits, f"{kind}: activations through one-hot weights")
+
+
+@requires_amx
+@pytest.mark.parametrize("kind", KINDS)
+def test_amx_matches_unfused_path(kind, monkeypatch):
+    """Same operands, different summation order: the two cpu paths agree to float32 rounding, on
+    tails (rows not a multiple of 32, N not a multiple of 32), empty groups and scattered rows."""
+    gen = torch.Generator().manual_seed(11)
+    for g, n, k in [(3, 200, 256), (5, 384, 1024), (1, 16, 128)]:
+        counts = torch.randint(0, 70, (g,), generator=gen)
+        counts[0] = 33
+        if g > 1:
+            counts[1] = 0
+        m_indices = build_m_indices(counts)
+        perm = torch.randperm(m_indices.numel(), generator=gen)
+        for ids in (m_indices, m_indices[perm].contiguous()):  # grouped rows, then scattered rows
+            m = ids.numel()
+            a, b, af, bf = make_inputs(kind, g, m, n, k, masked=False, seed=g + n)
+            outs = []
+            for amx in (True, False):
+                monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
+                outs.append(CONTIG[kind](a, b, torch.full((m, n), 9.0, dtype=torch.bfloat16), ids, backend="cpu"))
+            ctx = f"{kind=} {g=} {n=} {k=} counts={counts.tolist()}"
+            assert calc_diff(outs[0].float(), outs[1].float()) < 1e-5, ctx
+            assert_bitwise_equal(outs[0][ids < 0], torch.zeros_like(outs[0][ids < 0]), ctx=ctx + " padding")
+            assert_diff(outs[0].float(), _ref_contiguous(af, bf, ids), THRESH[kind], ctx)
+        # masked, with the same tails
+        m_max = 45
+        am, bm, _, _ = make_inputs(kind, g, m_max, n, k, masked=True, seed=g * n)
+        masked_m = torch.randint(0, m_max + 1, (g,), generator=gen, dtype=torch.int32)
+        masked_m[0] = m_max
+        outs = []
+        for amx in (True, False):
+            monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
+            dm = torch.full((g, m_max, n), -3.0, dtype=torch.bfloat16)
+            outs.append(MASKED[kind](am, bm, dm, masked_m, m_max, backend="cpu"))
+        live = torch.arange(m_max)[None, :] < masked_m[:, None].long()
+        assert torch.equal(outs[0][~live], torch.full_like(outs[0][~live], -3.0)), "rows past masked_m untouched"
+        assert calc_diff(outs[0][live].float(), outs[1][live].float()) < 1e-5, f"{kind=} masked {g=} {n=}"
+
+
+@requires_amx
+def test_amx_row_order_does_not_change_bits():
+    """A row's result does not depend on where it sits: shuffled rows give the shuffled bits."""
+    counts = [40, 0, 90]
+    m_indices = build_m_indices(counts)
+    m = m_indices.numel()
+    a, b, _, _ = make_inputs("fp8", 3, m, 256, 512, masked=False, seed=2)
+    d = CONTIG["fp8"](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
+    perm = torch.randperm(m, generator=torch.Generator().manual_seed(1))
+    d_perm = CONTIG["fp8"](
+        (a[0][perm], a[1][perm]), b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices[perm], backend="cpu"
+    )
+    assert_bitwise_equal(d_perm, d[perm], ctx="shuffled rows")

@@ -19,11 +19,16 @@ Formats
 ``bf16``     a bf16 [M, K]; b bf16 [G, N, K]; no scales.
 ``d`` is bfloat16 or float32.
 
-Backends: ``cpu`` (every call dequantizes the live groups' weights and rows in one
-threaded pass - fused C++ ``epkit._C.dequant_blocks`` when built, else the
-``epkit.quant`` dequantizers, with identical bits - then one torch matmul per group,
-or one batched matmul when the groups are equal and evenly spaced, written straight
-into d; bf16 operands when the CPU has fast bf16 and d is bf16, else float32),
+Backends: ``cpu`` - with a bf16 ``d`` on a CPU with AMX-BF16, the fused C++ kernel
+``epkit._C.grouped_gemm_amx``: per expert it dequantizes the rows into a cache-resident bf16
+block and the weights panel by panel straight into AMX's tile layout, and multiplies on AMX
+tiles with float32 accumulation (no full-size dequantized copy is ever written). Otherwise
+every call dequantizes the live groups' weights and rows in one threaded pass (fused C++
+``epkit._C.dequant_blocks`` when built, else the ``epkit.quant`` dequantizers) and runs one
+torch matmul per group, or one batched matmul when the groups are equal and evenly spaced,
+written straight into d (bf16 operands when the CPU has fast bf16 and d is bf16, else
+float32). Both paths multiply the same operands: the dequantizers' float32 values rounded to
+bf16 (or kept in float32 for a float32 d without AMX); only the summation order differs.
 ``triton`` (kernels/triton/grouped_gemm.py; the interpreter on CPU
 tensors), ``reference`` (float32 matmul of dequantized inputs, group by group).
 """
@@ -276,6 +281,69 @@ def _ext():
     return _C if hasattr(_C, "dequant_blocks") else None
 
 
+@functools.cache
+def _amx():
+    """``epkit._C`` when it has the AMX grouped GEMM and this CPU/OS allow AMX tiles, else None."""
+    ext = _ext()
+    if ext is None or not hasattr(ext, "grouped_gemm_amx"):
+        return None
+    try:
+        return ext if ext.amx_available() else None
+    except RuntimeError:
+        return None
+
+
+_KIND_CODES = {"fp8": (0, 0), "fp8_fp4": (0, 1), "bf16": (2, 2)}  # (activation, weight) codes of the C++ kernel
+
+
+def _amx_ok(kind: str, a, b, d) -> bool:
+    """Whether the fused AMX kernel takes this call (bf16 output on an AMX CPU, K a multiple of 32)."""
+    return (
+        _AMX_ENABLED[0]
+        and d.dtype == torch.bfloat16
+        and d.device.type == "cpu"
+        and a.shape[-1] % 32 == 0
+        and _amx() is not None
+    )
+
+
+_AMX_ENABLED = [True]  # tests switch it off to compare against the unfused path
+
+
+def _amx_run(kind: str, a, sfa, b, sfb, d, tasks: list) -> None:
+    """Run the fused AMX kernel on ``tasks``: (group, row addresses in a, sfa, d, row count, row list or 0).
+
+    Keeps the row list tensors alive (they are in the caller's frame) while the kernel runs.
+    """
+    a_code, b_code = _KIND_CODES[kind]
+    b = _inner_contig(b)
+    sfb = None if sfb is None else _inner_contig(sfb)
+    _amx().grouped_gemm_amx(
+        a_code,
+        b_code,
+        _OUT_CODE[d.dtype],
+        a.stride(-2) * a.element_size(),
+        0 if sfa is None else sfa.stride(-2),
+        b.data_ptr(),
+        0 if sfb is None else sfb.data_ptr(),
+        b.stride(0) * b.element_size(),
+        b.stride(1) * b.element_size(),
+        0 if sfb is None else sfb.stride(0),
+        0 if sfb is None else sfb.stride(1),
+        b.shape[1],
+        a.shape[-1],
+        d.stride(-2),
+        tasks,
+        torch.get_num_threads(),
+    )
+
+
+def _row_addr(t: torch.Tensor, *index) -> int:
+    """Address of ``t[index]`` (a row start) without creating a view."""
+    off = t.storage_offset() + sum(i * st for i, st in zip(index, t.stride()))
+    return t.untyped_storage().data_ptr() + off * t.element_size()
+
+
 _OUT_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _SCRATCH_CAP = 1 << 28  # bytes of per-thread scratch kept between calls (larger requests are one-off)
 _SCRATCH_ALIGN = 64
@@ -408,8 +476,6 @@ def _even_stride(starts: list[int], cnt: list[int]) -> int | None:
 
 
 def _cpu_contiguous(kind, a, sfa, b, sfb, d, m_indices) -> None:
-    cd = _compute_dtype(d)
-    n, k = b.shape[1], a.shape[1]
     counts, order = _group_rows(m_indices, b.shape[0])
     live = [grp for grp, c in enumerate(counts) if c]
     if live:
@@ -419,36 +485,56 @@ def _cpu_contiguous(kind, a, sfa, b, sfb, d, m_indices) -> None:
         firsts = order[offs[:-1]].tolist()
         lasts = order[[o - 1 for o in offs[1:]]].tolist()
         is_slice = [y - x + 1 == counts[grp] for grp, x, y in zip(live, firsts, lasts)]
-        if kind == "bf16":
-            w = _weights(None, kind, b, None, live, cd, None)
-            x_all = None if (all(is_slice) and a.dtype == cd) else a[order].to(cd)
+        if _amx_ok(kind, a, b, d):
+            a_in = _inner_contig(a)
+            sfa_in = None if sfa is None else _inner_contig(sfa)
+            tasks = []
+            for i, (grp, r) in enumerate(zip(live, firsts)):
+                if is_slice[i]:  # rows r .. r + count - 1
+                    base, index = r, 0
+                else:  # scattered rows: the kernel reads and writes them through the (ascending) row list
+                    base, index = 0, order[offs[i] : offs[i + 1]].data_ptr()
+                sfa_row = 0 if sfa_in is None else _row_addr(sfa_in, base)
+                tasks.append((grp, _row_addr(a_in, base), sfa_row, _row_addr(d, base), counts[grp], index))
+            _amx_run(kind, a_in, sfa_in, b, sfb, d, tasks)
         else:
-            wbuf, x_all = _scratch([len(live) * n * k, offs[-1] * k], cd)
-            deq = _Dequant()
-            w = _weights(deq, kind, b, sfb, live, cd, wbuf)
-            x_all = x_all.view(offs[-1], k)
-            deq.add("fp8", x_all, a, sfa, 1, rows=order)  # live rows, gathered group by group
-            deq.run()
-        stride = _even_stride(firsts, [counts[grp] for grp in live]) if all(is_slice) else None
-        if stride is not None:  # equal, evenly spaced groups: one batched matmul
-            c, ng = counts[live[0]], len(live)
-            if x_all is not None:
-                x3 = x_all.view(ng, c, k)
-            else:
-                sa = a.stride()
-                x3 = a.as_strided((ng, c, k), (stride * sa[0], sa[0], sa[1]), a.storage_offset() + firsts[0] * sa[0])
-            out = d.as_strided((ng, c, n), (stride * n, n, 1), d.storage_offset() + firsts[0] * n)
-            _mm_into(x3, w, out)
-        else:
-            for i in range(len(live)):
-                x = x_all[offs[i] : offs[i + 1]] if x_all is not None else a[firsts[i] : lasts[i] + 1]
-                if is_slice[i]:
-                    _mm_into(x, w[i], d[firsts[i] : lasts[i] + 1])
-                else:
-                    d.index_copy_(0, order[offs[i] : offs[i + 1]], torch.matmul(x, w[i].T).to(d.dtype))
+            _cpu_contiguous_unfused(kind, a, sfa, b, sfb, d, counts, order, live, offs, firsts, lasts, is_slice)
     pad = m_indices < 0
     if bool(pad.any()):
-        d[pad] = 0
+        d.masked_fill_(pad.unsqueeze(1), 0)  # fast fill (boolean-index assignment would gather)
+
+
+def _cpu_contiguous_unfused(kind, a, sfa, b, sfb, d, counts, order, live, offs, firsts, lasts, is_slice) -> None:
+    """Dequantize every live group in one pass, then torch matmuls (the path without AMX)."""
+    cd = _compute_dtype(d)
+    n, k = b.shape[1], a.shape[1]
+    if kind == "bf16":
+        w = _weights(None, kind, b, None, live, cd, None)
+        x_all = None if (all(is_slice) and a.dtype == cd) else a[order].to(cd)
+    else:
+        wbuf, x_all = _scratch([len(live) * n * k, offs[-1] * k], cd)
+        deq = _Dequant()
+        w = _weights(deq, kind, b, sfb, live, cd, wbuf)
+        x_all = x_all.view(offs[-1], k)
+        deq.add("fp8", x_all, a, sfa, 1, rows=order)  # live rows, gathered group by group
+        deq.run()
+    stride = _even_stride(firsts, [counts[grp] for grp in live]) if all(is_slice) else None
+    if stride is not None:  # equal, evenly spaced groups: one batched matmul
+        c, ng = counts[live[0]], len(live)
+        if x_all is not None:
+            x3 = x_all.view(ng, c, k)
+        else:
+            sa = a.stride()
+            x3 = a.as_strided((ng, c, k), (stride * sa[0], sa[0], sa[1]), a.storage_offset() + firsts[0] * sa[0])
+        out = d.as_strided((ng, c, n), (stride * n, n, 1), d.storage_offset() + firsts[0] * n)
+        _mm_into(x3, w, out)
+    else:
+        for i in range(len(live)):
+            x = x_all[offs[i] : offs[i + 1]] if x_all is not None else a[firsts[i] : lasts[i] + 1]
+            if is_slice[i]:
+                _mm_into(x, w[i], d[firsts[i] : lasts[i] + 1])
+            else:
+                d.index_copy_(0, order[offs[i] : offs[i + 1]], torch.matmul(x, w[i].T).to(d.dtype))
 
 
 def _cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:
@@ -457,6 +543,16 @@ def _cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:
     counts = masked_m.tolist()
     live = [grp for grp, c in enumerate(counts) if c]
     if not live:
+        return
+    if _amx_ok(kind, a, b, d):
+        a_in = _inner_contig(a)
+        sfa_in = None if sfa is None else _inner_contig(sfa)
+        tasks = [
+            (grp, _row_addr(a_in, grp, 0), 0 if sfa_in is None else _row_addr(sfa_in, grp, 0), _row_addr(d, grp, 0))
+            + (counts[grp], 0)
+            for grp in live
+        ]
+        _amx_run(kind, a_in, sfa_in, b, sfb, d, tasks)
         return
     offs = [0]
     for grp in live:
