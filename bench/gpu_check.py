@@ -25,7 +25,8 @@ Timing: CUDA events around each call after warm-up, median of N (CPU: ``time.per
 GEMMs flush L2 between calls. Every figure is paired with a peer or roof measured in the same run:
 ``torch.index_select`` and a device-to-device copy for the gathers, ``torch.matmul`` in bf16 at equal
 FLOPs (and dense ``torch._scaled_mm`` FP8 where torch has it) for the grouped GEMMs, a device copy for
-the NVSHMEM loopback put. Exit status: 0 when every section is ok or skipped, 1 otherwise.
+the NVSHMEM loopback put and the SymmBuffer(nvshmem) loopback exchange. Exit status: 0 when every
+section is ok or skipped, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -894,9 +895,97 @@ def sec_nvshmem(ctx: Ctx, res: dict):
         finally:
             torch.cuda.synchronize()
             cc.free(buf)
+        ctx.check("SymmBuffer loopback")
+        _symm_loopback(ctx, res)
     finally:
         cc.finalize()
     return None
+
+
+def _symm_loopback(ctx: Ctx, res: dict) -> None:
+    """SymmBuffer(transport="nvshmem") over a group of one, adopting the section's NVSHMEM job.
+
+    Signals, a timed-out wait, a barrier, exchange round trips of 64 MiB to itself (bit-exact over two
+    epochs), then the time per exchange against a device copy of the same bytes (host-inclusive both).
+    """
+    import tempfile
+
+    import torch.distributed as dist
+
+    from epkit.collectives.symm_buffer import SymmBuffer
+
+    nbytes = 64 << 20
+    out: dict = {"nbytes": nbytes}
+    res["symm_buffer"] = out
+    if dist.is_initialized():
+        out["status"] = "not run: torch.distributed is already initialised in this process"
+        return
+    tmp = tempfile.TemporaryDirectory(prefix="epkit-gpu-check-")
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp.name, "store"), 1), rank=0, world_size=1)
+    try:
+        ctx.log("SymmBuffer(nvshmem) world 1")
+        buf = SymmBuffer(dist.group.WORLD, nbytes, transport="nvshmem", num_signals=4, timeout=10.0)
+        try:
+            loc = buf.local
+            _check(
+                res,
+                "SymmBuffer(nvshmem): local is a CUDA uint8 view of num_bytes; peer(0) aliases it",
+                loc.is_cuda
+                and loc.dtype == torch.uint8
+                and loc.numel() == nbytes
+                and buf.peer(0).data_ptr() == loc.data_ptr()
+                and buf.is_within_domain(),
+                f"{loc.device} {loc.dtype} {loc.numel()}",
+            )
+            buf.signal(0, 0, 5, op="set")
+            buf.signal(0, 0, 3, op="add")
+            seen = buf.wait_until(0, "==", 8, timeout=5.0)
+            _check(res, "SymmBuffer signal set 5 + add 3: wait_until(== 8)", seen == 8, str(seen))
+            t0 = time.perf_counter()
+            try:
+                buf.wait_until(1, ">", 0, timeout=0.05)
+                msg = "no TimeoutError"
+            except TimeoutError as exc:
+                msg = str(exc)
+            out["timeout_wait_s"] = time.perf_counter() - t0
+            _check(
+                res,
+                "SymmBuffer wait_until that cannot hold raises TimeoutError naming the word",
+                "signal word 1 did not satisfy > 0 within 0.05 s" in msg,
+                msg,
+            )
+            buf.barrier()
+            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=ctx.device)
+
+            def exchange(data: torch.Tensor) -> bool | None:
+                ex = buf.exchange(nbytes, tag="loopback")
+                ex.send_region(0).copy_(data)
+                ex.commit(0, nbytes)
+                got = ex.receive([nbytes])[0]
+                ok = torch.equal(got, data) if data is not src else None
+                ex.release()
+                return ok
+
+            for epoch, data in enumerate((src.flip(0), 255 - src), start=1):
+                _check(res, f"SymmBuffer exchange to self, epoch {epoch}: 64 MiB bit-exact", exchange(data))
+            ctx.check("SymmBuffer exchange timing")
+            t_ex = ctx.time_wall(lambda: exchange(src), calls=5, rounds=5)
+            dst = torch.empty_like(src)
+            t_copy = ctx.time_wall(lambda: dst.copy_(src), calls=5, rounds=5)
+            out["exchange"] = {**t_ex, "GBps_one_way": _gbps(nbytes, t_ex["median_ms"])}
+            out["roof_device_copy"] = {**t_copy, "GBps_one_way": _gbps(nbytes, t_copy["median_ms"])}
+            out["fraction_of_copy_roof"] = t_copy["median_ms"] / t_ex["median_ms"]
+            line = (
+                f"SymmBuffer exchange {t_ex['median_ms']:.3f} ms per 64 MiB, "
+                f"{out['fraction_of_copy_roof']:.0%} of device copy"
+            )
+            res["summary"] = f"{res['summary']}; {line}" if res.get("summary") else line
+            ctx.log(line)
+        finally:
+            buf.close()
+    finally:
+        dist.destroy_process_group()
+        tmp.cleanup()
 
 
 SECTION_FUNCS = {

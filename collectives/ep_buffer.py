@@ -171,6 +171,9 @@ class EPBuffer:
     num_topk : int
         Experts per token.
     transport : {"auto", "shm", "torch"}
+        ``auto``: ``shm`` for CPU ranks on one host, else ``torch``. The dispatch/combine protocol runs
+        on CPU tensors; GPU ranks (the ``nvshmem`` transport of :class:`SymmBuffer`) are not supported
+        by EPBuffer yet and are rejected with a ValueError.
     num_max_dispatch_tokens_per_rank : int, optional
         Capacity of the low-latency mode (default: ``num_max_tokens_per_rank``).
     timeout : float
@@ -199,6 +202,16 @@ class EPBuffer:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if num_experts % w:
             raise ValueError(f"num_experts {num_experts} is not divisible by the EP group size {w}")
+        if transport not in ("auto", "shm", "torch"):
+            raise ValueError(
+                f"EPBuffer transport must be 'auto', 'shm' or 'torch', got {transport!r} (the protocol runs on "
+                f"CPU tensors; GPU dispatch/combine over nvshmem is not in this build)"
+            )
+        if transport == "auto" and "nccl" in str(dist.get_backend(group)):
+            raise ValueError(
+                "EPBuffer runs its protocol on CPU tensors over a gloo group; this group uses NCCL. Pass a gloo "
+                "group (e.g. dist.new_group(backend='gloo')); GPU dispatch/combine over nvshmem is not in this build"
+            )
         self.group, self.world_size, self.rank = group, w, dist.get_rank(group)
         self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
         self.num_local_experts = num_experts // w

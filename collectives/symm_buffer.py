@@ -10,6 +10,11 @@ Transports
              bootstrap window between creating its segment and that point). ``peer(r)`` is a direct view of rank r's
              buffer; puts are plain copies into it; signals are atomics in
              ``epkit._C`` and waits are timed.
+``nvshmem``  CUDA ranks, one process per GPU (``collectives/_nvshmem.py``): one
+             NVSHMEM job per process, one collective symmetric allocation per
+             buffer; ``peer(r)`` views rank r's GPU memory where NVLink reaches
+             it; signals and timed waits are device kernels on the current CUDA
+             stream (``epkit._C_cuda``), so they order with the caller's kernels.
 ``torch``    torch.distributed exchanges for ranks on several hosts: ``local``
              exists but no peer is addressable, so one-sided ``peer``/``signal``
              raise; protocols use :meth:`SymmBuffer.all_to_all` instead.
@@ -24,13 +29,15 @@ import ctypes
 import os
 import secrets
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["SymmBuffer", "TRANSPORTS"]
 
-TRANSPORTS = ("shm", "torch")
+TRANSPORTS = ("shm", "torch", "nvshmem")
+_DIRECT = ("shm", "nvshmem")  # transports with one-sided peer views and signal words
 _ALIGN = 4096
 # Reserved signal words per rank segment: data-ready, ack and barrier words, one per source rank.
 _READY, _ACK, _BARRIER = 0, 1, 2
@@ -44,6 +51,10 @@ def _view(addr: int, nbytes: int) -> torch.Tensor:
 
 def _default_transport(group) -> str:
     backend = dist.get_backend(group)
+    if "nccl" in str(backend):
+        from epkit.collectives import _nvshmem
+
+        return "nvshmem" if _nvshmem.auto_ready(group) else "torch"
     if backend == "gloo" and _all_on_one_host(group):
         return "shm"
     return "torch"
@@ -62,11 +73,14 @@ class SymmBuffer:
     Parameters
     ----------
     group : ProcessGroup
-        A gloo group (shm/torch transports). Creation is collective over it.
+        A gloo group (shm/torch transports), or a gloo or NCCL group of CUDA ranks (nvshmem).
+        Creation is collective over it.
     num_bytes : int
         Size of each rank's buffer (``local``).
-    transport : {"auto", "shm", "torch"}
-        ``auto`` picks ``shm`` when every rank is on this host, else ``torch``.
+    transport : {"auto", "shm", "torch", "nvshmem"}
+        ``auto`` picks ``nvshmem`` for an NCCL group when every rank has CUDA and ``epkit._C_cuda``,
+        ``shm`` for a gloo group on this host, else ``torch``. ``nvshmem`` where it cannot run raises
+        :class:`~epkit.backends.BackendUnavailableError` saying what is missing.
     num_signals : int
         User signal words per rank (``signal``/``wait_until`` indices).
     timeout : float
@@ -75,7 +89,7 @@ class SymmBuffer:
     Attributes
     ----------
     local : Tensor [num_bytes] uint8
-        This rank's buffer (views into it must not outlive :meth:`close`).
+        This rank's buffer (views into it must not outlive :meth:`close`); on the rank's GPU for nvshmem.
     rank, world_size : int
         Position in ``group``.
     """
@@ -99,8 +113,11 @@ class SymmBuffer:
         self._epochs = {"barrier": 0}
         self._broken: str | None = None
         self._open: Exchange | None = None
+        self._nv = None  # nvshmem transport state (collectives/_nvshmem.py)
         if self.transport == "shm":
             self._init_shm()
+        elif self.transport == "nvshmem":
+            self._init_nvshmem()
         else:
             self.local = torch.zeros(num_bytes, dtype=torch.uint8)
 
@@ -133,6 +150,22 @@ class SymmBuffer:
         self._peers = [_view(s.addr + self._data_offset, self.num_bytes) for s in segs]
         self.local = self._peers[self.rank]
 
+    # nvshmem transport
+
+    def _init_nvshmem(self) -> None:
+        from epkit.collectives._nvshmem import NvshmemState
+
+        self._nv = NvshmemState(self.group, self.rank, self.world_size, self.num_bytes, self.num_signals)
+        self._peers = self._nv.views  # None where a peer is not directly addressable
+        self.local = self._nv.local
+
+    def _nv_wait(self, off: int, count: int, cmp: str, value: int, timeout: float) -> tuple[int, int | None]:
+        try:
+            return self._nv.wait(off, count, cmp, value, timeout)
+        except TimeoutError as exc:  # the stream never reached the wait's end: its result word is unreliable
+            self.mark_broken(str(exc))
+            raise
+
     def mark_broken(self, reason: str) -> None:
         """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree."""
         if self._broken is None:
@@ -156,13 +189,16 @@ class SymmBuffer:
             self.mark_broken(f"{what} timed out")
             raise TimeoutError(f"rank {self.rank}: {what} did not complete within {timeout:g} s")
 
+    def _is_open(self) -> bool:
+        return self._nv is not None if self.transport == "nvshmem" else bool(self._segments)
+
     def _check_shm(self, what: str) -> None:
-        if self.transport != "shm":
+        if self.transport not in _DIRECT:
             raise RuntimeError(
-                f"SymmBuffer.{what} needs a directly addressable transport (shm); this buffer uses "
+                f"SymmBuffer.{what} needs a directly addressable transport (shm or nvshmem); this buffer uses "
                 f"{self.transport!r}: use all_to_all instead"
             )
-        if not self._segments:
+        if not self._is_open():
             raise RuntimeError("SymmBuffer is closed")
 
     def _check_rank(self, rank: int) -> int:
@@ -171,12 +207,19 @@ class SymmBuffer:
         return rank
 
     def is_within_domain(self) -> bool:
-        """True when every peer is directly addressable (one host for shm)."""
+        """True when every peer is directly addressable (one host for shm, one NVLink domain for nvshmem)."""
+        if self.transport == "nvshmem":
+            return self._nv is not None and self._nv.within_domain
         return self.transport == "shm"
 
     def peer(self, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s buffer as a ``[num_bytes]`` uint8 view (shm only); writes are one-sided puts."""
+        """Rank ``rank``'s buffer as a ``[num_bytes]`` uint8 view (shm, nvshmem); writes are one-sided puts.
+
+        On nvshmem a peer outside this GPU's NVLink domain has no view: RuntimeError says so.
+        """
         self._check_shm("peer")
+        if self.transport == "nvshmem":
+            return self._nv.peer(self._check_rank(rank))
         return self._peers[self._check_rank(rank)]
 
     # signals
@@ -190,8 +233,14 @@ class SymmBuffer:
         return (3 * self.world_size + idx) * 8
 
     def signal(self, rank: int, idx: int, value: int, op: str = "set") -> None:
-        """Set or add ``value`` to user signal word ``idx`` of rank ``rank`` (release ordering after prior puts)."""
+        """Set or add ``value`` to user signal word ``idx`` of rank ``rank`` (release ordering after prior puts).
+
+        On nvshmem the signal is a kernel on the current CUDA stream, ordered after the stream's earlier writes.
+        """
         self._check_shm("signal")
+        if self.transport == "nvshmem":
+            self._nv.post(self._user_word(idx), value, op, self._check_rank(rank))
+            return
         seg = self._segments[self._check_rank(rank)]
         off = self._user_word(idx)
         if op == "set":
@@ -204,32 +253,69 @@ class SymmBuffer:
     def read_signal(self, idx: int) -> int:
         """Current value of this rank's user signal word ``idx``."""
         self._check_shm("read_signal")
+        if self.transport == "nvshmem":
+            return self._nv.read(self._user_word(idx))
         return self._segments[self.rank].load(self._user_word(idx))
 
     def wait_until(self, idx: int, cmp: str, value: int, timeout: float | None = None) -> int:
-        """Wait until this rank's user signal ``idx`` satisfies ``cmp value``; returns the value seen."""
+        """Wait until this rank's user signal ``idx`` satisfies ``cmp value``; returns the value seen.
+
+        On nvshmem a timed wait kernel runs on the current CUDA stream and the host waits for it.
+        """
         self._check_shm("wait_until")
         t = self.timeout if timeout is None else timeout
+        if self.transport == "nvshmem":
+            off = self._user_word(idx)
+            seen, failed = self._nv_wait(off, 1, cmp, value, t)
+            if failed is not None:
+                raise TimeoutError(
+                    f"rank {self.rank}: signal word {idx} did not satisfy {cmp} {value} within {t:g} s "
+                    f"(last seen {seen})"
+                )
+            return seen
         return self._segments[self.rank].wait_until(self._user_word(idx), cmp, value, t)
 
     def _post(self, kind: int, dst: int, value: int) -> None:
+        if self.transport == "nvshmem":
+            self._nv.post(self._word(kind, self.rank), value, "set", dst)
+            return
         self._segments[dst].store(self._word(kind, self.rank), value)
+
+    def _silent(self, src: int, what: str, t: float, value: int) -> NoReturn:
+        self.mark_broken(f"no {what} signal from rank {src}")
+        raise TimeoutError(
+            f"rank {self.rank}: rank {src} sent no {what} signal within {t:g} s "
+            f"(epoch {value}); it died or stopped calling"
+        )
 
     def _wait_from(self, kind: int, src: int, value: int, what: str, timeout: float | None = None) -> None:
         t = self.timeout if timeout is None else timeout
+        if self.transport == "nvshmem":
+            if self._nv_wait(self._word(kind, src), 1, ">=", value, t)[1] is not None:
+                self._silent(src, what, t, value)
+            return
         try:
             self._segments[self.rank].wait_until(self._word(kind, src), ">=", value, t)
+            return
         except TimeoutError:
-            self.mark_broken(f"no {what} signal from rank {src}")
-            raise TimeoutError(
-                f"rank {self.rank}: rank {src} sent no {what} signal within {t:g} s "
-                f"(epoch {value}); it died or stopped calling"
-            ) from None
+            pass  # raised below, outside the handler, so the C++ message does not chain onto ours
+        self._silent(src, what, t, value)
+
+    def _wait_all_sources(self, kind: int, value: int, what: str, timeout: float | None = None) -> None:
+        """Wait for word ``kind`` of every source rank to reach ``value`` (nvshmem: one device wait, one sync)."""
+        if self.transport != "nvshmem":
+            for src in range(self.world_size):
+                self._wait_from(kind, src, value, what, timeout)
+            return
+        t = self.timeout if timeout is None else timeout
+        failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t)[1]
+        if failed is not None:
+            self._silent(failed, what, t, value)
 
     def barrier(self, timeout: float | None = None) -> None:
-        """All ranks of the group reach this point (signals on shm, torch.distributed otherwise)."""
+        """All ranks of the group reach this point (signals on shm/nvshmem, torch.distributed otherwise)."""
         self._check_usable()
-        if self.transport != "shm":
+        if self.transport == "torch":
             work = dist.barrier(group=self.group, async_op=True)
             self._wait_work(work, "barrier", self.timeout if timeout is None else timeout)
             return
@@ -238,8 +324,7 @@ class SymmBuffer:
         e = self._epochs["barrier"]
         for r in range(self.world_size):
             self._post(_BARRIER, r, e)
-        for r in range(self.world_size):
-            self._wait_from(_BARRIER, r, e, "barrier", timeout)
+        self._wait_all_sources(_BARRIER, e, "barrier", timeout)
 
     # collective exchange used by the dispatch/combine protocol
 
@@ -259,7 +344,7 @@ class SymmBuffer:
                 f"rank {self.rank}: exchange {self._open.tag!r} is still open (call its hook / "
                 f"release it before the next collective on this buffer)"
             )
-        if self.transport == "shm":
+        if self.transport in _DIRECT:
             self._check_shm("exchange")
             if region_bytes * w > self.num_bytes:
                 raise ValueError(
@@ -308,16 +393,25 @@ class SymmBuffer:
         return out
 
     def close(self) -> None:
-        """Unmap every segment; views into the buffer become invalid."""
+        """Unmap every segment; views into the buffer become invalid.
+
+        nvshmem: frees the symmetric allocation, a collective call (every rank must close its buffer).
+        A buffer made unusable by a failure (a peer timed out) is left allocated instead, since the free
+        would wait for the silent peer; its memory returns when the process exits.
+        """
         self._peers = []
         self.local = torch.empty(0, dtype=torch.uint8)
+        if self._nv is not None:
+            nv, self._nv = self._nv, None
+            nv.free(collective=self._broken is None)
         for s in self._segments:
             s.close()
         self._segments = []
 
     def __del__(self):
         with contextlib.suppress(Exception):
-            self.close()
+            if getattr(self, "_nv", None) is None:  # freeing nvshmem memory is collective: only close() does it
+                self.close()
 
 
 class Exchange:
@@ -334,7 +428,7 @@ class Exchange:
     def send_region(self, dst: int) -> torch.Tensor:
         """``[region_bytes]`` uint8 view to fill with the payload for ``dst``."""
         buf = self.buf
-        if buf.transport != "shm":
+        if buf.transport == "torch":
             if self._staging[dst] is None:
                 self._staging[dst] = torch.empty(self.region_bytes, dtype=torch.uint8)
             return self._staging[dst]
@@ -342,6 +436,10 @@ class Exchange:
             # dst must have consumed our previous message before we overwrite its region.
             buf._wait_from(_ACK, dst, self.epoch - 1, f"{self.tag} consumed", self.timeout)
             self._acked[dst] = True
+        if buf._peers[dst] is None:  # nvshmem peer outside the NVLink domain: staged, put by commit()
+            if self._staging[dst] is None:
+                self._staging[dst] = torch.empty(self.region_bytes, dtype=torch.uint8, device=buf.local.device)
+            return self._staging[dst]
         off = buf.rank * self.region_bytes
         return buf._peers[dst][off : off + self.region_bytes]
 
@@ -350,11 +448,17 @@ class Exchange:
         if not 0 <= nbytes <= self.region_bytes:
             raise ValueError(f"payload of {nbytes} bytes for rank {dst} exceeds the {self.region_bytes}-byte region")
         buf = self.buf
-        if nbytes and buf.transport == "shm" and self.epoch > 1 and not self._acked[dst]:
+        if nbytes and buf.transport in _DIRECT and self.epoch > 1 and not self._acked[dst]:
             raise RuntimeError("commit() of a payload without send_region(): nothing was written for this epoch")
-        if nbytes and buf.transport != "shm" and self._staging[dst] is None:
+        staged = buf.transport == "torch" or (buf.transport == "nvshmem" and buf._peers[dst] is None)
+        if nbytes and staged and self._staging[dst] is None:
             raise RuntimeError("commit() of a payload without send_region(): nothing was written")
-        if buf.transport == "shm":
+        if buf.transport == "nvshmem" and staged:
+            # Data and READY in one NVSHMEM put-with-signal: the signal lands after the bytes.
+            buf._nv.put_signal(
+                buf.rank * self.region_bytes, self._staging[dst], nbytes, buf._word(_READY, buf.rank), self.epoch, dst
+            )
+        elif buf.transport in _DIRECT:
             # A zero-byte message writes nothing, so it needs no acknowledgement of the previous one.
             buf._post(_READY, dst, self.epoch)
         self._sizes[dst] = nbytes
@@ -366,7 +470,7 @@ class Exchange:
         if any(s is None for s in self._sizes):
             missing = [r for r, s in enumerate(self._sizes) if s is None]
             raise RuntimeError(f"receive() before commit() for ranks {missing}")
-        if buf.transport != "shm":
+        if buf.transport == "torch":
             send = torch.cat(
                 [self._staging[r][:n] if n else torch.empty(0, dtype=torch.uint8) for r, n in enumerate(self._sizes)]
             )
@@ -383,8 +487,8 @@ class Exchange:
             self._recv = list(torch.split(recv, list(recv_bytes)))
             return self._recv
         out = []
+        buf._wait_all_sources(_READY, self.epoch, f"{self.tag} data", self.timeout)
         for src in range(w):
-            buf._wait_from(_READY, src, self.epoch, f"{self.tag} data", self.timeout)
             n = recv_bytes[src]
             if n > self.region_bytes:
                 raise ValueError(f"rank {src} is said to send {n} bytes, more than the {self.region_bytes}-byte region")
@@ -395,7 +499,7 @@ class Exchange:
     def release(self) -> None:
         """Done reading the received views: let every source reuse its region."""
         buf = self.buf
-        if buf.transport == "shm" and buf._segments:
+        if buf.transport in _DIRECT and buf._is_open():
             for src in range(buf.world_size):
                 buf._post(_ACK, src, self.epoch)
         self._recv = None

@@ -38,7 +38,12 @@ def test_cuda_extension_built_when_toolchain_present():
     elf = subprocess.run([tool, "-lelf", path], capture_output=True, text=True, timeout=120).stdout
     assert "sm_90" in elf, elf
     sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=300).stdout
-    assert "put_signal_kernel" in sass and "signal_wait_kernel" in sass
+    for kernel in ("put_signal_kernel", "signal_wait_kernel", "signal_op_kernel", "signal_wait_all_kernel"):
+        assert kernel in sass, f"{kernel} missing from the extension's SASS"
+    # signal_op fences (system scope) before its signal, so earlier writes of the stream land first.
+    start = sass.index("signal_op_kernel")
+    body = sass[start : sass.find("Function :", start)]
+    assert "MEMBAR.SC.SYS" in body or "MEMBAR.SYS" in body, body[:2000]
     # The device-linked NVSHMEM put-with-signal is in the kernel, not a host fallback.
     assert "nvshmem" in sass.lower()
 
@@ -50,9 +55,13 @@ def test_cuda_extension_imports_without_a_gpu():
     import epkit._C_cuda as cc
 
     assert cc.unique_id_size() > 0
-    assert cc.initialized() is False
+    assert cc.initialized() is False and cc.finalized() is False
     with pytest.raises(RuntimeError, match="call init\\(\\) first"):
         cc.malloc(16)
+    with pytest.raises(RuntimeError, match="signal_op: call init\\(\\) first"):
+        cc.signal_op(4096, 1, "set", 0, 0)
+    with pytest.raises(RuntimeError, match="signal_wait_all: call init\\(\\) first"):
+        cc.signal_wait_all(4096, 1, 2, ">=", 1, 1.0, 8192, 0)
     with pytest.raises(ValueError, match="unique id has 3 bytes"):
         cc.init(b"abc", 0, 1)
 

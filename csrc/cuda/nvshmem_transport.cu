@@ -5,8 +5,10 @@
 // Memory: symmetric allocations (malloc/free), peer pointers (nvshmem_ptr) for
 // ranks in the same NVLink domain.
 // One-sided ops, launched on a caller-given CUDA stream so they order with the
-// caller's kernels: put_signal (putmem + 64-bit signal, SET or ADD) and
-// signal_wait (device-side wait on a local signal word).
+// caller's kernels: put_signal (putmem + 64-bit signal, SET or ADD), signal_op
+// (a 64-bit signal alone, after a system fence), signal_wait (device-side timed
+// wait on a local signal word) and signal_wait_all (one timed wait over a
+// strided array of words, one per source rank).
 //
 // Built by setup.py with nvcc -rdc=true for sm_90 and device-linked against
 // libnvshmem_device.a from the nvidia-nvshmem wheel.
@@ -32,6 +34,7 @@ void check_cuda(cudaError_t err, const char *what) {
 }
 
 bool g_initialized = false;
+bool g_finalized = false;  // NVSHMEM may not be initialised again in a process once finalized
 
 void require_init(const char *what) {
     if (!g_initialized) throw std::runtime_error(std::string(what) + ": call init() first");
@@ -94,12 +97,75 @@ __global__ void signal_wait_kernel(uint64_t *sig, int cmp, uint64_t value, uint6
     result[1] = 0;
 }
 
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Seconds -> nanoseconds for the device waits, clamped to [0, 1e6 s] (NaN -> 0) so the cast is defined.
+uint64_t timeout_to_ns(double timeout_s) {
+    if (!(timeout_s > 0)) return 0;
+    if (timeout_s > 1e6) timeout_s = 1e6;
+    return static_cast<uint64_t>(timeout_s * 1e9);
+}
+
+void require_pe(int pe, const char *what) {
+    int n = nvshmem_n_pes();
+    if (pe < 0 || pe >= n) {
+        throw std::invalid_argument(std::string(what) + ": pe " + std::to_string(pe) + " outside [0, " +
+                                    std::to_string(n) + ")");
+    }
+}
+
+// One thread sets/adds `value` to the 64-bit word `sig` (a symmetric address) on `pe`. The system
+// fence first makes this stream's earlier writes (kernels before this one, including stores into
+// peers' memory through nvshmem_ptr views) visible before the signal can be observed.
+__global__ void signal_op_kernel(uint64_t *sig, uint64_t value, int sig_op, int pe) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    __threadfence_system();
+    nvshmemx_signal_op(sig, value, sig_op, pe);
+}
+
+// Waits, in order, until each of the `count` local words sig[i * stride] satisfies `cmp value`, all
+// under one deadline of `timeout_ns` (globaltimer). result[1] = 0 when every word did, else
+// 1 + the index of the first word that timed out; result[0] = the last value seen of that word
+// (of the last word on success).
+__global__ void signal_wait_all_kernel(uint64_t *sig, uint64_t stride, int count, int cmp, uint64_t value,
+                                       uint64_t timeout_ns, uint64_t *result) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const uint64_t start = globaltimer_ns();
+    uint64_t v = 0;
+    for (int i = 0; i < count; ++i) {
+        uint64_t *word = sig + static_cast<uint64_t>(i) * stride;
+        v = nvshmem_signal_fetch(word);
+        while (!compare(v, cmp, value)) {
+            if (globaltimer_ns() - start > timeout_ns) {
+                result[0] = v;
+                result[1] = static_cast<uint64_t>(i) + 1;
+                return;
+            }
+            __nanosleep(100);
+            v = nvshmem_signal_fetch(word);
+        }
+    }
+    // Acquire side of the senders' fence: later reads of this stream see what the signals published.
+    __threadfence_system();
+    result[0] = v;
+    result[1] = 0;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_cuda, m) {
     m.doc() = "epkit NVSHMEM transport: bootstrap, symmetric memory, put-with-signal and signal waits";
 
     m.def("unique_id_size", []() { return sizeof(nvshmemx_uniqueid_t); });
+    m.def(
+        "set_device",
+        [](int device) { check_cuda(cudaSetDevice(device), "cudaSetDevice"); },
+        py::arg("device"),
+        "Make `device` current for this thread in the CUDA runtime this extension uses (before init and launches).");
     m.def("get_unique_id", []() {
         nvshmemx_uniqueid_t uid;
         if (nvshmemx_get_uniqueid(&uid) != 0) throw std::runtime_error("nvshmemx_get_uniqueid failed");
@@ -117,6 +183,10 @@ PYBIND11_MODULE(_C_cuda, m) {
                 throw std::invalid_argument("rank " + std::to_string(rank) + " outside [0, " +
                                             std::to_string(world_size) + ")");
             }
+            if (g_initialized) throw std::runtime_error("init: NVSHMEM is already initialised in this process");
+            if (g_finalized) {
+                throw std::runtime_error("init: NVSHMEM was finalized in this process and cannot be initialised again");
+            }
             nvshmemx_uniqueid_t uid;
             std::memcpy(&uid, raw.data(), sizeof(uid));
             nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
@@ -133,9 +203,11 @@ PYBIND11_MODULE(_C_cuda, m) {
         if (g_initialized) {
             nvshmem_finalize();
             g_initialized = false;
+            g_finalized = true;
         }
     });
     m.def("initialized", []() { return g_initialized; });
+    m.def("finalized", []() { return g_finalized; }, "True once finalize() ran: init() cannot run again here.");
     m.def("my_pe", []() { require_init("my_pe"); return nvshmem_my_pe(); });
     m.def("n_pes", []() { require_init("n_pes"); return nvshmem_n_pes(); });
     m.def(
@@ -194,4 +266,44 @@ PYBIND11_MODULE(_C_cuda, m) {
         py::arg("sig"), py::arg("cmp"), py::arg("value"), py::arg("timeout"), py::arg("result"), py::arg("stream"),
         "On `stream`: wait until the local signal word satisfies `cmp value` or `timeout` s pass; "
         "result (2 device uint64) gets [last value, timed_out].");
+    m.def(
+        "signal_op",
+        [](uintptr_t sig, uint64_t value, const std::string &op, int pe, uintptr_t stream) {
+            require_init("signal_op");
+            int sig_op = parse_signal_op(op);
+            require_pe(pe, "signal_op");
+            if (sig == 0 || sig % alignof(uint64_t) != 0) {
+                throw std::invalid_argument("signal_op needs an 8-byte aligned symmetric signal address");
+            }
+            signal_op_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+                reinterpret_cast<uint64_t *>(sig), value, sig_op, pe);
+            check_cuda(cudaGetLastError(), "signal_op launch");
+        },
+        py::arg("sig"), py::arg("value"), py::arg("op"), py::arg("pe"), py::arg("stream"),
+        "On `stream`: after a system fence (earlier writes of the stream become visible first), set/add "
+        "`value` to the symmetric 64-bit word `sig` on `pe`.");
+    m.def(
+        "signal_wait_all",
+        [](uintptr_t sig, uint64_t stride, int count, const std::string &cmp, uint64_t value, double timeout_s,
+           uintptr_t result, uintptr_t stream) {
+            require_init("signal_wait_all");
+            int c = parse_cmp(cmp);
+            if (result == 0) throw std::invalid_argument("signal_wait_all needs a 2-word device result buffer");
+            if (sig == 0 || sig % alignof(uint64_t) != 0) {
+                throw std::invalid_argument("signal_wait_all needs an 8-byte aligned local signal address");
+            }
+            if (count < 0 || stride == 0) {
+                throw std::invalid_argument("signal_wait_all: count must be >= 0 and stride >= 1 (in words), got " +
+                                            std::to_string(count) + " and " + std::to_string(stride));
+            }
+            signal_wait_all_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+                reinterpret_cast<uint64_t *>(sig), stride, count, c, value, timeout_to_ns(timeout_s),
+                reinterpret_cast<uint64_t *>(result));
+            check_cuda(cudaGetLastError(), "signal_wait_all launch");
+        },
+        py::arg("sig"), py::arg("stride"), py::arg("count"), py::arg("cmp"), py::arg("value"), py::arg("timeout"),
+        py::arg("result"), py::arg("stream"),
+        "On `stream`: wait until each local word sig[i * stride] (i < count, stride in 64-bit words) satisfies "
+        "`cmp value`, under one deadline of `timeout` s; result (2 device uint64) gets [last value seen, "
+        "0 if all held else 1 + index of the first word that timed out].");
 }

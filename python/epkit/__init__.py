@@ -20,7 +20,7 @@ Quantization, grouped GEMM, expert MLP (DeepGEMM-compatible semantics)
     get_mk_alignment_for_contiguous_layout, build_m_indices
     expert_mlp           gate/up GEMM -> SwiGLU -> FP8 -> down GEMM, contiguous or masked layout
 
-Collectives (symmetric memory, dispatch/combine; transports shm / torch)
+Collectives (symmetric memory, dispatch/combine; transports shm / torch, and nvshmem for SymmBuffer on GPUs)
     SymmBuffer           one buffer per rank, peer views, 64-bit signals, barriers, exchanges
     EPBuffer             DeepEP-style get_dispatch_layout / dispatch / combine / low_latency_*
     fused_moe            MegaMoE-style dispatch -> expert MLP -> combine in one call (shm domain, no staging)

@@ -28,6 +28,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _nvshmem_transport_info(wheel_root: str | None) -> dict:
+    """Readiness of SymmBuffer's nvshmem transport (EPBuffer's protocol itself runs on CPU ranks)."""
+    from epkit.collectives._nvshmem import missing_reason
+
+    why = missing_reason()
+    if why is None:
+        return {"ready": True, "why": "epkit._C_cuda (NVSHMEM) and a CUDA device; SymmBuffer only, not EPBuffer"}
+    if wheel_root is None:
+        why += "; no nvidia-nvshmem wheel (pip install 'epkit[cuda13]')"
+    return {"ready": False, "why": why}
+
+
 def _nvshmem_root() -> str | None:
     import importlib.util
 
@@ -38,12 +50,6 @@ def _nvshmem_root() -> str | None:
             if os.path.exists(os.path.join(root, "include", "nvshmem.h")):
                 return root
     return None
-
-
-def _has_c_cuda() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("epkit._C_cuda") is not None
 
 
 def collect_info() -> dict:
@@ -83,17 +89,7 @@ def collect_info() -> dict:
             "ready": dist.is_available() and dist.is_gloo_available(),
             "why": "torch.distributed with gloo" if dist.is_available() else "torch built without distributed",
         },
-        "nvshmem": {
-            "ready": False,
-            "why": "SymmBuffer's nvshmem transport is not implemented yet (GPU collectives are open); "
-            + (
-                "epkit._C_cuda (NVSHMEM bootstrap, malloc, put-with-signal) is built"
-                if _has_c_cuda()
-                else "epkit._C_cuda is not built (needs nvcc and an nvidia-nvshmem wheel at install time)"
-            )
-            + ("" if nvshmem else "; no nvidia-nvshmem wheel (pip install 'epkit[cuda12]')")
-            + ("" if gpu else "; no CUDA device"),
-        },
+        "nvshmem": _nvshmem_transport_info(nvshmem),
     }
     ops = {
         name: {

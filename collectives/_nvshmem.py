@@ -1,0 +1,400 @@
+"""The ``nvshmem`` transport of :class:`~epkit.collectives.symm_buffer.SymmBuffer` (CUDA ranks).
+
+One process per GPU; ``torch.cuda.current_device()`` is the rank's GPU. NVSHMEM is one job per
+process: the first nvshmem SymmBuffer starts it (rank 0 of the group draws a unique id, the bytes
+travel with ``broadcast_object_list``, every rank joins), later buffers over a group with the same
+ranks reuse it, and any other group is refused with a ValueError (NVSHMEM teams are out of scope).
+A job that someone started directly through ``epkit._C_cuda.init`` is adopted when its PE numbers
+are the group's ranks. NVSHMEM cannot be initialised twice in one process: after :func:`finalize`
+no nvshmem buffer can be created in it.
+
+Each buffer is one collective symmetric allocation laid out as the shm segments are::
+
+    [ 64-bit signal words | padding to 4096 | data (num_bytes) ]
+      READY[w] ACK[w] BARRIER[w] user[num_signals]
+
+Signals (``signal_op``) and timed waits (``signal_wait_all``, one deadline over a strided run of
+words) are kernels of ``epkit._C_cuda`` launched on the current CUDA stream, so they order with the
+caller's kernels. The host reads a wait's 2-word result after the stream reaches it, with its own
+deadline as a second line of defence against a stuck stream.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from epkit.backends import BackendUnavailableError
+
+__all__ = [
+    "INSTALL_HINT",
+    "NvshmemState",
+    "auto_ready",
+    "device_view",
+    "finalize",
+    "layout",
+    "local_job_state",
+    "missing_reason",
+    "plan_job",
+]
+
+INSTALL_HINT = (
+    "build epkit's CUDA extension on a machine with the CUDA toolkit: "
+    "`EPKIT_CUDA=1 pip install --no-build-isolation -e '.[cuda13]'` (or cuda12; needs nvcc on PATH and the "
+    "nvidia-nvshmem wheel), and run on a CUDA build of torch with a visible GPU"
+)
+ALIGN = 4096
+#: Reserved words per source rank: READY, ACK, BARRIER (indices as in symm_buffer).
+NUM_RESERVED_KINDS = 3
+#: Seconds the host waits for a device wait beyond its own timeout before it calls the stream stuck.
+HOST_GRACE_S = 10.0
+MASK64 = (1 << 64) - 1
+_SIGNAL_OPS = ("set", "add")
+
+# Process-wide NVSHMEM job: None, or {"ranks": global ranks, "device": CUDA index, "owner": "epkit" | "adopted"}.
+_job: dict | None = None
+_finalized = False
+
+
+def _load():
+    import epkit._C_cuda as cc
+
+    return cc
+
+
+def missing_reason() -> str | None:
+    """Why this process cannot use the nvshmem transport, or None when it can.
+
+    Returns
+    -------
+    str or None
+        The missing pieces (no CUDA device, ``epkit._C_cuda`` not importable), ``"; "``-joined.
+    """
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("torch sees no CUDA device (torch.cuda.is_available() is False)")
+    try:
+        _load()
+    except ImportError as exc:
+        problems.append(f"epkit._C_cuda (the NVSHMEM extension) is not importable: {exc}")
+    return "; ".join(problems) or None
+
+
+def auto_ready(group) -> bool:
+    """Collective over ``group``: True when every rank can use the nvshmem transport (``auto`` picks it)."""
+    ok = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ok, missing_reason() is None, group=group)
+    return all(ok)
+
+
+def layout(world_size: int, num_signals: int, num_bytes: int) -> tuple[int, int, int]:
+    """Word and byte layout of one rank's symmetric allocation.
+
+    Parameters
+    ----------
+    world_size, num_signals, num_bytes : int
+        Ranks in the group, user signal words, data bytes per rank.
+
+    Returns
+    -------
+    (num_words, data_offset, alloc_bytes) : tuple of int
+        64-bit signal words (``3 * world_size + num_signals``); byte offset of the data (a multiple
+        of 4096 past the words); bytes to allocate (``data_offset + max(num_bytes, 1)``).
+    """
+    for name, v, lo in (("world_size", world_size, 1), ("num_signals", num_signals, 0), ("num_bytes", num_bytes, 0)):
+        if not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    num_words = NUM_RESERVED_KINDS * world_size + num_signals
+    data_offset = -(-num_words * 8 // ALIGN) * ALIGN
+    return num_words, data_offset, data_offset + max(num_bytes, 1)
+
+
+def local_job_state() -> tuple:
+    """This process's NVSHMEM job, as a picklable tuple for :func:`plan_job`.
+
+    ``("none",)``; ``("job", global_ranks, device)`` (started or adopted by SymmBuffer);
+    ``("external", my_pe, n_pes)`` (started through ``epkit._C_cuda.init`` directly); ``("finalized",)``.
+    """
+    cc = _load()
+    if _finalized or getattr(cc, "finalized", lambda: False)() or (_job is not None and not cc.initialized()):
+        return ("finalized",)
+    if _job is not None:
+        return ("job", tuple(_job["ranks"]), _job["device"])
+    if cc.initialized():
+        return ("external", cc.my_pe(), cc.n_pes())
+    return ("none",)
+
+
+def _describe(state: tuple) -> str:
+    if state[0] == "job":
+        return f"is in an NVSHMEM job over global ranks {list(state[1])} on cuda:{state[2]}"
+    if state[0] == "external":
+        return f"is PE {state[1]} of an NVSHMEM job of {state[2]} PEs started outside SymmBuffer"
+    return "has no NVSHMEM job"
+
+
+def plan_job(states: list[tuple], group_ranks, devices: list[int]) -> str:
+    """Decide, identically on every rank, what a new nvshmem buffer does with the process-wide job.
+
+    Parameters
+    ----------
+    states : list of tuple
+        :func:`local_job_state` of each group rank, in group-rank order (all-gathered).
+    group_ranks : sequence of int
+        The group's global ranks (``dist.get_process_group_ranks``), in group-rank order.
+    devices : list of int
+        Each group rank's current CUDA device.
+
+    Returns
+    -------
+    {"init", "reuse", "adopt"}
+        Start a job over the group; reuse the job SymmBuffer already runs over exactly these ranks;
+        adopt a job started directly whose PE numbers are the group ranks.
+
+    Raises
+    ------
+    RuntimeError
+        Some rank's process already finalized NVSHMEM (it cannot be initialised again).
+    ValueError
+        The group's ranks are not those of the existing job, the ranks disagree, or a rank's
+        current CUDA device is not the one its job was started on.
+    """
+    group_ranks = tuple(group_ranks)
+    if len(states) != len(group_ranks) or len(devices) != len(group_ranks):
+        raise ValueError(f"need one state and one device per group rank ({len(group_ranks)})")
+    finalized = [i for i, s in enumerate(states) if s[0] == "finalized"]
+    if finalized:
+        raise RuntimeError(
+            f"NVSHMEM was already finalized in the processes of group ranks {finalized}; it cannot be "
+            f"initialised twice in one process: create nvshmem SymmBuffers in fresh processes"
+        )
+    if all(s[0] == "none" for s in states):
+        return "init"
+    if all(s[0] == "job" and s[1] == group_ranks for s in states):
+        moved = [i for i, s in enumerate(states) if s[2] != devices[i]]
+        if moved:
+            raise ValueError(
+                f"group ranks {moved}: the current CUDA device ({[devices[i] for i in moved]}) is not the one "
+                f"the NVSHMEM job was started on ({[states[i][2] for i in moved]}); call torch.cuda.set_device "
+                f"back to it before creating the buffer"
+            )
+        return "reuse"
+    if all(s[0] == "external" and s[1] == i and s[2] == len(group_ranks) for i, s in enumerate(states)):
+        return "adopt"
+    detail = "; ".join(f"group rank {i} {_describe(s)}" for i, s in enumerate(states))
+    raise ValueError(
+        f"SymmBuffer(transport='nvshmem') runs one NVSHMEM job per process over one fixed set of ranks; this "
+        f"group has global ranks {list(group_ranks)} but {detail}. Create every nvshmem SymmBuffer of a "
+        f"process over groups with the same ranks (NVSHMEM teams are not supported)"
+    )
+
+
+def _bootstrap(cc, group, rank: int, world_size: int, device: int, ranks) -> None:
+    global _job
+    if world_size == 1:
+        # One PE on one GPU needs no network transport; users may still choose one.
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    cc.set_device(device)
+    uid = [cc.get_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
+    if not isinstance(uid[0], bytes) or len(uid[0]) != cc.unique_id_size():
+        raise RuntimeError(f"rank {rank}: received a malformed NVSHMEM unique id ({type(uid[0]).__name__})")
+    cc.init(uid[0], rank, world_size)
+    _job = {"ranks": tuple(ranks), "device": device, "owner": "epkit"}
+
+
+def finalize() -> None:
+    """End this process's NVSHMEM job (collective over the job's ranks; close every nvshmem buffer first).
+
+    NVSHMEM cannot be initialised again in this process afterwards: later nvshmem SymmBuffers raise.
+    """
+    global _finalized
+    cc = _load()
+    if cc.initialized():
+        torch.cuda.synchronize()
+        cc.finalize()
+    _finalized = _finalized or _job is not None
+
+
+def device_view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A ``[nbytes]`` uint8 tensor on ``device`` aliasing memory at ``addr`` (not owned: it must outlive the view).
+
+    Parameters
+    ----------
+    addr : int
+        Address of the first byte (device memory for a CUDA ``device``).
+    nbytes : int
+        Length of the view in bytes.
+    device : torch.device
+        The device the tensor reports (a peer GPU's memory mapped into this GPU's address space
+        is viewed as this GPU's, which is where kernels using the view run).
+    """
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if not isinstance(addr, int) or addr <= 0:
+        raise ValueError(f"addr must be a positive int address, got {addr!r}")
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is not None:
+        storage = make(addr, device, nbytes)
+        view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    else:  # older torch: the CUDA array interface, with the device stated explicitly
+        iface = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+        view = torch.as_tensor(type("_Mem", (), {"__cuda_array_interface__": iface})(), device=device)
+    if view.data_ptr() != addr or view.device != device or view.numel() != nbytes:
+        raise RuntimeError(
+            f"could not view {nbytes} bytes at {addr:#x} on {device}: got a tensor at {view.data_ptr():#x} on "
+            f"{view.device} with {view.numel()} bytes"
+        )
+    return view
+
+
+class NvshmemState:
+    """One rank's part of an nvshmem SymmBuffer: the symmetric allocation, its views and the device ops.
+
+    Creation is collective over ``group`` (one all-gather, the bootstrap when needed, one
+    ``nvshmem_malloc``). Offsets (``off``) are byte offsets into the signal words, as ``SymmBuffer._word``.
+    """
+
+    def __init__(self, group, rank: int, world_size: int, num_bytes: int, num_signals: int):
+        global _job
+        num_words, data_offset, alloc = layout(world_size, num_signals, num_bytes)
+        missing = missing_reason()
+        device = torch.cuda.current_device() if missing is None else -1
+        state = local_job_state() if missing is None else ("none",)
+        infos = [None] * world_size
+        # Every rank sees the same list, so every rank raises the same error (no rank is left waiting).
+        dist.all_gather_object(infos, (missing, alloc, state, device), group=group)
+        reasons = {r: info[0] for r, info in enumerate(infos) if info[0]}
+        if reasons:
+            detail = "; ".join(f"rank {r}: {why}" for r, why in reasons.items())
+            raise BackendUnavailableError(f"SymmBuffer transport 'nvshmem' cannot run here ({detail}); {INSTALL_HINT}")
+        sizes = [info[1] for info in infos]
+        if len(set(sizes)) != 1:
+            raise ValueError(
+                f"SymmBuffer sizes differ across ranks (symmetric bytes per rank: {sizes}); every rank "
+                f"must pass the same num_bytes and num_signals"
+            )
+        ranks = dist.get_process_group_ranks(group)
+        plan = plan_job([info[2] for info in infos], ranks, [info[3] for info in infos])
+        cc = _load()
+        if plan == "init":
+            _bootstrap(cc, group, rank, world_size, device, ranks)
+        elif plan == "adopt":
+            _job = {"ranks": tuple(ranks), "device": device, "owner": "adopted"}
+        cc.set_device(device)  # kernels of epkit._C_cuda launch on this thread's current device
+        self.cc = cc
+        self.rank, self.world_size, self.num_bytes = rank, world_size, num_bytes
+        self.device = torch.device("cuda", device)
+        self.num_words, self.data_offset = num_words, data_offset
+        try:
+            self.base = cc.malloc(alloc)  # collective; zero-filled
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"rank {rank}: {exc}; the NVSHMEM symmetric heap may be too small for {alloc} bytes per rank: "
+                f"set NVSHMEM_SYMMETRIC_SIZE (bytes, read when NVSHMEM starts) larger"
+            ) from exc
+        data = self.base + data_offset
+        #: Address of each rank's data as seen from this GPU; 0 where the peer is not directly addressable.
+        self.peer_data = [data if r == rank else cc.peer_ptr(data, r) for r in range(world_size)]
+        self.views = [device_view(p, num_bytes, self.device) if p else None for p in self.peer_data]
+        self.local = self.views[rank]
+        self.words = device_view(self.base, num_words * 8, self.device).view(torch.int64)
+        self._result = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._event = torch.cuda.Event()
+
+    @property
+    def within_domain(self) -> bool:
+        return all(self.peer_data)
+
+    def addressable(self, rank: int) -> bool:
+        return self.peer_data[rank] != 0
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def post(self, off: int, value: int, op: str, pe: int) -> None:
+        """Set/add ``value`` to the word at ``off`` on rank ``pe``, on the current stream after its earlier work."""
+        if op not in _SIGNAL_OPS:
+            raise ValueError(f"op must be 'set' or 'add', got {op!r}")
+        if not isinstance(value, int) or not 0 <= value <= MASK64:
+            raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
+        self.cc.signal_op(self.base + off, value, op, pe, self._stream())
+
+    def put_signal(self, dst_off: int, src: torch.Tensor | None, nbytes: int, sig_off: int, value: int, pe: int):
+        """Copy ``nbytes`` of ``src`` to data offset ``dst_off`` on ``pe``, then set its word at ``sig_off``."""
+        if nbytes == 0:
+            self.post(sig_off, value, "set", pe)
+            return
+        if (
+            src is None
+            or src.device != self.device
+            or not src.is_contiguous()
+            or src.numel() * src.element_size() < nbytes
+        ):
+            raise ValueError(f"put_signal needs a contiguous tensor of >= {nbytes} bytes on {self.device}")
+        self.cc.put_signal(
+            self.base + self.data_offset + dst_off,
+            src.data_ptr(),
+            nbytes,
+            self.base + sig_off,
+            value,
+            "set",
+            pe,
+            self._stream(),
+        )
+
+    def wait(self, off: int, count: int, cmp: str, value: int, timeout: float) -> tuple[int, int | None]:
+        """Timed device wait until the ``count`` local words from ``off`` all satisfy ``cmp value``.
+
+        Returns ``(value seen, None)`` when they did, ``(value seen, index)`` for the first word (0-based
+        from ``off``) that did not within ``timeout``. Raises TimeoutError only when the stream itself did
+        not reach the end of the wait within ``timeout + HOST_GRACE_S`` (stuck behind other work).
+        """
+        if not isinstance(value, int) or not 0 <= value <= MASK64:
+            raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
+        if not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        self.cc.signal_wait_all(
+            self.base + off, 1, count, cmp, value, float(timeout), self._result.data_ptr(), self._stream()
+        )
+        self._event.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + timeout + HOST_GRACE_S
+        spins = 0
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {self.rank}: the CUDA stream did not finish a {timeout:g} s signal wait within "
+                    f"{timeout + HOST_GRACE_S:g} s (stuck behind earlier work, or a kernel hung)"
+                )
+            spins += 1
+            if spins > 2000:
+                time.sleep(50e-6)
+        seen, failed = (v & MASK64 for v in self._result.tolist())
+        return seen, (None if failed == 0 else failed - 1)
+
+    def read(self, off: int) -> int:
+        """Current value of this rank's word at ``off`` (read after the stream's earlier work)."""
+        return int(self.words[off // 8].item()) & MASK64
+
+    def peer(self, rank: int) -> torch.Tensor:
+        view = self.views[rank]
+        if view is None:
+            raise RuntimeError(
+                f"rank {rank} is not directly addressable from rank {self.rank} (nvshmem_ptr gave no address: "
+                f"no NVLink/P2P path between the GPUs); use exchange()/all_to_all, which put through NVSHMEM"
+            )
+        return view
+
+    def free(self, collective: bool) -> bool:
+        """Free the allocation (collective: every rank must call it); returns False when it was left allocated."""
+        torch.cuda.synchronize(self.device)
+        self.views, self.local, self.words = [], None, None
+        if not collective or not self.cc.initialized():
+            return False
+        self.cc.free(self.base)
+        return True
