@@ -3,8 +3,8 @@
 Shape (issue 6): G = 8 experts, 512 rows per expert, N = K = 1024, FP8 (e4m3) activations
 with 1x128 scales and FP8 weights with 128x128 block scales, bf16 output.
 
-Peers, measured in the same run, interleaved (each round runs every candidate once, in
-rotating order; the figures are medians over rounds):
+Peers, measured in the same run, interleaved (each round runs every candidate once, in a
+seeded random order; the figures are medians over rounds):
 - dense torch.matmul at equal FLOPs ([G*512, K] x [K, N]) on already-dequantized operands,
   in bfloat16 (the fair peer: the cpu backend multiplies bf16 x bf16 on CPUs with fast bf16)
   and in float32;
@@ -57,13 +57,19 @@ def textbook_loop(a, sfa, b, sfb, m_indices, d):
 
 
 def interleaved(fns: dict, rounds: int) -> dict:
-    """Median seconds per candidate; every round runs each candidate once, order rotating."""
+    """Median seconds per candidate; every round runs each candidate once, in a fresh random order.
+
+    A random order (seeded) rather than a rotation: a rotation keeps each candidate behind the same
+    predecessor every round, and a predecessor that churns memory (the textbook loop allocates and
+    frees large temporaries) would tax the same candidate every time.
+    """
     for fn in fns.values():  # warm-up (primitive caches, scratch buffers)
         fn()
     names = list(fns)
     samples = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(rounds):
+        for name in [names[i] for i in torch.randperm(len(names), generator=gen).tolist()]:
             t0 = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - t0)

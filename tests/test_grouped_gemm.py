@@ -577,3 +577,54 @@ def test_amx_row_order_does_not_change_bits():
         (a[0][perm], a[1][perm]), b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices[perm], backend="cpu"
     )
     assert_bitwise_equal(d_perm, d[perm], ctx="shuffled rows")
+
+
+# Tuning script (GPU runs use it; here its CPU dry run through the interpreter)
+
+
+def test_tuning_script_dry_run_and_loading_its_table(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from epkit.kernels.triton import grouped_gemm as tg
+
+    out = tmp_path / "tuned.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "tune_grouped_gemm.py"), "--device", "cpu", "--quick"]
+        + ["--kinds", "fp8", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = json.loads(out.read_text())
+    assert table["quick"] is True and len(table["runs"]) == 2
+    for run in table["runs"]:  # every candidate was checked against the reference
+        assert run["results"] and all(r["ok"] and r["calc_diff"] <= 1e-3 for r in run["results"]), run
+    keys = {(e["kind"], e["n"], e["k"], e["bucket"]) for e in table["best"]}
+    assert keys == {("fp8", 256, 256, "prefill"), ("fp8", 256, 256, "decode")}
+    try:
+        assert tg.load_tuned_configs(str(out), device_type="cpu") == 2
+        best = {e["bucket"]: e["config"] for e in table["best"]}
+        assert tg.get_config("fp8", 256, 256, 96, "cpu") == best["prefill"]
+        assert tg.get_config("fp8", 256, 256, 40, "cpu") == best["decode"]
+        heuristic = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
+        assert tg.get_config("fp8", 512, 256, 96, "cpu") == heuristic  # other shapes keep the table
+        # the tuned config drives a real call
+        counts = [96, 50]
+        m_indices = build_m_indices(counts)
+        a, b, af, bf = make_inputs("fp8", 2, m_indices.numel(), 256, 256, masked=False, seed=4)
+        d = CONTIG["fp8"](a, b, torch.empty(m_indices.numel(), 256, dtype=torch.bfloat16), m_indices, backend="triton")
+        assert_diff(d.float(), _ref_contiguous(af, bf, m_indices), THRESH["fp8"], "tuned config")
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"best": [{"kind": "fp8", "n": 1, "k": 128, "bucket": "decode", "config": {}}]}))
+        with pytest.raises(ValueError, match="malformed entry"):
+            tg.load_tuned_configs(str(bad))
+        bad.write_text("[]")
+        with pytest.raises(ValueError, match="not a tuning table"):
+            tg.load_tuned_configs(str(bad))
+    finally:
+        tg.set_config_override(None)

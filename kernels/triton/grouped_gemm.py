@@ -151,9 +151,52 @@ def get_config(kind: str, n: int, k: int, m_hint: int, device_type: str) -> dict
     block_k = 64 if kind == "bf16" else 128
     if device_type != "cuda":  # interpreter: big tiles mean fewer Python-level programs
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=1)
-    if m_hint <= 64:  # decode-sized groups
+    if m_bucket(m_hint) == "decode":  # decode-sized groups
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3 if kind != "bf16" else 4)
+
+
+def m_bucket(m_hint: int) -> str:
+    """Rows-per-group bucket that configs are chosen by: ``"decode"`` (<= 64) or ``"prefill"``."""
+    return "decode" if m_hint <= 64 else "prefill"
+
+
+_TUNED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def load_tuned_configs(path: str, device_type: str = "cuda") -> int:
+    """Install the table written by ``bench/tune_grouped_gemm.py`` as the config override.
+
+    Entries are keyed by (kind, N, K, :func:`m_bucket`); calls with other keys, or on another
+    device type than ``device_type``, keep the heuristic. Returns the number of entries loaded.
+
+    Raises
+    ------
+    ValueError
+        The file is not such a table, or an entry's config is invalid for its kind.
+    """
+    import json
+
+    with open(path) as f:
+        table = json.load(f)
+    entries = table.get("best") if isinstance(table, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: not a tuning table (expected a 'best' list, see bench/tune_grouped_gemm.py)")
+    lookup = {}
+    for e in entries:
+        try:
+            key = (e["kind"], int(e["n"]), int(e["k"]), e["bucket"])
+            cfg = {name: int(e["config"][name]) for name in _TUNED_KEYS}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: malformed entry {e!r} ({exc})") from None
+        _check_config(cfg, key[0])
+        lookup[key] = cfg
+
+    def override(kind, n, k, m_hint, dev):
+        return lookup.get((kind, n, k, m_bucket(m_hint))) if dev == device_type else None
+
+    set_config_override(override)
+    return len(lookup)
 
 
 def _check_config(cfg: dict, kind: str) -> None:
