@@ -140,9 +140,45 @@ void gather_range(int64_t i0, int64_t i1, uintptr_t out, const int64_t *addrs, i
     }
 }
 
+void copy_range(int64_t i0, int64_t i1, const int64_t *dst, const int64_t *src, int64_t row_bytes) {
+    for (int64_t i = i0; i < i1; ++i) {
+        std::memcpy(reinterpret_cast<void *>(dst[i]), reinterpret_cast<const void *>(src[i]),
+                    static_cast<size_t>(row_bytes));
+    }
+}
+
 }  // namespace
 
 void register_gather_by_address(py::module_ &m) {
+    m.def(
+        "copy_rows_by_address",
+        [](uintptr_t dst_addrs, uintptr_t src_addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {
+            if (num_rows < 0 || row_bytes < 0) throw std::invalid_argument("negative size");
+            if (num_rows == 0 || row_bytes == 0) return;
+            if (dst_addrs == 0 || src_addrs == 0) throw std::invalid_argument("null pointer");
+            const int64_t *d = reinterpret_cast<const int64_t *>(dst_addrs);
+            const int64_t *s = reinterpret_cast<const int64_t *>(src_addrs);
+            for (int64_t i = 0; i < num_rows; ++i) {
+                if (d[i] == 0 || s[i] == 0) throw std::invalid_argument("row " + std::to_string(i) + ": null address");
+            }
+            py::gil_scoped_release release;
+            const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / 64));
+            if (n == 1) {
+                copy_range(0, num_rows, d, s, row_bytes);
+                return;
+            }
+            std::vector<std::thread> pool;
+            const int64_t step = (num_rows + n - 1) / n;
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
+                if (lo >= hi) break;
+                pool.emplace_back(copy_range, lo, hi, d, s, row_bytes);
+            }
+            for (auto &th : pool) th.join();
+        },
+        py::arg("dst_addrs"), py::arg("src_addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
+        "Row i: copy row_bytes from address src_addrs[i] to dst_addrs[i] (int64 address arrays; rows must not "
+        "overlap).");
     m.def(
         "gather_rows_by_address",
         [](uintptr_t out, uintptr_t addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {

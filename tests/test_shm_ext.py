@@ -106,3 +106,35 @@ def test_cross_process_signals():
     finally:
         seg.unlink()
         seg.close()
+
+
+def test_row_copies_by_address():
+    from epkit import _C
+    from epkit.collectives.ep_buffer import _copy_rows
+
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (300, 96), dtype=torch.uint8, generator=gen)
+    # gather: out[i] = src[rows[i]], a zero row where the address is 0
+    rows = torch.randint(0, 300, (500,), generator=gen)
+    addrs = src.data_ptr() + rows * 96
+    addrs[7] = 0
+    out = torch.full((500, 96), 9, dtype=torch.uint8)
+    _C.gather_rows_by_address(out.data_ptr(), addrs.data_ptr(), 500, 96, 2)
+    want = src[rows]
+    want[7] = 0
+    assert torch.equal(out, want)
+    # scatter + gather: dst[d[i]] = src[s[i]] (distinct destinations), rows not listed stay untouched
+    dst = torch.full((400, 96), 5, dtype=torch.uint8)
+    d_rows = torch.randperm(400, generator=gen)[:250]
+    s_rows = torch.randint(0, 300, (250,), generator=gen)
+    _copy_rows(dst, d_rows, src, s_rows)
+    want = torch.full((400, 96), 5, dtype=torch.uint8)
+    want[d_rows] = src[s_rows]
+    assert torch.equal(dst, want)
+    with pytest.raises(IndexError, match="destination rows outside"):
+        _copy_rows(dst, torch.tensor([400]), src, torch.tensor([0]))
+    with pytest.raises(IndexError, match="source rows outside"):
+        _copy_rows(dst, torch.tensor([0]), src, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="row 1: null address"):
+        z = torch.tensor([dst.data_ptr(), 0])
+        _C.copy_rows_by_address(z.data_ptr(), z.data_ptr(), 2, 96, 1)
