@@ -43,10 +43,13 @@ _ALIGN = 4096
 _READY, _ACK, _BARRIER = 0, 1, 2
 
 
-def _view(addr: int, nbytes: int) -> torch.Tensor:
+def _view(addr: int, nbytes: int, owner=None) -> torch.Tensor:
+    """``[nbytes]`` uint8 tensor over mapped memory; the tensor (and every view of it) keeps ``owner`` alive."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    arr = (ctypes.c_uint8 * nbytes).from_address(addr)
+    arr._epkit_owner = owner  # torch.frombuffer holds the array, the array holds the mapping
+    return torch.frombuffer(arr, dtype=torch.uint8)
 
 
 def _default_transport(group) -> str:
@@ -89,7 +92,8 @@ class SymmBuffer:
     Attributes
     ----------
     local : Tensor [num_bytes] uint8
-        This rank's buffer (views into it must not outlive :meth:`close`); on the rank's GPU for nvshmem.
+        This rank's buffer (on shm, views kept past :meth:`close` stay valid memory; on nvshmem, where
+        the symmetric heap is freed, they must not be used); on the rank's GPU for nvshmem.
     rank, world_size : int
         Position in ``group``.
     """
@@ -147,7 +151,7 @@ class SymmBuffer:
         finally:
             mine.unlink()
         self._segments = segs
-        self._peers = [_view(s.addr + self._data_offset, self.num_bytes) for s in segs]
+        self._peers = [_view(s.addr + self._data_offset, self.num_bytes, s) for s in segs]
         self.local = self._peers[self.rank]
 
     # nvshmem transport
@@ -393,7 +397,8 @@ class SymmBuffer:
         return out
 
     def close(self) -> None:
-        """Unmap every segment; views into the buffer become invalid.
+        """Release the buffer: it cannot be used afterwards. On shm, views taken before stay valid memory
+        until they are dropped (each segment is unmapped once no view of it remains).
 
         nvshmem: frees the symmetric allocation, a collective call (every rank must close its buffer).
         A buffer made unusable by a failure (a peer timed out) is left allocated instead, since the free
@@ -404,8 +409,8 @@ class SymmBuffer:
         if self._nv is not None:
             nv, self._nv = self._nv, None
             nv.free(collective=self._broken is None)
-        for s in self._segments:
-            s.close()
+        # A segment is unmapped when its last reference goes; views hold one, so a view kept past
+        # close() never points at an unmapped page.
         self._segments = []
 
     def __del__(self):

@@ -64,6 +64,35 @@ def test_segments_unlinked_after_attach():
     assert run_ranks(_segment_mode, 3, timeout=40) == [[True] * 3] * 3
 
 
+def _mappings():
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/epkit-" in line for line in f)
+
+
+def _views_outlive_close(rank, world_size):
+    import gc
+
+    buf = SymmBuffer(dist.group.WORLD, 1 << 16, transport="shm")
+    mapped = _mappings()
+    local, peer = buf.local[128:256], buf.peer((rank + 1) % world_size)[:64].view(torch.int32)
+    local.fill_(rank + 7)
+    buf.barrier()
+    buf.close()
+    # Views kept past close() are still mapped memory: reading and writing them does not fault.
+    local.add_(1)
+    peer.zero_()
+    ok = local.tolist() == [rank + 8] * 128 and peer.tolist() == [0] * 16
+    still = _mappings()
+    del local, peer
+    gc.collect()
+    # With the last view gone, every segment of the buffer is unmapped.
+    return ok, mapped == world_size, still == world_size, _mappings() == 0
+
+
+def test_views_kept_past_close_stay_valid_then_unmap():
+    assert run_ranks(_views_outlive_close, 2, timeout=40) == [(True, True, True, True)] * 2
+
+
 def _killed_peer(rank, world_size):
     buf = SymmBuffer(dist.group.WORLD, 1 << 16, transport="shm", timeout=4)
     buf.barrier()
