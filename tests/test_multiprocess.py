@@ -83,3 +83,44 @@ def _decorated_failure(rank, world_size):
 def test_decorated_failure_surfaces():
     with pytest.raises(RankError, match="rank 1 disagrees"):
         _decorated_failure()
+
+
+def _large_results(rank, world_size):
+    return bytes([rank]) * (8 << 20)  # far more than a pipe buffer
+
+
+def test_large_results_arrive_whole():
+    out = run_ranks(_large_results, 2, init_dist=False, timeout=60)
+    assert [len(o) for o in out] == [8 << 20] * 2 and out[1][-1] == 1
+
+
+def _dies_while_sending(rank, world_size):
+    import threading
+
+    if rank == 1:
+        # Killed by a timer while its (large) result is being written to the parent.
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        return b"x" * (512 << 20)
+    return "ok"
+
+
+def test_rank_killed_mid_result_is_reported_not_hung():
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="ProcessDied") as info:
+        run_ranks(_dies_while_sending, 2, init_dist=False, timeout=60)
+    assert info.value.rank == 1 and time.monotonic() - t0 < 30
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this result cannot be pickled")
+
+
+def _unpicklable_result(rank, world_size):
+    return _Unpicklable()
+
+
+def test_unpicklable_result_is_an_error_not_a_hang():
+    with pytest.raises(RankError, match="cannot be pickled") as info:
+        run_ranks(_unpicklable_result, 1, init_dist=False, timeout=30)
+    assert info.value.exc_type == "TypeError" and "could not send rank 0's result" in str(info.value)

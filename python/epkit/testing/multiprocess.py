@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
 import time
 import traceback
 from datetime import timedelta
@@ -55,10 +55,15 @@ def _child(fn, rank, world_size, port, args, kwargs, results, init_timeout, init
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout)
             )
-        out = fn(rank, world_size, *args, **kwargs)
-        results.put(("ok", rank, out))
+        msg = ("ok", rank, fn(rank, world_size, *args, **kwargs))
     except BaseException as exc:  # report everything, including SystemExit and KeyboardInterrupt
-        results.put(("err", rank, (type(exc).__name__, traceback.format_exc())))
+        msg = ("err", rank, (type(exc).__name__, traceback.format_exc()))
+    try:
+        try:
+            results.send(msg)  # pickled here, so a result that cannot be sent is reported as an error
+        except Exception as exc:
+            why = f"could not send rank {rank}'s result:\n" + traceback.format_exc()
+            results.send(("err", rank, (type(exc).__name__, why)))
     finally:
         if init_dist and dist.is_initialized():
             with contextlib.suppress(Exception):
@@ -132,19 +137,26 @@ def run_ranks(
             wait_for_workers=False,
         )
         port = store.port
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(fn, r, world_size, port, args, kwargs, results, timeout, init_dist),
-            daemon=True,
-            name=f"epkit-rank{r}",
+    # One pipe per rank, whose write end only that rank holds: a rank that dies, even in the middle
+    # of sending a large result, reads as end-of-file instead of leaving a shared queue half-written.
+    readers, writers, procs = {}, [], []
+    for r in range(world_size):
+        rd, wr = ctx.Pipe(duplex=False)
+        readers[r] = rd
+        writers.append(wr)
+        procs.append(
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, port, args, kwargs, wr, timeout, init_dist),
+                daemon=True,
+                name=f"epkit-rank{r}",
+            )
         )
-        for r in range(world_size)
-    ]
     try:
         for p in procs:
             p.start()
+        for wr in writers:
+            wr.close()
         deadline = time.monotonic() + timeout
         out: dict[int, object] = {}
         while len(out) < world_size:
@@ -154,34 +166,27 @@ def run_ranks(
                 raise TimeoutError(
                     f"ranks {pending} of {world_size} did not finish within {timeout:.0f} s; killed all ranks"
                 )
-            try:
-                kind, rank, payload = results.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                dead = [p for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode]
-                for p in [p for p in dead if int(p.name.removeprefix("epkit-rank")) in may_die]:
-                    out[int(p.name.removeprefix("epkit-rank"))] = None
-                dead = [p for p in dead if int(p.name.removeprefix("epkit-rank")) not in may_die]
-                if dead:
-                    # A rank died without reporting (e.g. SIGKILL). Give its message a moment to arrive.
-                    try:
-                        kind, rank, payload = results.get(timeout=1.0)
-                    except queue.Empty:
-                        p = dead[0]
-                        raise RankError(
-                            int(p.name.removeprefix("epkit-rank")),
-                            "ProcessDied",
-                            f"process exited with code {p.exitcode} without reporting",
-                        ) from None
-                else:
-                    continue
-            if kind == "err":
-                raise RankError(rank, payload[0], payload[1])
-            out[rank] = payload
+            waiting = {readers[r]: r for r in range(world_size) if r not in out}
+            for conn in mp_connection.wait(list(waiting), timeout=min(left, 0.5)):
+                r = waiting[conn]
+                try:
+                    kind, rank, payload = conn.recv()
+                except (EOFError, OSError):  # exited (or was killed) without a complete report
+                    procs[r].join(1.0)
+                    if r in may_die:
+                        out[r] = None
+                        continue
+                    raise RankError(
+                        r, "ProcessDied", f"process exited with code {procs[r].exitcode} without reporting"
+                    ) from None
+                if kind == "err":
+                    raise RankError(rank, payload[0], payload[1])
+                out[rank] = payload
         return [out[r] for r in range(world_size)]
     finally:
         _kill(procs)
-        results.close()
-        results.join_thread()
+        for rd in readers.values():
+            rd.close()
         del store
 
 
