@@ -84,34 +84,20 @@ def tune_shape(kind, layout, g, rows, n, k, device, iters, log) -> list[dict]:
     a, b, _, _ = make_inputs(kind, g, rows if masked else m_indices.numel(), n, k, masked=masked, seed=0)
     a_q, sfa = (a, None) if kind == "bf16" else a
     b_q, sfb = (b, None) if kind == "bf16" else b
-    to = lambda t: None if t is None else t.to(device)
-    a_q, sfa, b_q, sfb = to(a_q), to(sfa), to(b_q), to(sfb)
     if masked:
-        masked_m = torch.full((g,), rows, dtype=torch.int32, device=device)
-        d = torch.empty(g, rows, n, dtype=torch.bfloat16, device=device)
+        layout = {"masked_m": torch.full((g,), rows, dtype=torch.int32)}
         ref = torch.zeros(g, rows, n)
-        grouped_gemm_reference(
-            kind,
-            a_q.cpu(),
-            None if sfa is None else sfa.cpu(),
-            b_q.cpu(),
-            None if sfb is None else sfb.cpu(),
-            ref,
-            masked_m=masked_m.cpu(),
-        )
     else:
-        m_indices = m_indices.to(device)
-        d = torch.empty(m_indices.numel(), n, dtype=torch.bfloat16, device=device)
+        layout = {"m_indices": m_indices}
         ref = torch.zeros(m_indices.numel(), n)
-        grouped_gemm_reference(
-            kind,
-            a_q.cpu(),
-            None if sfa is None else sfa.cpu(),
-            b_q.cpu(),
-            None if sfb is None else sfb.cpu(),
-            ref,
-            m_indices=m_indices.cpu(),
-        )
+    grouped_gemm_reference(kind, a_q, sfa, b_q, sfb, ref, **layout)  # on the CPU copies
+
+    def to(t):
+        return None if t is None else t.to(device)
+
+    a_q, sfa, b_q, sfb = to(a_q), to(sfa), to(b_q), to(sfb)
+    masked_m, m_indices = to(layout.get("masked_m")), to(layout.get("m_indices"))
+    d = torch.empty(*ref.shape, dtype=torch.bfloat16, device=device)
     flops = 2.0 * g * rows * n * k
     results = []
     for cfg in candidates(kind, device):

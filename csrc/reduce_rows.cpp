@@ -147,6 +147,24 @@ void copy_range(int64_t i0, int64_t i1, const int64_t *dst, const int64_t *src, 
     }
 }
 
+// Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= 64 rows each).
+template <typename Fn>
+void for_row_ranges(int64_t num_rows, int num_threads, Fn fn) {
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / 64));
+    if (n == 1) {
+        fn(int64_t{0}, num_rows);
+        return;
+    }
+    std::vector<std::thread> pool;
+    const int64_t step = (num_rows + n - 1) / n;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
+        if (lo >= hi) break;
+        pool.emplace_back(fn, lo, hi);
+    }
+    for (auto &th : pool) th.join();
+}
+
 }  // namespace
 
 void register_gather_by_address(py::module_ &m) {
@@ -162,19 +180,8 @@ void register_gather_by_address(py::module_ &m) {
                 if (d[i] == 0 || s[i] == 0) throw std::invalid_argument("row " + std::to_string(i) + ": null address");
             }
             py::gil_scoped_release release;
-            const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / 64));
-            if (n == 1) {
-                copy_range(0, num_rows, d, s, row_bytes);
-                return;
-            }
-            std::vector<std::thread> pool;
-            const int64_t step = (num_rows + n - 1) / n;
-            for (int64_t i = 0; i < n; ++i) {
-                const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
-                if (lo >= hi) break;
-                pool.emplace_back(copy_range, lo, hi, d, s, row_bytes);
-            }
-            for (auto &th : pool) th.join();
+            for_row_ranges(num_rows, num_threads,
+                           [&](int64_t lo, int64_t hi) { copy_range(lo, hi, d, s, row_bytes); });
         },
         py::arg("dst_addrs"), py::arg("src_addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
         "Row i: copy row_bytes from address src_addrs[i] to dst_addrs[i] (int64 address arrays; rows must not "
@@ -187,19 +194,8 @@ void register_gather_by_address(py::module_ &m) {
             if (out == 0 || addrs == 0) throw std::invalid_argument("null pointer");
             const int64_t *a = reinterpret_cast<const int64_t *>(addrs);
             py::gil_scoped_release release;
-            const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / 64));
-            if (n == 1) {
-                gather_range(0, num_rows, out, a, row_bytes);
-                return;
-            }
-            std::vector<std::thread> pool;
-            const int64_t step = (num_rows + n - 1) / n;
-            for (int64_t i = 0; i < n; ++i) {
-                const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
-                if (lo >= hi) break;
-                pool.emplace_back(gather_range, lo, hi, out, a, row_bytes);
-            }
-            for (auto &th : pool) th.join();
+            for_row_ranges(num_rows, num_threads,
+                           [&](int64_t lo, int64_t hi) { gather_range(lo, hi, out, a, row_bytes); });
         },
         py::arg("out"), py::arg("addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
         "out[i] = bytes at addrs[i] (row_bytes each), a zero row where addrs[i] == 0.");
