@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from epkit._util import check_topk_idx
-from epkit.collectives.symm_buffer import SymmBuffer
+from epkit.collectives.symm_buffer import SymmBuffer, _all_on_one_host
 
 __all__ = ["EPBuffer", "DispatchHandle", "LowLatencyHandle"]
 
@@ -109,6 +109,8 @@ def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src
     n = dst_rows.numel()
     if n == 0:
         return
+    if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.device.type != "cpu" or src.device.type != "cpu":
+        raise ValueError("_copy_rows: byte (uint8) tensors in CPU memory only")
     if src_rows.numel() != n or dst.shape[1] != src.shape[1] or dst.stride(1) != 1 or src.stride(1) != 1:
         raise ValueError("_copy_rows: row lists and row sizes must match, rows contiguous")
     dst_rows, src_rows = dst_rows.long(), src_rows.long()
@@ -230,11 +232,16 @@ class EPBuffer:
                 f"EPBuffer transport must be 'auto', 'shm' or 'torch', got {transport!r} (the protocol runs on "
                 f"CPU tensors; GPU dispatch/combine over nvshmem is not in this build)"
             )
-        if transport == "auto" and "nccl" in str(dist.get_backend(group)):
-            raise ValueError(
-                "EPBuffer runs its protocol on CPU tensors over a gloo group; this group uses NCCL. Pass a gloo "
-                "group (e.g. dist.new_group(backend='gloo')); GPU dispatch/combine over nvshmem is not in this build"
-            )
+        backend = str(dist.get_backend(group))
+        if transport == "auto" and "nccl" in backend:
+            if "gloo" not in backend:
+                raise ValueError(
+                    "EPBuffer runs its protocol on CPU tensors over a gloo group; this group uses NCCL only. Pass a "
+                    "gloo group (e.g. dist.new_group(backend='gloo')); GPU dispatch/combine over nvshmem is not in "
+                    "this build"
+                )
+            # A mixed cpu:gloo,cuda:nccl group: the CPU protocol runs over its gloo part.
+            transport = "shm" if _all_on_one_host(group) else "torch"
         self.group, self.world_size, self.rank = group, w, dist.get_rank(group)
         self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
         self.num_local_experts = num_experts // w

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -440,7 +441,13 @@ void run(const Problem &p, int num_threads) {
         release_tiles();
     };
     std::vector<std::thread> pool;
-    for (int i = 1; i < nt; ++i) pool.emplace_back(worker, i);
+    for (int i = 1; i < nt; ++i) {
+        try {
+            pool.emplace_back(worker, i);
+        } catch (const std::system_error &) {
+            break;  // no more threads to be had: the ones running (and this one) take every item
+        }
+    }
     worker(0);
     for (auto &th : pool) th.join();
     for (Scratch &s : scratch) scratch_pool().give(std::move(s));

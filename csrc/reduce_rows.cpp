@@ -20,6 +20,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -160,7 +161,11 @@ void for_row_ranges(int64_t num_rows, int num_threads, Fn fn) {
     for (int64_t i = 0; i < n; ++i) {
         const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
         if (lo >= hi) break;
-        pool.emplace_back(fn, lo, hi);
+        try {
+            pool.emplace_back(fn, lo, hi);
+        } catch (const std::system_error &) {
+            fn(lo, hi);  // no thread to be had: this range runs here
+        }
     }
     for (auto &th : pool) th.join();
 }

@@ -628,3 +628,18 @@ def test_tuning_script_dry_run_and_loading_its_table(tmp_path):
             tg.load_tuned_configs(str(bad))
     finally:
         tg.set_config_override(None)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_k_zero_gives_zeros_on_every_cpu_path(kind, monkeypatch):
+    # An empty reduction: every live row is zero, on the AMX path and the unfused one alike.
+    m_indices = torch.tensor([0, 0, -1, 1], dtype=torch.int32)
+    if kind == "bf16":
+        a, b = torch.zeros(4, 0, dtype=torch.bfloat16), torch.zeros(2, 8, 0, dtype=torch.bfloat16)
+    else:
+        a = (torch.zeros(4, 0, dtype=torch.float8_e4m3fn), torch.zeros(4, 0))
+        b = (torch.zeros(2, 8, 0, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 0))
+    for amx in (True, False):
+        monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
+        d = CONTIG[kind](a, b, torch.full((4, 8), 3.0, dtype=torch.bfloat16), m_indices, backend="cpu")
+        assert_bitwise_equal(d, torch.zeros(4, 8, dtype=torch.bfloat16), ctx=f"{kind=} {amx=}")

@@ -218,7 +218,13 @@ PYBIND11_MODULE(_C_cuda, m) {
             if (p == nullptr && nbytes > 0) {
                 throw std::runtime_error("nvshmem_malloc(" + std::to_string(nbytes) + ") failed");
             }
-            if (p != nullptr) check_cuda(cudaMemset(p, 0, nbytes), "zeroing symmetric memory");
+            if (p != nullptr) {
+                // Zero it, wait for the zeroing, and only then let any rank go on: a peer that returned
+                // first could otherwise post signals or write data that a late memset here wipes.
+                check_cuda(cudaMemset(p, 0, nbytes), "zeroing symmetric memory");
+                check_cuda(cudaDeviceSynchronize(), "zeroing symmetric memory");
+                nvshmem_barrier_all();
+            }
             return reinterpret_cast<uintptr_t>(p);
         },
         py::arg("nbytes"), "Collective symmetric allocation, zero-filled; returns the device address.");

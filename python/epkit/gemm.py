@@ -302,6 +302,7 @@ def _amx_ok(kind: str, a, b, d) -> bool:
         _AMX_ENABLED[0]
         and d.dtype == torch.bfloat16
         and d.device.type == "cpu"
+        and a.shape[-1] > 0
         and a.shape[-1] % 32 == 0
         and _amx() is not None
     )

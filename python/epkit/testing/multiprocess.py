@@ -179,14 +179,16 @@ def run_ranks(
                     raise RankError(
                         r, "ProcessDied", f"process exited with code {procs[r].exitcode} without reporting"
                     ) from None
+                except Exception as exc:  # the report arrived but cannot be unpickled here
+                    raise RankError(r, type(exc).__name__, f"its result could not be unpickled: {exc}") from exc
                 if kind == "err":
                     raise RankError(rank, payload[0], payload[1])
                 out[rank] = payload
         return [out[r] for r in range(world_size)]
     finally:
         _kill(procs)
-        for rd in readers.values():
-            rd.close()
+        for conn in [*readers.values(), *writers]:  # writers too: a failed start leaves them open
+            conn.close()
         del store
 
 
