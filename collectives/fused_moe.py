@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from epkit.collectives.ep_buffer import _META_MSG, EPBuffer, _al, _check_biases, reduce_rows
+from epkit.collectives._details.ep_rows import _META_MSG, _al, _check_biases, reduce_rows
+from epkit.collectives.ep_buffer import EPBuffer
 
 __all__ = ["fused_moe"]
 

@@ -110,7 +110,7 @@ def test_cross_process_signals():
 
 def test_row_copies_by_address():
     from epkit import _C
-    from epkit.collectives.ep_buffer import _copy_rows
+    from epkit.collectives._details.ep_rows import _copy_rows
 
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (300, 96), dtype=torch.uint8, generator=gen)

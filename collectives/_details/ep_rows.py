@@ -1,0 +1,125 @@
+"""Row-level helpers of the dispatch/combine protocol (EPBuffer, fused_moe): message layout constants,
+the fused row reduction and row copies by address (``epkit._C``), and small shape helpers."""
+
+from __future__ import annotations
+
+import torch
+
+_META_MSG = 192  # bytes of error text carried by the layout exchange
+_ALIGN = 16
+
+
+def _al(n: int, a: int = _ALIGN) -> int:
+    return -(-n // a) * a
+
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
+
+
+def reduce_rows(
+    out: torch.Tensor,
+    addrs: torch.Tensor,
+    src_dtype: torch.dtype,
+    weights: torch.Tensor | None = None,
+    biases: list[torch.Tensor] = (),
+) -> torch.Tensor:
+    """``out[t] = cast(sum_k (w[t, k] *) row(addrs[t, k]) + sum biases)`` in float32, k ascending.
+
+    ``addrs [T, K]`` int64 holds row addresses (0: no row) of ``src_dtype`` rows of
+    ``out.shape[1]`` elements. Uses ``epkit._C.reduce_rows`` (multi-threaded, reads rows in
+    place) for bf16/f32; other dtypes take the same formula in torch.
+    """
+    t_num, h = out.shape
+    k = addrs.shape[1] if addrs.dim() == 2 else 0
+    if t_num == 0:
+        return out
+    codes = (_DTYPE_CODE.get(out.dtype), _DTYPE_CODE.get(src_dtype))
+    bias_code = {_DTYPE_CODE.get(b.dtype) for b in biases}
+    if None not in codes and len(bias_code) <= 1 and None not in bias_code and out.is_contiguous():
+        from epkit import _C
+
+        addrs = addrs.contiguous()
+        w = weights.float().contiguous() if weights is not None else None
+        bs = [b.contiguous() for b in biases]
+        _C.reduce_rows(
+            out.data_ptr(),
+            codes[0],
+            addrs.data_ptr(),
+            t_num,
+            k,
+            h,
+            codes[1],
+            w.data_ptr() if w is not None else 0,
+            [b.data_ptr() for b in bs],
+            next(iter(bias_code)) if bs else 0,
+            torch.get_num_threads(),
+        )
+        return out
+    # Same arithmetic in torch (fallback for other dtypes): rows are read through a byte view.
+    es = torch.empty((), dtype=src_dtype).element_size()
+    acc = torch.zeros((t_num, h), dtype=torch.float32)
+    for kk in range(k):
+        col = addrs[:, kk]
+        for t in (col != 0).nonzero().flatten().tolist():
+            import ctypes
+
+            raw = (ctypes.c_uint8 * (h * es)).from_address(int(col[t]))
+            row = torch.frombuffer(raw, dtype=torch.uint8).view(src_dtype).float()
+            acc[t] += weights[t, kk].float() * row if weights is not None else row
+    for b in biases:
+        acc += b.float()
+    return out.copy_(acc.to(out.dtype))
+
+
+def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for 2-D byte tensors with contiguous rows of equal size.
+
+    One multi-threaded memcpy per row in ``epkit._C`` (torch's index_copy_ moves uint8 rows element
+    by element); indices are checked against both shapes first.
+    """
+    n = dst_rows.numel()
+    if n == 0:
+        return
+    if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.device.type != "cpu" or src.device.type != "cpu":
+        raise ValueError("_copy_rows: byte (uint8) tensors in CPU memory only")
+    if src_rows.numel() != n or dst.shape[1] != src.shape[1] or dst.stride(1) != 1 or src.stride(1) != 1:
+        raise ValueError("_copy_rows: row lists and row sizes must match, rows contiguous")
+    dst_rows, src_rows = dst_rows.long(), src_rows.long()
+    if int(dst_rows.min()) < 0 or int(dst_rows.max()) >= dst.shape[0]:
+        raise IndexError(f"_copy_rows: destination rows outside [0, {dst.shape[0]})")
+    if int(src_rows.min()) < 0 or int(src_rows.max()) >= src.shape[0]:
+        raise IndexError(f"_copy_rows: source rows outside [0, {src.shape[0]})")
+    from epkit import _C
+
+    dst_addrs = (dst.data_ptr() + dst_rows * dst.stride(0)).contiguous()
+    src_addrs = (src.data_ptr() + src_rows * src.stride(0)).contiguous()
+    _C.copy_rows_by_address(dst_addrs.data_ptr(), src_addrs.data_ptr(), n, dst.shape[1], torch.get_num_threads())
+
+
+def _block_rows(counts: torch.Tensor, starts: torch.Tensor, slots_per_expert: int, rows_per_expert: int):
+    """For one source rank: (slot index in its [L * slots] message, row index in the [L * rows] expert layout).
+
+    Expert e holds ``counts[e]`` of this source's rows, at message slots ``e * slots + i``
+    and layout rows ``e * rows + starts[e] + i`` for ``i < counts[e]``.
+    """
+    counts = counts.long()
+    total = int(counts.sum())
+    if total == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    experts = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first = torch.cumsum(counts, 0) - counts
+    i = torch.arange(total) - first[experts]
+    return experts * slots_per_expert + i, experts * rows_per_expert + starts.long()[experts] + i
+
+
+def _check_biases(bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:
+    """``bias`` as a list of at most two ``[num_tokens, hidden]`` tensors (the fused reduction reads T*H of each)."""
+    biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
+    if len(biases) > 2:
+        raise ValueError(f"at most two bias tensors, got {len(biases)}")
+    for b in biases:
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (num_tokens, hidden):
+            raise ValueError(f"bias must be [{num_tokens}, {hidden}], got {tuple(getattr(b, 'shape', ()))}")
+    return biases
