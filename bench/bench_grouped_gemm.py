@@ -35,7 +35,7 @@ import time
 
 import torch
 
-import epkit.gemm as gemm
+import epkit._details.gemm_cpu as gemm_cpu
 from epkit.gemm import build_m_indices, m_grouped_fp8_fp4_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
 from epkit.quant import (
     cast_to_mxfp4,
@@ -106,11 +106,11 @@ def main() -> None:
 
     def unfused(fn):
         """The cpu backend without its AMX kernel (dequantize everything, then torch matmuls)."""
-        gemm._AMX_ENABLED[0] = False
+        gemm_cpu._AMX_ENABLED[0] = False
         try:
             return fn()
         finally:
-            gemm._AMX_ENABLED[0] = True
+            gemm_cpu._AMX_ENABLED[0] = True
 
     dense_a32 = dequant_per_token_group_fp8(a, sfa)
     dense_b32 = dequant_per_block_fp8(b[0], sfb[0]).T.contiguous()
@@ -158,9 +158,9 @@ def main() -> None:
             loadavg_1_5_15_after=[round(v, 2) for v in load_after],
         ),
         "cpu_backend": dict(
-            fused_amx_kernel=gemm._amx() is not None,
-            fused_cpp_dequant=gemm._ext() is not None,
-            compute_dtype=str(gemm._compute_dtype(d)),
+            fused_amx_kernel=gemm_cpu._amx() is not None,
+            fused_cpp_dequant=gemm_cpu._ext() is not None,
+            compute_dtype=str(gemm_cpu._compute_dtype(d)),
         ),
         "rounds": args.rounds,
         "repeats_count": args.repeats,

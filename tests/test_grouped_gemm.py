@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import epkit._details.gemm_cpu as gemm_cpu
 import epkit.gemm as gemm
 from epkit.gemm import build_m_indices, get_mk_alignment_for_contiguous_layout, make_inputs
 from epkit.testing import assert_bitwise_equal, assert_diff, calc_diff, compile_triton
@@ -323,7 +324,7 @@ def test_pack_moe_weight_round_trip():
 
 def _fused_dequant():
     """The C++ dequantizer is part of every build of epkit._C: its absence is a build failure, not a skip."""
-    ext = gemm._ext()
+    ext = gemm_cpu._ext()
     assert ext is not None, "epkit._C lacks dequant_blocks: rebuild the extension (pip install -e .)"
     return ext
 
@@ -336,7 +337,7 @@ def _bits_equal_or_both_nan(got: torch.Tensor, want: torch.Tensor, ctx: str) -> 
 
 def _run_deq(kind, out, q, s, row_block, rows=None):
     _fused_dequant()
-    deq = gemm._Dequant()
+    deq = gemm_cpu._Dequant()
     deq.add(kind, out, q, s, row_block, rows=rows)
     deq.run()
     generic = out.clone()  # the generic (non-SIMD) loops must give the same bits
@@ -394,7 +395,7 @@ def test_fused_mxfp4_dequant_bitwise_all_codes(out_dtype):
 
 @pytest.mark.parametrize("kind", ["fp8", "fp8_fp4"])
 def test_cpu_backend_same_bits_without_fused_dequant(kind, monkeypatch):
-    monkeypatch.setattr(gemm, "_AMX_ENABLED", [False])  # the unfused path, with and without epkit._C
+    monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [False])  # the unfused path, with and without epkit._C
     # uneven groups (per-group matmuls) and equal, evenly spaced groups (one batched matmul)
     for counts in ([130, 0, 7, 128], [128, 128, 128]):
         m_indices = build_m_indices(counts)
@@ -402,7 +403,7 @@ def test_cpu_backend_same_bits_without_fused_dequant(kind, monkeypatch):
         a, b, _, _ = make_inputs(kind, len(counts), m, 256, 512, masked=False, seed=len(counts))
         fused = CONTIG[kind](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
         with monkeypatch.context() as mp:
-            mp.setattr(gemm, "_ext", lambda: None)
+            mp.setattr(gemm_cpu, "_ext", lambda: None)
             plain = CONTIG[kind](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
         assert_bitwise_equal(fused, plain, ctx=f"{kind=} {counts=}: fused C++ vs torch dequantization")
 
@@ -412,7 +413,7 @@ def test_cpu_backend_same_bits_without_fused_dequant(kind, monkeypatch):
 def test_batched_and_per_group_paths_agree(kind, amx, monkeypatch):
     # Without AMX, equal groups take one batched matmul and the same rows with one group split off take
     # per-group matmuls; with AMX every case is the fused kernel's task list.
-    monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
+    monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [amx])
     g, n, k, c = 4, 256, 512, 128
     m_indices = build_m_indices([c] * g)
     a, b, af, bf = make_inputs(kind, g, g * c, n, k, masked=False, seed=9)
@@ -436,7 +437,7 @@ def test_batched_and_per_group_paths_agree(kind, amx, monkeypatch):
 # The fused AMX kernel (cpu backend, bf16 output, CPUs with AMX-BF16)
 
 requires_amx = pytest.mark.skipif(
-    gemm._amx() is None,
+    gemm_cpu._amx() is None,
     reason="this CPU has no AMX-BF16 (or epkit._C lacks the kernel): the cpu backend uses "
     "the unfused path, which the other tests cover",
 )
@@ -446,7 +447,8 @@ def test_amx_used_wherever_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     want = {"amx_tile", "amx_bf16", "avx512_fp16", "avx512_bf16", "avx512bw", "avx512dq"} <= set(flags)
-    assert (gemm._amx() is not None) == want, f"AMX kernel available: {gemm._amx() is not None}, cpu flags: {want}"
+    have = gemm_cpu._amx() is not None
+    assert have == want, f"AMX kernel available: {have}, cpu flags: {want}"
 
 
 def _equal_values(got: torch.Tensor, want: torch.Tensor, ctx: str) -> None:
@@ -543,7 +545,7 @@ def test_amx_matches_unfused_path(kind, monkeypatch):
             a, b, af, bf = make_inputs(kind, g, m, n, k, masked=False, seed=g + n)
             outs = []
             for amx in (True, False):
-                monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
+                monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [amx])
                 outs.append(CONTIG[kind](a, b, torch.full((m, n), 9.0, dtype=torch.bfloat16), ids, backend="cpu"))
             ctx = f"{kind=} {g=} {n=} {k=} counts={counts.tolist()}"
             assert calc_diff(outs[0].float(), outs[1].float()) < 1e-5, ctx
@@ -556,7 +558,7 @@ def test_amx_matches_unfused_path(kind, monkeypatch):
         masked_m[0] = m_max
         outs = []
         for amx in (True, False):
-            monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
+            monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [amx])
             dm = torch.full((g, m_max, n), -3.0, dtype=torch.bfloat16)
             outs.append(MASKED[kind](am, bm, dm, masked_m, m_max, backend="cpu"))
         live = torch.arange(m_max)[None, :] < masked_m[:, None].long()
@@ -640,6 +642,6 @@ def test_k_zero_gives_zeros_on_every_cpu_path(kind, monkeypatch):
         a = (torch.zeros(4, 0, dtype=torch.float8_e4m3fn), torch.zeros(4, 0))
         b = (torch.zeros(2, 8, 0, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 0))
     for amx in (True, False):
-        monkeypatch.setattr(gemm, "_AMX_ENABLED", [amx])
+        monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [amx])
         d = CONTIG[kind](a, b, torch.full((4, 8), 3.0, dtype=torch.bfloat16), m_indices, backend="cpu")
         assert_bitwise_equal(d, torch.zeros(4, 8, dtype=torch.bfloat16), ctx=f"{kind=} {amx=}")
