@@ -36,7 +36,7 @@ from epkit.collectives._details.ep_rows import (
     _ROW_DTYPES,
     _al,
     _check_biases,
-    reduce_rows,
+    reduce_indexed,
 )
 from epkit.collectives.symm_buffer import SymmBuffer, _all_on_one_host
 
@@ -56,6 +56,7 @@ class DispatchHandle:
     expert_alignment: int
     expanded_rows: torch.Tensor | None  # [X] received row per expanded row, -1 = padding
     expanded_slot: torch.Tensor | None  # [R, K] expanded row of (j, k), -1 if not local
+    device: torch.device = torch.device("cpu")  # where the rows live (the metadata above is on the CPU)
 
 
 class EPBuffer(LowLatencyMixin):
@@ -73,10 +74,13 @@ class EPBuffer(LowLatencyMixin):
         Capacity: the most tokens any rank dispatches in one call.
     num_topk : int
         Experts per token.
-    transport : {"auto", "shm", "torch"}
-        ``auto``: ``shm`` for CPU ranks on one host, else ``torch``. The dispatch/combine protocol runs
-        on CPU tensors; GPU ranks (the ``nvshmem`` transport of :class:`SymmBuffer`) are not supported
-        by EPBuffer yet and are rejected with a ValueError.
+    transport : {"auto", "shm", "torch", "nvshmem"}
+        ``auto``: ``nvshmem`` for an NCCL group (CUDA ranks), ``shm`` for CPU ranks on one host, else
+        ``torch``. Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the
+        rank's GPU for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves
+        and sums are torch ops with the same rounding as the CPU's fused C++ ones (tested on CPU
+        through ``ep_rows.PORTABLE``); the nvshmem path has not run on a GPU yet, and it synchronizes
+        with the host (routing copied to the CPU, counts read back) in both modes.
     num_max_dispatch_tokens_per_rank : int, optional
         Capacity of the low-latency mode (default: ``num_max_tokens_per_rank``).
     timeout : float
@@ -105,21 +109,13 @@ class EPBuffer(LowLatencyMixin):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if num_experts % w:
             raise ValueError(f"num_experts {num_experts} is not divisible by the EP group size {w}")
-        if transport not in ("auto", "shm", "torch"):
-            raise ValueError(
-                f"EPBuffer transport must be 'auto', 'shm' or 'torch', got {transport!r} (the protocol runs on "
-                f"CPU tensors; GPU dispatch/combine over nvshmem is not in this build)"
-            )
+        if transport not in ("auto", "shm", "torch", "nvshmem"):
+            raise ValueError(f"EPBuffer transport must be 'auto', 'shm', 'torch' or 'nvshmem', got {transport!r}")
         backend = str(dist.get_backend(group))
         if transport == "auto" and "nccl" in backend:
-            if "gloo" not in backend:
-                raise ValueError(
-                    "EPBuffer runs its protocol on CPU tensors over a gloo group; this group uses NCCL only. Pass a "
-                    "gloo group (e.g. dist.new_group(backend='gloo')); GPU dispatch/combine over nvshmem is not in "
-                    "this build"
-                )
-            # A mixed cpu:gloo,cuda:nccl group: the CPU protocol runs over its gloo part.
-            transport = "shm" if _all_on_one_host(group) else "torch"
+            # NCCL only: CUDA ranks, whose rows move over nvshmem (BackendUnavailableError says what is missing).
+            # A mixed cpu:gloo,cuda:nccl group: CPU rows over its gloo part.
+            transport = "nvshmem" if "gloo" not in backend else ("shm" if _all_on_one_host(group) else "torch")
         self.group, self.world_size, self.rank = group, w, dist.get_rank(group)
         self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
         self.num_local_experts = num_experts // w
@@ -135,6 +131,8 @@ class EPBuffer(LowLatencyMixin):
         self._region = _al(max(region, ll, self.num_max_dispatch_tokens_per_rank * num_topk * _al(2 * h)), 4096)
         self.buffer = SymmBuffer(group, self._region * w, transport=transport, timeout=timeout)
         self.transport = self.buffer.transport
+        #: Where rows live (x, y, received rows, outputs); routing metadata is kept on the CPU.
+        self.device = self.buffer.local.device
         #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter).
         self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
         self._ll_cache: dict = {}
@@ -177,6 +175,7 @@ class EPBuffer(LowLatencyMixin):
         many of its experts live there.
         """
         self._check_topk(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1)
+        dev, topk_idx = topk_idx.device, topk_idx.cpu()
         valid = topk_idx >= 0
         ids = topk_idx.long()
         rank_of = torch.where(valid, ids // self.num_local_experts, torch.full_like(ids, self.world_size))
@@ -184,7 +183,7 @@ class EPBuffer(LowLatencyMixin):
         in_rank.scatter_(1, rank_of, True)
         in_rank = in_rank[:, : self.world_size].contiguous()
         per_expert = torch.bincount(ids[valid], minlength=self.num_experts).to(torch.int32)
-        return in_rank.sum(0).to(torch.int32), per_expert, in_rank
+        return in_rank.sum(0).to(torch.int32).to(dev), per_expert.to(dev), in_rank.to(dev)
 
     # validation
 
@@ -196,6 +195,8 @@ class EPBuffer(LowLatencyMixin):
     def _validate_dispatch(self, x, scales, topk_idx, topk_weights, capacity: int) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [num_tokens, {self.hidden}], got {tuple(getattr(x, 'shape', ()))}")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device} but this EPBuffer moves rows on {self.device}")
         if x.dtype not in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn):
             raise ValueError(f"x dtype {x.dtype} is not supported (bfloat16, float16, float32, float8_e4m3fn)")
         if (x.dtype == torch.float8_e4m3fn) != (scales is not None):
@@ -261,6 +262,9 @@ class EPBuffer(LowLatencyMixin):
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         meta_rows = []
         if error is None:
+            # Routing metadata lives on the CPU (one copy of topk per call); rows stay on self.device.
+            topk_idx = topk_idx.cpu()
+            topk_weights = topk_weights.cpu() if topk_weights is not None else None
             # Word 0 of the layout message: the row format, which every rank must share.
             fmt = 1 + 2 * _ROW_DTYPES.index(x.dtype) + int(scales is not None)
             _, _, in_rank = self.get_dispatch_layout(topk_idx)
@@ -340,18 +344,19 @@ class EPBuffer(LowLatencyMixin):
                 continue
             o_x, o_s, o_i, o_w, o_t, end = blocks(n)
             region = ex.send_region(dst)
-            torch.index_select(x_bytes, 0, t, out=region[o_x : o_x + n * xb].view(n, xb))
+            t_dev = t.to(x_bytes.device)
+            torch.index_select(x_bytes, 0, t_dev, out=region[o_x : o_x + n * xb].view(n, xb))
             if s_bytes is not None:
-                torch.index_select(s_bytes, 0, t, out=region[o_s : o_s + n * sb].view(n, sb))
+                torch.index_select(s_bytes, 0, t_dev, out=region[o_s : o_s + n * sb].view(n, sb))
             loc = ids[t] - dst * L
             loc = torch.where((ids[t] >= 0) & (loc >= 0) & (loc < L), loc, -1)
             region[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K).copy_(loc)
-            torch.index_select(topk_weights, 0, t, out=region[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K))
+            region[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K).copy_(topk_weights[t])
             region[o_t : o_t + n * 4].view(torch.int32).copy_(t)
             ex.commit(dst, end)
         total = sum(recv_counts)
-        recv_x = torch.empty((total, xb), dtype=torch.uint8)
-        recv_s = torch.empty((total, sb), dtype=torch.uint8) if s_bytes is not None else None
+        recv_x = torch.empty((total, xb), dtype=torch.uint8, device=self.device)
+        recv_s = torch.empty((total, sb), dtype=torch.uint8, device=self.device) if s_bytes is not None else None
         recv_i = torch.empty((total, K), dtype=torch.int32)
         recv_w = torch.empty((total, K), dtype=torch.float32)
         views = ex.receive([blocks(n)[5] if n else 0 for n in recv_counts])
@@ -385,8 +390,9 @@ class EPBuffer(LowLatencyMixin):
             rows, slot = self._expanded_layout(recv_idx, counts, alignment)
             from epkit.gather import gather_rows
 
-            out_x = gather_rows(recv_x, rows)
-            out_s = gather_rows(recv_scales, rows) if recv_scales is not None else None
+            rows_dev = rows.to(self.device)
+            out_x = gather_rows(recv_x, rows_dev)
+            out_s = gather_rows(recv_scales, rows_dev) if recv_scales is not None else None
         handle = DispatchHandle(
             send_tokens=tokens,
             recv_counts=recv_counts,
@@ -397,9 +403,10 @@ class EPBuffer(LowLatencyMixin):
             expert_alignment=alignment,
             expanded_rows=rows,
             expanded_slot=slot,
+            device=self.device,
         )
         x_out = (out_x, out_s) if out_s is not None else out_x
-        return x_out, recv_idx, recv_w, aligned, handle
+        return x_out, recv_idx.to(self.device), recv_w.to(self.device), aligned, handle
 
     def _expanded_layout(self, recv_idx: torch.Tensor, counts: torch.Tensor, alignment: int):
         """Rows per (received token, local expert), by expert then received order; groups padded with -1."""
@@ -432,7 +439,7 @@ class EPBuffer(LowLatencyMixin):
         ok = handle.expanded_slot >= 0
         flat_slot = handle.expanded_slot[ok]
         out[flat_slot] = handle.recv_topk_idx[ok].to(torch.int32)
-        return out
+        return out.to(handle.device)
 
     def _dispatch_cached(self, x, scales, handle: DispatchHandle):
         try:
@@ -461,13 +468,14 @@ class EPBuffer(LowLatencyMixin):
         if handle.expand:
             from epkit.gather import gather_rows
 
-            out_x = gather_rows(recv_x, handle.expanded_rows)
-            out_s = gather_rows(recv_s, handle.expanded_rows) if recv_s is not None else None
+            rows_dev = handle.expanded_rows.to(self.device)
+            out_x = gather_rows(recv_x, rows_dev)
+            out_s = gather_rows(recv_s, rows_dev) if recv_s is not None else None
         x_out = (out_x, out_s) if out_s is not None else out_x
         L, a = self.num_local_experts, handle.expert_alignment
         counts = torch.bincount(handle.recv_topk_idx[handle.recv_topk_idx >= 0].long(), minlength=L)
         aligned = [int(-(-c // a) * a) for c in counts.tolist()]
-        return x_out, handle.recv_topk_idx, handle.recv_topk_weights, aligned, handle
+        return x_out, handle.recv_topk_idx.to(self.device), handle.recv_topk_weights.to(self.device), aligned, handle
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None
@@ -497,10 +505,11 @@ class EPBuffer(LowLatencyMixin):
                 or y.dim() != 2
                 or tuple(y.shape) != (want_rows, h)
                 or y.dtype not in (torch.bfloat16, torch.float32, torch.float16)
+                or y.device != self.device
             ):
                 raise ValueError(
-                    f"y must be bf16/fp16/fp32 [{want_rows}, {h}], got {getattr(y, 'dtype', None)} "
-                    f"{tuple(getattr(y, 'shape', ()))}"
+                    f"y must be bf16/fp16/fp32 [{want_rows}, {h}] on {self.device}, got {getattr(y, 'dtype', None)} "
+                    f"{tuple(getattr(y, 'shape', ()))} on {getattr(y, 'device', None)}"
                 )
             weights = None
             if handle.expand:
@@ -532,19 +541,27 @@ class EPBuffer(LowLatencyMixin):
                 if handle.expand:
                     # Expert side: the weighted sum over this rank's experts, written straight into dst's region.
                     slot = handle.expanded_slot[offs[dst] : offs[dst] + n]
-                    addrs = torch.where(slot >= 0, y.data_ptr() + slot.clamp(min=0) * row_bytes, 0)
-                    reduce_rows(region.view(y.dtype).view(n, h), addrs, y.dtype, weights[offs[dst] : offs[dst] + n])
+                    reduce_indexed(
+                        region.view(y.dtype).view(n, h),
+                        [y],
+                        torch.where(slot >= 0, 0, -1),
+                        slot.clamp(min=0),
+                        weights[offs[dst] : offs[dst] + n],
+                    )
                 else:
                     region.view(n, row_bytes).copy_(y_bytes[offs[dst] : offs[dst] + n])
             ex.commit(dst, n * row_bytes)
         views = ex.receive([t.numel() * row_bytes for t in handle.send_tokens])
         # Source side: sum over destination ranks ascending, reading the received rows in place.
-        addrs = torch.zeros((handle.num_tokens, w), dtype=torch.int64)
+        src_of = torch.full((handle.num_tokens, w), -1, dtype=torch.int64)
+        row_of = torch.zeros((handle.num_tokens, w), dtype=torch.int64)
         for r in range(w):
             t = handle.send_tokens[r]
             if t.numel():
-                addrs[t, r] = views[r].data_ptr() + torch.arange(t.numel(), dtype=torch.int64) * row_bytes
-        out = torch.empty((handle.num_tokens, h), dtype=y.dtype)
-        reduce_rows(out, addrs, y.dtype, None, biases)
+                src_of[t, r] = r
+                row_of[t, r] = torch.arange(t.numel(), dtype=torch.int64)
+        sources = [v.view(y.dtype).view(-1, h) for v in views]
+        out = torch.empty((handle.num_tokens, h), dtype=y.dtype, device=y.device)
+        reduce_indexed(out, sources, src_of, row_of, None, biases)
         ex.release()
         return out

@@ -68,7 +68,7 @@ def fused_moe(
 
     if not isinstance(buffer, EPBuffer):
         raise ValueError(f"buffer must be an EPBuffer, got {type(buffer).__name__}")
-    if not buffer.is_within_domain():
+    if buffer.transport != "shm" or not buffer.is_within_domain():
         raise ValueError(
             f"fused_moe needs every EP peer directly addressable (shm transport); this buffer uses "
             f"{buffer.transport!r}: compose dispatch -> expert_mlp -> combine instead"

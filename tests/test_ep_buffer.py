@@ -15,6 +15,7 @@ from epkit.collectives.ep_reference import (
     reference_low_latency_dispatch,
 )
 from epkit.testing import assert_bitwise_equal
+from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import RankError, run_ranks
 
 HIDDEN, EXPERTS, TOPK = 256, 16, 4
@@ -381,3 +382,56 @@ def _mixed_formats(rank, world_size):
 
 def test_row_format_mismatch_is_caught_everywhere():
     assert run_ranks(_mixed_formats, 2, timeout=40) == [(6, HIDDEN), (0, HIDDEN)]  # experts 0 and 5 live on rank 0
+
+
+def _portable(rank, world_size, fn, *args):
+    """Run a rank body with the torch formulations of the row moves and sums (the path CUDA tensors take)."""
+    from epkit.collectives._details import ep_rows
+
+    ep_rows.PORTABLE[0] = True
+    return fn(rank, world_size, *args)
+
+
+def test_device_path_arithmetic_matches_reference_on_cpu():
+    # The same protocol with torch row copies and the torch reduction instead of epkit._C by address:
+    # bitwise the same results, normal and low-latency modes.
+    for case, expand, alignment, fp8 in CASES:
+        res = run_ranks(_portable, 2, _compare, "shm", case, expand, alignment, fp8, timeout=90)
+        assert res == [True, True], (case, expand, alignment, fp8)
+    assert run_ranks(_portable, 4, _low_latency, "shm", True, False, _ll_tokens, timeout=90) == [True] * 4
+
+
+def _gpu_loopback(rank, world_size):
+    """EPBuffer(nvshmem) on one GPU: the CUDA path against the CPU reference, bit for bit."""
+    torch.cuda.set_device(0)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 64, TOPK, transport="nvshmem", timeout=20)
+    assert buf.device.type == "cuda"
+    for case, expand, alignment, fp8 in CASES:
+        x, idx, w = _routing(rank, world_size, case, 0)
+        scales = None
+        if fp8:
+            from epkit.quant import per_token_group_cast_to_fp8
+
+            x, scales = per_token_group_cast_to_fp8(x.float(), 128)
+        inp = (x.cuda(), scales.cuda()) if fp8 else x.cuda()
+        recv, recv_idx, _, counts, handle = buf.dispatch(
+            inp, idx.cuda(), w.cuda(), expert_alignment=alignment, expand=expand
+        )
+        ref = reference_dispatch(x, idx, w, EXPERTS, expand=expand, expert_alignment=alignment, x_scales=scales)
+        ctx = f"{case=} {expand=} {fp8=}"
+        got_x = recv[0] if fp8 else recv
+        assert got_x.is_cuda and recv_idx.is_cuda, ctx
+        assert_bitwise_equal(got_x.cpu(), ref["expanded_x"] if expand else ref["recv_x"], ctx + " recv_x")
+        assert counts == ref["num_recv_tokens_per_expert"], ctx
+        rows = ref["expanded_x"] if expand else ref["recv_x"]
+        y = (rows.float() * 0.5 + 1).to(torch.bfloat16)
+        bias = torch.full((x.shape[0], HIDDEN), 0.25, dtype=torch.bfloat16)
+        out = buf.combine(y.cuda(), handle, bias=bias.cuda())
+        assert_bitwise_equal(out.cpu(), reference_combine(y, ref, x.shape[0], bias=bias, expand=expand), ctx)
+    buf.buffer.close()
+    return True
+
+
+@requires_cuda
+def test_gpu_dispatch_combine_over_nvshmem_matches_reference():
+    assert run_ranks(_gpu_loopback, 1, timeout=240) == [True]

@@ -60,15 +60,15 @@ def _ep_buffer_on_nvshmem(rank, world_size):
 
     try:
         EPBuffer(dist.group.WORLD, 128, 4, 16, 2, transport="nvshmem")
-    except ValueError as exc:
+    except BackendUnavailableError as exc:
         return str(exc)
     return "created"
 
 
-def test_ep_buffer_refuses_the_gpu_transport_it_does_not_run_on():
-    # EPBuffer's protocol runs on CPU tensors: nvshmem is SymmBuffer-only for now, and says so before any bootstrap.
+def test_ep_buffer_on_nvshmem_without_a_gpu_says_what_is_missing(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     (msg,) = run_ranks(_ep_buffer_on_nvshmem, 1, timeout=60)
-    assert "transport must be 'auto', 'shm' or 'torch'" in msg and "nvshmem" in msg, msg
+    assert msg.startswith("SymmBuffer transport 'nvshmem' cannot run here") and "torch sees no CUDA device" in msg, msg
 
 
 def test_missing_reason_matches_this_machine():

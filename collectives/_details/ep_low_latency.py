@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epkit.collectives._details.ep_rows import _META_MSG, _al, _block_rows, _copy_rows, reduce_rows
+from epkit.collectives._details.ep_rows import _META_MSG, _al, _block_rows, _copy_rows, reduce_indexed
 
 
 @dataclass
@@ -61,12 +61,12 @@ class LowLatencyMixin:
             L, w, h = self.num_local_experts, self.world_size, self.hidden
             if use_fp8:
                 recv_x = (
-                    torch.zeros((L, n_max * w, h), dtype=torch.float8_e4m3fn),
-                    torch.zeros((L, n_max * w, -(-h // 128)), dtype=torch.float32),
+                    torch.zeros((L, n_max * w, h), dtype=torch.float8_e4m3fn, device=self.device),
+                    torch.zeros((L, n_max * w, -(-h // 128)), dtype=torch.float32, device=self.device),
                 )
             else:
-                recv_x = torch.zeros((L, n_max * w, h), dtype=torch.bfloat16)
-            self._ll_cache[key] = (recv_x, torch.zeros(L, dtype=torch.int32))
+                recv_x = torch.zeros((L, n_max * w, h), dtype=torch.bfloat16, device=self.device)
+            self._ll_cache[key] = (recv_x, torch.zeros(L, dtype=torch.int32, device=self.device))
         return self._ll_cache[key]
 
     def low_latency_dispatch(
@@ -127,11 +127,13 @@ class LowLatencyMixin:
                     f"x must be bfloat16 [num_tokens, {h}], got {getattr(x, 'dtype', None)} "
                     f"{tuple(getattr(x, 'shape', ()))}"
                 )
+            if x.device != self.device:
+                raise ValueError(f"x is on {x.device} but this EPBuffer moves rows on {self.device}")
             if x.shape[0] > n_max:
                 raise ValueError(f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {n_max}")
             self._check_topk(topk_idx, x.shape[0])
             t_num = x.shape[0]
-            ids = topk_idx.long()
+            ids = topk_idx.long().cpu()  # routing metadata on the CPU; rows stay on self.device
             flat = ids.reshape(-1)
             sel = (flat >= 0).nonzero().flatten()  # (t, k) pairs in token order
             order = torch.sort(flat[sel], stable=True).indices
@@ -214,7 +216,7 @@ class LowLatencyMixin:
             if errors:
                 ex.release()
                 raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
-            counts = torch.stack([v[12 : 4 * (3 + L)].view(torch.int32).long() for v in views])  # [W, L]
+            counts = torch.stack([v[12 : 4 * (3 + L)].view(torch.int32).long() for v in views]).cpu()  # [W, L]
             handle.counts = counts
             xv = recv_x[0] if use_fp8 else recv_x
             x_dst = xv.view(torch.uint8).view(L * n_max * w, xb)
@@ -230,7 +232,7 @@ class LowLatencyMixin:
                         _copy_rows(s_dst, dst_rows, v[base : base + L * n_max * sb].view(L * n_max, sb), src_rows)
             recv_count.copy_(counts.sum(0).to(torch.int32))
             ex.release()
-            self.recv_tokens_per_expert_total += recv_count.long()
+            self.recv_tokens_per_expert_total += counts.sum(0)
             state["done"] = True
 
         if not return_recv_hook:
@@ -263,10 +265,15 @@ class LowLatencyMixin:
         n_max = handle.n_max
         try:
             want = (L, n_max * w, h)
-            if not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16 or tuple(y.shape) != want:
+            if (
+                not isinstance(y, torch.Tensor)
+                or y.dtype != torch.bfloat16
+                or tuple(y.shape) != want
+                or y.device != self.device
+            ):
                 raise ValueError(
-                    f"y must be bfloat16 {want} (the dispatch's masked layout), got "
-                    f"{getattr(y, 'dtype', None)} {tuple(getattr(y, 'shape', ()))}"
+                    f"y must be bfloat16 {want} on {self.device} (the dispatch's masked layout), got "
+                    f"{getattr(y, 'dtype', None)} {tuple(getattr(y, 'shape', ()))} on {getattr(y, 'device', None)}"
                 )
             if tuple(topk_idx.shape) != (t_num, K) or tuple(topk_weights.shape) != (t_num, K):
                 raise ValueError(f"topk_idx and topk_weights must be [{t_num}, {K}]")
@@ -298,12 +305,10 @@ class LowLatencyMixin:
                 return out["y"]
             with self._guard("low-latency combine receive"):
                 views = ex.receive([msg_bytes] * w)
-                bases = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
-                ok = handle.dst_of >= 0
+                sources = [v[: L * n_max * row].view(torch.bfloat16).view(L * n_max, h) for v in views]
                 slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
-                addrs = torch.where(ok, bases[handle.dst_of.clamp(min=0)] + slot * row, 0)
-                res = torch.empty((t_num, h), dtype=torch.bfloat16)
-                reduce_rows(res, addrs, torch.bfloat16, topk_weights.float())
+                res = torch.empty((t_num, h), dtype=torch.bfloat16, device=y.device)
+                reduce_indexed(res, sources, handle.dst_of, slot, topk_weights.float())
                 ex.release()
             out["y"] = res
             return out["y"]

@@ -1,5 +1,10 @@
 """Row-level helpers of the dispatch/combine protocol (EPBuffer, fused_moe): message layout constants,
-the fused row reduction and row copies by address (``epkit._C``), and small shape helpers."""
+the fused row reduction and row copies by address (``epkit._C``), and small shape helpers.
+
+Rows in CPU memory go through ``epkit._C`` by address (no staging copies). Rows anywhere else
+(CUDA views of nvshmem buffers), or all rows when ``PORTABLE[0]`` is set (tests use it to run the
+device path on CPU), take the same arithmetic in torch ops: bitwise the same results.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ def _al(n: int, a: int = _ALIGN) -> int:
 
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+#: Force the torch formulations (the path CUDA tensors take) on CPU tensors too.
+PORTABLE = [False]
 _ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
 
 
@@ -72,6 +79,64 @@ def reduce_rows(
     return out.copy_(acc.to(out.dtype))
 
 
+def _by_address(*tensors: torch.Tensor) -> bool:
+    return not PORTABLE[0] and all(t.device.type == "cpu" for t in tensors)
+
+
+def reduce_indexed(
+    out: torch.Tensor,
+    sources: list[torch.Tensor],
+    src_of: torch.Tensor,
+    row_of: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    biases: list[torch.Tensor] = (),
+) -> torch.Tensor:
+    """``out[t] = cast(sum_k (w[t, k] *) sources[src_of[t, k]][row_of[t, k]] + sum biases)``, float32, k ascending.
+
+    Parameters
+    ----------
+    out : Tensor [T, H] (bf16 / fp32 / fp16), written in place
+    sources : list of Tensor [n_s, H], one dtype, rows contiguous
+    src_of, row_of : Tensor [T, K] int64; ``src_of < 0`` means no row (the term is skipped)
+    weights : Tensor [T, K] float32, optional
+    biases : up to two Tensor [T, H], added after the sum in order
+
+    CPU rows are read in place by ``epkit._C.reduce_rows``; other devices (or ``PORTABLE``) use torch
+    ops with the same rounding (each product rounded, then added), so the bits agree.
+    """
+    t_num, h = out.shape
+    if t_num == 0:
+        return out
+    src_of, row_of = src_of.long(), row_of.long()
+    dtype = sources[0].dtype if sources else out.dtype
+    if _by_address(out, *sources):
+        if sources:
+            es = sources[0].element_size()
+            bases = torch.tensor([src.data_ptr() for src in sources], dtype=torch.int64)
+            strides = torch.tensor([src.stride(0) * es for src in sources], dtype=torch.int64)
+            sel = src_of.clamp(min=0)
+            addrs = torch.where(src_of >= 0, bases[sel] + row_of * strides[sel], 0)
+        else:
+            addrs = torch.zeros((t_num, 0), dtype=torch.int64)
+        return reduce_rows(out, addrs, dtype, weights, biases)
+    dev = out.device
+    acc = torch.zeros((t_num, h), dtype=torch.float32, device=dev)
+    src_of_d, row_of_d = src_of.to(dev), row_of.to(dev)
+    w_d = weights.float().to(dev) if weights is not None else None
+    for k in range(src_of.shape[1]):  # k ascending: the order the fused reduction adds in
+        for s, src in enumerate(sources):
+            sel = (src_of_d[:, k] == s).nonzero().flatten()
+            if sel.numel() == 0:
+                continue
+            rows = src.index_select(0, row_of_d[sel, k].to(src.device)).to(dev).float()
+            if w_d is not None:
+                rows = w_d[sel, k].unsqueeze(1) * rows
+            acc.index_add_(0, sel, rows)  # one row per (t, k): a plain, ordered add
+    for b in biases:
+        acc += b.to(dev).float()
+    return out.copy_(acc.to(out.dtype))
+
+
 def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for 2-D byte tensors with contiguous rows of equal size.
 
@@ -81,8 +146,11 @@ def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src
     n = dst_rows.numel()
     if n == 0:
         return
-    if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.device.type != "cpu" or src.device.type != "cpu":
-        raise ValueError("_copy_rows: byte (uint8) tensors in CPU memory only")
+    if not _by_address(dst, src):  # device memory (or PORTABLE): the same copy in torch ops
+        dst.index_copy_(0, dst_rows.long().to(dst.device), src.index_select(0, src_rows.long().to(src.device)))
+        return
+    if dst.dtype != torch.uint8 or src.dtype != torch.uint8:
+        raise ValueError("_copy_rows: byte (uint8) tensors only")
     if src_rows.numel() != n or dst.shape[1] != src.shape[1] or dst.stride(1) != 1 or src.stride(1) != 1:
         raise ValueError("_copy_rows: row lists and row sizes must match, rows contiguous")
     dst_rows, src_rows = dst_rows.long(), src_rows.long()

@@ -29,12 +29,12 @@ def _version(dist: str) -> str | None:
 
 
 def _nvshmem_transport_info(wheel_root: str | None) -> dict:
-    """Readiness of SymmBuffer's nvshmem transport (EPBuffer's protocol itself runs on CPU ranks)."""
+    """Readiness of the nvshmem transport (SymmBuffer and EPBuffer on CUDA ranks)."""
     from epkit.collectives._nvshmem import missing_reason
 
     why = missing_reason()
     if why is None:
-        return {"ready": True, "why": "epkit._C_cuda (NVSHMEM) and a CUDA device; SymmBuffer only, not EPBuffer"}
+        return {"ready": True, "why": "epkit._C_cuda (NVSHMEM) and a CUDA device (SymmBuffer, EPBuffer)"}
     if wheel_root is None:
         why += "; no nvidia-nvshmem wheel (pip install 'epkit[cuda13]')"
     return {"ready": False, "why": why}
