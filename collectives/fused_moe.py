@@ -86,6 +86,8 @@ def fused_moe(
         if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
         biases = _check_biases(bias, x.shape[0], h)
+        if len({b.dtype for b in biases}) > 1 or any(b.dtype not in (torch.bfloat16, torch.float32) for b in biases):
+            raise ValueError(f"bias must be bfloat16 or float32 (one dtype), got {[b.dtype for b in biases]}")
         if _publish_layout(x.shape[0], 2 * h, K)[3] > region:
             raise ValueError(f"{x.shape[0]} tokens do not fit the buffer's {region}-byte publish area")
     except Exception as exc:  # every rank must learn of it through the publish header

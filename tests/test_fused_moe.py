@@ -82,6 +82,11 @@ def _bad_input(rank, world_size):
         idx[0, 0] = -5
     with pytest.raises(ValueError, match=r"rank 1: topk_idx\[0, 0\] = -5"):
         fused_moe(torch.zeros(2, HIDDEN).bfloat16(), idx, torch.ones(2, TOPK), w13, w2, buf)
+    # a bias dtype the fused reduction does not take is refused before anything moves, on every rank
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, timeout=10)
+    bias = torch.zeros(2, HIDDEN, dtype=torch.float16 if rank == 0 else torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rank 0: bias must be bfloat16 or float32"):
+        fused_moe(torch.zeros(2, HIDDEN).bfloat16(), idx.clamp(min=0), torch.ones(2, TOPK), w13, w2, buf, bias=bias)
     return True
 
 

@@ -135,7 +135,7 @@ def test_row_copies_by_address():
         _copy_rows(dst, torch.tensor([400]), src, torch.tensor([0]))
     with pytest.raises(IndexError, match="source rows outside"):
         _copy_rows(dst, torch.tensor([0]), src, torch.tensor([-1]))
-    with pytest.raises(ValueError, match="uint8 tensors only"):
+    with pytest.raises(ValueError, match=r"byte \(uint8\) tensors only"):
         _copy_rows(dst.view(torch.int16), torch.tensor([0]), src.view(torch.int16), torch.tensor([0]))
     with pytest.raises(ValueError, match="row 1: null address"):
         z = torch.tensor([dst.data_ptr(), 0])

@@ -34,49 +34,52 @@ def reduce_rows(
     """``out[t] = cast(sum_k (w[t, k] *) row(addrs[t, k]) + sum biases)`` in float32, k ascending.
 
     ``addrs [T, K]`` int64 holds row addresses (0: no row) of ``src_dtype`` rows of
-    ``out.shape[1]`` elements. Uses ``epkit._C.reduce_rows`` (multi-threaded, reads rows in
-    place) for bf16/f32; other dtypes take the same formula in torch.
+    ``out.shape[1]`` elements in CPU memory; ``epkit._C.reduce_rows`` reads them in place
+    (multi-threaded). bf16 / float32 rows, output and biases (:func:`reduce_indexed` takes the
+    other dtypes and devices).
     """
     t_num, h = out.shape
-    k = addrs.shape[1] if addrs.dim() == 2 else 0
     if t_num == 0:
         return out
-    codes = (_DTYPE_CODE.get(out.dtype), _DTYPE_CODE.get(src_dtype))
-    bias_code = {_DTYPE_CODE.get(b.dtype) for b in biases}
-    if None not in codes and len(bias_code) <= 1 and None not in bias_code and out.is_contiguous():
-        from epkit import _C
-
-        addrs = addrs.contiguous()
-        w = weights.float().contiguous() if weights is not None else None
-        bs = [b.contiguous() for b in biases]
-        _C.reduce_rows(
-            out.data_ptr(),
-            codes[0],
-            addrs.data_ptr(),
-            t_num,
-            k,
-            h,
-            codes[1],
-            w.data_ptr() if w is not None else 0,
-            [b.data_ptr() for b in bs],
-            next(iter(bias_code)) if bs else 0,
-            torch.get_num_threads(),
+    if not _fused_ok(out, src_dtype, biases):
+        raise ValueError(
+            f"reduce_rows: bf16/float32 contiguous CPU output and rows only (out {out.dtype}, rows {src_dtype}, "
+            f"biases {[b.dtype for b in biases]}); use reduce_indexed"
         )
-        return out
-    # Same arithmetic in torch (fallback for other dtypes): rows are read through a byte view.
-    es = torch.empty((), dtype=src_dtype).element_size()
-    acc = torch.zeros((t_num, h), dtype=torch.float32)
-    for kk in range(k):
-        col = addrs[:, kk]
-        for t in (col != 0).nonzero().flatten().tolist():
-            import ctypes
+    from epkit import _C
 
-            raw = (ctypes.c_uint8 * (h * es)).from_address(int(col[t]))
-            row = torch.frombuffer(raw, dtype=torch.uint8).view(src_dtype).float()
-            acc[t] += weights[t, kk].float() * row if weights is not None else row
-    for b in biases:
-        acc += b.float()
-    return out.copy_(acc.to(out.dtype))
+    k = addrs.shape[1] if addrs.dim() == 2 else 0
+    addrs = addrs.contiguous()
+    w = weights.float().contiguous() if weights is not None else None
+    bs = [b.contiguous() for b in biases]
+    _C.reduce_rows(
+        out.data_ptr(),
+        _DTYPE_CODE[out.dtype],
+        addrs.data_ptr(),
+        t_num,
+        k,
+        h,
+        _DTYPE_CODE[src_dtype],
+        w.data_ptr() if w is not None else 0,
+        [b.data_ptr() for b in bs],
+        _DTYPE_CODE[bs[0].dtype] if bs else 0,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _fused_ok(out: torch.Tensor, src_dtype: torch.dtype, biases) -> bool:
+    """Whether epkit._C.reduce_rows takes these dtypes (one bias dtype) and layout."""
+    bias_dtypes = {b.dtype for b in biases}
+    return (
+        out.device.type == "cpu"
+        and out.is_contiguous()
+        and out.dtype in _DTYPE_CODE
+        and src_dtype in _DTYPE_CODE
+        and len(bias_dtypes) <= 1
+        and bias_dtypes <= set(_DTYPE_CODE)
+        and all(b.device.type == "cpu" for b in biases)
+    )
 
 
 def _by_address(*tensors: torch.Tensor) -> bool:
@@ -101,15 +104,16 @@ def reduce_indexed(
     weights : Tensor [T, K] float32, optional
     biases : up to two Tensor [T, H], added after the sum in order
 
-    CPU rows are read in place by ``epkit._C.reduce_rows``; other devices (or ``PORTABLE``) use torch
-    ops with the same rounding (each product rounded, then added), so the bits agree.
+    CPU rows of bf16/float32 are read in place by ``epkit._C.reduce_rows``; other dtypes, other devices
+    (or ``PORTABLE``) use torch ops with the same rounding (each product rounded, then added), so the
+    bits agree.
     """
     t_num, h = out.shape
     if t_num == 0:
         return out
     src_of, row_of = src_of.long(), row_of.long()
     dtype = sources[0].dtype if sources else out.dtype
-    if _by_address(out, *sources):
+    if _by_address(out, *sources) and _fused_ok(out, dtype, biases):
         if sources:
             es = sources[0].element_size()
             bases = torch.tensor([src.data_ptr() for src in sources], dtype=torch.int64)
