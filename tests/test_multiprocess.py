@@ -100,7 +100,7 @@ def _dies_while_sending(rank, world_size):
     if rank == 1:
         # Killed by a timer while its (large) result is being written to the parent.
         threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-        return b"x" * (512 << 20)
+        return b"x" * (1 << 30)  # long enough that the timer always fires before the send completes
     return "ok"
 
 
