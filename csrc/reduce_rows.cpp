@@ -37,6 +37,28 @@ inline float load(const void *row, int dtype, int64_t h) {
     return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t *>(row)[h]) : static_cast<const float *>(row)[h];
 }
 
+// Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= min_rows each).
+template <typename Fn>
+void for_row_ranges(int64_t num_rows, int num_threads, int64_t min_rows, Fn fn) {
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / min_rows));
+    if (n == 1) {
+        fn(int64_t{0}, num_rows);
+        return;
+    }
+    std::vector<std::thread> pool;
+    const int64_t step = (num_rows + n - 1) / n;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
+        if (lo >= hi) break;
+        try {
+            pool.emplace_back(fn, lo, hi);
+        } catch (const std::system_error &) {
+            fn(lo, hi);  // no thread to be had: this range runs here
+        }
+    }
+    for (auto &th : pool) th.join();
+}
+
 void check_dtype(int d, const char *what) {
     if (d != F32 && d != BF16) throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (f32) or 1 (bf16)");
 }
@@ -107,20 +129,9 @@ void register_reduce_rows(py::module_ &m) {
             const int64_t *src = reinterpret_cast<const int64_t *>(src_addrs);
             const float *w = reinterpret_cast<const float *>(weights);
             py::gil_scoped_release release;
-            const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, (T + 15) / 16));
-            if (n == 1) {
-                reduce_range(0, T, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype);
-                return;
-            }
-            std::vector<std::thread> pool;
-            const int64_t step = (T + n - 1) / n;
-            for (int64_t i = 0; i < n; ++i) {
-                const int64_t a = i * step, b = std::min(T, a + step);
-                if (a >= b) break;
-                pool.emplace_back(reduce_range, a, b, out, out_dtype, src, K, H, src_dtype, w, std::cref(bias),
-                                  bias_dtype);
-            }
-            for (auto &th : pool) th.join();
+            for_row_ranges(T, num_threads, 16, [&](int64_t a, int64_t b) {
+                reduce_range(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype);
+            });
         },
         py::arg("out"), py::arg("out_dtype"), py::arg("src_addrs"), py::arg("num_tokens"), py::arg("k"),
         py::arg("hidden"), py::arg("src_dtype"), py::arg("weights"), py::arg("bias"), py::arg("bias_dtype"),
@@ -148,28 +159,6 @@ void copy_range(int64_t i0, int64_t i1, const int64_t *dst, const int64_t *src, 
     }
 }
 
-// Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= 64 rows each).
-template <typename Fn>
-void for_row_ranges(int64_t num_rows, int num_threads, Fn fn) {
-    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / 64));
-    if (n == 1) {
-        fn(int64_t{0}, num_rows);
-        return;
-    }
-    std::vector<std::thread> pool;
-    const int64_t step = (num_rows + n - 1) / n;
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
-        if (lo >= hi) break;
-        try {
-            pool.emplace_back(fn, lo, hi);
-        } catch (const std::system_error &) {
-            fn(lo, hi);  // no thread to be had: this range runs here
-        }
-    }
-    for (auto &th : pool) th.join();
-}
-
 }  // namespace
 
 void register_gather_by_address(py::module_ &m) {
@@ -185,7 +174,7 @@ void register_gather_by_address(py::module_ &m) {
                 if (d[i] == 0 || s[i] == 0) throw std::invalid_argument("row " + std::to_string(i) + ": null address");
             }
             py::gil_scoped_release release;
-            for_row_ranges(num_rows, num_threads,
+            for_row_ranges(num_rows, num_threads, 64,
                            [&](int64_t lo, int64_t hi) { copy_range(lo, hi, d, s, row_bytes); });
         },
         py::arg("dst_addrs"), py::arg("src_addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
@@ -199,7 +188,7 @@ void register_gather_by_address(py::module_ &m) {
             if (out == 0 || addrs == 0) throw std::invalid_argument("null pointer");
             const int64_t *a = reinterpret_cast<const int64_t *>(addrs);
             py::gil_scoped_release release;
-            for_row_ranges(num_rows, num_threads,
+            for_row_ranges(num_rows, num_threads, 64,
                            [&](int64_t lo, int64_t hi) { gather_range(lo, hi, out, a, row_bytes); });
         },
         py::arg("out"), py::arg("addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
