@@ -377,6 +377,17 @@ class NvshmemState:
         seen, failed = (v & MASK64 for v in self._result.tolist())
         return seen, (None if failed == 0 else failed - 1)
 
+    def wait_deferred(self, off: int, count: int, cmp: str, value: int, timeout: float, checks, judge, what: str):
+        """:meth:`wait` without the host: the wait kernel writes its 2-word result into pinned host memory and
+        ``checks`` (a DeferredChecks) judges it once the stream has passed it. Returns at once."""
+        if not isinstance(value, int) or not 0 <= value <= MASK64:
+            raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
+        if not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        slot = checks.host_slot(2)  # pinned: with unified addressing the kernel stores into it directly
+        self.cc.signal_wait_all(self.base + off, 1, count, cmp, value, float(timeout), slot.data_ptr(), self._stream())
+        checks.record(slot, judge, timeout, what)
+
     def read(self, off: int) -> int:
         """Current value of this rank's word at ``off`` (read after the stream's earlier work)."""
         return int(self.words[off // 8].item()) & MASK64

@@ -79,8 +79,10 @@ class EPBuffer(LowLatencyMixin):
         ``torch``. Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the
         rank's GPU for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves
         and sums are torch ops with the same rounding as the CPU's fused C++ ones (tested on CPU
-        through ``ep_rows.PORTABLE``); the nvshmem path has not run on a GPU yet, and it synchronizes
-        with the host (routing copied to the CPU, counts read back) in both modes.
+        through ``ep_rows.PORTABLE``); the nvshmem path has not run on a GPU yet. Normal mode
+        synchronizes with the host (routing copied to the CPU, counts read back, as DeepEP's normal
+        mode reads its counts); the low-latency mode does not (see ``_details/ep_low_latency.py``:
+        on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
     num_max_dispatch_tokens_per_rank : int, optional
         Capacity of the low-latency mode (default: ``num_max_tokens_per_rank``).
     timeout : float
@@ -164,7 +166,17 @@ class EPBuffer(LowLatencyMixin):
         """
         out = self.recv_tokens_per_expert_total.clone()
         self.recv_tokens_per_expert_total.zero_()
+        device_load = self.__dict__.get("_device_load")  # the low-latency path's counts on CUDA rows
+        if device_load is not None:
+            out += device_load.cpu()
+            device_load.zero_()
         return out
+
+    def synchronize(self) -> None:
+        """Wait for this rank's stream-ordered low-latency work; raise what it found (a silent peer as
+        TimeoutError, a rank's invalid input as ValueError). Calls on CUDA rows never wait for the device
+        themselves: their failures surface here or at the start of the next call on this buffer."""
+        self.buffer.synchronize()
 
     # layout
 

@@ -34,6 +34,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from epkit.collectives._details.deferred import DeferredChecks
+
 __all__ = ["SymmBuffer", "TRANSPORTS"]
 
 TRANSPORTS = ("shm", "torch", "nvshmem")
@@ -118,12 +120,15 @@ class SymmBuffer:
         self._broken: str | None = None
         self._open: Exchange | None = None
         self._nv = None  # nvshmem transport state (collectives/_nvshmem.py)
+        self._staging: dict[tuple[int, int], torch.Tensor] = {}  # nvshmem: per (peer, region) put sources
         if self.transport == "shm":
             self._init_shm()
         elif self.transport == "nvshmem":
             self._init_nvshmem()
         else:
             self.local = torch.zeros(num_bytes, dtype=torch.uint8)
+        #: Outcomes of stream-ordered waits and device-side checks, raised by the next collective call.
+        self.deferred = DeferredChecks(self.local.device, self.mark_broken)
 
     # shm transport
 
@@ -181,6 +186,15 @@ class SymmBuffer:
                 f"rank {self.rank}: this SymmBuffer is unusable after an earlier failure ({self._broken});"
                 f" create a new one on every rank"
             )
+        self.deferred.poll()
+
+    def synchronize(self) -> None:
+        """Wait for every deferred (stream-ordered) wait and check of earlier calls; raise the first failure.
+
+        Calls made with ``deferred=True`` exchanges (the low-latency path) return before their waits end; their
+        timeouts and rejected inputs are raised here or at the start of the next collective call.
+        """
+        self.deferred.drain()
 
     def _wait_work(self, work, what: str, timeout: float) -> None:
         """Wait for a torch.distributed request; gloo reports a timeout as RuntimeError."""
@@ -285,15 +299,32 @@ class SymmBuffer:
             return
         self._segments[dst].store(self._word(kind, self.rank), value)
 
-    def _silent(self, src: int, what: str, t: float, value: int) -> NoReturn:
-        self.mark_broken(f"no {what} signal from rank {src}")
-        raise TimeoutError(
+    def _silence(self, src: int, what: str, t: float, value: int) -> TimeoutError:
+        return TimeoutError(
             f"rank {self.rank}: rank {src} sent no {what} signal within {t:g} s "
             f"(epoch {value}); it died or stopped calling"
         )
 
-    def _wait_from(self, kind: int, src: int, value: int, what: str, timeout: float | None = None) -> None:
+    def _silent(self, src: int, what: str, t: float, value: int) -> NoReturn:
+        self.mark_broken(f"no {what} signal from rank {src}")
+        raise self._silence(src, what, t, value)
+
+    def _wait_deferred(self, kind: int, first: int, count: int, value: int, what: str, t: float) -> None:
+        """nvshmem: a stream-ordered wait on ``count`` sources from ``first``, judged later (see DeferredChecks)."""
+
+        def judge(result):
+            failed = result[1]
+            return None if failed == 0 else self._silence(first + failed - 1, what, t, value)
+
+        self._nv.wait_deferred(self._word(kind, first), count, ">=", value, t, self.deferred, judge, what)
+
+    def _wait_from(
+        self, kind: int, src: int, value: int, what: str, timeout: float | None = None, deferred: bool = False
+    ) -> None:
         t = self.timeout if timeout is None else timeout
+        if self.transport == "nvshmem" and deferred:
+            self._wait_deferred(kind, src, 1, value, what, t)
+            return
         if self.transport == "nvshmem":
             if self._nv_wait(self._word(kind, src), 1, ">=", value, t)[1] is not None:
                 self._silent(src, what, t, value)
@@ -305,13 +336,19 @@ class SymmBuffer:
             pass  # raised below, outside the handler, so the C++ message does not chain onto ours
         self._silent(src, what, t, value)
 
-    def _wait_all_sources(self, kind: int, value: int, what: str, timeout: float | None = None) -> None:
-        """Wait for word ``kind`` of every source rank to reach ``value`` (nvshmem: one device wait, one sync)."""
+    def _wait_all_sources(
+        self, kind: int, value: int, what: str, timeout: float | None = None, deferred: bool = False
+    ) -> None:
+        """Wait for word ``kind`` of every source rank to reach ``value`` (nvshmem: one device wait, one sync;
+        with ``deferred`` no sync: the outcome is checked later)."""
         if self.transport != "nvshmem":
             for src in range(self.world_size):
                 self._wait_from(kind, src, value, what, timeout)
             return
         t = self.timeout if timeout is None else timeout
+        if deferred:
+            self._wait_deferred(kind, 0, self.world_size, value, what, t)
+            return
         failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t)[1]
         if failed is not None:
             self._silent(failed, what, t, value)
@@ -332,7 +369,9 @@ class SymmBuffer:
 
     # collective exchange used by the dispatch/combine protocol
 
-    def exchange(self, region_bytes: int, tag: str = "exchange", timeout: float | None = None) -> Exchange:
+    def exchange(
+        self, region_bytes: int, tag: str = "exchange", timeout: float | None = None, deferred: bool = False
+    ) -> Exchange:
         """Begin one all-to-all of byte payloads (collective: every rank calls it in the same order).
 
         Each source rank owns a region of ``region_bytes`` in every receiver's buffer.
@@ -340,6 +379,11 @@ class SymmBuffer:
         memory: a one-sided put with no staging copy), call ``ex.commit(r, nbytes)``,
         then ``ex.receive(recv_bytes)`` returns per-source views of what arrived, valid
         until ``ex.release()``. See :meth:`all_to_all` for the one-call form.
+
+        ``deferred=True`` (nvshmem): the waits for peers are kernels on the current stream whose outcome
+        is checked later (:meth:`synchronize`, or the next collective call), so the exchange never blocks
+        the host; everything that reads received data must then run on that stream. Other transports wait
+        on the host as usual.
         """
         w = self.world_size
         self._check_usable()
@@ -357,7 +401,7 @@ class SymmBuffer:
                 )
         self._epochs["a2a"] = self._epochs.get("a2a", 0) + 1
         self._open = Exchange(
-            self, self._epochs["a2a"], region_bytes, tag, self.timeout if timeout is None else timeout
+            self, self._epochs["a2a"], region_bytes, tag, self.timeout if timeout is None else timeout, deferred
         )
         return self._open
 
@@ -405,6 +449,7 @@ class SymmBuffer:
         would wait for the silent peer; its memory returns when the process exits.
         """
         self._peers = []
+        self._staging = {}
         self.local = torch.empty(0, dtype=torch.uint8)
         if self._nv is not None:
             nv, self._nv = self._nv, None
@@ -422,8 +467,9 @@ class SymmBuffer:
 class Exchange:
     """One all-to-all in flight on a :class:`SymmBuffer` (see :meth:`SymmBuffer.exchange`)."""
 
-    def __init__(self, buf: SymmBuffer, epoch: int, region_bytes: int, tag: str, timeout: float):
+    def __init__(self, buf: SymmBuffer, epoch: int, region_bytes: int, tag: str, timeout: float, deferred: bool):
         self.buf, self.epoch, self.region_bytes, self.tag, self.timeout = buf, epoch, region_bytes, tag, timeout
+        self.deferred = deferred
         w = buf.world_size
         self._sizes = [None] * w
         self._staging: list[torch.Tensor | None] = [None] * w
@@ -439,11 +485,16 @@ class Exchange:
             return self._staging[dst]
         if self.epoch > 1 and not self._acked[dst]:
             # dst must have consumed our previous message before we overwrite its region.
-            buf._wait_from(_ACK, dst, self.epoch - 1, f"{self.tag} consumed", self.timeout)
+            buf._wait_from(_ACK, dst, self.epoch - 1, f"{self.tag} consumed", self.timeout, self.deferred)
             self._acked[dst] = True
         if buf._peers[dst] is None:  # nvshmem peer outside the NVLink domain: staged, put by commit()
             if self._staging[dst] is None:
-                self._staging[dst] = torch.empty(self.region_bytes, dtype=torch.uint8, device=buf.local.device)
+                # Kept by the buffer, so the address is the same every call: the put of an earlier exchange
+                # ran before anything later on the stream can overwrite it.
+                key = (dst, self.region_bytes)
+                if key not in buf._staging:
+                    buf._staging[key] = torch.empty(self.region_bytes, dtype=torch.uint8, device=buf.local.device)
+                self._staging[dst] = buf._staging[key]
             return self._staging[dst]
         off = buf.rank * self.region_bytes
         return buf._peers[dst][off : off + self.region_bytes]
@@ -492,7 +543,7 @@ class Exchange:
             self._recv = list(torch.split(recv, list(recv_bytes)))
             return self._recv
         out = []
-        buf._wait_all_sources(_READY, self.epoch, f"{self.tag} data", self.timeout)
+        buf._wait_all_sources(_READY, self.epoch, f"{self.tag} data", self.timeout, self.deferred)
         for src in range(w):
             n = recv_bytes[src]
             if n > self.region_bytes:

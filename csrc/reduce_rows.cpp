@@ -154,6 +154,7 @@ void gather_range(int64_t i0, int64_t i1, uintptr_t out, const int64_t *addrs, i
 
 void copy_range(int64_t i0, int64_t i1, const int64_t *dst, const int64_t *src, int64_t row_bytes) {
     for (int64_t i = i0; i < i1; ++i) {
+        if (dst[i] == 0 || src[i] == 0) continue;  // a skipped row (fixed-shape row lists mark unused slots 0)
         std::memcpy(reinterpret_cast<void *>(dst[i]), reinterpret_cast<const void *>(src[i]),
                     static_cast<size_t>(row_bytes));
     }
@@ -170,16 +171,13 @@ void register_gather_by_address(py::module_ &m) {
             if (dst_addrs == 0 || src_addrs == 0) throw std::invalid_argument("null pointer");
             const int64_t *d = reinterpret_cast<const int64_t *>(dst_addrs);
             const int64_t *s = reinterpret_cast<const int64_t *>(src_addrs);
-            for (int64_t i = 0; i < num_rows; ++i) {
-                if (d[i] == 0 || s[i] == 0) throw std::invalid_argument("row " + std::to_string(i) + ": null address");
-            }
             py::gil_scoped_release release;
             for_row_ranges(num_rows, num_threads, 64,
                            [&](int64_t lo, int64_t hi) { copy_range(lo, hi, d, s, row_bytes); });
         },
         py::arg("dst_addrs"), py::arg("src_addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
         "Row i: copy row_bytes from address src_addrs[i] to dst_addrs[i] (int64 address arrays; rows must not "
-        "overlap).");
+        "overlap); a row where either address is 0 is skipped.");
     m.def(
         "gather_rows_by_address",
         [](uintptr_t out, uintptr_t addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {

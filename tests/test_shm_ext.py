@@ -137,6 +137,10 @@ def test_row_copies_by_address():
         _copy_rows(dst, torch.tensor([0]), src, torch.tensor([-1]))
     with pytest.raises(ValueError, match=r"byte \(uint8\) tensors only"):
         _copy_rows(dst.view(torch.int16), torch.tensor([0]), src.view(torch.int16), torch.tensor([0]))
-    with pytest.raises(ValueError, match="row 1: null address"):
-        z = torch.tensor([dst.data_ptr(), 0])
-        _C.copy_rows_by_address(z.data_ptr(), z.data_ptr(), 2, 96, 1)
+    # a zero address on either side skips the row (fixed-shape row lists mark their unused slots so)
+    before = dst.clone()
+    d_addr = torch.tensor([dst[7].data_ptr(), 0, dst[9].data_ptr()])
+    s_addr = torch.tensor([src[1].data_ptr(), src[2].data_ptr(), 0])
+    _C.copy_rows_by_address(d_addr.data_ptr(), s_addr.data_ptr(), 3, 96, 1)
+    before[7] = src[1]
+    assert torch.equal(dst, before)

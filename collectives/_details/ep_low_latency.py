@@ -1,7 +1,23 @@
 """EPBuffer's low-latency mode (decode): fixed-slot dispatch into the masked layout and its combine.
 
-Every message has a fixed size, so shapes never depend on the routing. Mixed into
-:class:`~epkit.collectives.ep_buffer.EPBuffer`; it uses the buffer's ``buffer`` (SymmBuffer),
+Every message has a fixed size and every row move is described by fixed-length address lists
+built with tensor ops (a 0 address skips a row), so neither shapes nor the host's work depend
+on the routing. Two ways to run it, one protocol:
+
+- **host-checked** (CPU rows): the routing and the received headers are read on the host, so a bad
+  input raises ``ValueError`` on every rank in the same call; rows move through ``epkit._C``.
+- **stream-ordered** (CUDA rows; on CPU when ``ep_rows.PORTABLE`` is set, which is how the tests run
+  it): no host read of any routing-dependent value and no waiting for the device. Waits for peers are
+  timed device waits (``SymmBuffer.exchange(deferred=True)``); rows move through the Triton
+  address-list kernel; invalid expert ids, slot overflow and peers' rejections are found on the
+  device, carried in the message headers, and raised as ``ValueError`` on every rank by a later call
+  (or by :meth:`EPBuffer.synchronize`), the rows of the failing call being unspecified. Since the
+  ranks learn of it at different calls, such a failure retires the buffer on every rank (later calls
+  raise RuntimeError naming it): create a new EPBuffer. The one device-to-host transfer is the
+  header status words (3 per source), copied without blocking into pinned memory and read by a
+  later call once the stream has passed them.
+
+Mixed into :class:`~epkit.collectives.ep_buffer.EPBuffer`; it uses the buffer's ``buffer`` (SymmBuffer),
 sizes, ``_guard``/``_reject_locally``, ``_check_topk`` and ``_ll_cache``.
 """
 
@@ -11,12 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from epkit.collectives._details.ep_rows import _META_MSG, _al, _block_rows, _copy_rows, reduce_indexed
+from epkit.collectives._details import ep_rows
+from epkit.collectives._details.ep_rows import _META_MSG, _al, move_rows, reduce_gathered, reduce_indexed
+
+# Status word of a low-latency message header.
+_OK, _REJECTED, _BAD_IDS, _OVERFLOW = 0, -1, -2, -3
 
 
 @dataclass
 class LowLatencyHandle:
-    """State for :meth:`EPBuffer.low_latency_combine`."""
+    """State for :meth:`EPBuffer.low_latency_combine` (tensors on the buffer's device)."""
 
     num_tokens: int
     dst_of: torch.Tensor  # [T, K] destination rank per slot (-1: none)
@@ -26,8 +46,46 @@ class LowLatencyHandle:
     n_max: int = 0  # slots per (source, local expert) of the dispatch
 
 
+def _describe(src: int, code: int, n_used: int, fp8_used: int, text: str, n_max: int | None, use_fp8: bool):
+    """The error one received header reports, or None."""
+    if code == _REJECTED:
+        return f"rank {src}: {text}"
+    if code == _BAD_IDS:
+        return f"rank {src}: topk_idx holds expert ids outside [-1, num_experts)"
+    if code == _OVERFLOW:
+        return (
+            f"rank {src}: an expert gets more (token, expert) pairs than its {n_used} slots "
+            f"(duplicate expert ids within a token?)"
+        )
+    if code != _OK:
+        return f"rank {src}: corrupt low-latency header (status {code})"
+    if n_max is not None and (n_used != n_max or fp8_used != int(use_fp8)):
+        return (
+            f"rank {src} used num_max_dispatch_tokens_per_rank={n_used}, use_fp8={bool(fp8_used)}"
+            f" but this rank {n_max}, {use_fp8}"
+        )
+    return None
+
+
+def _spacing(views: list[torch.Tensor]) -> tuple[int, int]:
+    """(address of the first received message, bytes between consecutive sources' messages).
+
+    Direct transports receive into fixed regions of the local buffer and the torch transport into
+    one tensor split evenly (every low-latency message has the same size), so the spacing is uniform.
+    """
+    ptrs = [v.data_ptr() for v in views]
+    stride = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+    if any(b - a != stride for a, b in zip(ptrs, ptrs[1:])) or stride < 0:
+        raise RuntimeError(f"low-latency messages are not evenly spaced in memory ({ptrs})")
+    return ptrs[0], stride
+
+
 class LowLatencyMixin:
     """``low_latency_dispatch`` / ``low_latency_combine`` of :class:`~epkit.collectives.ep_buffer.EPBuffer`."""
+
+    def _ll_stream_ordered(self) -> bool:
+        """Whether low-latency calls run without host reads of routing data (CUDA rows, or PORTABLE on CPU)."""
+        return self.device.type != "cpu" or ep_rows.PORTABLE[0]
 
     def _ll_row(self, use_fp8: bool) -> tuple[int, int]:
         """(x bytes, scale bytes) of one low-latency row."""
@@ -38,21 +96,45 @@ class LowLatencyMixin:
         """Header of a low-latency message: int32 [status, n_max, use_fp8, count per local expert], error text."""
         return _al(4 * (3 + self.num_local_experts)) + _META_MSG
 
-    @staticmethod
-    def _ll_errors(views, hdr: int, n_max: int | None, use_fp8: bool) -> list[str]:
-        """Rejections and parameter mismatches seen in the received headers (identical on every rank)."""
+    def _ll_heads(self, views) -> torch.Tensor:
+        """The received headers' int words ``[W, 3 + L]`` (a copy: the views are reused by later messages)."""
+        n = 3 + self.num_local_experts
+        return torch.stack([v[: 4 * n].view(torch.int32) for v in views])
+
+    def _ll_errors(self, views, hdr: int, n_max: int | None, use_fp8: bool) -> list[str]:
+        """Rejections and parameter mismatches seen in the received headers, read on the host."""
+        heads = self._ll_heads(views).tolist()
         errors = []
-        for src, v in enumerate(views):
-            head = v[:12].view(torch.int32).tolist()
-            if head[0] == -1:
-                text = bytes(v[hdr - _META_MSG : hdr].tolist()).rstrip(b"\0").decode(errors="replace")
-                errors.append(f"rank {src}: {text}")
-            elif n_max is not None and (head[1] != n_max or head[2] != int(use_fp8)):
-                errors.append(
-                    f"rank {src} used num_max_dispatch_tokens_per_rank={head[1]}, use_fp8={bool(head[2])}"
-                    f" but this rank {n_max}, {use_fp8}"
-                )
+        for src, head in enumerate(heads):
+            text = ""
+            if head[0] == _REJECTED:
+                text = bytes(views[src][hdr - _META_MSG : hdr].tolist()).rstrip(b"\0").decode(errors="replace")
+            msg = _describe(src, head[0], head[1], head[2], text, n_max, use_fp8)
+            if msg is not None:
+                errors.append(msg)
         return errors
+
+    def _ll_defer_errors(self, views, hdr: int, n_max: int, use_fp8: bool) -> torch.Tensor:
+        """Stream-ordered header check: record it for a later call; returns the ``[W]`` rows-are-valid mask."""
+        heads = self._ll_heads(views)
+        texts = torch.stack([v[hdr - _META_MSG : hdr] for v in views])  # read on the host only if rejected
+
+        def judge(values):
+            errors = []
+            for src in range(self.world_size):
+                code, n_used, fp8_used = values[3 * src : 3 * src + 3]
+                text = ""
+                if code == _REJECTED:  # error path only: this reads the saved text from the device
+                    text = bytes(texts[src].tolist()).rstrip(b"\0").decode(errors="replace")
+                msg = _describe(src, code, n_used, fp8_used, text, n_max, use_fp8)
+                if msg is not None:
+                    errors.append(msg)
+            if errors:
+                return ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+            return None
+
+        self.buffer.deferred.record(heads[:, :3].long().reshape(-1), judge, self.timeout, "low-latency dispatch")
+        return (heads[:, 0] == _OK) & (heads[:, 1] == n_max) & (heads[:, 2] == int(use_fp8))
 
     def _ll_outputs(self, n_max: int, use_fp8: bool):
         """Persistent low-latency receive tensors (as DeepEP: valid until the next low-latency dispatch)."""
@@ -69,6 +151,66 @@ class LowLatencyMixin:
             self._ll_cache[key] = (recv_x, torch.zeros(L, dtype=torch.int32, device=self.device))
         return self._ll_cache[key]
 
+    def _addresses(self, values: list[int]) -> torch.Tensor:
+        """``values`` (host addresses of regions) as an int64 tensor on the device, cached: the regions of a
+        buffer do not move, so the upload (non-blocking, from pinned memory) happens once."""
+        key = tuple(values)
+        cache = self.__dict__.setdefault("_addr_tables", {})
+        table = cache.get(key)
+        if table is None:
+            host = torch.tensor(values, dtype=torch.int64)
+            table = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+            if len(cache) >= 64:
+                cache.clear()
+            cache[key] = table
+        return table
+
+    def _ll_route(self, topk_idx: torch.Tensor, n_max: int):
+        """Fixed-shape routing on the rows' device.
+
+        Returns ``key [T*K]`` (global expert, ``num_experts`` for none), ``pos [T*K]`` (slot among this
+        rank's pairs for that expert: token order, then k), ``per_expert [E]`` (pairs per expert) and
+        ``status`` (a 0-dim int32 tensor: _OK, _BAD_IDS or _OVERFLOW).
+        """
+        E = self.num_experts
+        ids = topk_idx.to(self.device).long().reshape(-1)
+        n = ids.numel()
+        bad = (ids < -1) | (ids >= E)
+        key = torch.where((ids >= 0) & ~bad, ids, E)
+        per = torch.zeros(E + 1, dtype=torch.int64, device=self.device).scatter_add_(0, key, torch.ones_like(key))
+        sorted_key, perm = torch.sort(key, stable=True)
+        starts = torch.cumsum(per, 0) - per
+        pos = torch.empty_like(key).scatter_(0, perm, torch.arange(n, device=self.device) - starts[sorted_key])
+        over = (per[:E] > n_max).any()
+        status = torch.where(bad.any(), _BAD_IDS, torch.where(over, _OVERFLOW, _OK)).to(torch.int32)
+        return key, pos, per[:E], status
+
+    def _ll_check_host(self, x, topk_idx, n_max: int) -> None:
+        """Validation needing no data (every mode), then, host-checked mode only, the data checks."""
+        h, cap = self.hidden, self.num_max_dispatch_tokens_per_rank
+        if isinstance(n_max, bool) or not isinstance(n_max, int) or not 0 < n_max <= cap:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be in [1, {cap}], got {n_max!r}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h or x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"x must be bfloat16 [num_tokens, {h}], got {getattr(x, 'dtype', None)} "
+                f"{tuple(getattr(x, 'shape', ()))}"
+            )
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device} but this EPBuffer moves rows on {self.device}")
+        if x.shape[0] > n_max:
+            raise ValueError(f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {n_max}")
+        if not isinstance(topk_idx, torch.Tensor) or tuple(topk_idx.shape) != (x.shape[0], self.num_topk):
+            raise ValueError(
+                f"topk_idx must be [{x.shape[0]}, {self.num_topk}], got {tuple(getattr(topk_idx, 'shape', ()))}"
+            )
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+        if self._ll_stream_ordered():
+            if topk_idx.device != self.device:
+                raise ValueError(f"topk_idx is on {topk_idx.device}; the low-latency path needs it on {self.device}")
+        else:
+            self._check_topk(topk_idx, x.shape[0])
+
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -80,12 +222,14 @@ class LowLatencyMixin:
         """Fixed-slot dispatch into the masked layout (decode).
 
         Each (token, expert) pair goes to the expert's rank; every message has a
-        fixed size, so shapes never depend on the routing.
+        fixed size, so shapes never depend on the routing. On CUDA rows the call never
+        waits for the device (see the module docstring: errors found on the device are
+        raised by a later call on every rank, or by :meth:`EPBuffer.synchronize`).
 
         Parameters
         ----------
         x : Tensor [T, hidden] bfloat16, T <= num_max_dispatch_tokens_per_rank
-        topk_idx : Tensor [T, num_topk] int32/int64 in [-1, num_experts)
+        topk_idx : Tensor [T, num_topk] int32/int64 in [-1, num_experts), on the buffer's device
         num_max_dispatch_tokens_per_rank : int
             Slots per (source rank, local expert); at most the buffer's capacity.
         use_fp8 : bool
@@ -101,108 +245,90 @@ class LowLatencyMixin:
             buffer and reused: they stay valid until the next low-latency dispatch (clone to keep).
         recv_count : Tensor [num_local_experts] int32
         handle : LowLatencyHandle
-        hook : callable; waits for the data (a no-op when ``return_recv_hook`` is False). Call it
+        hook : callable; receives the data (a no-op when ``return_recv_hook`` is False). Call it
             before the next collective on this buffer.
         """
         n_max = num_max_dispatch_tokens_per_rank
         w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
         xb, sb = self._ll_row(use_fp8)
         hdr = self._ll_header()
+        streamed = self._ll_stream_ordered()
         # Every message has the same size on every rank (the buffer's capacity, bf16 rows), so a rank that
         # rejects its input still takes part in the exchange, whatever it passed.
         msg_bytes = min(self._region, hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h)
-        error = None
+        error = route = None
         try:
-            if (
-                isinstance(n_max, bool)
-                or not isinstance(n_max, int)
-                or not 0 < n_max <= self.num_max_dispatch_tokens_per_rank
-            ):
-                raise ValueError(
-                    f"num_max_dispatch_tokens_per_rank must be in [1, "
-                    f"{self.num_max_dispatch_tokens_per_rank}], got {n_max!r}"
-                )
-            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h or x.dtype != torch.bfloat16:
-                raise ValueError(
-                    f"x must be bfloat16 [num_tokens, {h}], got {getattr(x, 'dtype', None)} "
-                    f"{tuple(getattr(x, 'shape', ()))}"
-                )
-            if x.device != self.device:
-                raise ValueError(f"x is on {x.device} but this EPBuffer moves rows on {self.device}")
-            if x.shape[0] > n_max:
-                raise ValueError(f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {n_max}")
-            self._check_topk(topk_idx, x.shape[0])
-            t_num = x.shape[0]
-            ids = topk_idx.long().cpu()  # routing metadata on the CPU; rows stay on self.device
-            flat = ids.reshape(-1)
-            sel = (flat >= 0).nonzero().flatten()  # (t, k) pairs in token order
-            order = torch.sort(flat[sel], stable=True).indices
-            pairs = sel[order]  # grouped by expert, token order within
-            e_sorted = flat[pairs]
-            counts_e = torch.bincount(e_sorted, minlength=self.num_experts)
-            if counts_e.numel() and int(counts_e.max()) > n_max:
-                e = int(counts_e.argmax())
-                raise ValueError(
-                    f"expert {e} gets {int(counts_e[e])} (token, expert) pairs from this rank, more than "
-                    f"its {n_max} slots (duplicate expert ids within a token?)"
-                )
+            self._ll_check_host(x, topk_idx, n_max)
             if hdr + L * n_max * (xb + sb) > msg_bytes:
                 raise ValueError(f"low-latency message exceeds the {self._region}-byte region")
+            route = self._ll_route(topk_idx, n_max)
+            if not streamed and route[2].numel() and int(route[2].max()) > n_max:
+                e = int(route[2].argmax())
+                raise ValueError(
+                    f"expert {e} gets {int(route[2][e])} (token, expert) pairs from this rank, more than "
+                    f"its {n_max} slots (duplicate expert ids within a token?)"
+                )
         except Exception as exc:  # every rank must learn of it through the message header
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        ex = self.buffer.exchange(self._region, tag="ll_dispatch")
+        ex = self.buffer.exchange(self._region, tag="ll_dispatch", deferred=streamed)
         if error is not None:
-            for dst in range(w):  # tell every rank, finish the exchange so the counters stay in step, then fail
-                region = ex.send_region(dst)
-                region[:4].view(torch.int32)[0] = -1
-                raw = error.encode()[: _META_MSG - 1]
-                region[hdr - _META_MSG : hdr - _META_MSG + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-                ex.commit(dst, msg_bytes)
-            errors = self._ll_errors(ex.receive([msg_bytes] * w), hdr, None, use_fp8)
-            ex.release()
-            raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
-        starts = torch.cumsum(counts_e, 0) - counts_e
-        pos_sorted = torch.arange(pairs.numel()) - starts[e_sorted]
-        pos_of = torch.full((t_num * K,), -1, dtype=torch.int64)
-        pos_of[pairs] = pos_sorted
-        dst_of = torch.where(ids >= 0, ids // L, torch.full_like(ids, -1))
-        expert_of = torch.where(ids >= 0, ids % L, torch.full_like(ids, -1))
+            self._ll_reject(ex, error, hdr, msg_bytes, use_fp8)
+        key, pos, per_expert, status = route
+        counts = per_expert.clamp(max=n_max).view(w, L)  # what each destination expert gets from here
+        t_num = x.shape[0]
         with self._guard("low-latency dispatch"):
             if use_fp8:
-                from epkit.quant import per_token_group_cast_to_fp8
+                from epkit.quant import cast_groups_to_fp8
 
-                xq, xs = per_token_group_cast_to_fp8(x, 128)
-                x_bytes = xq.view(torch.uint8)
-                s_bytes = xs.contiguous().view(torch.uint8).view(t_num, sb)
+                xq, xs = cast_groups_to_fp8(x, 128)
+                x_src, s_src = xq.view(torch.uint8), xs.contiguous().view(torch.uint8)
             else:
-                x_bytes = x.contiguous().view(torch.uint8).view(t_num, xb)
-                s_bytes = None
-            tok_sorted = pairs // K
-            counts_by_rank = counts_e.view(w, L)
-            for step in range(w):
-                dst = (self.rank + step) % w
-                region = ex.send_region(dst)
-                head = region[: 4 * (3 + L)].view(torch.int32)
-                head[0], head[1], head[2] = 0, n_max, int(use_fp8)
-                head[3:].copy_(counts_by_rank[dst])
-                lo, hi = int(starts[dst * L]), int(starts[dst * L] + counts_by_rank[dst].sum())
-                if hi > lo:
-                    el = e_sorted[lo:hi] - dst * L
-                    slot = el * n_max + pos_sorted[lo:hi]
-                    rows = region[hdr : hdr + L * n_max * xb].view(L * n_max, xb)
-                    _copy_rows(rows, slot, x_bytes, tok_sorted[lo:hi])
-                    if s_bytes is not None:
-                        base = hdr + L * n_max * xb
-                        srows = region[base : base + L * n_max * sb].view(L * n_max, sb)
-                        _copy_rows(srows, slot, s_bytes, tok_sorted[lo:hi])
+                x_src, s_src = x.contiguous().view(torch.uint8), None
+            regions = [ex.send_region(dst) for dst in range(w)]  # waits (stream-ordered when streamed) for acks
+            heads = torch.cat(
+                [
+                    status.expand(w, 1),
+                    torch.full((w, 1), n_max, dtype=torch.int32, device=self.device),
+                    torch.full((w, 1), int(use_fp8), dtype=torch.int32, device=self.device),
+                    counts.to(torch.int32),
+                ],
+                dim=1,
+            )
+            for dst in range(w):
+                regions[dst][: 4 * (3 + L)].view(torch.int32).copy_(heads[dst])
+            # One address list per field covers every destination: pair i (token i // K) goes to slot
+            # expert * n_max + pos of its destination's region, unless it has no expert or no slot.
+            E = self.num_experts
+            bases = [r.data_ptr() for r in regions]
+            base_of = self._addresses(bases)[key.clamp(max=E - 1) // L]
+            live = (key < E) & (pos < n_max)
+            slot = (key % L) * n_max + pos.clamp(max=n_max - 1)
+            tok = torch.arange(key.numel(), device=self.device) // K
+            move_rows(
+                torch.where(live, base_of + hdr + slot * xb, 0),
+                torch.where(live, x_src.data_ptr() + tok * xb, 0),
+                xb,
+                [*bases, hdr, x_src.data_ptr()],
+            )
+            if s_src is not None:
+                off = hdr + L * n_max * xb
+                move_rows(
+                    torch.where(live, base_of + off + slot * sb, 0),
+                    torch.where(live, s_src.data_ptr() + tok * sb, 0),
+                    sb,
+                    [*bases, off, s_src.data_ptr()],
+                )
+            for dst in range(w):
                 ex.commit(dst, msg_bytes)
         recv_x, recv_count = self._ll_outputs(n_max, use_fp8)
+        ids = key.view(t_num, K)
+        live = live.view(t_num, K)
         handle = LowLatencyHandle(
             num_tokens=t_num,
-            dst_of=dst_of,
-            expert_of=expert_of,
-            pos_of=pos_of.view(t_num, K),
-            counts=torch.zeros((w, L), dtype=torch.int64),
+            dst_of=torch.where(live, ids // L, -1),
+            expert_of=torch.where(live, ids % L, -1),
+            pos_of=torch.where(live, pos.view(t_num, K), -1),
+            counts=torch.zeros((w, L), dtype=torch.int64, device=self.device),
             n_max=n_max,
         )
         state = {"done": False}
@@ -212,32 +338,85 @@ class LowLatencyMixin:
                 return
             with self._guard("low-latency dispatch receive"):
                 views = ex.receive([msg_bytes] * w)
-            errors = self._ll_errors(views, hdr, n_max, use_fp8)
-            if errors:
-                ex.release()
-                raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
-            counts = torch.stack([v[12 : 4 * (3 + L)].view(torch.int32).long() for v in views]).cpu()  # [W, L]
-            handle.counts = counts
-            xv = recv_x[0] if use_fp8 else recv_x
-            x_dst = xv.view(torch.uint8).view(L * n_max * w, xb)
-            s_dst = recv_x[1].view(torch.uint8).view(L * n_max * w, sb) if use_fp8 else None
-            starts = torch.cumsum(counts, 0) - counts  # [W, L]: where each source's rows start per expert
-            for src in range(w):
-                src_rows, dst_rows = _block_rows(counts[src], starts[src], n_max, n_max * w)
-                if src_rows.numel():
-                    v = views[src]
-                    _copy_rows(x_dst, dst_rows, v[hdr : hdr + L * n_max * xb].view(L * n_max, xb), src_rows)
-                    if s_dst is not None:
-                        base = hdr + L * n_max * xb
-                        _copy_rows(s_dst, dst_rows, v[base : base + L * n_max * sb].view(L * n_max, sb), src_rows)
-            recv_count.copy_(counts.sum(0).to(torch.int32))
-            ex.release()
-            self.recv_tokens_per_expert_total += counts.sum(0)
+            if streamed:
+                ok = self._ll_defer_errors(views, hdr, n_max, use_fp8)
+            else:
+                errors = self._ll_errors(views, hdr, n_max, use_fp8)
+                if errors:
+                    ex.release()
+                    raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+                ok = torch.ones(w, dtype=torch.bool)
+            with self._guard("low-latency dispatch receive"):
+                got = self._ll_heads(views)[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
+                got = torch.where(ok[:, None], got, 0)  # [W, L]
+                self._ll_unpack(views, recv_x, got, n_max, hdr, xb, sb)
+                recv_count.copy_(got.sum(0).to(torch.int32))
+                handle.counts = got
+                ex.release()  # after the reads above on the stream
+            self._count_load(got.sum(0))
             state["done"] = True
 
         if not return_recv_hook:
             hook()
         return recv_x, recv_count, handle, hook
+
+    def _ll_reject(self, ex, error: str, hdr: int, msg_bytes: int, use_fp8: bool):
+        """Tell every rank, finish the exchange so the counters stay in step, then raise."""
+        for dst in range(self.world_size):
+            region = ex.send_region(dst)
+            region[:4].view(torch.int32)[0] = _REJECTED
+            raw = error.encode()[: _META_MSG - 1]
+            text = torch.zeros(_META_MSG, dtype=torch.uint8)
+            text[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            region[hdr - _META_MSG : hdr].copy_(text)
+            ex.commit(dst, msg_bytes)
+        views = ex.receive([msg_bytes] * self.world_size)
+        self.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
+        errors = self._ll_errors(views, hdr, None, use_fp8)
+        ex.release()
+        exc = ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+        if self._ll_stream_ordered():  # the peers learn of it at a later call: the buffer is done on every rank
+            self.buffer.mark_broken(str(exc))
+        raise exc
+
+    def _ll_unpack(self, views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
+        """Received slots -> the masked layout: expert e's rows ordered by source, then slot (fixed-shape)."""
+        w, L = self.world_size, self.num_local_experts
+        dev = self.device
+        starts = torch.cumsum(counts, 0) - counts  # [W, L]: where each source's rows start per expert
+        src = torch.arange(w, device=dev).view(w, 1, 1)
+        e = torch.arange(L, device=dev).view(1, L, 1)
+        i = torch.arange(n_max, device=dev).view(1, 1, n_max)
+        live = i < counts[:, :, None]
+        slot = e * n_max + i
+        row = e * (n_max * w) + starts[:, :, None] + i
+        first, stride = _spacing(views)
+        x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
+        msg = first + src * stride
+        move_rows(
+            torch.where(live, x_dst + row * xb, 0),
+            torch.where(live, msg + hdr + slot * xb, 0),
+            xb,
+            [first, stride, hdr, x_dst],
+        )
+        if sb:
+            s_dst, off = recv_x[1].data_ptr(), hdr + L * n_max * xb
+            move_rows(
+                torch.where(live, s_dst + row * sb, 0),
+                torch.where(live, msg + off + slot * sb, 0),
+                sb,
+                [first, stride, off, s_dst],
+            )
+
+    def _count_load(self, per_expert: torch.Tensor) -> None:
+        """Add to the EPLB load counter without a host read (a device accumulator on CUDA rows)."""
+        if per_expert.device == self.recv_tokens_per_expert_total.device:
+            self.recv_tokens_per_expert_total += per_expert
+            return
+        acc = self.__dict__.get("_device_load")
+        if acc is None:
+            acc = self._device_load = torch.zeros_like(per_expert)
+        acc += per_expert
 
     def low_latency_combine(
         self,
@@ -252,7 +431,8 @@ class LowLatencyMixin:
         Parameters
         ----------
         y : Tensor [num_local_experts, N * W, hidden] bfloat16 (the masked layout of the dispatch)
-        topk_idx, topk_weights : Tensor [T, num_topk] as given to the dispatch (weights float32)
+        topk_idx, topk_weights : Tensor [T, num_topk] as given to the dispatch (weights float32, on the
+            buffer's device)
         handle : LowLatencyHandle
 
         Returns
@@ -277,27 +457,37 @@ class LowLatencyMixin:
                 )
             if tuple(topk_idx.shape) != (t_num, K) or tuple(topk_weights.shape) != (t_num, K):
                 raise ValueError(f"topk_idx and topk_weights must be [{t_num}, {K}]")
+            if self._ll_stream_ordered() and topk_weights.device != self.device:
+                raise ValueError(f"topk_weights is on {topk_weights.device}; the low-latency path needs {self.device}")
         except ValueError as exc:
             self._reject_locally("low-latency combine", exc)
-        row = 2 * h
-        msg_bytes = L * n_max * row
         with self._guard("low-latency combine"):
-            return self._ll_combine(y, topk_weights, handle, msg_bytes, row, return_recv_hook)
+            return self._ll_combine(y, topk_weights, handle, return_recv_hook)
 
-    def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, msg_bytes: int, row: int, return_recv_hook):
+    def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook):
         w, L, h = self.world_size, self.num_local_experts, self.hidden
         t_num, n_max = handle.num_tokens, handle.n_max
-        ex = self.buffer.exchange(self._region, tag="ll_combine")
-        yb = y.contiguous().view(torch.uint8).view(L, n_max * w, row)
-        starts = torch.cumsum(handle.counts, 0) - handle.counts  # [W, L] offset of each source within expert rows
-        y_rows = yb.view(L * n_max * w, row)
-        for step in range(w):
-            src = (self.rank + step) % w
-            region = ex.send_region(src)[:msg_bytes].view(L * n_max, row)
-            slots, rows = _block_rows(handle.counts[src], starts[src], n_max, n_max * w)
-            if slots.numel():
-                _copy_rows(region, slots, y_rows, rows)
-            ex.commit(src, msg_bytes)
+        row = 2 * h
+        msg_bytes = L * n_max * row
+        streamed = self._ll_stream_ordered()
+        ex = self.buffer.exchange(self._region, tag="ll_combine", deferred=streamed)
+        y = y.contiguous()
+        counts = handle.counts.to(self.device)
+        starts = torch.cumsum(counts, 0) - counts  # [W, L] offset of each source within expert rows
+        dev = self.device
+        src = torch.arange(w, device=dev).view(w, 1, 1)
+        e = torch.arange(L, device=dev).view(1, L, 1)
+        i = torch.arange(n_max, device=dev).view(1, 1, n_max)
+        live = i < counts[:, :, None]
+        bases = [ex.send_region(s).data_ptr() for s in range(w)]
+        move_rows(
+            torch.where(live, self._addresses(bases)[src] + (e * n_max + i) * row, 0),
+            torch.where(live, y.data_ptr() + (e * (n_max * w) + starts[:, :, None] + i) * row, 0),
+            row,
+            [*bases, y.data_ptr()],
+        )
+        for s in range(w):
+            ex.commit(s, msg_bytes)
         out = {}
 
         def hook():
@@ -305,10 +495,16 @@ class LowLatencyMixin:
                 return out["y"]
             with self._guard("low-latency combine receive"):
                 views = ex.receive([msg_bytes] * w)
-                sources = [v[: L * n_max * row].view(torch.bfloat16).view(L * n_max, h) for v in views]
                 slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
-                res = torch.empty((t_num, h), dtype=torch.bfloat16, device=y.device)
-                reduce_indexed(res, sources, handle.dst_of, slot, topk_weights.float())
+                if streamed:
+                    _, stride = _spacing(views)
+                    table = views[0].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
+                    acc = reduce_gathered(table, handle.dst_of, slot, topk_weights.float())
+                    res = acc.to(torch.bfloat16)
+                else:
+                    sources = [v[: L * n_max * row].view(torch.bfloat16).view(L * n_max, h) for v in views]
+                    res = torch.empty((t_num, h), dtype=torch.bfloat16, device=y.device)
+                    reduce_indexed(res, sources, handle.dst_of, slot, topk_weights.float())
                 ex.release()
             out["y"] = res
             return out["y"]

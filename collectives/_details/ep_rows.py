@@ -169,21 +169,46 @@ def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src
     _C.copy_rows_by_address(dst_addrs.data_ptr(), src_addrs.data_ptr(), n, dst.shape[1], torch.get_num_threads())
 
 
-def _block_rows(counts: torch.Tensor, starts: torch.Tensor, slots_per_expert: int, rows_per_expert: int):
-    """For one source rank: (slot index in its [L * slots] message, row index in the [L * rows] expert layout).
+def move_rows(dst_addrs: torch.Tensor, src_addrs: torch.Tensor, row_bytes: int, bases: list[int]) -> None:
+    """Row i: copy ``row_bytes`` from address ``src_addrs[i]`` to ``dst_addrs[i]``; a 0 on either side skips it.
 
-    Expert e holds ``counts[e]`` of this source's rows, at message slots ``e * slots + i``
-    and layout rows ``e * rows + starts[e] + i`` for ``i < counts[e]``.
+    The lists have a fixed length (routing-independent), so callers build them with tensor ops and
+    never read them on the host. ``bases``: every base address and offset the addresses were formed
+    from (their common alignment picks the word width). CPU lists go to ``epkit._C`` (multi-threaded
+    memcpy); device lists (or ``PORTABLE``) to the Triton kernel, which on CPU runs in the interpreter.
     """
-    counts = counts.long()
-    total = int(counts.sum())
-    if total == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty
-    experts = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    first = torch.cumsum(counts, 0) - counts
-    i = torch.arange(total) - first[experts]
-    return experts * slots_per_expert + i, experts * rows_per_expert + starts.long()[experts] + i
+    if dst_addrs.numel() == 0 or row_bytes == 0:
+        return
+    if _by_address(dst_addrs, src_addrs):
+        from epkit import _C
+
+        d, s = dst_addrs.contiguous(), src_addrs.contiguous()
+        _C.copy_rows_by_address(d.data_ptr(), s.data_ptr(), d.numel(), row_bytes, torch.get_num_threads())
+        return
+    from epkit.kernels.triton.copy_rows import copy_rows_by_address, word_bytes_for
+
+    copy_rows_by_address(dst_addrs.reshape(-1), src_addrs.reshape(-1), row_bytes, word_bytes_for(row_bytes, *bases))
+
+
+def reduce_gathered(
+    table: torch.Tensor, src_of: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``sum_k w[t, k] * table[src_of[t, k], row_of[t, k]]`` in float32, k ascending; ``src_of < 0`` skips the term.
+
+    Fixed-shape tensor ops only (no host reads), the arithmetic of :func:`reduce_indexed`: each product
+    rounded to float32, then added to an accumulator that starts at +0, so the bits agree with it.
+
+    table : Tensor [S, R, H] (any float dtype); src_of, row_of : Tensor [T, K] int64; weights [T, K] float32.
+    Returns Tensor [T, H] float32.
+    """
+    t_num, k_num = src_of.shape
+    acc = torch.zeros((t_num, table.shape[2]), dtype=torch.float32, device=table.device)
+    live = src_of >= 0
+    s, r = src_of.clamp(min=0), row_of.clamp(min=0)
+    for k in range(k_num):
+        term = weights[:, k, None].float() * table[s[:, k], r[:, k]].float()
+        acc += torch.where(live[:, k, None], term, 0.0)
+    return acc
 
 
 def _check_biases(bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:

@@ -103,6 +103,14 @@ def per_token_group_cast_to_fp8(
     _check_float(x, "x")
     if not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    return cast_groups_to_fp8(x, group_size, ue8m0)
+
+
+def cast_groups_to_fp8(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False):
+    """:func:`per_token_group_cast_to_fp8` without its checks, which read ``x`` on the host (a device sync).
+
+    For stream-ordered callers (the low-latency dispatch); non-finite input gives unspecified rows.
+    """
     k = x.shape[-1]
     groups = -(-k // group_size)
     xv = _pad_last(x.float(), group_size).reshape(*x.shape[:-1], groups, group_size)

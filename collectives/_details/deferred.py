@@ -1,0 +1,126 @@
+"""Checks whose outcome the host learns later: the error reporting of stream-ordered (host-sync-free) calls.
+
+A call that must not wait for the GPU (the low-latency dispatch/combine) still has to report a peer
+that never signalled or an input that was invalid on some rank. It records what to check here and
+returns; the outcome becomes readable once the CUDA stream passes the point where it was recorded:
+
+- a timed device wait writes its 2-word result straight into pinned host memory (``host_slot``);
+- a status computed on the device is copied into pinned memory with a non-blocking copy.
+
+Neither synchronizes the host. :meth:`DeferredChecks.poll` (called at the start of every later
+collective on the buffer) raises the first failure among the checks the stream has passed, and
+:meth:`DeferredChecks.drain` waits, with a deadline, for all of them (``synchronize()``). On CPU
+the "stream" is the host itself: a check is complete as soon as it is recorded, and the same code
+raises at the next poll, which is what lets the CPU tests exercise the GPU semantics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+#: Seconds beyond a check's own timeout before an unfinished stream counts as stuck.
+STREAM_GRACE_S = 10.0
+
+
+@dataclass
+class _Check:
+    event: object  # torch.cuda.Event, or None when complete on record (CPU)
+    values: torch.Tensor  # host tensor (pinned on CUDA) holding the outcome once event completed
+    judge: Callable[[list[int]], BaseException | None]
+    deadline: float
+    what: str
+
+
+class DeferredChecks:
+    """FIFO of pending checks for one buffer (see the module docstring).
+
+    Parameters
+    ----------
+    device : torch.device
+        Where the checked work runs (``cuda`` or ``cpu``).
+    on_failure : callable(reason)
+        Called before any failure is raised, e.g. ``SymmBuffer.mark_broken``: the ranks learn of a
+        deferred failure at different calls, so their exchange counters can no longer be trusted.
+    """
+
+    def __init__(self, device: torch.device, on_failure: Callable[[str], None] | None = None):
+        self.device = device
+        self.on_failure = on_failure
+        self._pending: deque[_Check] = deque()
+        # Checks dropped after a failure: their host slots stay allocated, since a wait kernel that has not
+        # run yet still writes into its slot.
+        self._retired: list[_Check] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def host_slot(self, n: int) -> torch.Tensor:
+        """A fresh ``[n]`` int64 host tensor a device kernel may write (pinned, so mapped, on CUDA)."""
+        slot = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        slot._epkit_host = True  # host memory by design (epkit.testing.host_sync exempts it)
+        return slot
+
+    def record(self, values: torch.Tensor, judge, timeout: float, what: str) -> None:
+        """Check ``values`` once the current stream has passed this point.
+
+        ``values`` is either a host tensor from :meth:`host_slot` that queued device work fills, or a
+        device tensor (int, a few words) copied into one here without blocking (on CUDA a non-blocking
+        device-to-host copy into pinned memory: it orders on the stream and never waits). ``judge(list_of_ints)``
+        returns the exception to raise, or None.
+        """
+        if not getattr(values, "_epkit_host", False):  # device data: the one copy, non-blocking into pinned memory
+            host = self.host_slot(values.numel())
+            host.copy_(values.reshape(-1), non_blocking=True)
+            values = host
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._pending.append(_Check(event, values, judge, time.monotonic() + timeout + STREAM_GRACE_S, what))
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        if self.on_failure is not None:
+            self.on_failure(str(exc))
+        return exc
+
+    def _retire(self) -> None:
+        self._retired.extend(self._pending)
+        self._pending.clear()
+
+    def poll(self) -> None:
+        """Raise the first failure among the checks the stream has passed; never blocks."""
+        while self._pending:
+            chk = self._pending[0]
+            if chk.event is not None and not chk.event.query():
+                if time.monotonic() > chk.deadline:
+                    self._retire()
+                    raise self._fail(
+                        TimeoutError(
+                            f"{chk.what}: the CUDA stream has not reached this check {STREAM_GRACE_S:g} s past its "
+                            f"timeout (stuck behind other work, or a kernel hung)"
+                        )
+                    )
+                return
+            self._pending.popleft()
+            exc = chk.judge(chk.values.numpy().tolist())  # host memory: no device access, no sync
+            if exc is not None:
+                self._retire()  # later checks depend on this one; the failure is what matters
+                raise self._fail(exc)
+
+    def drain(self) -> None:
+        """Wait until every pending check is complete (each with its own deadline), raising the first failure."""
+        while self._pending:
+            chk = self._pending[0]
+            spins = 0
+            while chk.event is not None and not chk.event.query():
+                if time.monotonic() > chk.deadline:
+                    break  # poll() reports it
+                spins += 1
+                if spins > 2000:
+                    time.sleep(50e-6)
+            self.poll()

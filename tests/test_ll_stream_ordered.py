@@ -1,0 +1,241 @@
+"""The stream-ordered low-latency path: no host reads of routing data, deferred error reports.
+
+CUDA rows take this path; ``ep_rows.PORTABLE`` runs the same code on CPU ranks (rows through the
+Triton kernel in the interpreter, waits on the host), where ``HostSyncDetector`` checks that nothing
+in the calls reads device data back. The rung-4 test checks the same on a GPU with
+``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epkit.collectives._details import ep_rows
+from epkit.collectives._details.deferred import DeferredChecks
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.ep_reference import reference_low_latency_combine, reference_low_latency_dispatch
+from epkit.kernels.triton.copy_rows import compile_signature, copy_rows_by_address, word_bytes_for
+from epkit.testing import assert_bitwise_equal, compile_triton
+from epkit.testing.host_sync import HostSyncDetector
+from epkit.testing.markers import requires_cuda
+from epkit.testing.multiprocess import run_ranks
+
+HIDDEN, EXPERTS, TOPK, N_MAX = 256, 16, 4, 16
+
+
+def _inputs(rank, num_tokens, seed=0):
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    rows = [torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(num_tokens)]
+    idx = torch.stack(rows) if rows else torch.empty((0, TOPK), dtype=torch.int64)
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    return x, idx, torch.rand(num_tokens, TOPK, generator=g)
+
+
+def _expert_outputs(recv_x, counts, use_fp8, world_size):
+    """A function of the received rows (the reference's too), NaN in the unused slots."""
+    y = torch.full((EXPERTS // world_size, N_MAX * world_size, HIDDEN), float("nan"), dtype=torch.bfloat16)
+    per_expert = []
+    for e, c in enumerate(counts):
+        rows = recv_x[0][e, :c].float() * recv_x[1][e, :c].repeat_interleave(128, 1) if use_fp8 else recv_x[e, :c]
+        y[e, :c] = (rows.float() * 2 - 1).to(torch.bfloat16)
+        per_expert.append(y[e, :c].clone())
+    return y, per_expert
+
+
+def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2):
+    """Dispatch + combine under the detector; the outputs against the reference outside it."""
+    ep_rows.PORTABLE[0] = portable
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=20)
+    events = []
+    for r in range(rounds):  # the second round goes through the acknowledgements and the deferred checks
+        x, idx, wts = _inputs(rank, [N_MAX, 5, 0, 9][(rank + r) % 4], seed=r)
+        with HostSyncDetector() as det:
+            recv_x, recv_count, handle, hook = buf.low_latency_dispatch(
+                x, idx, N_MAX, use_fp8=use_fp8, return_recv_hook=hook_mode
+            )
+            hook()
+        events += det.events
+        ref = reference_low_latency_dispatch(x, idx, N_MAX, EXPERTS, use_fp8=use_fp8)
+        assert recv_count.tolist() == ref["counts"]
+        for e, c in enumerate(ref["counts"]):
+            assert_bitwise_equal(recv_x[0][e, :c] if use_fp8 else recv_x[e, :c], ref["recv_x"][e], f"{rank=} {e=}")
+            if use_fp8:
+                assert_bitwise_equal(recv_x[1][e, :c], ref["recv_scales"][e], f"{rank=} {e=} scales")
+        y, y_ref = _expert_outputs(recv_x, ref["counts"], use_fp8, world_size)
+        with HostSyncDetector() as det:
+            out = buf.low_latency_combine(y, idx, wts, handle)
+        events += det.events
+        assert_bitwise_equal(out, reference_low_latency_combine(y_ref, idx, wts, ref), f"{rank=} combine")
+    with HostSyncDetector() as det:
+        buf.synchronize()  # nothing pending failed
+    events += det.events
+    buf.buffer.close()
+    return events
+
+
+@pytest.mark.parametrize("use_fp8,hook_mode", [(True, False), (False, True)])
+def test_stream_ordered_low_latency_reads_nothing_back_and_matches_reference(use_fp8, hook_mode):
+    res = run_ranks(_round, 4, True, use_fp8, hook_mode, timeout=120)
+    assert res == [[]] * 4, res
+
+
+def test_detector_sees_the_host_checked_path_read_routing():
+    # The same calls in host-checked mode (CPU rows) read routing and headers on the host: the detector
+    # must say so, or its silence above would mean nothing.
+    res = run_ranks(_round, 2, False, False, False, 1, timeout=90)
+    for events in res:
+        assert any("_local_scalar_dense" in e for e in events), events
+        assert any("tolist" in e for e in events), events
+
+
+def _bad_ids_later(rank, world_size, what):
+    ep_rows.PORTABLE[0] = True
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=10)
+    x, idx, wts = _inputs(rank, 6)
+    if rank == 1 and what == "ids":
+        idx[2, 1] = EXPERTS + 3
+    if rank == 1 and what == "duplicates":  # 4 pairs per token for expert 3: 24 pairs, 16 slots
+        idx = torch.full_like(idx, 3)
+    first = None
+    recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)  # returns on every rank
+    try:
+        buf.synchronize()
+    except ValueError as exc:
+        first = str(exc)
+    try:
+        buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
+        second = "no error"
+    except RuntimeError as exc:
+        second = str(exc)
+    return first, second
+
+
+@pytest.mark.parametrize(
+    "what,message",
+    [
+        ("ids", "rank 1: topk_idx holds expert ids outside"),
+        ("duplicates", "rank 1: an expert gets more .* pairs than its 16 slots"),
+    ],
+)
+def test_device_found_errors_reach_every_rank_later_and_retire_the_buffer(what, message):
+    import re
+
+    for first, second in run_ranks(_bad_ids_later, 2, what, timeout=90):
+        assert first is not None and re.search(message, first), first
+        assert "unusable" in second and "rejected on every rank" in second, second
+
+
+def _host_rejection(rank, world_size):
+    ep_rows.PORTABLE[0] = True
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=10)
+    x, idx, _ = _inputs(rank, 4)
+    if rank == 0:
+        x = x.float()  # rejected on this rank before anything moves
+    try:
+        buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
+        buf.synchronize()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_rejecting_its_input_is_reported_on_every_rank():
+    res = run_ranks(_host_rejection, 2, timeout=60)
+    for msg in res:
+        assert "rank 0: x must be bfloat16" in msg, res
+
+
+def test_deferred_checks_raise_once_complete_and_retire():
+    failures = []
+    checks = DeferredChecks(torch.device("cpu"), failures.append)
+    checks.record(torch.tensor([0, 0]), lambda v: None, 1.0, "fine")
+    checks.record(torch.tensor([3, 7]), lambda v: ValueError(f"saw {v}") if v[0] else None, 1.0, "bad")
+    checks.record(torch.tensor([1]), lambda v: TimeoutError("later"), 1.0, "after")
+    with pytest.raises(ValueError, match=r"saw \[3, 7\]"):
+        checks.poll()
+    assert failures == ["saw [3, 7]"] and len(checks) == 0  # later checks retired with the failure
+    checks.drain()  # nothing left
+
+
+def test_host_sync_detector_flags_reads_and_passes_fixed_shape_ops():
+    t = torch.arange(10)
+    with HostSyncDetector() as det:
+        y = torch.where(t > 3, t * 2, 0).cumsum(0)
+        torch.sort(y, stable=True)
+        torch.zeros(5, dtype=torch.int64).scatter_add_(0, t % 5, t)
+    assert det.events == []
+    host = torch.zeros(2, dtype=torch.int64)
+    host._epkit_host = True
+    with HostSyncDetector() as det:
+        host.numpy()
+        int(t[0])
+        t.nonzero()
+        t[t > 3]
+        t.tolist()
+        torch.bincount(t)
+    kinds = " | ".join(det.events)
+    for needle in ("_local_scalar_dense", "nonzero", "boolean mask", "Tensor.tolist", "bincount"):
+        assert needle in kinds, kinds
+    assert len(det.events) == 5, det.events
+    with pytest.raises(AssertionError, match="host read of device data"), HostSyncDetector(strict=True):
+        bool(t.any())
+
+
+def test_copy_rows_kernel_skips_zero_addresses_and_copies_bits():
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (40, 96), dtype=torch.uint8, generator=g)
+    dst = torch.full((50, 96), 7, dtype=torch.uint8)
+    want = dst.clone()
+    rows = torch.randperm(50, generator=g)[:40]
+    keep = torch.rand(40, generator=g) < 0.7
+    d = torch.where(keep, dst.data_ptr() + rows * 96, 0)
+    s = src.data_ptr() + torch.arange(40) * 96
+    s[3] = 0  # a zero on the source side skips too
+    keep[3] = False
+    want[rows[keep]] = src[keep]
+    copy_rows_by_address(d, s, 96, word_bytes_for(96, dst.data_ptr(), src.data_ptr()))
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="multiple of word_bytes"):
+        copy_rows_by_address(d, s, 94, 8)
+
+
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_copy_rows_kernel_compiles_for_sm90(word):
+    k = compile_triton(*compile_signature(word, 512))
+    assert k.cubin and ".target sm_90" in k.ptx
+    assert ("st.global" in k.ptx) and ("ld.global" in k.ptx)
+
+
+def _gpu_no_sync(rank, world_size):
+    torch.cuda.set_device(0)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="nvshmem", timeout=20)
+    x, idx, wts = _inputs(rank, 11)
+    xc, idxc, wc = x.cuda(), idx.cuda(), wts.cuda()
+    buf.low_latency_dispatch(xc, idxc, N_MAX, use_fp8=True)  # warm-up: allocations, address tables
+    buf.synchronize()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        recv_x, recv_count, handle, hook = buf.low_latency_dispatch(xc, idxc, N_MAX, use_fp8=True)
+        hook()
+        ref = reference_low_latency_dispatch(x, idx, N_MAX, EXPERTS, use_fp8=True)
+        y = torch.zeros((EXPERTS, N_MAX, HIDDEN), dtype=torch.bfloat16, device="cuda")
+        scales = recv_x[1].unsqueeze(-1).expand(-1, -1, -1, 128).reshape(EXPERTS, N_MAX, HIDDEN)
+        y.copy_(recv_x[0].float() * scales)
+        out = buf.low_latency_combine(y, idxc, wc, handle)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    buf.synchronize()
+    assert recv_count.tolist() == ref["counts"]
+    for e, c in enumerate(ref["counts"]):
+        assert_bitwise_equal(recv_x[0][e, :c].cpu(), ref["recv_x"][e], f"{e=}")
+    y_ref = [y[e, :c].cpu() for e, c in enumerate(ref["counts"])]
+    assert_bitwise_equal(out.cpu(), reference_low_latency_combine(y_ref, idx, wts, ref), "combine")
+    buf.buffer.close()
+    return True
+
+
+@requires_cuda
+def test_gpu_low_latency_makes_no_synchronizing_call():
+    assert run_ranks(_gpu_no_sync, 1, timeout=240) == [True]
