@@ -1068,6 +1068,18 @@ def _ep_loopback(ctx: Ctx, res: dict) -> None:
             return buf.low_latency_combine(r, ild, wld, hh)
 
         out["low_latency"] = ctx.time_wall(low_latency, calls=3, rounds=5)
+        buf.synchronize()  # raises what the stream-ordered calls' deferred checks found
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing call inside raises
+        try:
+            low_latency()
+            sync_msg = ""
+        except RuntimeError as exc:
+            sync_msg = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        buf.synchronize()
+        _check(res, "EPBuffer(nvshmem) low-latency dispatch+combine: no synchronizing call", not sync_msg, sync_msg)
         ctx.log(
             f"EPBuffer(nvshmem) world 1: dispatch+combine {out['dispatch_combine']['median_ms']:.2f} ms "
             f"({tokens} tokens), low-latency {out['low_latency']['median_ms']:.2f} ms ({n_ll} tokens)"
