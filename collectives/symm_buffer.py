@@ -3,11 +3,12 @@
 Transports
 ----------
 ``shm``      CPU ranks on one host. Each rank creates a POSIX shared-memory
-             segment (mode 0600, a random 128-bit name), the names travel over
-             the group, every rank maps every peer's segment, and each segment's
-             name is unlinked as soon as all ranks have attached: a killed rank
-             leaves nothing in /dev/shm (except when it dies inside the short
-             bootstrap window between creating its segment and that point). ``peer(r)`` is a direct view of rank r's
+             segment (mode 0600) named from a random 128-bit token that rank 0
+             draws and broadcasts, every rank maps every peer's segment, and each
+             segment's name is unlinked as soon as all ranks have attached: a
+             killed rank leaves nothing in /dev/shm (one dying inside the
+             bootstrap leaves a name the survivors remove, since every rank knows
+             every name in advance). ``peer(r)`` is a direct view of rank r's
              buffer; puts are plain copies into it; signals are atomics in
              ``epkit._C`` and waits are timed.
 ``nvshmem``  CUDA ranks, one process per GPU (``collectives/_nvshmem.py``): one
@@ -52,6 +53,13 @@ def _view(addr: int, nbytes: int, owner=None) -> torch.Tensor:
     arr = (ctypes.c_uint8 * nbytes).from_address(addr)
     arr._epkit_owner = owner  # torch.frombuffer holds the array, the array holds the mapping
     return torch.frombuffer(arr, dtype=torch.uint8)
+
+
+def _unlink_names(names: list[str]) -> None:
+    """Remove POSIX shared-memory names if they exist (the bootstrap's cleanup after a failure)."""
+    for name in names:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.unlink(f"/dev/shm/{name.lstrip('/')}")  # where Linux keeps POSIX shm names
 
 
 def _default_transport(group) -> str:
@@ -139,20 +147,27 @@ class SymmBuffer:
         self._num_words = 3 * w + self.num_signals
         self._data_offset = -(-self._num_words * 8 // _ALIGN) * _ALIGN
         seg_bytes = self._data_offset + max(self.num_bytes, 1)
-        name = f"/epkit-{secrets.token_hex(16)}"
-        mine = _C.ShmSegment(name, seg_bytes, True)
+        # One random 128-bit token per buffer, drawn by rank 0 before any segment exists: every rank knows
+        # every segment's name in advance, so if a rank dies between creating its segment and the unlink
+        # below, the survivors remove its name when the bootstrap fails.
+        token = [secrets.token_hex(16) if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+        names = [f"/epkit-{token[0]}-{r}" for r in range(w)]
+        mine = _C.ShmSegment(names[self.rank], seg_bytes, True)
         try:
-            names = [None] * w
-            dist.all_gather_object(names, (name, seg_bytes), group=self.group)
-            sizes = [n[1] for n in names]
+            sizes = [None] * w
+            dist.all_gather_object(sizes, seg_bytes, group=self.group)
             if len(set(sizes)) != 1:  # every rank sees the same list, so every rank raises
                 raise ValueError(
                     f"SymmBuffer sizes differ across ranks (segment bytes per rank: {sizes}); every rank "
                     f"must pass the same num_bytes and num_signals"
                 )
-            segs = [mine if r == self.rank else _C.ShmSegment(names[r][0], seg_bytes, False) for r in range(w)]
+            segs = [mine if r == self.rank else _C.ShmSegment(names[r], seg_bytes, False) for r in range(w)]
             # Every rank has attached every segment once this barrier passes: unlink the names now.
             dist.barrier(group=self.group)
+        except BaseException:
+            _unlink_names(names)  # a peer may have died holding its name: remove every name of this buffer
+            raise
         finally:
             mine.unlink()
         self._segments = segs

@@ -115,3 +115,30 @@ def test_dead_peer_times_out_naming_it():
         assert "rank 1 sent no barrier signal within 4 s" in msg, msg
         assert waited < 15
     assert _shm_names() <= before, "a killed rank must leave nothing in /dev/shm"
+
+
+def _killed_in_bootstrap(rank, world_size):
+    from epkit import _C
+
+    if rank == 1:  # dies right after creating its segment, before any peer could unlink its name
+        original = _C.ShmSegment
+
+        def create_then_die(name, size, create):
+            seg = original(name, size, create)
+            if create:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return seg
+
+        _C.ShmSegment = create_then_die
+    try:
+        SymmBuffer(dist.group.WORLD, 1 << 16, transport="shm", timeout=4)
+    except Exception as exc:  # noqa: BLE001 - gloo reports the lost peer in its own words
+        return type(exc).__name__
+    return "no error"
+
+
+def test_rank_killed_inside_the_bootstrap_leaves_no_segment():
+    before = _shm_names()
+    res = run_ranks(_killed_in_bootstrap, 3, timeout=60, may_die=(1,))
+    assert res[1] is None and res[0] != "no error" and res[2] != "no error", res
+    assert _shm_names() <= before, "the survivors must remove the dead rank's name"
