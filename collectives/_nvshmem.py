@@ -35,6 +35,7 @@ __all__ = [
     "auto_ready",
     "device_view",
     "finalize",
+    "gpu_identity",
     "layout",
     "local_job_state",
     "missing_reason",
@@ -136,7 +137,14 @@ def _describe(state: tuple) -> str:
     return "has no NVSHMEM job"
 
 
-def plan_job(states: list[tuple], group_ranks, devices: list[int]) -> str:
+def gpu_identity(device: int) -> str:
+    """``host/GPU`` naming this process's GPU across the group (the UUID where torch reports it, so two
+    processes that see one GPU under different CUDA_VISIBLE_DEVICES indices still match)."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"{os.uname().nodename}/{uuid if uuid is not None else f'cuda:{device}'}"
+
+
+def plan_job(states: list[tuple], group_ranks, devices: list[int], gpus: list[str] | None = None) -> str:
     """Decide, identically on every rank, what a new nvshmem buffer does with the process-wide job.
 
     Parameters
@@ -147,6 +155,8 @@ def plan_job(states: list[tuple], group_ranks, devices: list[int]) -> str:
         The group's global ranks (``dist.get_process_group_ranks``), in group-rank order.
     devices : list of int
         Each group rank's current CUDA device.
+    gpus : list of str, optional
+        Each group rank's :func:`gpu_identity`; two ranks on one GPU are refused (NVSHMEM needs one PE per GPU).
 
     Returns
     -------
@@ -165,6 +175,17 @@ def plan_job(states: list[tuple], group_ranks, devices: list[int]) -> str:
     group_ranks = tuple(group_ranks)
     if len(states) != len(group_ranks) or len(devices) != len(group_ranks):
         raise ValueError(f"need one state and one device per group rank ({len(group_ranks)})")
+    if gpus is not None:
+        sharing: dict[str, list[int]] = {}
+        for i, g in enumerate(gpus):
+            sharing.setdefault(g, []).append(i)
+        shared = {g: r for g, r in sharing.items() if len(r) > 1}
+        if shared:
+            detail = "; ".join(f"group ranks {r} all use {g}" for g, r in shared.items())
+            raise ValueError(
+                f"NVSHMEM needs one GPU per rank, but {detail}: call torch.cuda.set_device(local_rank) in "
+                f"every process before creating the buffer"
+            )
     finalized = [i for i, s in enumerate(states) if s[0] == "finalized"]
     if finalized:
         raise RuntimeError(
@@ -266,9 +287,10 @@ class NvshmemState:
         missing = missing_reason()
         device = torch.cuda.current_device() if missing is None else -1
         state = local_job_state() if missing is None else ("none",)
+        gpu = gpu_identity(device) if missing is None else ""
         infos = [None] * world_size
         # Every rank sees the same list, so every rank raises the same error (no rank is left waiting).
-        dist.all_gather_object(infos, (missing, alloc, state, device), group=group)
+        dist.all_gather_object(infos, (missing, alloc, state, device, gpu), group=group)
         reasons = {r: info[0] for r, info in enumerate(infos) if info[0]}
         if reasons:
             detail = "; ".join(f"rank {r}: {why}" for r, why in reasons.items())
@@ -280,7 +302,7 @@ class NvshmemState:
                 f"must pass the same num_bytes and num_signals"
             )
         ranks = dist.get_process_group_ranks(group)
-        plan = plan_job([info[2] for info in infos], ranks, [info[3] for info in infos])
+        plan = plan_job([info[2] for info in infos], ranks, [info[3] for info in infos], [info[4] for info in infos])
         cc = _load()
         if plan == "init":
             _bootstrap(cc, group, rank, world_size, device, ranks)

@@ -115,6 +115,14 @@ def test_plan_job_init_reuse_adopt():
     assert plan_job(ext, ranks, [0, 1, 2]) == "adopt"
 
 
+def test_plan_job_refuses_two_ranks_on_one_gpu():
+    ranks = [0, 1, 2]
+    gpus = ["hostA/GPU-aa", "hostA/GPU-bb", "hostB/GPU-aa"]  # same UUID text on another host is another GPU
+    assert plan_job([("none",)] * 3, ranks, [0, 1, 0], gpus) == "init"
+    with pytest.raises(ValueError, match=r"group ranks \[0, 2\] all use hostA/GPU-aa.*set_device"):
+        plan_job([("none",)] * 3, ranks, [0, 1, 0], ["hostA/GPU-aa", "hostA/GPU-bb", "hostA/GPU-aa"])
+
+
 def test_plan_job_other_membership_is_a_value_error():
     job = [("job", (0, 1, 2, 3), d) for d in (0, 1)]
     with pytest.raises(ValueError, match=r"global ranks \[0, 1\] but group rank 0 is in an NVSHMEM job over global"):
