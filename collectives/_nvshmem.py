@@ -327,6 +327,8 @@ class NvshmemState:
         self.local = self.views[rank]
         self.words = device_view(self.base, num_words * 8, self.device).view(torch.int64)
         self._result = torch.zeros(2, dtype=torch.int64, device=self.device)
+        # Set by a deferred wait that timed out: the deferred waits queued after it then return at once.
+        self._sticky = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._event = torch.cuda.Event()
 
     @property
@@ -407,7 +409,10 @@ class NvshmemState:
         if not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         slot = checks.host_slot(2)  # pinned: with unified addressing the kernel stores into it directly
-        self.cc.signal_wait_all(self.base + off, 1, count, cmp, value, float(timeout), slot.data_ptr(), self._stream())
+        sticky = self._sticky.data_ptr()
+        self.cc.signal_wait_all(
+            self.base + off, 1, count, cmp, value, float(timeout), slot.data_ptr(), self._stream(), sticky
+        )
         checks.record(slot, judge, timeout, what)
 
     def read(self, off: int) -> int:

@@ -135,7 +135,9 @@ class EPBuffer(LowLatencyMixin):
         self.transport = self.buffer.transport
         #: Where rows live (x, y, received rows, outputs); routing metadata is kept on the CPU.
         self.device = self.buffer.local.device
-        #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter).
+        #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter). The
+        #: low-latency calls on CUDA rows count on the device instead (no host read): read the total, both
+        #: included, with :meth:`take_expert_load`.
         self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
         self._ll_cache: dict = {}
 

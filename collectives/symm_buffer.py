@@ -44,6 +44,7 @@ _DIRECT = ("shm", "nvshmem")  # transports with one-sided peer views and signal 
 _ALIGN = 4096
 # Reserved signal words per rank segment: data-ready, ack and barrier words, one per source rank.
 _READY, _ACK, _BARRIER = 0, 1, 2
+MASK64 = (1 << 64) - 1
 
 
 def _view(addr: int, nbytes: int, owner=None) -> torch.Tensor:
@@ -328,7 +329,9 @@ class SymmBuffer:
         """nvshmem: a stream-ordered wait on ``count`` sources from ``first``, judged later (see DeferredChecks)."""
 
         def judge(result):
-            failed = result[1]
+            failed = result[1] & MASK64
+            if failed == MASK64:  # the kernel skipped the wait: an earlier deferred wait had timed out
+                return TimeoutError(f"rank {self.rank}: {what} skipped: an earlier wait on this buffer timed out")
             return None if failed == 0 else self._silence(first + failed - 1, what, t, value)
 
         self._nv.wait_deferred(self._word(kind, first), count, ">=", value, t, self.deferred, judge, what)

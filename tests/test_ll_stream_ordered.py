@@ -158,6 +158,48 @@ def test_deferred_checks_raise_once_complete_and_retire():
     checks.drain()  # nothing left
 
 
+class _FakeEvent:
+    """Stands in for a CUDA event whose stream has not got there yet."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_deferred_checks_wait_for_the_stream_and_time_out_from_the_head(monkeypatch):
+    import epkit.collectives._details.deferred as deferred
+
+    failures = []
+    checks = DeferredChecks(torch.device("cpu"), failures.append)
+    first, second = _FakeEvent(), _FakeEvent()
+    checks.record(torch.tensor([0]), lambda v: None, 0.2, "a")
+    checks.record(torch.tensor([1]), lambda v: ValueError("b failed"), 0.2, "b")
+    checks._pending[0].event, checks._pending[1].event = first, second
+    monkeypatch.setattr(deferred, "STREAM_GRACE_S", 0.1)
+    now = [100.0]
+    monkeypatch.setattr(deferred.time, "monotonic", lambda: now[0])
+    checks.poll()  # the stream has not reached "a": nothing to say yet ("a" is the head from now on)
+    now[0] += 0.25
+    first.done = True
+    checks.poll()  # "a" passes; "b" becomes the head now
+    now[0] += 0.25  # 0.5 s after "b" was queued, past its timeout + grace, but only 0.25 s as the head
+    checks.poll()
+    assert len(checks) == 1 and failures == []
+    second.done = True
+    with pytest.raises(ValueError, match="b failed"):
+        checks.poll()
+    assert failures == ["b failed"]
+    stuck = DeferredChecks(torch.device("cpu"), failures.append)
+    stuck.record(torch.tensor([0]), lambda v: None, 0.2, "never reached")
+    stuck._pending[0].event = _FakeEvent()
+    stuck.poll()
+    now[0] += 0.31  # timeout + grace past becoming the head, still not reached
+    with pytest.raises(TimeoutError, match="never reached: the CUDA stream has not reached"):
+        stuck.poll()
+
+
 def test_host_sync_detector_flags_reads_and_passes_fixed_shape_ops():
     t = torch.arange(10)
     with HostSyncDetector() as det:

@@ -27,13 +27,19 @@ import torch
 STREAM_GRACE_S = 10.0
 
 
+#: Checks of buffers that were dropped with work still queued: a wait kernel that has not run yet
+#: still writes its pinned slot, so the slot must never return to torch's pinned-memory cache.
+_ORPHANED: list = []
+
+
 @dataclass
 class _Check:
     event: object  # torch.cuda.Event, or None when complete on record (CPU)
     values: torch.Tensor  # host tensor (pinned on CUDA) holding the outcome once event completed
     judge: Callable[[list[int]], BaseException | None]
-    deadline: float
+    timeout: float
     what: str
+    head_since: float | None = None  # when this check became the oldest pending one
 
 
 class DeferredChecks:
@@ -81,12 +87,16 @@ class DeferredChecks:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        self._pending.append(_Check(event, values, judge, time.monotonic() + timeout + STREAM_GRACE_S, what))
+        self._pending.append(_Check(event, values, judge, timeout, what))
 
     def _fail(self, exc: BaseException) -> BaseException:
         if self.on_failure is not None:
             self.on_failure(str(exc))
         return exc
+
+    def __del__(self):
+        if self.device.type == "cuda":  # queued kernels may still write these slots
+            _ORPHANED.extend(c for c in (*self._pending, *self._retired) if c.event is not None and not c.event.query())
 
     def _retire(self) -> None:
         self._retired.extend(self._pending)
@@ -97,7 +107,12 @@ class DeferredChecks:
         while self._pending:
             chk = self._pending[0]
             if chk.event is not None and not chk.event.query():
-                if time.monotonic() > chk.deadline:
+                # The deadline runs from when the check became the oldest pending one, not from when it was
+                # queued: a host far ahead of a healthy stream must not read as a stuck stream.
+                now = time.monotonic()
+                if chk.head_since is None:
+                    chk.head_since = now
+                if now > chk.head_since + chk.timeout + STREAM_GRACE_S:
                     self._retire()
                     raise self._fail(
                         TimeoutError(
@@ -117,8 +132,10 @@ class DeferredChecks:
         while self._pending:
             chk = self._pending[0]
             spins = 0
+            if chk.head_since is None:
+                chk.head_since = time.monotonic()
             while chk.event is not None and not chk.event.query():
-                if time.monotonic() > chk.deadline:
+                if time.monotonic() > chk.head_since + chk.timeout + STREAM_GRACE_S:
                     break  # poll() reports it
                 spins += 1
                 if spins > 2000:

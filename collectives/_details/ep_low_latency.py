@@ -255,7 +255,7 @@ class LowLatencyMixin:
         streamed = self._ll_stream_ordered()
         # Every message has the same size on every rank (the buffer's capacity, bf16 rows), so a rank that
         # rejects its input still takes part in the exchange, whatever it passed.
-        msg_bytes = min(self._region, hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h)
+        msg_bytes = min(self._region, _al(hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h))
         error = route = None
         try:
             self._ll_check_host(x, topk_idx, n_max)

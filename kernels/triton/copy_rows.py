@@ -13,6 +13,8 @@ runs under the Triton interpreter (the addresses are host addresses then).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -84,9 +86,17 @@ def copy_rows_by_address(dst_addrs: torch.Tensor, src_addrs: torch.Tensor, row_b
     block_m, block_w = _blocks(w)
     grid = (triton.cdiv(n, block_m), triton.cdiv(w, block_w))
     kernel = for_device(_copy_rows_kernel, dst_addrs.device)
-    kernel[grid](
-        dst_addrs.contiguous(), src_addrs.contiguous(), n, w, WORD_BYTES=word_bytes, BLOCK_M=block_m, BLOCK_W=block_w
-    )
+    guard = torch.cuda.device(dst_addrs.device) if dst_addrs.is_cuda else contextlib.nullcontext()
+    with guard:  # launch on the lists' device's current stream, where the caller's waits are ordered
+        kernel[grid](
+            dst_addrs.contiguous(),
+            src_addrs.contiguous(),
+            n,
+            w,
+            WORD_BYTES=word_bytes,
+            BLOCK_M=block_m,
+            BLOCK_W=block_w,
+        )
 
 
 def compile_signature(word_bytes: int = 8, num_words: int = 512):
