@@ -40,6 +40,7 @@ __all__ = [
     "local_job_state",
     "missing_reason",
     "plan_job",
+    "use_extension",
 ]
 
 INSTALL_HINT = (
@@ -58,9 +59,27 @@ _SIGNAL_OPS = ("set", "add")
 # Process-wide NVSHMEM job: None, or {"ranks": global ranks, "device": CUDA index, "owner": "epkit" | "adopted"}.
 _job: dict | None = None
 _finalized = False
+# A stand-in for epkit._C_cuda with the same functions (epkit.testing.nvshmem_emulator), or None.
+_extension = None
+
+
+def use_extension(module) -> None:
+    """Route this transport through ``module`` instead of ``epkit._C_cuda`` (None: back to the real one).
+
+    Tests install ``epkit.testing.nvshmem_emulator`` this way to run the transport's host logic on CPU
+    ranks; a module with ``EMULATED = True`` puts the buffers on the CPU and has no CUDA streams.
+    """
+    global _extension
+    _extension = module
+
+
+def _emulated() -> bool:
+    return bool(getattr(_extension, "EMULATED", False))
 
 
 def _load():
+    if _extension is not None:
+        return _extension
     import epkit._C_cuda as cc
 
     return cc
@@ -74,6 +93,8 @@ def missing_reason() -> str | None:
     str or None
         The missing pieces (no CUDA device, ``epkit._C_cuda`` not importable), ``"; "``-joined.
     """
+    if _emulated():
+        return None
     problems = []
     if not torch.cuda.is_available():
         problems.append("torch sees no CUDA device (torch.cuda.is_available() is False)")
@@ -140,6 +161,8 @@ def _describe(state: tuple) -> str:
 def gpu_identity(device: int) -> str:
     """``host/GPU`` naming this process's GPU across the group (the UUID where torch reports it, so two
     processes that see one GPU under different CUDA_VISIBLE_DEVICES indices still match)."""
+    if _emulated():  # each emulated PE is its own "GPU"
+        return f"{os.uname().nodename}/emulated-pid{os.getpid()}"
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     return f"{os.uname().nodename}/{uuid if uuid is not None else f'cuda:{device}'}"
 
@@ -235,7 +258,8 @@ def finalize() -> None:
     global _finalized
     cc = _load()
     if cc.initialized():
-        torch.cuda.synchronize()
+        if not _emulated():
+            torch.cuda.synchronize()
         cc.finalize()
     _finalized = _finalized or _job is not None
 
@@ -285,7 +309,8 @@ class NvshmemState:
         global _job
         num_words, data_offset, alloc = layout(world_size, num_signals, num_bytes)
         missing = missing_reason()
-        device = torch.cuda.current_device() if missing is None else -1
+        emulated = _emulated()
+        device = (0 if emulated else torch.cuda.current_device()) if missing is None else -1
         state = local_job_state() if missing is None else ("none",)
         gpu = gpu_identity(device) if missing is None else ""
         infos = [None] * world_size
@@ -311,7 +336,8 @@ class NvshmemState:
         cc.set_device(device)  # kernels of epkit._C_cuda launch on this thread's current device
         self.cc = cc
         self.rank, self.world_size, self.num_bytes = rank, world_size, num_bytes
-        self.device = torch.device("cuda", device)
+        # The emulator's PEs are CPU processes: CPU views, and its ops complete before they return.
+        self.device = torch.device("cpu") if emulated else torch.device("cuda", device)
         self.num_words, self.data_offset = num_words, data_offset
         try:
             self.base = cc.malloc(alloc)  # collective; zero-filled
@@ -329,7 +355,7 @@ class NvshmemState:
         self._result = torch.zeros(2, dtype=torch.int64, device=self.device)
         # Set by a deferred wait that timed out: the deferred waits queued after it then return at once.
         self._sticky = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._event = torch.cuda.Event()
+        self._event = None if emulated else torch.cuda.Event()
 
     @property
     def within_domain(self) -> bool:
@@ -339,6 +365,8 @@ class NvshmemState:
         return self.peer_data[rank] != 0
 
     def _stream(self) -> int:
+        if self.device.type != "cuda":
+            return 0  # emulated: the calling thread is the stream
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def post(self, off: int, value: int, op: str, pe: int) -> None:
@@ -386,10 +414,11 @@ class NvshmemState:
         self.cc.signal_wait_all(
             self.base + off, 1, count, cmp, value, float(timeout), self._result.data_ptr(), self._stream()
         )
-        self._event.record(torch.cuda.current_stream(self.device))
+        if self._event is not None:
+            self._event.record(torch.cuda.current_stream(self.device))
         deadline = time.monotonic() + timeout + HOST_GRACE_S
         spins = 0
-        while not self._event.query():
+        while self._event is not None and not self._event.query():
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"rank {self.rank}: the CUDA stream did not finish a {timeout:g} s signal wait within "
@@ -430,7 +459,8 @@ class NvshmemState:
 
     def free(self, collective: bool) -> bool:
         """Free the allocation (collective: every rank must call it); returns False when it was left allocated."""
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.views, self.local, self.words = [], None, None
         if not collective or not self.cc.initialized():
             return False

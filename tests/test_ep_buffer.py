@@ -17,6 +17,7 @@ from epkit.collectives.ep_reference import (
 from epkit.testing import assert_bitwise_equal
 from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import RankError, run_ranks
+from epkit.testing.nvshmem_emulator import resolve_transport
 
 HIDDEN, EXPERTS, TOPK = 256, 16, 4
 
@@ -43,6 +44,7 @@ def _routing(rank, world_size, case, seed):
 
 
 def _compare(rank, world_size, transport, case, expand, alignment, fp8, seed=0):
+    transport = resolve_transport(transport)
     buf = EPBuffer(
         dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=64, num_topk=TOPK, transport=transport, timeout=20
     )
@@ -97,7 +99,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.parametrize("transport", ["shm", "torch", "nvemu", "nvemu-nop2p"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_combine_matches_reference(transport, world_size):
     for case, expand, alignment, fp8 in CASES:
@@ -163,6 +165,7 @@ def _make(rank, world_size):
 
 def _low_latency(rank, world_size, transport, use_fp8, hook_mode, num_tokens_fn):
     n_max = 16
+    transport = resolve_transport(transport)
     buf = EPBuffer(
         dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=n_max, num_topk=TOPK, transport=transport, timeout=20
     )
@@ -207,7 +210,7 @@ def _low_latency(rank, world_size, transport, use_fp8, hook_mode, num_tokens_fn)
     return True
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.parametrize("transport", ["shm", "torch", "nvemu"])
 @pytest.mark.parametrize("use_fp8,hook_mode", [(True, False), (False, True)])
 def test_low_latency_matches_reference(transport, use_fp8, hook_mode):
     assert run_ranks(_low_latency, 4, transport, use_fp8, hook_mode, _ll_tokens, timeout=90) == [True] * 4
@@ -217,12 +220,15 @@ def _ll_tokens(rank):
     return 16 if rank == 0 else [3, 0, 11][rank % 3]  # rank 0 at exactly the slot capacity
 
 
-def _killed_mid_dispatch(rank, world_size):
+def _killed_mid_dispatch(rank, world_size, transport):
     import os
     import signal
     import time
 
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=32, num_topk=TOPK, timeout=5)
+    transport = resolve_transport(transport)
+    buf = EPBuffer(
+        dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=32, num_topk=TOPK, transport=transport, timeout=5
+    )
     x, idx, w = _routing(rank, world_size, "full", 3)
     x, idx, w = x[:32], idx[:32], w[:32]
     buf.dispatch(x, idx, w)  # one good round
@@ -236,11 +242,12 @@ def _killed_mid_dispatch(rank, world_size):
     return "no error", 0.0
 
 
-def test_sigkilled_rank_times_out_naming_it_and_leaves_no_segment():
+@pytest.mark.parametrize("transport", ["shm", "nvemu"])
+def test_sigkilled_rank_times_out_naming_it_and_leaves_no_segment(transport):
     import glob
 
     before = set(glob.glob("/dev/shm/epkit-*"))
-    res = run_ranks(_killed_mid_dispatch, 4, timeout=60, may_die=(2,))
+    res = run_ranks(_killed_mid_dispatch, 4, transport, timeout=60, may_die=(2,))
     assert res[2] is None
     for rank in (0, 1, 3):
         msg, waited = res[rank]
@@ -349,6 +356,7 @@ def test_one_sided_failure_never_returns_stale_data():
 
 
 def _ll_reject_then_recover(rank, world_size, transport):
+    transport = resolve_transport(transport)
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, transport=transport, timeout=10)
     x = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
     idx = torch.tensor([[0, 1, -1, -1]] * 2, dtype=torch.int64)
@@ -364,7 +372,7 @@ def _ll_reject_then_recover(rank, world_size, transport):
     return count.tolist(), tuple(out.shape)
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.parametrize("transport", ["shm", "torch", "nvemu"])
 def test_low_latency_rejection_leaves_buffer_usable(transport):
     res = run_ranks(_ll_reject_then_recover, 2, transport, timeout=60)
     assert res[0][0][:2] == [2 * 2, 2 * 2] and res[0][1] == (2, HIDDEN), res

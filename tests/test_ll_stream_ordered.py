@@ -6,6 +6,8 @@ in the calls reads device data back. The rung-4 test checks the same on a GPU wi
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from epkit.testing import assert_bitwise_equal, compile_triton
 from epkit.testing.host_sync import HostSyncDetector
 from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
+from epkit.testing.nvshmem_emulator import resolve_transport
 
 HIDDEN, EXPERTS, TOPK, N_MAX = 256, 16, 4, 16
 
@@ -43,10 +46,11 @@ def _expert_outputs(recv_x, counts, use_fp8, world_size):
     return y, per_expert
 
 
-def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2):
+def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2, transport="shm"):
     """Dispatch + combine under the detector; the outputs against the reference outside it."""
     ep_rows.PORTABLE[0] = portable
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=20)
+    transport = resolve_transport(transport)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=20)
     events = []
     for r in range(rounds):  # the second round goes through the acknowledgements and the deferred checks
         x, idx, wts = _inputs(rank, [N_MAX, 5, 0, 9][(rank + r) % 4], seed=r)
@@ -80,6 +84,27 @@ def test_stream_ordered_low_latency_reads_nothing_back_and_matches_reference(use
     assert res == [[]] * 4, res
 
 
+@pytest.mark.parametrize("transport", ["nvemu", "nvemu-nop2p"])
+def test_stream_ordered_low_latency_over_emulated_nvshmem(transport):
+    # The code the GPU runs, down to the nvshmem transport: waits are NvshmemState.wait_deferred writing
+    # into host slots, peers outside the domain (nop2p) get their messages through put_signal.
+    res = run_ranks(_round_emulated, 4, transport, timeout=120)
+    assert [events for events, _ in res] == [[]] * 4, res
+    for _, calls in res:
+        # 2 rounds x (dispatch + combine), each one deferred wait for data and, from round 2, one for acks
+        # per peer; the host-waiting form never runs.
+        assert calls.get("signal_wait_all/deferred", 0) >= 4 and "signal_wait_all" not in calls, calls
+        # without peer views every message to a peer is one put-with-signal (3 peers x 4 exchanges)
+        assert calls.get("put_signal", 0) == (12 if transport == "nvemu-nop2p" else 0), calls
+
+
+def _round_emulated(rank, world_size, transport):
+    from epkit.testing import nvshmem_emulator
+
+    events = _round(rank, world_size, True, False, True, 2, transport)
+    return events, nvshmem_emulator.calls()
+
+
 def test_detector_sees_the_host_checked_path_read_routing():
     # The same calls in host-checked mode (CPU rows) read routing and headers on the host: the detector
     # must say so, or its silence above would mean nothing.
@@ -87,6 +112,46 @@ def test_detector_sees_the_host_checked_path_read_routing():
     for events in res:
         assert any("_local_scalar_dense" in e for e in events), events
         assert any("tolist" in e for e in events), events
+
+
+def _peer_never_acks(rank, world_size):
+    """Rank 1 receives a dispatch but never releases it: the others' combine waits for its acknowledgement."""
+    from epkit.testing import nvshmem_emulator
+
+    ep_rows.PORTABLE[0] = True
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=resolve_transport("nvemu"), timeout=2)
+    x, idx, wts = _inputs(rank, 6)
+    recv_x, _, handle, hook = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
+    if rank == 1:
+        time.sleep(8)  # alive (its heap stays mapped) but silent: no hook, no combine
+        return None
+    hook()
+    y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
+    buf.low_latency_combine(y, idx, wts, handle)  # queues its waits and returns; the outcome comes later
+    try:
+        buf.synchronize()
+        err = "no error"
+    except TimeoutError as exc:
+        err = str(exc)
+    try:
+        buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
+        later = "no error"
+    except RuntimeError as exc:
+        later = str(exc)
+    return err, later, nvshmem_emulator.calls()
+
+
+def test_silent_peer_surfaces_later_and_the_sticky_word_skips_the_queued_waits():
+    res = run_ranks(_peer_never_acks, 4, timeout=90)
+    assert res[1] is None
+    for rank in (0, 2, 3):
+        err, later, calls = res[rank]
+        assert f"rank {rank}: rank 1 sent no ll_combine consumed signal within 2 s" in err, err
+        assert "unusable" in later, later
+        # The acknowledgement wait for rank 1 timed out once; every deferred wait queued after it in the
+        # same call (the other peers' acknowledgements or the data) returned at once on the sticky word.
+        assert calls.get("signal_wait_all/timed_out") == 1, calls
+        assert calls.get("signal_wait_all/skipped", 0) >= 1, calls
 
 
 def _bad_ids_later(rank, world_size, what):

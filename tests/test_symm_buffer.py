@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from epkit.collectives.symm_buffer import SymmBuffer
 from epkit.testing.multiprocess import run_ranks
+from epkit.testing.nvshmem_emulator import resolve_transport
 
 
 def _shm_names():
@@ -18,16 +19,26 @@ def _shm_names():
 
 
 def _puts_and_signals(rank, world_size, transport):
+    mode, transport = transport, resolve_transport(transport)
     buf = SymmBuffer(dist.group.WORLD, 4096, transport=transport, num_signals=4, timeout=20)
-    assert buf.transport == transport and buf.is_within_domain() == (transport == "shm")
-    if transport == "shm":
-        nxt = (rank + 1) % world_size
+    direct = mode in ("shm", "nvemu")  # every peer addressable
+    assert buf.transport == transport and buf.is_within_domain() == direct
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    if direct:
         buf.peer(nxt)[rank * 8 : rank * 8 + 8].copy_(torch.full((8,), rank + 1, dtype=torch.uint8))
         buf.signal(nxt, 0, 1, op="add")
-        buf.wait_until(0, ">=", 1)
-        prev = (rank - 1) % world_size
+        assert buf.wait_until(0, ">=", 1) == 1
         assert buf.local[prev * 8 : prev * 8 + 8].tolist() == [prev + 1] * 8
         buf.barrier()
+        buf.barrier()
+    elif mode == "nvemu-nop2p":  # signals still reach every peer; only the views are missing
+        assert buf.peer(rank).data_ptr() == buf.local.data_ptr()
+        with pytest.raises(RuntimeError, match="not directly addressable"):
+            buf.peer(nxt)
+        buf.signal(nxt, 1, 5, op="set")
+        buf.barrier()  # the set lands before the add below
+        buf.signal(nxt, 1, 2, op="add")
+        assert buf.wait_until(1, "==", 7) == 7 and buf.read_signal(1) == 7
         buf.barrier()
     else:
         with pytest.raises(RuntimeError, match="directly addressable"):
@@ -42,7 +53,7 @@ def _puts_and_signals(rank, world_size, transport):
     return True
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.parametrize("transport", ["shm", "torch", "nvemu", "nvemu-nop2p"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_puts_signals_exchanges(transport, world_size):
     before = _shm_names()

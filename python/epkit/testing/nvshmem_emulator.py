@@ -1,0 +1,407 @@
+"""A CPU stand-in for ``epkit._C_cuda``: the nvshmem transport's host logic, run without a GPU.
+
+``SymmBuffer(transport="nvshmem")`` and every protocol above it (``EPBuffer`` normal and
+low-latency, deferred waits) talk to NVSHMEM only through the functions of ``epkit._C_cuda``.
+This module implements the same functions, with the same arguments, checks and results, over
+POSIX shared memory on CPU ranks of one host, so that the Python side of the transport (the
+symmetric layout, word offsets, address translation, put-with-signal staging for peers outside
+the NVLink domain, wait results, the sticky timeout word, deferred checks, collective free) runs
+in CPU CI exactly as it would call the real extension. What it cannot show is the CUDA side:
+the kernels, streams and the memory model of a GPU; those are rung 4 (``bench/gpu_check.py``).
+
+Model
+-----
+- One *heap* per PE: a shared-memory segment of ``NVSHMEM_SYMMETRIC_SIZE`` bytes (default 1 GiB,
+  sparse), every PE maps every heap. ``malloc`` is collective and deterministic, so an allocation
+  has the same offset in every heap: a symmetric address is an address in the caller's heap, and
+  on PE ``pe`` it is ``heap[pe] + (addr - heap[me])``.
+- ``peer_ptr`` returns that translated address (``p2p=True``, one NVLink domain) or 0 for every
+  other PE (``p2p=False``, as across nodes), which sends the transport through ``put_signal``.
+- The "stream" is the calling thread: every op has completed when it returns, so a wait blocks
+  the host (GIL released) for at most its timeout, like a stream-ordered kernel followed by a sync.
+- Errors the real extension raises (bad pe, unaligned signal word, ``init`` twice, use before
+  ``init``) are raised the same way; collective steps that would hang in NVSHMEM (a missing peer
+  in ``init`` or ``barrier_all``) raise RuntimeError after ``EPKIT_NVEMU_TIMEOUT`` seconds (60).
+
+Use it in a rank process (``run_ranks``) before the first nvshmem buffer::
+
+    from epkit.testing import nvshmem_emulator
+    nvshmem_emulator.install(p2p=True)
+    buf = SymmBuffer(group, nbytes, transport="nvshmem")   # runs collectives/_nvshmem.py on CPU
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import secrets
+import sys
+import time
+
+__all__ = ["install", "uninstall", "installed", "resolve_transport", "calls", "EMULATED"]
+
+#: Marks this module as the CPU stand-in (``collectives/_nvshmem.py`` checks it: CPU device, no streams).
+EMULATED = True
+
+_UID_BYTES = 128  # sizeof(nvshmemx_uniqueid_t) in the NVSHMEM 3.x headers
+_CONTROL = 4096  # heap bytes before the first allocation: one barrier word per PE (up to 512 PEs)
+_ALLOC_ALIGN = 512
+_MASK64 = (1 << 64) - 1
+_CMPS = {"==", "eq", "!=", "ne", ">=", "ge", ">", "gt", "<=", "le", "<", "lt"}
+_CANON = {"eq": "==", "ne": "!=", "ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+_state: dict = {"initialized": False, "finalized": False, "device": 0, "p2p": True}
+#: Calls per function of the extension's interface, and deferred waits (those given a sticky word).
+_calls: dict[str, int] = {}
+
+
+def _count(what: str) -> None:
+    _calls[what] = _calls.get(what, 0) + 1
+
+
+def calls() -> dict[str, int]:
+    """How often each extension function ran in this process (``signal_wait_all/deferred``: with a sticky word;
+    ``/timed_out``: waits that timed out; ``/skipped``: waits that returned at once on a set sticky word)."""
+    return dict(_calls)
+
+
+def _timeout() -> float:
+    return float(os.environ.get("EPKIT_NVEMU_TIMEOUT", "60"))
+
+
+def _heap_size() -> int:
+    raw = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", str(1 << 30)).strip()
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(raw[-1:].lower(), 1)
+    return int(float(raw[:-1] if scale > 1 else raw) * scale)
+
+
+def _require_init(what: str) -> None:
+    if not _state["initialized"]:
+        raise RuntimeError(f"{what}: call init() first")
+
+
+def _require_pe(pe: int, what: str) -> None:
+    n = _state["n_pes"]
+    if not 0 <= pe < n:
+        raise ValueError(f"{what}: pe {pe} outside [0, {n})")
+
+
+def _parse_cmp(cmp: str) -> str:
+    if cmp not in _CMPS:
+        raise ValueError(f"unknown comparison '{cmp}': use one of == != >= > <= <")
+    return _CANON.get(cmp, cmp)
+
+
+def _parse_op(op: str) -> str:
+    if op not in ("set", "add"):
+        raise ValueError(f"unknown signal op '{op}': use 'set' or 'add'")
+    return op
+
+
+def _offset(addr: int, nbytes: int, what: str) -> int:
+    """Byte offset of the symmetric address ``addr`` in this PE's heap (the range must lie in an allocation)."""
+    off = addr - _state["heaps"][_state["me"]].addr
+    if off < _CONTROL or off + nbytes > _state["top"]:
+        raise ValueError(f"{what}: address {addr:#x} (+{nbytes} bytes) is not in the symmetric heap")
+    return off
+
+
+# Bootstrap and teardown
+
+
+def unique_id_size() -> int:
+    return _UID_BYTES
+
+
+def set_device(device: int) -> None:
+    _state["device"] = int(device)
+
+
+def get_unique_id() -> bytes:
+    return secrets.token_bytes(_UID_BYTES)
+
+
+def init(unique_id: bytes, rank: int, world_size: int) -> None:
+    """Join the job: create this PE's heap, map every peer's, barrier, unlink the names (collective)."""
+    from epkit import _C
+
+    if len(unique_id) != _UID_BYTES:
+        raise ValueError(f"unique id has {len(unique_id)} bytes, expected {_UID_BYTES}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    if _state["initialized"]:
+        raise RuntimeError("init: NVSHMEM is already initialised in this process")
+    if _state["finalized"]:
+        raise RuntimeError("init: NVSHMEM was finalized in this process and cannot be initialised again")
+    if world_size * 8 > _CONTROL:
+        raise ValueError(f"the emulator supports at most {_CONTROL // 8} PEs")
+    size = _heap_size()
+    names = [f"/epkit-nvemu-{unique_id[:16].hex()}-{r}" for r in range(world_size)]
+    mine = _C.ShmSegment(names[rank], size, True)
+    atexit.register(_unlink_quietly, mine)  # a peer that never arrives must not leave our name behind
+    heaps = []
+    deadline = time.monotonic() + _timeout()
+    try:
+        for r, name in enumerate(names):
+            heaps.append(mine if r == rank else _attach(name, size, r, deadline))
+        _state.update(me=rank, n_pes=world_size, heaps=heaps, top=_CONTROL, free=[], barrier=0, allocs={})
+        _state["initialized"] = True
+        barrier_all()  # every PE has mapped every heap: the names can go
+    except BaseException:
+        _state["initialized"] = False
+        raise
+    finally:
+        mine.unlink()
+
+
+def _attach(name: str, size: int, pe: int, deadline: float):
+    """Map PE ``pe``'s heap once it exists at full size (its creator sizes it just after creating the name)."""
+    from epkit import _C
+
+    while True:
+        if _C.shm_exists(name):
+            try:
+                return _C.ShmSegment(name, size, False)
+            except RuntimeError as exc:
+                if "holds" not in str(exc):  # anything but "not sized yet" is an error
+                    raise
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"init: PE {pe} did not create its heap within {_timeout():g} s")
+        time.sleep(1e-3)
+
+
+def _unlink_quietly(seg) -> None:
+    with contextlib.suppress(Exception):
+        seg.unlink()
+
+
+def finalize() -> None:
+    if _state["initialized"]:
+        barrier_all()
+        _state.update(initialized=False, finalized=True, heaps=[])
+
+
+def initialized() -> bool:
+    return _state["initialized"]
+
+
+def finalized() -> bool:
+    return _state["finalized"]
+
+
+def my_pe() -> int:
+    _require_init("my_pe")
+    return _state["me"]
+
+
+def n_pes() -> int:
+    _require_init("n_pes")
+    return _state["n_pes"]
+
+
+def barrier_all() -> None:
+    """Every PE reaches this point: each posts its epoch into every heap's control words and waits for all."""
+    _require_init("barrier_all")
+    _count("barrier_all")
+    _state["barrier"] += 1
+    epoch, me = _state["barrier"], _state["me"]
+    for heap in _state["heaps"]:
+        heap.store(me * 8, epoch)
+    deadline = time.monotonic() + _timeout()
+    for pe in range(_state["n_pes"]):
+        try:
+            _state["heaps"][me].wait_until(pe * 8, ">=", epoch, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise RuntimeError(f"barrier_all: PE {pe} did not arrive within {_timeout():g} s") from None
+
+
+# Symmetric memory
+
+
+def malloc(nbytes: int) -> int:
+    """Collective allocation at the same offset in every heap, zero-filled, then a barrier."""
+    _require_init("malloc")
+    _count("malloc")
+    size = -(-max(nbytes, 1) // _ALLOC_ALIGN) * _ALLOC_ALIGN
+    off = next((o for o, n in _state["free"] if n >= size), None)
+    if off is not None:  # first fit in a freed range (every PE frees in the same order, so offsets agree)
+        n = dict(_state["free"])[off]
+        _state["free"].remove((off, n))
+        if n > size:
+            _state["free"].append((off + size, n - size))
+    else:
+        if _state["top"] + size > _state["heaps"][0].size:
+            raise RuntimeError(
+                f"nvshmem_malloc({nbytes}) failed: the {_state['heaps'][0].size}-byte emulated heap is full"
+            )
+        off, _state["top"] = _state["top"], _state["top"] + size
+    _state["allocs"][off] = size
+    base = _state["heaps"][_state["me"]].addr
+    ctypes.memset(base + off, 0, size)
+    barrier_all()  # as the real malloc: no PE writes into a peer's allocation before the peer zeroed it
+    return base + off
+
+
+def free(ptr: int) -> None:
+    _require_init("free")
+    _count("free")
+    off = ptr - _state["heaps"][_state["me"]].addr
+    size = _state["allocs"].pop(off, None)
+    if size is None:
+        raise ValueError(f"free: {ptr:#x} is not a live symmetric allocation")
+    barrier_all()  # nvshmem_free is collective
+    _state["free"].append((off, size))
+
+
+def peer_ptr(ptr: int, pe: int) -> int:
+    """``ptr`` (symmetric) as an address of PE ``pe``'s memory, or 0 when ``pe`` is not directly addressable."""
+    _require_init("peer_ptr")
+    _count("peer_ptr")
+    _require_pe(pe, "peer_ptr")
+    me = _state["me"]
+    if pe != me and not _state["p2p"]:
+        return 0
+    return _state["heaps"][pe].addr + (ptr - _state["heaps"][me].addr)
+
+
+# One-sided ops (the stream is the calling thread: complete on return)
+
+
+def _signal(sig: int, value: int, op: str, pe: int) -> None:
+    if sig == 0 or sig % 8:
+        raise ValueError("signal_op needs an 8-byte aligned symmetric signal address")
+    off = _offset(sig, 8, "signal")
+    heap = _state["heaps"][pe]
+    if op == "set":
+        heap.store(off, value & _MASK64)
+    else:
+        heap.fetch_add(off, value & _MASK64)
+
+
+def signal_op(sig: int, value: int, op: str, pe: int, stream: int) -> None:
+    """Set/add ``value`` to the 64-bit word at symmetric ``sig`` on ``pe`` (release: earlier writes first)."""
+    _require_init("signal_op")
+    _count("signal_op")
+    op = _parse_op(op)
+    _require_pe(pe, "signal_op")
+    _signal(sig, value, op, pe)
+
+
+def put_signal(dst: int, src: int, nbytes: int, sig: int, value: int, op: str, pe: int, stream: int) -> None:
+    """Copy ``nbytes`` from local ``src`` to symmetric ``dst`` on ``pe``, then set/add its word ``sig``."""
+    _require_init("put_signal")
+    _count("put_signal")
+    op = _parse_op(op)
+    _require_pe(pe, "put_signal")
+    off = _offset(dst, nbytes, "put_signal")
+    if nbytes:
+        ctypes.memmove(_state["heaps"][pe].addr + off, src, nbytes)
+    _signal(sig, value, op, pe)  # a release store: the bytes are visible before the signal
+
+
+def signal_wait(sig: int, cmp: str, value: int, timeout: float, result: int, stream: int) -> None:
+    """Wait until the local word at ``sig`` satisfies ``cmp value``; ``result`` gets ``[last value, timed out]``."""
+    _require_init("signal_wait")
+    _count("signal_wait")
+    cmp = _parse_cmp(cmp)
+    if result == 0:
+        raise ValueError("signal_wait needs a 2-word device result buffer")
+    off = _offset(sig, 8, "signal_wait")
+    out = (ctypes.c_uint64 * 2).from_address(result)
+    heap = _state["heaps"][_state["me"]]
+    try:
+        out[0], out[1] = heap.wait_until(off, cmp, value, max(float(timeout), 0.0)), 0
+    except TimeoutError:
+        out[0], out[1] = heap.load(off), 1
+
+
+def signal_wait_all(
+    sig: int,
+    stride: int,
+    count: int,
+    cmp: str,
+    value: int,
+    timeout: float,
+    result: int,
+    stream: int,
+    sticky: int = 0,
+) -> None:
+    """Wait until each local word ``sig[i * stride]`` (``i < count``) satisfies ``cmp value`` under one deadline.
+
+    Writes ``[last value seen, 0 | 1 + index of the first word that timed out]`` to the two uint64 at
+    ``result``; a set ``sticky`` word makes it return at once with ``result[1] = 2**64 - 1``, and a
+    timeout sets it, as the device kernel does.
+    """
+    _require_init("signal_wait_all")
+    _count("signal_wait_all/deferred" if sticky else "signal_wait_all")
+    cmp = _parse_cmp(cmp)
+    if result == 0:
+        raise ValueError("signal_wait_all needs a 2-word device result buffer")
+    if sig == 0 or sig % 8:
+        raise ValueError("signal_wait_all needs an 8-byte aligned local signal address")
+    if count < 0 or stride == 0:
+        raise ValueError(f"signal_wait_all: count must be >= 0 and stride >= 1 (in words), got {count} and {stride}")
+    out = (ctypes.c_uint64 * 2).from_address(result)
+    flag = ctypes.c_uint64.from_address(sticky) if sticky else None
+    if flag is not None and flag.value != 0:
+        _count("signal_wait_all/skipped")
+        out[0], out[1] = 0, _MASK64
+        return
+    first = _offset(sig, 8 * ((count - 1) * stride + 1) if count else 8, "signal_wait_all")
+    heap = _state["heaps"][_state["me"]]
+    timeout_s = min(max(float(timeout), 0.0), 1e6) if timeout == timeout else 0.0
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    for i in range(count):
+        off = first + 8 * i * stride
+        try:
+            seen = heap.wait_until(off, cmp, value, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            out[0], out[1] = heap.load(off), i + 1
+            if flag is not None:
+                flag.value = 1
+            _count("signal_wait_all/timed_out")
+            return
+    out[0], out[1] = seen, 0
+
+
+# Installation
+
+
+def install(p2p: bool = True) -> None:
+    """Make ``collectives/_nvshmem.py`` use this emulator in this process (call before any nvshmem buffer).
+
+    Parameters
+    ----------
+    p2p : bool
+        True: every PE directly addressable (one NVLink domain: ``peer()`` views, one-sided stores);
+        False: only this PE (``peer_ptr`` gives 0), so puts go through staging and ``put_signal``.
+    """
+    from epkit.collectives import _nvshmem
+
+    _state["p2p"] = bool(p2p)
+    _nvshmem.use_extension(sys.modules[__name__])
+
+
+def uninstall() -> None:
+    """Back to the real ``epkit._C_cuda``."""
+    from epkit.collectives import _nvshmem
+
+    _nvshmem.use_extension(None)
+
+
+def installed() -> bool:
+    from epkit.collectives import _nvshmem
+
+    return _nvshmem._emulated()
+
+
+def resolve_transport(transport: str) -> str:
+    """Test parameter -> SymmBuffer transport: ``"nvemu"`` / ``"nvemu-nop2p"`` install the emulator
+    (with / without peer views) and give ``"nvshmem"``; any other name is returned unchanged."""
+    if transport in ("nvemu", "nvemu-nop2p"):
+        install(p2p=transport == "nvemu")
+        return "nvshmem"
+    return transport

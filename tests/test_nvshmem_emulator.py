@@ -1,0 +1,145 @@
+"""The CPU stand-in for ``epkit._C_cuda``: same interface as the CUDA source, same contract.
+
+The transport tests that run over the emulator (test_symm_buffer, test_ep_buffer, test_ll_stream_ordered)
+mean something only if the emulator keeps the real extension's interface and semantics; these tests pin
+both. The interface is read from ``csrc/cuda/nvshmem_transport.cu`` itself, so it holds on machines where
+the extension is not built.
+"""
+
+import ctypes
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from epkit.testing import nvshmem_emulator as emu
+from epkit.testing.multiprocess import run_ranks
+
+CU = Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "nvshmem_transport.cu"
+MASK64 = (1 << 64) - 1
+
+
+def _bindings() -> dict[str, list[tuple[str, str | None]]]:
+    """``name -> [(param, default or None)]`` of every ``m.def`` in the CUDA source (``py::arg`` names, else the
+    lambda's parameter names)."""
+    src = CU.read_text()
+    out = {}
+    for m in re.finditer(r'm\.def\(\s*"(\w+)",\s*\[\]\(([^)]*)\)', src):
+        params = [p.strip() for p in m.group(2).split(",") if p.strip()]
+        names = [re.findall(r"\w+", p)[-1] for p in params]
+        body_end = src.find("m.def(", m.end())
+        block = src[m.end() : body_end if body_end > 0 else len(src)]
+        named = re.findall(r'py::arg\("(\w+)"\)', block)  # the names Python sees, where the binding gives them
+        assert not named or len(named) == len(names), (m.group(1), named, names)
+        defaults = dict(re.findall(r'py::arg\("(\w+)"\)\s*=\s*(\w+)', block))
+        out[m.group(1)] = [(n, defaults.get(n)) for n in (named or names)]
+    return out
+
+
+def test_emulator_has_every_binding_with_the_same_parameters():
+    bindings = _bindings()
+    assert len(bindings) == CU.read_text().count("m.def("), "a binding the parser did not read"
+    assert {"init", "malloc", "peer_ptr", "put_signal", "signal_op", "signal_wait_all"} <= set(bindings), bindings
+    for name, params in bindings.items():
+        fn = getattr(emu, name, None)
+        assert callable(fn), f"the emulator lacks {name}()"
+        sig = inspect.signature(fn).parameters
+        assert [p for p, _ in params] == list(sig), (name, params, list(sig))
+        for p, default in params:
+            want = inspect.Parameter.empty if default is None else int(default)
+            assert sig[p].default == want, (name, p, default, sig[p].default)
+
+
+def _contract(rank, world_size):
+    """One PE, in a fresh process (the emulator's state is process-wide, as NVSHMEM's)."""
+    seen = {}
+    with pytest.raises(RuntimeError, match="malloc: call init\\(\\) first"):
+        emu.malloc(64)
+    with pytest.raises(ValueError, match="unique id has 3 bytes, expected 128"):
+        emu.init(b"abc", 0, 1)
+    emu.init(emu.get_unique_id(), 0, 1)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        emu.init(emu.get_unique_id(), 0, 1)
+    assert (emu.my_pe(), emu.n_pes(), emu.initialized()) == (0, 1, True)
+    a = emu.malloc(1000)
+    b = emu.malloc(64)
+    mem = (ctypes.c_uint8 * 1000).from_address(a)
+    seen["zeroed"] = bytes(mem) == bytes(1000)
+    seen["aligned"] = a % 512 == 0 and b % 512 == 0 and b >= a + 1000
+    mem[:4] = [1, 2, 3, 4]
+    emu.free(a)
+    seen["reused_and_zeroed"] = emu.malloc(512) == a and bytes(mem[:4]) == bytes(4)
+    with pytest.raises(RuntimeError, match="emulated heap is full"):
+        emu.malloc(1 << 21)  # NVSHMEM_SYMMETRIC_SIZE is 1 MiB in this process
+    with pytest.raises(ValueError, match="pe 1 outside \\[0, 1\\)"):
+        emu.signal_op(b, 1, "set", 1, 0)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        emu.signal_op(b + 4, 1, "set", 0, 0)
+    with pytest.raises(ValueError, match="unknown signal op"):
+        emu.signal_op(b, 1, "xor", 0, 0)
+    with pytest.raises(ValueError, match="not in the symmetric heap"):
+        emu.signal_op(b + (1 << 22), 1, "set", 0, 0)
+    # put-with-signal to self: the bytes, then the word
+    src = torch.arange(16, dtype=torch.uint8)
+    emu.put_signal(b + 8, src.data_ptr(), 16, b, 5, "set", 0, 0)
+    emu.signal_op(b, 2, "add", 0, 0)
+    seen["put"] = bytes((ctypes.c_uint8 * 16).from_address(b + 8)) == bytes(range(16))
+    seen["word"] = ctypes.c_uint64.from_address(b).value
+    # timed waits: success, timeout with the index, sticky skip
+    res = torch.zeros(2, dtype=torch.int64)
+    sticky = torch.zeros(1, dtype=torch.int64)
+    emu.signal_wait_all(b, 1, 1, ">=", 7, 1.0, res.data_ptr(), 0, sticky.data_ptr())
+    seen["ok"] = res.tolist()
+    emu.signal_wait_all(b, 2, 3, "==", 7, 0.05, res.data_ptr(), 0, sticky.data_ptr())  # word b+16 is 0x0f0e..
+    seen["timeout"] = [res[0].item() & MASK64, res[1].item(), sticky.item()]
+    emu.signal_wait_all(b, 1, 1, ">=", 0, 1.0, res.data_ptr(), 0, sticky.data_ptr())
+    seen["skipped"] = res[1].item() & MASK64
+    emu.signal_wait(b, "==", 8, 0.01, res.data_ptr(), 0)
+    seen["single_timeout"] = res.tolist()
+    seen["peer_self"] = emu.peer_ptr(b, 0) == b
+    emu.finalize()
+    with pytest.raises(RuntimeError, match="finalized in this process"):
+        emu.init(emu.get_unique_id(), 0, 1)
+    seen["calls"] = emu.calls()
+    return seen
+
+
+def test_single_pe_contract(monkeypatch):
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1M")
+    (seen,) = run_ranks(_contract, 1, timeout=60, init_dist=False)
+    assert seen["zeroed"] and seen["aligned"] and seen["reused_and_zeroed"], seen
+    assert seen["put"] and seen["word"] == 7, seen
+    assert seen["ok"] == [7, 0], seen
+    # words b, b+16, b+32 with ==7: the second (index 1) fails first; its value is bytes 8..15 of the put
+    assert seen["timeout"] == [int.from_bytes(bytes(range(8, 16)), "little"), 2, 1], seen
+    assert seen["skipped"] == MASK64, seen  # the sticky word made the next wait return at once
+    assert seen["single_timeout"] == [7, 1], seen
+    assert seen["peer_self"], seen
+    calls = seen["calls"]
+    assert calls["signal_wait_all/timed_out"] == 1 and calls["signal_wait_all/skipped"] == 1, calls
+
+
+def _peer_addresses(rank, world_size, p2p):
+    import torch.distributed as dist
+
+    from epkit.collectives.symm_buffer import SymmBuffer
+
+    emu.install(p2p=p2p)
+    buf = SymmBuffer(dist.group.WORLD, 1 << 12, transport="nvshmem", num_signals=1, timeout=10)
+    got = [buf._nv.peer_data[r] != 0 for r in range(world_size)]
+    # the same symmetric offset on every PE: rank r's local view is where the others' peer(r) points
+    addrs = [None] * world_size
+    dist.all_gather_object(addrs, buf._nv.peer_data, group=dist.group.WORLD)
+    buf.close()
+    return got, addrs
+
+
+@pytest.mark.parametrize("p2p", [True, False])
+def test_peer_pointers_are_symmetric_or_absent(p2p):
+    res = run_ranks(_peer_addresses, 3, p2p, timeout=60)
+    for rank, (got, _) in enumerate(res):
+        assert got == [True] * 3 if p2p else [r == rank for r in range(3)], (rank, got)
+    if p2p:  # every PE maps every heap at its own address; the shared memory behind it is one page set
+        assert all(len(addrs) == 3 for _, addrs in res)
