@@ -400,19 +400,31 @@ class NvshmemState:
             self._stream(),
         )
 
-    def wait(self, off: int, count: int, cmp: str, value: int, timeout: float) -> tuple[int, int | None]:
+    def wait(
+        self, off: int, count: int, cmp: str, value: int, timeout: float, abort_mask: int = 0
+    ) -> tuple[int, int | None]:
         """Timed device wait until the ``count`` local words from ``off`` all satisfy ``cmp value``.
 
         Returns ``(value seen, None)`` when they did, ``(value seen, index)`` for the first word (0-based
-        from ``off``) that did not within ``timeout``. Raises TimeoutError only when the stream itself did
-        not reach the end of the wait within ``timeout + HOST_GRACE_S`` (stuck behind other work).
+        from ``off``) that did not within ``timeout``, or that held a bit of ``abort_mask``. Raises
+        TimeoutError only when the stream itself did not reach the end of the wait within
+        ``timeout + HOST_GRACE_S`` (stuck behind other work).
         """
         if not isinstance(value, int) or not 0 <= value <= MASK64:
             raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
         if not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self.cc.signal_wait_all(
-            self.base + off, 1, count, cmp, value, float(timeout), self._result.data_ptr(), self._stream()
+            self.base + off,
+            1,
+            count,
+            cmp,
+            value,
+            float(timeout),
+            self._result.data_ptr(),
+            self._stream(),
+            0,
+            abort_mask,
         )
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))
@@ -430,7 +442,9 @@ class NvshmemState:
         seen, failed = (v & MASK64 for v in self._result.tolist())
         return seen, (None if failed == 0 else failed - 1)
 
-    def wait_deferred(self, off: int, count: int, cmp: str, value: int, timeout: float, checks, judge, what: str):
+    def wait_deferred(
+        self, off: int, count: int, cmp: str, value: int, timeout: float, checks, judge, what: str, abort_mask: int = 0
+    ):
         """:meth:`wait` without the host: the wait kernel writes its 2-word result into pinned host memory and
         ``checks`` (a DeferredChecks) judges it once the stream has passed it. Returns at once."""
         if not isinstance(value, int) or not 0 <= value <= MASK64:
@@ -440,7 +454,7 @@ class NvshmemState:
         slot = checks.host_slot(2)  # pinned: with unified addressing the kernel stores into it directly
         sticky = self._sticky.data_ptr()
         self.cc.signal_wait_all(
-            self.base + off, 1, count, cmp, value, float(timeout), slot.data_ptr(), self._stream(), sticky
+            self.base + off, 1, count, cmp, value, float(timeout), slot.data_ptr(), self._stream(), sticky, abort_mask
         )
         checks.record(slot, judge, timeout, what)
 

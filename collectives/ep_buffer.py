@@ -151,13 +151,16 @@ class EPBuffer(LowLatencyMixin):
         try:
             yield
         except BaseException as exc:
-            self.buffer.mark_broken(f"{what} failed on rank {self.rank}: {type(exc).__name__}: {exc}")
+            self.buffer.mark_broken(
+                f"{what} failed on rank {self.rank}: {type(exc).__name__}: {exc}", culprit=self.rank
+            )
             raise
 
     def _reject_locally(self, what: str, exc: Exception):
-        """A call with no agreement step failed validation on this rank only: peers will time out, so retire
-        the buffer here too instead of letting the next call pair with their stale messages."""
-        self.buffer.mark_broken(f"{what} rejected on rank {self.rank}: {exc}")
+        """A call with no agreement step failed validation on this rank only: retire the buffer here, so the next
+        call cannot pair with the peers' stale messages, and tell the peers, whose waits on this rank end at once
+        (PeerFailedError) instead of timing out."""
+        self.buffer.mark_broken(f"{what} rejected on rank {self.rank}: {exc}", culprit=self.rank)
         raise exc
 
     def take_expert_load(self) -> torch.Tensor:

@@ -20,7 +20,9 @@ Transports
              exists but no peer is addressable, so one-sided ``peer``/``signal``
              raise; protocols use :meth:`SymmBuffer.all_to_all` instead.
 
-Every wait has a timeout and a :class:`TimeoutError` names the silent peer.
+Every wait has a timeout and a :class:`TimeoutError` names the silent peer. A rank that gives up on a
+buffer (a local failure mid-protocol, or a peer that timed out) says so in its reserved words at every
+peer, so the others raise :class:`PeerFailedError` at once instead of each waiting out its own timeout.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from epkit.collectives._details.deferred import DeferredChecks
 
-__all__ = ["SymmBuffer", "TRANSPORTS"]
+__all__ = ["PeerFailedError", "SymmBuffer", "TRANSPORTS"]
 
 TRANSPORTS = ("shm", "torch", "nvshmem")
 _DIRECT = ("shm", "nvshmem")  # transports with one-sided peer views and signal words
@@ -45,6 +47,32 @@ _ALIGN = 4096
 # Reserved signal words per rank segment: data-ready, ack and barrier words, one per source rank.
 _READY, _ACK, _BARRIER = 0, 1, 2
 MASK64 = (1 << 64) - 1
+# A reserved word holding _GAVE_UP: a rank gave up on the buffer. Bits 32-61 name that rank (the reporter),
+# bits 0-31 the culprit (the rank that failed, or the one that went silent when _GAVE_UP_SILENT is set).
+# The reporter writes it into its own words at every peer and, for a silent culprit, into the culprit's
+# words too, so waits on either end at once. Epochs never reach 2**62.
+_GAVE_UP = 1 << 63
+_GAVE_UP_SILENT = 1 << 62
+_RANK_BITS = 0xFFFFFFFF
+
+
+class PeerFailedError(TimeoutError):
+    """A peer gave up on the buffer and said so: raised at once instead of after this rank's own timeout.
+
+    A subclass of TimeoutError, so a handler for a silent peer handles it too; the buffer is unusable
+    afterwards on every rank, as after a timeout.
+
+    Attributes
+    ----------
+    peer : int
+        The rank that failed, or (``silent``) the rank that went silent as seen by the reporting peer.
+    silent : bool
+        True when ``peer`` went silent (died or stopped calling); False when it failed itself.
+    """
+
+    def __init__(self, message: str, peer: int, silent: bool):
+        super().__init__(message)
+        self.peer, self.silent = peer, silent
 
 
 def _view(addr: int, nbytes: int, owner=None) -> torch.Tensor:
@@ -137,7 +165,7 @@ class SymmBuffer:
         else:
             self.local = torch.zeros(num_bytes, dtype=torch.uint8)
         #: Outcomes of stream-ordered waits and device-side checks, raised by the next collective call.
-        self.deferred = DeferredChecks(self.local.device, self.mark_broken)
+        self.deferred = DeferredChecks(self.local.device, self._deferred_failed)
 
     # shm transport
 
@@ -184,17 +212,81 @@ class SymmBuffer:
         self._peers = self._nv.views  # None where a peer is not directly addressable
         self.local = self._nv.local
 
-    def _nv_wait(self, off: int, count: int, cmp: str, value: int, timeout: float) -> tuple[int, int | None]:
+    def _nv_wait(
+        self, off: int, count: int, cmp: str, value: int, timeout: float, abort_mask: int = 0
+    ) -> tuple[int, int | None]:
         try:
-            return self._nv.wait(off, count, cmp, value, timeout)
+            return self._nv.wait(off, count, cmp, value, timeout, abort_mask)
         except TimeoutError as exc:  # the stream never reached the wait's end: its result word is unreliable
-            self.mark_broken(str(exc))
+            self.mark_broken(str(exc), culprit=self.rank)
             raise
 
-    def mark_broken(self, reason: str) -> None:
-        """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree."""
-        if self._broken is None:
-            self._broken = reason
+    def mark_broken(self, reason: str, culprit: int | None = None, silent: bool = False) -> None:
+        """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree.
+
+        Parameters
+        ----------
+        reason : str
+            What went wrong (repeated by every later call on this rank).
+        culprit : int, optional
+            Tell the peers (shm, nvshmem) that this rank gave up because rank ``culprit`` failed (this rank
+            itself) or, with ``silent``, went silent: their waits on this rank end at once with
+            :class:`PeerFailedError`. None (the default) tells nobody, for failures every rank finds by
+            itself (an invalid input reported in the messages) or learned from a peer.
+        silent : bool
+            ``culprit`` stopped signalling, rather than failing itself.
+        """
+        if self._broken is not None:
+            return
+        self._broken = reason
+        if culprit is not None:
+            self._tell_peers(culprit, silent)
+
+    def _tell_peers(self, culprit: int, silent: bool) -> None:
+        """Write the gave-up notice into this rank's reserved words at every peer, and into the silent culprit's
+        (a peer waiting on the culprit learns it too). Best effort: one-sided stores, no waits."""
+        if self.transport not in _DIRECT or not self._is_open():
+            return
+        notice = _GAVE_UP | (_GAVE_UP_SILENT if silent else 0) | (self.rank << 32) | (culprit & _RANK_BITS)
+        sources = [self.rank] + ([culprit] if silent and culprit != self.rank else [])
+        for dst in range(self.world_size):
+            for src in sources:
+                if dst in (self.rank, src):
+                    continue
+                for kind in (_READY, _ACK, _BARRIER):
+                    with contextlib.suppress(Exception):  # a peer that is gone cannot be told; nothing to do
+                        if self.transport == "nvshmem":
+                            self._nv.post(self._word(kind, src), notice, "set", dst)
+                        else:
+                            self._segments[dst].store(self._word(kind, src), notice)
+
+    def _gave_up(self, src: int, seen: int, what: str) -> PeerFailedError:
+        """The error for a wait on ``src`` that found a gave-up notice ``seen``; retires this buffer."""
+        culprit, reporter = seen & _RANK_BITS, (seen >> 32) & (_RANK_BITS >> 2)
+        silent = bool(seen & _GAVE_UP_SILENT)
+        if silent:
+            msg = (
+                f"rank {self.rank}: {what} abandoned: rank {reporter} reports that rank {culprit} sent no signal "
+                f"within its timeout (it died or stopped calling)"
+            )
+        else:
+            msg = (
+                f"rank {self.rank}: {what} abandoned: rank {culprit} gave up on this buffer after a failure on "
+                f"its side (its own exception says why)"
+            )
+        self.mark_broken(msg)  # the notice reached every peer already: nobody to tell
+        return PeerFailedError(msg, culprit, silent)
+
+    def _deferred_failed(self, exc: BaseException) -> None:
+        """A deferred check failed: retire the buffer, telling the peers when they cannot learn it otherwise."""
+        if isinstance(exc, PeerFailedError):
+            self.mark_broken(str(exc))
+        elif getattr(exc, "peer", None) is not None:  # a silent peer (see _silence)
+            self.mark_broken(str(exc), culprit=exc.peer, silent=True)
+        elif isinstance(exc, TimeoutError):  # this rank's stream is stuck
+            self.mark_broken(str(exc), culprit=self.rank)
+        else:  # an input error every rank finds in the same messages
+            self.mark_broken(str(exc))
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -310,31 +402,47 @@ class SymmBuffer:
         return self._segments[self.rank].wait_until(self._user_word(idx), cmp, value, t)
 
     def _post(self, kind: int, dst: int, value: int) -> None:
+        if self._broken is not None:  # never overwrite the gave-up notice (an exchange released after a failure)
+            return
         if self.transport == "nvshmem":
             self._nv.post(self._word(kind, self.rank), value, "set", dst)
             return
         self._segments[dst].store(self._word(kind, self.rank), value)
 
     def _silence(self, src: int, what: str, t: float, value: int) -> TimeoutError:
-        return TimeoutError(
+        exc = TimeoutError(
             f"rank {self.rank}: rank {src} sent no {what} signal within {t:g} s "
             f"(epoch {value}); it died or stopped calling"
         )
+        exc.peer = src  # read by _deferred_failed
+        return exc
 
     def _silent(self, src: int, what: str, t: float, value: int) -> NoReturn:
-        self.mark_broken(f"no {what} signal from rank {src}")
+        self.mark_broken(f"no {what} signal from rank {src}", culprit=src, silent=True)
         raise self._silence(src, what, t, value)
+
+    def _failed_wait(self, src: int, seen: int, what: str, t: float, value: int) -> NoReturn:
+        """A wait on ``src`` ended without its signal: the peer's gave-up notice, or silence."""
+        if seen & _GAVE_UP:
+            raise self._gave_up(src, seen, what)
+        self._silent(src, what, t, value)
 
     def _wait_deferred(self, kind: int, first: int, count: int, value: int, what: str, t: float) -> None:
         """nvshmem: a stream-ordered wait on ``count`` sources from ``first``, judged later (see DeferredChecks)."""
 
         def judge(result):
             failed = result[1] & MASK64
-            if failed == MASK64:  # the kernel skipped the wait: an earlier deferred wait had timed out
-                return TimeoutError(f"rank {self.rank}: {what} skipped: an earlier wait on this buffer timed out")
-            return None if failed == 0 else self._silence(first + failed - 1, what, t, value)
+            if failed == MASK64:  # the kernel skipped the wait: an earlier deferred wait had failed
+                return TimeoutError(f"rank {self.rank}: {what} skipped: an earlier wait on this buffer failed")
+            if failed == 0:
+                return None
+            src = first + failed - 1
+            seen = result[0] & MASK64
+            return self._gave_up(src, seen, what) if seen & _GAVE_UP else self._silence(src, what, t, value)
 
-        self._nv.wait_deferred(self._word(kind, first), count, ">=", value, t, self.deferred, judge, what)
+        self._nv.wait_deferred(
+            self._word(kind, first), count, ">=", value, t, self.deferred, judge, what, abort_mask=_GAVE_UP
+        )
 
     def _wait_from(
         self, kind: int, src: int, value: int, what: str, timeout: float | None = None, deferred: bool = False
@@ -344,15 +452,18 @@ class SymmBuffer:
             self._wait_deferred(kind, src, 1, value, what, t)
             return
         if self.transport == "nvshmem":
-            if self._nv_wait(self._word(kind, src), 1, ">=", value, t)[1] is not None:
-                self._silent(src, what, t, value)
+            seen, failed = self._nv_wait(self._word(kind, src), 1, ">=", value, t, _GAVE_UP)
+            if failed is not None:
+                self._failed_wait(src, seen, what, t, value)
             return
         try:
-            self._segments[self.rank].wait_until(self._word(kind, src), ">=", value, t)
-            return
+            seen = self._segments[self.rank].wait_until(self._word(kind, src), ">=", value, t)
         except TimeoutError:
-            pass  # raised below, outside the handler, so the C++ message does not chain onto ours
-        self._silent(src, what, t, value)
+            seen = 0  # raised below, outside the handler, so the C++ message does not chain onto ours
+        else:
+            if not seen & _GAVE_UP:  # (a notice satisfies ">= epoch" too)
+                return
+        self._failed_wait(src, seen, what, t, value)
 
     def _wait_all_sources(
         self, kind: int, value: int, what: str, timeout: float | None = None, deferred: bool = False
@@ -367,9 +478,9 @@ class SymmBuffer:
         if deferred:
             self._wait_deferred(kind, 0, self.world_size, value, what, t)
             return
-        failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t)[1]
+        seen, failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t, _GAVE_UP)
         if failed is not None:
-            self._silent(failed, what, t, value)
+            self._failed_wait(failed, seen, what, t, value)
 
     def barrier(self, timeout: float | None = None) -> None:
         """All ranks of the group reach this point (signals on shm/nvshmem, torch.distributed otherwise)."""
@@ -581,7 +692,7 @@ class Exchange:
             buf._open = None
 
     def abandon(self, reason: str) -> None:
-        """The protocol failed mid-exchange on this rank: the buffer can no longer be trusted."""
-        self.buf.mark_broken(reason)
+        """The protocol failed mid-exchange on this rank: the buffer can no longer be trusted (peers are told)."""
+        self.buf.mark_broken(reason, culprit=self.buf.rank)
         if self.buf._open is self:
             self.buf._open = None

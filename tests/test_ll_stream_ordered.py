@@ -6,6 +6,7 @@ in the calls reads device data back. The rung-4 test checks the same on a GPU wi
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
+import re
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from epkit.collectives._details import ep_rows
 from epkit.collectives._details.deferred import DeferredChecks
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_low_latency_combine, reference_low_latency_dispatch
+from epkit.collectives.symm_buffer import PeerFailedError
 from epkit.kernels.triton.copy_rows import compile_signature, copy_rows_by_address, word_bytes_for
 from epkit.testing import assert_bitwise_equal, compile_triton
 from epkit.testing.host_sync import HostSyncDetector
@@ -123,7 +125,7 @@ def _peer_never_acks(rank, world_size):
     x, idx, wts = _inputs(rank, 6)
     recv_x, _, handle, hook = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
     if rank == 1:
-        time.sleep(8)  # alive (its heap stays mapped) but silent: no hook, no combine
+        time.sleep(5)  # alive (its heap stays mapped) but silent: no hook, no combine
         return None
     hook()
     y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
@@ -146,12 +148,46 @@ def test_silent_peer_surfaces_later_and_the_sticky_word_skips_the_queued_waits()
     assert res[1] is None
     for rank in (0, 2, 3):
         err, later, calls = res[rank]
-        assert f"rank {rank}: rank 1 sent no ll_combine consumed signal within 2 s" in err, err
+        # Its own timeout, or (when another survivor's came first) that survivor's notice in rank 1's words.
+        assert re.search(
+            rf"rank {rank}: (rank 1 sent no ll_combine consumed signal within 2 s|ll_combine consumed abandoned: "
+            rf"rank \d reports that rank 1 sent no signal within its timeout)",
+            err,
+        ), err
         assert "unusable" in later, later
-        # The acknowledgement wait for rank 1 timed out once; every deferred wait queued after it in the
+        # The acknowledgement wait for rank 1 failed once; every deferred wait queued after it in the
         # same call (the other peers' acknowledgements or the data) returned at once on the sticky word.
-        assert calls.get("signal_wait_all/timed_out") == 1, calls
+        assert calls.get("signal_wait_all/timed_out", 0) + calls.get("signal_wait_all/aborted", 0) == 1, calls
         assert calls.get("signal_wait_all/skipped", 0) >= 1, calls
+
+
+def _peer_rejects_combine(rank, world_size):
+    """Rank 0 rejects its own combine input (a local error): rank 1's deferred waits end on its notice."""
+    from epkit.testing import nvshmem_emulator
+
+    ep_rows.PORTABLE[0] = True
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=resolve_transport("nvemu"), timeout=30)
+    x, idx, wts = _inputs(rank, 6)
+    recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
+    y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
+    try:
+        buf.low_latency_combine(y[:, :-1] if rank == 0 else y, idx, wts, handle)
+        buf.synchronize()
+        return "no error"
+    except ValueError as exc:
+        return "ValueError", str(exc)
+    except PeerFailedError as exc:
+        return "PeerFailedError", exc.peer, exc.silent, str(exc), nvshmem_emulator.calls()
+
+
+def test_a_rank_rejecting_its_combine_input_ends_the_peers_deferred_waits():
+    res = run_ranks(_peer_rejects_combine, 2, timeout=60)
+    assert res[0][0] == "ValueError" and "y must be bfloat16" in res[0][1], res
+    kind, peer, silent, msg, calls = res[1]
+    assert (kind, peer, silent) == ("PeerFailedError", 0, False), res
+    assert "rank 1: ll_combine" in msg and "rank 0 gave up on this buffer after a failure on its side" in msg, msg
+    # ended by the notice (the abort mask), well inside the 30 s timeout: no wait timed out
+    assert calls.get("signal_wait_all/aborted") == 1 and "signal_wait_all/timed_out" not in calls, calls
 
 
 def _bad_ids_later(rank, world_size, what):
@@ -213,7 +249,7 @@ def test_a_rank_rejecting_its_input_is_reported_on_every_rank():
 
 def test_deferred_checks_raise_once_complete_and_retire():
     failures = []
-    checks = DeferredChecks(torch.device("cpu"), failures.append)
+    checks = DeferredChecks(torch.device("cpu"), lambda exc: failures.append(str(exc)))
     checks.record(torch.tensor([0, 0]), lambda v: None, 1.0, "fine")
     checks.record(torch.tensor([3, 7]), lambda v: ValueError(f"saw {v}") if v[0] else None, 1.0, "bad")
     checks.record(torch.tensor([1]), lambda v: TimeoutError("later"), 1.0, "after")
@@ -237,7 +273,7 @@ def test_deferred_checks_wait_for_the_stream_and_time_out_from_the_head(monkeypa
     import epkit.collectives._details.deferred as deferred
 
     failures = []
-    checks = DeferredChecks(torch.device("cpu"), failures.append)
+    checks = DeferredChecks(torch.device("cpu"), lambda exc: failures.append(str(exc)))
     first, second = _FakeEvent(), _FakeEvent()
     checks.record(torch.tensor([0]), lambda v: None, 0.2, "a")
     checks.record(torch.tensor([1]), lambda v: ValueError("b failed"), 0.2, "b")
@@ -256,7 +292,7 @@ def test_deferred_checks_wait_for_the_stream_and_time_out_from_the_head(monkeypa
     with pytest.raises(ValueError, match="b failed"):
         checks.poll()
     assert failures == ["b failed"]
-    stuck = DeferredChecks(torch.device("cpu"), failures.append)
+    stuck = DeferredChecks(torch.device("cpu"), lambda exc: failures.append(str(exc)))
     stuck.record(torch.tensor([0]), lambda v: None, 0.2, "never reached")
     stuck._pending[0].event = _FakeEvent()
     stuck.poll()

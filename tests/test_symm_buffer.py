@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import signal
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epkit.collectives.symm_buffer import SymmBuffer
+from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer
 from epkit.testing.multiprocess import run_ranks
 from epkit.testing.nvshmem_emulator import resolve_transport
 
@@ -123,9 +124,36 @@ def test_dead_peer_times_out_naming_it():
     assert res[1] is None
     for rank in (0, 2):
         msg, waited = res[rank]
-        assert "rank 1 sent no barrier signal within 4 s" in msg, msg
+        # Its own timeout, or the notice of the survivor whose timeout came first (PeerFailedError).
+        assert re.search(r"rank 1 sent no (barrier signal within 4 s|signal within its timeout)", msg), msg
         assert waited < 15
     assert _shm_names() <= before, "a killed rank must leave nothing in /dev/shm"
+
+
+def _silent_peer_reported(rank, world_size, transport):
+    buf = SymmBuffer(dist.group.WORLD, 1 << 12, transport=resolve_transport(transport), timeout=30)
+    buf.barrier()
+    if rank == 2:  # alive but silent: never enters the second barrier
+        time.sleep(4)
+        return None
+    try:
+        buf.barrier(timeout=1.0 if rank == 0 else 30.0)
+    except PeerFailedError as exc:
+        return "PeerFailedError", exc.peer, exc.silent, str(exc)
+    except TimeoutError as exc:
+        return "TimeoutError", None, None, str(exc)
+    return "no error", None, None, ""
+
+
+@pytest.mark.parametrize("transport", ["shm", "nvemu"])
+def test_a_rank_that_gives_up_tells_the_others(transport):
+    # Rank 0 waits 1 s for the silent rank 2 and gives up; rank 1, waiting up to 30 s for rank 2, is told at
+    # once through rank 2's words, and names rank 2 (not rank 0) as the silent one.
+    res = run_ranks(_silent_peer_reported, 3, transport, timeout=40)
+    assert res[0][0] == "TimeoutError" and "rank 2 sent no barrier signal within 1 s" in res[0][3], res
+    kind, peer, silent, msg = res[1]
+    assert (kind, peer, silent) == ("PeerFailedError", 2, True), res
+    assert "rank 1: barrier abandoned: rank 0 reports that rank 2 sent no signal within its timeout" in msg, msg
 
 
 def _killed_in_bootstrap(rank, world_size):

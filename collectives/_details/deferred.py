@@ -49,12 +49,12 @@ class DeferredChecks:
     ----------
     device : torch.device
         Where the checked work runs (``cuda`` or ``cpu``).
-    on_failure : callable(reason)
-        Called before any failure is raised, e.g. ``SymmBuffer.mark_broken``: the ranks learn of a
+    on_failure : callable(exception)
+        Called with the failure before it is raised (``SymmBuffer`` retires itself): the ranks learn of a
         deferred failure at different calls, so their exchange counters can no longer be trusted.
     """
 
-    def __init__(self, device: torch.device, on_failure: Callable[[str], None] | None = None):
+    def __init__(self, device: torch.device, on_failure: Callable[[BaseException], None] | None = None):
         self.device = device
         self.on_failure = on_failure
         self._pending: deque[_Check] = deque()
@@ -91,7 +91,7 @@ class DeferredChecks:
 
     def _fail(self, exc: BaseException) -> BaseException:
         if self.on_failure is not None:
-            self.on_failure(str(exc))
+            self.on_failure(exc)
         return exc
 
     def __del__(self):

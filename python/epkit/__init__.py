@@ -25,6 +25,7 @@ Collectives (symmetric memory, dispatch/combine; transports shm / torch, and nvs
     EPBuffer             DeepEP-style get_dispatch_layout / dispatch / combine / low_latency_*
     fused_moe            MegaMoE-style dispatch -> expert MLP -> combine in one call (shm domain, no staging)
     ShardedEngramTable   ENP-sharded Engram rows with prefetched fetch() -> hook()
+    PeerFailedError      (a TimeoutError) a peer gave up on the buffer and said so: raised without waiting
 
 Topology and experts (control plane)
     topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups
@@ -42,7 +43,7 @@ from epkit import backends, eplb, lockstep, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.fused_moe import fused_moe
-from epkit.collectives.symm_buffer import SymmBuffer
+from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer
 from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
 from epkit.engram import EngramConfig, EngramLayer, engram_hash, hash_params, hash_tokens
 from epkit.engram_table import ShardedEngramTable
@@ -93,6 +94,7 @@ __all__ = [
     "expert_mlp",
     # collectives
     "SymmBuffer",
+    "PeerFailedError",
     "EPBuffer",
     "fused_moe",
     "ShardedEngramTable",

@@ -327,12 +327,14 @@ def signal_wait_all(
     result: int,
     stream: int,
     sticky: int = 0,
+    abort_mask: int = 0,
 ) -> None:
     """Wait until each local word ``sig[i * stride]`` (``i < count``) satisfies ``cmp value`` under one deadline.
 
-    Writes ``[last value seen, 0 | 1 + index of the first word that timed out]`` to the two uint64 at
-    ``result``; a set ``sticky`` word makes it return at once with ``result[1] = 2**64 - 1``, and a
-    timeout sets it, as the device kernel does.
+    Writes ``[last value seen, 0 | 1 + index of the first word that failed]`` to the two uint64 at
+    ``result``; a word fails by timing out, or at once when it holds a bit of ``abort_mask``. A set
+    ``sticky`` word makes the wait return at once with ``result[1] = 2**64 - 1``; a failure sets it, as
+    the device kernel does.
     """
     _require_init("signal_wait_all")
     _count("signal_wait_all/deferred" if sticky else "signal_wait_all")
@@ -356,15 +358,42 @@ def signal_wait_all(
     seen = 0
     for i in range(count):
         off = first + 8 * i * stride
-        try:
-            seen = heap.wait_until(off, cmp, value, max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            out[0], out[1] = heap.load(off), i + 1
+        seen = _wait_word(heap, off, cmp, value, deadline, abort_mask)
+        if seen is None or seen & abort_mask:
+            out[0], out[1] = heap.load(off) if seen is None else seen, i + 1
             if flag is not None:
                 flag.value = 1
-            _count("signal_wait_all/timed_out")
+            _count("signal_wait_all/timed_out" if seen is None else "signal_wait_all/aborted")
             return
     out[0], out[1] = seen, 0
+
+
+_HOLDS = {
+    "==": lambda v, t: v == t,
+    "!=": lambda v, t: v != t,
+    ">=": lambda v, t: v >= t,
+    ">": lambda v, t: v > t,
+    "<=": lambda v, t: v <= t,
+    "<": lambda v, t: v < t,
+}
+
+
+def _wait_word(heap, off: int, cmp: str, value: int, deadline: float, abort_mask: int) -> int | None:
+    """The word's value once it satisfies ``cmp value`` or holds an ``abort_mask`` bit; None at the deadline."""
+    lowest_abort = abort_mask & -abort_mask
+    # Any word holding an abort bit is >= its lowest bit: for these waits the condition alone ends the wait.
+    if not abort_mask or (cmp in (">=", ">") and value < lowest_abort):  # one timed wait in epkit._C
+        try:
+            return heap.wait_until(off, cmp, value, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return None
+    while True:  # either condition ends the wait: poll
+        v = heap.load(off)
+        if _HOLDS[cmp](v, value) or v & abort_mask:
+            return v
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(20e-6)
 
 
 # Installation
