@@ -67,6 +67,22 @@ def _describe(src: int, code: int, n_used: int, fp8_used: int, text: str, n_max:
     return None
 
 
+def _slot_grid(counts: torch.Tensor, n_max: int):
+    """The ``[W, L, n_max]`` grid of low-latency slots (source, local expert, index), for ``counts [W, L]``.
+
+    Returns ``(src, live, slot, row)``: the source index (``[W, 1, 1]``, broadcastable), which slots hold a
+    row, each slot's position in its message (``e * n_max + i``) and its row in the masked layout (expert
+    ``e``'s rows ordered by source, then slot). Fixed shapes: no host read.
+    """
+    w, L = counts.shape
+    dev = counts.device
+    starts = torch.cumsum(counts, 0) - counts  # [W, L]: where each source's rows start per expert
+    src = torch.arange(w, device=dev).view(w, 1, 1)
+    e = torch.arange(L, device=dev).view(1, L, 1)
+    i = torch.arange(n_max, device=dev).view(1, 1, n_max)
+    return src, i < counts[:, :, None], e * n_max + i, e * (n_max * w) + starts[:, :, None] + i
+
+
 def _spacing(views: list[torch.Tensor]) -> tuple[int, int]:
     """(address of the first received message, bytes between consecutive sources' messages).
 
@@ -101,11 +117,10 @@ class LowLatencyMixin:
         n = 3 + self.num_local_experts
         return torch.stack([v[: 4 * n].view(torch.int32) for v in views])
 
-    def _ll_errors(self, views, hdr: int, n_max: int | None, use_fp8: bool) -> list[str]:
-        """Rejections and parameter mismatches seen in the received headers, read on the host."""
-        heads = self._ll_heads(views).tolist()
+    def _ll_errors(self, heads: torch.Tensor, views, hdr: int, n_max: int | None, use_fp8: bool) -> list[str]:
+        """Rejections and parameter mismatches seen in the received headers (``_ll_heads``), read on the host."""
         errors = []
-        for src, head in enumerate(heads):
+        for src, head in enumerate(heads.tolist()):
             text = ""
             if head[0] == _REJECTED:
                 text = bytes(views[src][hdr - _META_MSG : hdr].tolist()).rstrip(b"\0").decode(errors="replace")
@@ -114,9 +129,9 @@ class LowLatencyMixin:
                 errors.append(msg)
         return errors
 
-    def _ll_defer_errors(self, views, hdr: int, n_max: int, use_fp8: bool) -> torch.Tensor:
-        """Stream-ordered header check: record it for a later call; returns the ``[W]`` rows-are-valid mask."""
-        heads = self._ll_heads(views)
+    def _ll_defer_errors(self, heads: torch.Tensor, views, hdr: int, n_max: int, use_fp8: bool) -> torch.Tensor:
+        """Stream-ordered check of the headers (``_ll_heads``): recorded for a later call; returns the ``[W]``
+        rows-are-valid mask."""
         texts = torch.stack([v[hdr - _META_MSG : hdr] for v in views])  # read on the host only if rejected
 
         def judge(values):
@@ -338,16 +353,17 @@ class LowLatencyMixin:
                 return
             with self._guard("low-latency dispatch receive"):
                 views = ex.receive([msg_bytes] * w)
+                heads = self._ll_heads(views)
             if streamed:
-                ok = self._ll_defer_errors(views, hdr, n_max, use_fp8)
+                ok = self._ll_defer_errors(heads, views, hdr, n_max, use_fp8)
             else:
-                errors = self._ll_errors(views, hdr, n_max, use_fp8)
+                errors = self._ll_errors(heads, views, hdr, n_max, use_fp8)
                 if errors:
                     ex.release()
                     raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
                 ok = torch.ones(w, dtype=torch.bool)
             with self._guard("low-latency dispatch receive"):
-                got = self._ll_heads(views)[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
+                got = heads[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
                 got = torch.where(ok[:, None], got, 0)  # [W, L]
                 self._ll_unpack(views, recv_x, got, n_max, hdr, xb, sb)
                 recv_count.copy_(got.sum(0).to(torch.int32))
@@ -372,7 +388,7 @@ class LowLatencyMixin:
             ex.commit(dst, msg_bytes)
         views = ex.receive([msg_bytes] * self.world_size)
         self.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
-        errors = self._ll_errors(views, hdr, None, use_fp8)
+        errors = self._ll_errors(self._ll_heads(views), views, hdr, None, use_fp8)
         ex.release()
         exc = ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
         if self._ll_stream_ordered():  # the peers learn of it at a later call: the buffer is done on every rank
@@ -381,15 +397,8 @@ class LowLatencyMixin:
 
     def _ll_unpack(self, views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
         """Received slots -> the masked layout: expert e's rows ordered by source, then slot (fixed-shape)."""
-        w, L = self.world_size, self.num_local_experts
-        dev = self.device
-        starts = torch.cumsum(counts, 0) - counts  # [W, L]: where each source's rows start per expert
-        src = torch.arange(w, device=dev).view(w, 1, 1)
-        e = torch.arange(L, device=dev).view(1, L, 1)
-        i = torch.arange(n_max, device=dev).view(1, 1, n_max)
-        live = i < counts[:, :, None]
-        slot = e * n_max + i
-        row = e * (n_max * w) + starts[:, :, None] + i
+        L = self.num_local_experts
+        src, live, slot, row = _slot_grid(counts, n_max)
         first, stride = _spacing(views)
         x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
         msg = first + src * stride
@@ -472,17 +481,11 @@ class LowLatencyMixin:
         streamed = self._ll_stream_ordered()
         ex = self.buffer.exchange(self._region, tag="ll_combine", deferred=streamed)
         y = y.contiguous()
-        counts = handle.counts.to(self.device)
-        starts = torch.cumsum(counts, 0) - counts  # [W, L] offset of each source within expert rows
-        dev = self.device
-        src = torch.arange(w, device=dev).view(w, 1, 1)
-        e = torch.arange(L, device=dev).view(1, L, 1)
-        i = torch.arange(n_max, device=dev).view(1, 1, n_max)
-        live = i < counts[:, :, None]
+        src, live, slot, y_row = _slot_grid(handle.counts.to(self.device), n_max)
         bases = [ex.send_region(s).data_ptr() for s in range(w)]
         move_rows(
-            torch.where(live, self._addresses(bases)[src] + (e * n_max + i) * row, 0),
-            torch.where(live, y.data_ptr() + (e * (n_max * w) + starts[:, :, None] + i) * row, 0),
+            torch.where(live, self._addresses(bases)[src] + slot * row, 0),
+            torch.where(live, y.data_ptr() + y_row * row, 0),
             row,
             [*bases, y.data_ptr()],
         )
