@@ -865,6 +865,8 @@ def sec_nvshmem(ctx: Ctx, res: dict):
                 str(result.tolist()),
             )
             _check(res, "the timed-out wait returned within 0.03-2 s", 0.03 <= waited <= 2.0, f"{waited:.3f} s")
+            ctx.check("signal_wait_all: strided words, abort mask, sticky word")
+            _wait_all_checks(cc, res, sig, stream, ctx.device)
             # Loopback bandwidth against the device copy roof (same bytes, same run).
             ctx.check("bandwidth")
             counter = [12]
@@ -900,6 +902,36 @@ def sec_nvshmem(ctx: Ctx, res: dict):
     finally:
         cc.finalize()
     return None
+
+
+def _wait_all_checks(cc, res: dict, sig: int, stream: int, device) -> None:
+    """signal_wait_all on words 1-3 after ``sig`` (zero): success, a peer's gave-up bit, the sticky skip."""
+    mask64, gave_up = (1 << 64) - 1, 1 << 63
+    result = torch.zeros(2, dtype=torch.int64, device=device)
+    sticky = torch.zeros(1, dtype=torch.int64, device=device)
+    words = [sig + 8 * k for k in (1, 2, 3)]
+    cc.signal_op(words[0], 3, "set", 0, stream)
+    cc.signal_op(words[1], 4, "set", 0, stream)
+    cc.signal_wait_all(words[0], 1, 2, ">=", 3, 5.0, result.data_ptr(), stream, sticky.data_ptr(), gave_up)
+    torch.cuda.synchronize()
+    got = [v & mask64 for v in result.tolist()]
+    _check(res, "signal_wait_all over 2 words: [last value 4, ok]", got == [4, 0], str(got))
+    cc.signal_op(words[1], gave_up | 5, "set", 0, stream)
+    t0 = time.perf_counter()
+    cc.signal_wait_all(words[0], 1, 3, ">=", 3, 5.0, result.data_ptr(), stream, sticky.data_ptr(), gave_up)
+    torch.cuda.synchronize()
+    waited = time.perf_counter() - t0
+    got = [v & mask64 for v in result.tolist()]
+    _check(
+        res,
+        "abort_mask: word 1 holding the gave-up bit ends the wait at once as its failure",
+        got == [gave_up | 5, 2] and sticky.item() == 1 and waited < 1.0,
+        f"{got}, sticky {sticky.item()}, {waited:.3f} s",
+    )
+    cc.signal_wait_all(words[0], 1, 1, ">=", 0, 5.0, result.data_ptr(), stream, sticky.data_ptr(), 0)
+    torch.cuda.synchronize()
+    got = [v & mask64 for v in result.tolist()]
+    _check(res, "a wait behind a failed one returns at once on the sticky word", got == [0, mask64], str(got))
 
 
 def _symm_loopback(ctx: Ctx, res: dict) -> None:
