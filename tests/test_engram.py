@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from epkit.engram import EngramConfig, EngramLayer, engram_hash, hash_params, hash_tokens
+from epkit.engram import EngramConfig, engram_hash, hash_params, hash_tokens
+from epkit.engram_layer import EngramLayer
 from epkit.testing import assert_bitwise_equal, compile_triton, tilelang_compile_cuda
 from epkit.testing.markers import requires_cuda, requires_nvcc, requires_tilelang, requires_triton
 

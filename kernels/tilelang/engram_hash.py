@@ -5,7 +5,7 @@ order ``k = h // K + 1``. The modulo is numpy's floor-mod of a wrapped int64 by 
 positive divisor ``d < 2**31``, computed without integer division and bit-exact
 whatever the rounding of the float steps:
 
-* CPU (C target): the split-residue scheme of :func:`epkit.engram._float_mod_table`
+* CPU (C target): the split-residue scheme of :func:`epkit._details.engram_cpu._float_mod_table`
   (``y = a2 * (2**42 mod d) + a1 * (2**21 mod d) + a0`` exact in float64, one
   rounded quotient, one sign correction). Per block of tokens the ids are read
   once for every layer, the 21-bit chunks of each order's mix are computed over the
@@ -224,7 +224,7 @@ def engram_hash_func(num_layers: int, ngram: int, heads: int, dialect: str = "cp
     """The prim_func of the hash for ``dialect``; it covers tokens ``[begin, end)`` (``end <= T``).
 
     * ``"cpu"``: ``(ids [T*N] int32 (row-major [T, N] flattened), mult [L, N] int64,
-      table [L, 6, H] float64 (:func:`epkit.engram._float_mod_table`), out [L, T, H] int32,
+      table [L, 6, H] float64 (:func:`epkit._details.engram_cpu._float_mod_table`), out [L, T, H] int32,
       begin, end)``; ``block_tokens`` tokens per grid step (the C target runs the grid as a
       loop; :func:`engram_hash_tokens_cpu` splits ``[0, T)`` across threads).
     * ``"cuda"``: ``(ids [T, N] int32, mult [L, N] int64, vocab [L, H] int64, inv [L, H]
@@ -255,7 +255,7 @@ def _kernel(num_layers: int, ngram: int, heads: int, device_type: str):
 
 def engram_hash_tokens_cpu(ids: torch.Tensor, mult: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
     """Launch on validated, contiguous CPU tensors: ``ids [T, N] int32``, ``mult [L, N] int64``,
-    ``table [L, 6, H] float64`` (:func:`epkit.engram._float_mod_table`), ``out [L, T, H] int32``.
+    ``table [L, 6, H] float64`` (:func:`epkit._details.engram_cpu._float_mod_table`), ``out [L, T, H] int32``.
 
     Token ranges are split across ``torch.get_num_threads()`` threads (the call releases the GIL).
     """

@@ -12,7 +12,7 @@ Context parallelism
 
 Engram
     engram_hash          n-gram hash -> table rows (public demo ABI): XOR of id*multiplier, mod prime, + offset
-    engram.hash_tokens / engram.hash_params / engram.EngramLayer
+    engram.hash_tokens / engram.hash_params / engram_layer.EngramLayer
 
 Quantization, grouped GEMM, expert MLP (DeepGEMM-compatible semantics)
     quant                per_token_group_cast_to_fp8, per_block_cast_to_fp8, cast_to_mxfp4, cast_to_nvfp4
@@ -45,7 +45,8 @@ from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.fused_moe import fused_moe
 from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer
 from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
-from epkit.engram import EngramConfig, EngramLayer, engram_hash, hash_params, hash_tokens
+from epkit.engram import EngramConfig, engram_hash, hash_params, hash_tokens
+from epkit.engram_layer import EngramLayer
 from epkit.engram_table import ShardedEngramTable
 from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows

@@ -1,4 +1,4 @@
-"""Engram: hashed n-gram embeddings (hash ABI of DeepSeek's public Engram demo) and the gated Engram layer.
+"""Engram: hashed n-gram embeddings (hash ABI of DeepSeek's public Engram demo); the layer is in ``engram_layer``.
 
 An Engram layer looks up, for every token, ``(N-1) * K`` rows of a large
 embedding table: for each n-gram order ``n = 2..N`` and each of ``K`` heads, the
@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from epkit._details.engram_cpu import _engram_hash_cpu, _float_mod_table
 from epkit.backends import OpSpec, register_op, select
 
 __all__ = [
@@ -47,7 +44,6 @@ __all__ = [
     "engram_hash",
     "engram_hash_reference",
     "hash_tokens",
-    "EngramLayer",
     "DEMO_NGRAM_VOCAB_SIZE",
 ]
 
@@ -325,99 +321,6 @@ def _validate_hash_args(ids, mult, vocab, off, out) -> None:
             )
 
 
-_CHUNK_BITS = 21
-_CHUNK_MASK = (1 << _CHUNK_BITS) - 1
-#: Adding then subtracting 1.5 * 2**52 rounds a float64 of magnitude < 2**51 to the nearest integer.
-_ROUND_MAGIC = 1.5 * 2.0**52
-
-
-def _float_mod_table(vocab_sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per-head constants of the division-free floor-mod used by the CPU kernels.
-
-    For a wrapped int64 ``x`` split into 21-bit chunks ``x = a2 * 2**42 + a1 * 2**21 + a0``
-    (``a2 = x >> 42`` signed, ``a1, a0`` in ``[0, 2**21)``) and a head size ``2 <= d < 2**31``::
-
-        y = a2 * c42 + (a1 * c21 + a0)        c21 = 2**21 mod d, c42 = 2**42 mod d, both in (-d/2, d/2]
-        q = round(y * (1/d))                  (add then subtract 1.5 * 2**52)
-        r = y - q * d;  r += d if r < 0       ->  r = x mod d (numpy's floor-mod)
-
-    Every product and sum is an integer below ``2**53`` in magnitude (``|a2 * c42|``,
-    ``|a1 * c21| <= 2**51``), so ``y`` (``== x mod d``) and ``r`` are exact in float64, fused
-    multiply-adds or not. ``|y / d| < 2**22``, so the float quotient is within ``2**-30``
-    of ``y / d`` and rounds to ``floor(y / d)`` or one above: ``r`` is in ``(-d, d)``
-    before the correction.
-
-    Parameters
-    ----------
-    vocab_sizes : Tensor [L, N-1, K], int32
-    offsets : Tensor [L, (N-1)*K], int32
-
-    Returns
-    -------
-    Tensor [L, 6, H], float64, ``H = (N-1)*K``
-        Rows ``c21, c42, 1/d, d, offset, 1.5 * 2**52`` of every head.
-    """
-    num_layers = vocab_sizes.shape[0]
-    d = vocab_sizes.reshape(num_layers, -1).to(torch.int64)
-    c21 = (1 << _CHUNK_BITS) % d
-    c42 = (1 << (2 * _CHUNK_BITS)) % d
-    c21 = torch.where(c21 > d // 2, c21 - d, c21)
-    c42 = torch.where(c42 > d // 2, c42 - d, c42)
-    df = d.to(torch.float64)
-    rows = [c21.to(torch.float64), c42.to(torch.float64), 1.0 / df, df, offsets.to(torch.float64)]
-    rows.append(torch.full_like(df, _ROUND_MAGIC))
-    return torch.stack(rows, dim=1).contiguous()
-
-
-@functools.cache
-def _cpu_pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epkit-engram")
-
-
-def _engram_hash_cpu(ids, mult, vocab, off, out, chunk: int = 1 << 11) -> None:
-    """Vectorised torch, the division-free floor-mod of :func:`_float_mod_table` (int64 wraps).
-
-    Work arrays are ``[N-1, K, chunk]`` (tokens innermost): long inner loops, yet below torch's
-    intra-op grain size, so each op runs inline; token ranges go to ``torch.get_num_threads()``
-    threads instead (torch ops release the GIL).
-    """
-    num_layers, orders, heads = vocab.shape
-    table = _float_mod_table(vocab, off).view(num_layers, 6, orders, heads, 1)
-    magic = torch.tensor(_ROUND_MAGIC, dtype=torch.float64)
-
-    def run(begin: int, end: int) -> None:
-        for s in range(begin, end, chunk):
-            e = min(s + chunk, end)
-            x = ids[s:e].to(torch.int64).T
-            for layer in range(num_layers):
-                c21, c42, inv, d, o, _ = table[layer].unbind(0)  # each [N-1, K, 1]
-                mix = x[0] * mult[layer, 0]
-                mixes = []
-                for k in range(1, orders + 1):
-                    mix = mix ^ (x[k] * mult[layer, k])
-                    mixes.append(mix)
-                m = torch.stack(mixes)[:, None, :]  # [N-1, 1, n]: every order's mix
-                a2 = (m >> (2 * _CHUNK_BITS)).to(torch.float64)
-                a1 = ((m >> _CHUNK_BITS) & _CHUNK_MASK).to(torch.float64)
-                a0 = (m & _CHUNK_MASK).to(torch.float64)
-                y = torch.addcmul(a0, c21, a1).addcmul_(c42, a2)  # [N-1, K, n], exact: == mix (mod d)
-                q = torch.addcmul(magic, y, inv).sub_(magic)  # round(y / d)
-                r = y.addcmul_(q, d, value=-1)  # exact, in (-d, d)
-                r += torch.where(r < 0, d + o, o)
-                out[layer, s:e] = r.view(orders * heads, e - s).T  # exact integers -> int32
-
-    num_tokens = ids.shape[0]
-    workers = max(1, min(torch.get_num_threads(), num_tokens // (4 * chunk)))
-    if workers == 1:
-        run(0, num_tokens)
-        return
-    step = -(-num_tokens // workers)
-    step = -(-step // chunk) * chunk
-    futures = [_cpu_pool(workers).submit(run, s, min(s + step, num_tokens)) for s in range(0, num_tokens, step)]
-    for f in futures:
-        f.result()
-
-
 def engram_hash(
     ngram_token_ids: torch.Tensor,
     multipliers: torch.Tensor,
@@ -619,144 +522,6 @@ def _ngram_token_ids(token_ids, cu, n, pad, lookup_table, prefix_tokens) -> torc
     vals = ext[src + (n - 1)] if num_tokens else torch.empty((0, n), dtype=torch.int64, device=device)
     vals = torch.where(src >= starts[:, None], vals, torch.full_like(vals, pad))
     return vals.to(torch.int32).contiguous()
-
-
-# Layer
-
-
-class EngramLayer(nn.Module):
-    """One Engram layer: multi-head n-gram embedding lookup and the demo's gated fusion (one branch).
-
-    With ``e [T, (N-1)*n_embed]`` the concatenated head rows of each token and ``h [T, D]``
-    the hidden states::
-
-        key   = RMSNorm_k(W_k e + b_k)            query = RMSNorm_q(h)
-        s     = <key, query> / sqrt(D)
-        gate  = sigmoid(sign(s) * sqrt(max(|s|, 1e-6)))
-        value = gate * (W_v e + b_v)
-        out   = value + SiLU(CausalDepthwiseConv1d(RMSNorm_c(value)))   (kernel 4, dilation N)
-
-    The causal convolution runs within each sequence of a packed batch (``cu_seqlens``).
-    The caller adds ``out`` to the residual stream. RMSNorm epsilons follow the demo:
-    ``torch.finfo(dtype).eps`` for key/query, ``conv_norm_eps`` for the convolution.
-
-    Parameters
-    ----------
-    config : EngramConfig
-    layer_id : int
-        One of ``config.layer_ids``; selects the layer's hash tables.
-    hidden_size : int
-        ``D``.
-    kernel_size : int
-        Convolution taps. Default 4.
-    conv_norm_eps : float
-        Default 1e-5.
-    with_table : bool
-        Allocate the full embedding table (``embedding``, ``[rows, head_dim]``). Pass False when
-        rows come from elsewhere (a sharded table) as ``embeddings`` to :meth:`forward`.
-    """
-
-    def __init__(
-        self,
-        config: EngramConfig,
-        layer_id: int,
-        hidden_size: int,
-        kernel_size: int = 4,
-        conv_norm_eps: float = 1e-5,
-        with_table: bool = True,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__()
-        if layer_id not in config.layer_ids:
-            raise ValueError(f"layer_id = {layer_id} is not one of config.layer_ids = {config.layer_ids}")
-        if hidden_size < 1 or kernel_size < 1:
-            raise ValueError(f"hidden_size = {hidden_size} and kernel_size = {kernel_size} must be >= 1")
-        kw = {"device": device, "dtype": dtype}
-        self.config, self.layer_id, self.hidden_size = config, layer_id, hidden_size
-        self.kernel_size, self.dilation, self.conv_norm_eps = kernel_size, config.max_ngram_size, conv_norm_eps
-        li = config.layer_ids.index(layer_id)
-        _, vocab, off = _hash_params_np(config)
-        self.num_rows = int(off[li, -1]) + int(vocab[li].reshape(-1)[-1])
-        self.embedding = nn.Embedding(self.num_rows, config.head_dim, **kw) if with_table else None
-        width = config.num_heads * config.head_dim
-        self.key_proj = nn.Linear(width, hidden_size, **kw)
-        self.value_proj = nn.Linear(width, hidden_size, **kw)
-        self.key_norm = nn.RMSNorm(hidden_size, **kw)
-        self.query_norm = nn.RMSNorm(hidden_size, **kw)
-        self.conv_norm = nn.RMSNorm(hidden_size, eps=conv_norm_eps, **kw)
-        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False, **kw)
-
-    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the full table: ``hash_ids [T, H] int32`` -> ``[T, H, head_dim]``."""
-        if self.embedding is None:
-            raise ValueError("this EngramLayer has no table (with_table=False); pass embeddings to forward")
-        if hash_ids.dim() != 2 or hash_ids.shape[1] != self.config.num_heads:
-            raise ValueError(f"hash_ids must be [T, {self.config.num_heads}], got {tuple(hash_ids.shape)}")
-        _check_ids("hash_ids", hash_ids, self.num_rows, "the layer's table rows")
-        return self.embedding(hash_ids.long())
-
-    def _causal_conv(self, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        num_tokens = v.shape[0]
-        t = torch.arange(num_tokens, device=v.device)
-        if cu_seqlens is None:
-            starts = torch.zeros_like(t)
-        else:
-            cu = cu_seqlens.to(device=v.device, dtype=torch.int64)
-            if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"cu_seqlens = {cu_seqlens.tolist()[:16]} must go from 0 to T = {num_tokens}")
-            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
-        w = self.conv.weight[:, 0, :]  # [D, kernel]
-        y = torch.zeros_like(v)
-        for i in range(self.kernel_size):
-            shift = (self.kernel_size - 1 - i) * self.dilation
-            src = t - shift
-            ok = (src >= starts)[:, None]
-            y = y + torch.where(ok, v[src.clamp(min=0)], torch.zeros_like(v)) * w[:, i]
-        return y
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        hash_ids: torch.Tensor | None = None,
-        *,
-        embeddings: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Engram output for packed hidden states.
-
-        Parameters
-        ----------
-        hidden_states : Tensor [T, D]
-        hash_ids : Tensor [T, (N-1)*K], int32, optional
-            This layer's rows (``hash_tokens(...)[layer index]``); looked up in ``embedding``.
-        embeddings : Tensor [T, (N-1)*K, head_dim], optional
-            Rows fetched elsewhere (e.g. a sharded table); exactly one of ``hash_ids`` / ``embeddings``.
-        cu_seqlens : Tensor [B+1], optional
-            Sequence boundaries for the causal convolution; default: one sequence.
-
-        Returns
-        -------
-        Tensor [T, D]
-        """
-        if (hash_ids is None) == (embeddings is None):
-            raise ValueError("pass exactly one of hash_ids and embeddings")
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
-            raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
-        num_tokens = hidden_states.shape[0]
-        if embeddings is None:
-            embeddings = self.lookup(hash_ids)
-        want = (num_tokens, self.config.num_heads, self.config.head_dim)
-        if tuple(embeddings.shape) != want:
-            raise ValueError(f"embeddings must be {want}, got {tuple(embeddings.shape)}")
-        e = embeddings.reshape(num_tokens, -1).to(hidden_states.dtype)
-        key = self.key_norm(self.key_proj(e))
-        query = self.query_norm(hidden_states)
-        s = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
-        gate = torch.sigmoid(s.sign() * s.abs().clamp_min(1e-6).sqrt())
-        value = gate * self.value_proj(e)
-        conv = F.silu(self._causal_conv(self.conv_norm(value), cu_seqlens))
-        return value + conv
 
 
 # Op table
