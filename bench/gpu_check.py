@@ -905,33 +905,38 @@ def sec_nvshmem(ctx: Ctx, res: dict):
 
 
 def _wait_all_checks(cc, res: dict, sig: int, stream: int, device) -> None:
-    """signal_wait_all on words 1-3 after ``sig`` (zero): success, a peer's gave-up bit, the sticky skip."""
-    mask64, gave_up = (1 << 64) - 1, 1 << 63
+    """signal_wait_all on words 1-3 after ``sig`` (zero; abort words 4-6): success, a notice in an abort word,
+    the sticky skip, and a wait that must not be skipped."""
+    mask64, notice = (1 << 64) - 1, (1 << 63) | 5
     result = torch.zeros(2, dtype=torch.int64, device=device)
     sticky = torch.zeros(1, dtype=torch.int64, device=device)
-    words = [sig + 8 * k for k in (1, 2, 3)]
-    cc.signal_op(words[0], 3, "set", 0, stream)
-    cc.signal_op(words[1], 4, "set", 0, stream)
-    cc.signal_wait_all(words[0], 1, 2, ">=", 3, 5.0, result.data_ptr(), stream, sticky.data_ptr(), gave_up)
-    torch.cuda.synchronize()
-    got = [v & mask64 for v in result.tolist()]
+    words = [sig + 8 * k for k in range(8)]
+
+    def wait_all(count, value, abort_words, skip=True):
+        cc.signal_wait_all(
+            words[1], 1, count, ">=", value, 5.0, result.data_ptr(), stream, sticky.data_ptr(), abort_words, skip
+        )
+        torch.cuda.synchronize()
+        return [v & mask64 for v in result.tolist()]
+
+    cc.signal_op(words[1], 3, "set", 0, stream)
+    cc.signal_op(words[2], 4, "set", 0, stream)
+    got = wait_all(2, 3, 3)
     _check(res, "signal_wait_all over 2 words: [last value 4, ok]", got == [4, 0], str(got))
-    cc.signal_op(words[1], gave_up | 5, "set", 0, stream)
+    cc.signal_op(words[6], notice, "set", 0, stream)  # word 3's abort word
     t0 = time.perf_counter()
-    cc.signal_wait_all(words[0], 1, 3, ">=", 3, 5.0, result.data_ptr(), stream, sticky.data_ptr(), gave_up)
-    torch.cuda.synchronize()
+    got = wait_all(3, 3, 3)
     waited = time.perf_counter() - t0
-    got = [v & mask64 for v in result.tolist()]
     _check(
         res,
-        "abort_mask: word 1 holding the gave-up bit ends the wait at once as its failure",
-        got == [gave_up | 5, 2] and sticky.item() == 1 and waited < 1.0,
+        "abort word: a notice ends the wait on word 3 at once as its failure",
+        got == [notice, 3] and sticky.item() == 1 and waited < 1.0,
         f"{got}, sticky {sticky.item()}, {waited:.3f} s",
     )
-    cc.signal_wait_all(words[0], 1, 1, ">=", 0, 5.0, result.data_ptr(), stream, sticky.data_ptr(), 0)
-    torch.cuda.synchronize()
-    got = [v & mask64 for v in result.tolist()]
+    got = wait_all(1, 0, 0)
     _check(res, "a wait behind a failed one returns at once on the sticky word", got == [0, mask64], str(got))
+    got = wait_all(1, 3, 0, skip=False)
+    _check(res, "skip_on_sticky=False: the wait still runs", got == [3, 0], str(got))
 
 
 def _symm_loopback(ctx: Ctx, res: dict) -> None:

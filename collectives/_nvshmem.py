@@ -11,7 +11,7 @@ no nvshmem buffer can be created in it.
 Each buffer is one collective symmetric allocation laid out as the shm segments are::
 
     [ 64-bit signal words | padding to 4096 | data (num_bytes) ]
-      READY[w] ACK[w] BARRIER[w] user[num_signals]
+      READY[w] ACK[w] BARRIER[w] NOTICE[w] user[num_signals]
 
 Signals (``signal_op``) and timed waits (``signal_wait_all``, one deadline over a strided run of
 words) are kernels of ``epkit._C_cuda`` launched on the current CUDA stream, so they order with the
@@ -49,8 +49,8 @@ INSTALL_HINT = (
     "nvidia-nvshmem wheel), and run on a CUDA build of torch with a visible GPU"
 )
 ALIGN = 4096
-#: Reserved words per source rank: READY, ACK, BARRIER (indices as in symm_buffer).
-NUM_RESERVED_KINDS = 3
+#: Reserved words per source rank: READY, ACK, BARRIER, NOTICE (indices as in symm_buffer).
+NUM_RESERVED_KINDS = 4
 #: Seconds the host waits for a device wait beyond its own timeout before it calls the stream stuck.
 HOST_GRACE_S = 10.0
 MASK64 = (1 << 64) - 1
@@ -123,7 +123,7 @@ def layout(world_size: int, num_signals: int, num_bytes: int) -> tuple[int, int,
     Returns
     -------
     (num_words, data_offset, alloc_bytes) : tuple of int
-        64-bit signal words (``3 * world_size + num_signals``); byte offset of the data (a multiple
+        64-bit signal words (``4 * world_size + num_signals``); byte offset of the data (a multiple
         of 4096 past the words); bytes to allocate (``data_offset + max(num_bytes, 1)``).
     """
     for name, v, lo in (("world_size", world_size, 1), ("num_signals", num_signals, 0), ("num_bytes", num_bytes, 0)):
@@ -356,6 +356,7 @@ class NvshmemState:
         # Set by a deferred wait that timed out: the deferred waits queued after it then return at once.
         self._sticky = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._event = None if emulated else torch.cuda.Event()
+        self._urgent = None  # the side stream of urgent posts (created on first use)
 
     @property
     def within_domain(self) -> bool:
@@ -369,13 +370,22 @@ class NvshmemState:
             return 0  # emulated: the calling thread is the stream
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def post(self, off: int, value: int, op: str, pe: int) -> None:
-        """Set/add ``value`` to the word at ``off`` on rank ``pe``, on the current stream after its earlier work."""
+    def post(self, off: int, value: int, op: str, pe: int, urgent: bool = False) -> None:
+        """Set/add ``value`` to the word at ``off`` on rank ``pe``, on the current stream after its earlier work.
+
+        ``urgent``: on a stream of its own instead, so that it is not queued behind a stuck stream (the
+        gave-up notices).
+        """
         if op not in _SIGNAL_OPS:
             raise ValueError(f"op must be 'set' or 'add', got {op!r}")
         if not isinstance(value, int) or not 0 <= value <= MASK64:
             raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
-        self.cc.signal_op(self.base + off, value, op, pe, self._stream())
+        stream = self._stream()
+        if urgent and self.device.type == "cuda":
+            if self._urgent is None:
+                self._urgent = torch.cuda.Stream(self.device, priority=-1)
+            stream = self._urgent.cuda_stream
+        self.cc.signal_op(self.base + off, value, op, pe, stream)
 
     def put_signal(self, dst_off: int, src: torch.Tensor | None, nbytes: int, sig_off: int, value: int, pe: int):
         """Copy ``nbytes`` of ``src`` to data offset ``dst_off`` on ``pe``, then set its word at ``sig_off``."""
@@ -401,14 +411,15 @@ class NvshmemState:
         )
 
     def wait(
-        self, off: int, count: int, cmp: str, value: int, timeout: float, abort_mask: int = 0
+        self, off: int, count: int, cmp: str, value: int, timeout: float, abort_words: int = 0
     ) -> tuple[int, int | None]:
         """Timed device wait until the ``count`` local words from ``off`` all satisfy ``cmp value``.
 
         Returns ``(value seen, None)`` when they did, ``(value seen, index)`` for the first word (0-based
-        from ``off``) that did not within ``timeout``, or that held a bit of ``abort_mask``. Raises
-        TimeoutError only when the stream itself did not reach the end of the wait within
-        ``timeout + HOST_GRACE_S`` (stuck behind other work).
+        from ``off``) that did not within ``timeout``, or whose abort word (``abort_words`` words further;
+        0: none) turned nonzero first (the value is then the abort word's). Raises TimeoutError only when
+        the stream itself did not reach the end of the wait within ``timeout + HOST_GRACE_S`` (stuck
+        behind other work).
         """
         if not isinstance(value, int) or not 0 <= value <= MASK64:
             raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
@@ -424,7 +435,7 @@ class NvshmemState:
             self._result.data_ptr(),
             self._stream(),
             0,
-            abort_mask,
+            abort_words,
         )
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))
@@ -443,10 +454,24 @@ class NvshmemState:
         return seen, (None if failed == 0 else failed - 1)
 
     def wait_deferred(
-        self, off: int, count: int, cmp: str, value: int, timeout: float, checks, judge, what: str, abort_mask: int = 0
+        self,
+        off: int,
+        count: int,
+        cmp: str,
+        value: int,
+        timeout: float,
+        checks,
+        judge,
+        what: str,
+        abort_words: int = 0,
+        skip_on_sticky: bool = True,
     ):
         """:meth:`wait` without the host: the wait kernel writes its 2-word result into pinned host memory and
-        ``checks`` (a DeferredChecks) judges it once the stream has passed it. Returns at once."""
+        ``checks`` (a DeferredChecks) judges it once the stream has passed it. Returns at once.
+
+        After a failed deferred wait on this buffer the later ones return at once (the sticky word),
+        except those with ``skip_on_sticky=False``: waits that guard writes into a peer's memory.
+        """
         if not isinstance(value, int) or not 0 <= value <= MASK64:
             raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
         if not isinstance(timeout, (int, float)) or not timeout >= 0:
@@ -454,7 +479,17 @@ class NvshmemState:
         slot = checks.host_slot(2)  # pinned: with unified addressing the kernel stores into it directly
         sticky = self._sticky.data_ptr()
         self.cc.signal_wait_all(
-            self.base + off, 1, count, cmp, value, float(timeout), slot.data_ptr(), self._stream(), sticky, abort_mask
+            self.base + off,
+            1,
+            count,
+            cmp,
+            value,
+            float(timeout),
+            slot.data_ptr(),
+            self._stream(),
+            sticky,
+            abort_words,
+            skip_on_sticky,
         )
         checks.record(slot, judge, timeout, what)
 

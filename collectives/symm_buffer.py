@@ -21,8 +21,9 @@ Transports
              raise; protocols use :meth:`SymmBuffer.all_to_all` instead.
 
 Every wait has a timeout and a :class:`TimeoutError` names the silent peer. A rank that gives up on a
-buffer (a local failure mid-protocol, or a peer that timed out) says so in its reserved words at every
-peer, so the others raise :class:`PeerFailedError` at once instead of each waiting out its own timeout.
+buffer (a local failure mid-protocol, or a peer that timed out) writes a notice into its NOTICE word at
+every peer; every wait on a source also watches that source's NOTICE word, so the others raise
+:class:`PeerFailedError` at once instead of each waiting out its own timeout, and pass the notice on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import contextlib
 import ctypes
 import os
 import secrets
+import time
 from datetime import timedelta
 from typing import NoReturn
 
@@ -44,16 +46,19 @@ __all__ = ["PeerFailedError", "SymmBuffer", "TRANSPORTS"]
 TRANSPORTS = ("shm", "torch", "nvshmem")
 _DIRECT = ("shm", "nvshmem")  # transports with one-sided peer views and signal words
 _ALIGN = 4096
-# Reserved signal words per rank segment: data-ready, ack and barrier words, one per source rank.
-_READY, _ACK, _BARRIER = 0, 1, 2
+# Reserved signal words per rank segment: data-ready, ack, barrier and gave-up notice words, one per source.
+_READY, _ACK, _BARRIER, _NOTICE = 0, 1, 2, 3
+_NUM_KINDS = 4
 MASK64 = (1 << 64) - 1
-# A reserved word holding _GAVE_UP: a rank gave up on the buffer. Bits 32-61 name that rank (the reporter),
-# bits 0-31 the culprit (the rank that failed, or the one that went silent when _GAVE_UP_SILENT is set).
-# The reporter writes it into its own words at every peer and, for a silent culprit, into the culprit's
-# words too, so waits on either end at once. Epochs never reach 2**62.
+# A gave-up notice (a NOTICE word): bit 63 set, bit 62 when the culprit went silent (rather than failed),
+# bits 32-61 the rank that gave up (the reporter), bits 0-31 the culprit. The reporter writes it into its
+# own NOTICE word at every peer and, for a silent culprit, into the culprit's; a rank that receives one
+# passes it on in its own. Notices never overwrite a READY/ACK/BARRIER signal.
 _GAVE_UP = 1 << 63
 _GAVE_UP_SILENT = 1 << 62
 _RANK_BITS = 0xFFFFFFFF
+#: shm: how often a waiting rank looks at the source's NOTICE word (seconds).
+_NOTICE_POLL_S = 2e-3
 
 
 class PeerFailedError(TimeoutError):
@@ -173,7 +178,7 @@ class SymmBuffer:
         from epkit import _C
 
         w = self.world_size
-        self._num_words = 3 * w + self.num_signals
+        self._num_words = _NUM_KINDS * w + self.num_signals
         self._data_offset = -(-self._num_words * 8 // _ALIGN) * _ALIGN
         seg_bytes = self._data_offset + max(self.num_bytes, 1)
         # One random 128-bit token per buffer, drawn by rank 0 before any segment exists: every rank knows
@@ -213,10 +218,10 @@ class SymmBuffer:
         self.local = self._nv.local
 
     def _nv_wait(
-        self, off: int, count: int, cmp: str, value: int, timeout: float, abort_mask: int = 0
+        self, off: int, count: int, cmp: str, value: int, timeout: float, abort_words: int = 0
     ) -> tuple[int, int | None]:
         try:
-            return self._nv.wait(off, count, cmp, value, timeout, abort_mask)
+            return self._nv.wait(off, count, cmp, value, timeout, abort_words)
         except TimeoutError as exc:  # the stream never reached the wait's end: its result word is unreliable
             self.mark_broken(str(exc), culprit=self.rank)
             raise
@@ -240,28 +245,27 @@ class SymmBuffer:
             return
         self._broken = reason
         if culprit is not None:
-            self._tell_peers(culprit, silent)
+            notice = _GAVE_UP | (_GAVE_UP_SILENT if silent else 0) | (self.rank << 32) | (culprit & _RANK_BITS)
+            self._spread(notice, [self.rank] + ([culprit] if silent and culprit != self.rank else []))
 
-    def _tell_peers(self, culprit: int, silent: bool) -> None:
-        """Write the gave-up notice into this rank's reserved words at every peer, and into the silent culprit's
-        (a peer waiting on the culprit learns it too). Best effort: one-sided stores, no waits."""
+    def _spread(self, notice: int, sources: list[int]) -> None:
+        """Write ``notice`` into the NOTICE words of ``sources`` at every other peer. Best effort: one-sided
+        stores with no waits (on nvshmem on a stream of their own, not behind this rank's stuck work)."""
         if self.transport not in _DIRECT or not self._is_open():
             return
-        notice = _GAVE_UP | (_GAVE_UP_SILENT if silent else 0) | (self.rank << 32) | (culprit & _RANK_BITS)
-        sources = [self.rank] + ([culprit] if silent and culprit != self.rank else [])
         for dst in range(self.world_size):
             for src in sources:
                 if dst in (self.rank, src):
                     continue
-                for kind in (_READY, _ACK, _BARRIER):
-                    with contextlib.suppress(Exception):  # a peer that is gone cannot be told; nothing to do
-                        if self.transport == "nvshmem":
-                            self._nv.post(self._word(kind, src), notice, "set", dst)
-                        else:
-                            self._segments[dst].store(self._word(kind, src), notice)
+                with contextlib.suppress(Exception):  # a peer that is gone cannot be told; nothing to do
+                    if self.transport == "nvshmem":
+                        self._nv.post(self._word(_NOTICE, src), notice, "set", dst, urgent=True)
+                    else:
+                        self._segments[dst].store(self._word(_NOTICE, src), notice)
 
     def _gave_up(self, src: int, seen: int, what: str) -> PeerFailedError:
-        """The error for a wait on ``src`` that found a gave-up notice ``seen``; retires this buffer."""
+        """The error for a wait on ``src`` that found the gave-up notice ``seen``; retires this buffer and
+        passes the notice on (a peer waiting on this rank, not on the reporter, learns it too)."""
         culprit, reporter = seen & _RANK_BITS, (seen >> 32) & (_RANK_BITS >> 2)
         silent = bool(seen & _GAVE_UP_SILENT)
         if silent:
@@ -274,12 +278,14 @@ class SymmBuffer:
                 f"rank {self.rank}: {what} abandoned: rank {culprit} gave up on this buffer after a failure on "
                 f"its side (its own exception says why)"
             )
-        self.mark_broken(msg)  # the notice reached every peer already: nobody to tell
+        if self._broken is None:
+            self.mark_broken(msg)
+            self._spread(seen, [self.rank])
         return PeerFailedError(msg, culprit, silent)
 
     def _deferred_failed(self, exc: BaseException) -> None:
         """A deferred check failed: retire the buffer, telling the peers when they cannot learn it otherwise."""
-        if isinstance(exc, PeerFailedError):
+        if isinstance(exc, PeerFailedError) or getattr(exc, "skipped", False):  # told / judged earlier
             self.mark_broken(str(exc))
         elif getattr(exc, "peer", None) is not None:  # a silent peer (see _silence)
             self.mark_broken(str(exc), culprit=exc.peer, silent=True)
@@ -356,7 +362,7 @@ class SymmBuffer:
     def _user_word(self, idx: int) -> int:
         if not isinstance(idx, int) or not 0 <= idx < self.num_signals:
             raise ValueError(f"signal index must be in [0, {self.num_signals}), got {idx!r}")
-        return (3 * self.world_size + idx) * 8
+        return (_NUM_KINDS * self.world_size + idx) * 8
 
     def signal(self, rank: int, idx: int, value: int, op: str = "set") -> None:
         """Set or add ``value`` to user signal word ``idx`` of rank ``rank`` (release ordering after prior puts).
@@ -402,7 +408,7 @@ class SymmBuffer:
         return self._segments[self.rank].wait_until(self._user_word(idx), cmp, value, t)
 
     def _post(self, kind: int, dst: int, value: int) -> None:
-        if self._broken is not None:  # never overwrite the gave-up notice (an exchange released after a failure)
+        if self._broken is not None:  # a rank that gave up signals nothing more (its peers read its notice)
             return
         if self.transport == "nvshmem":
             self._nv.post(self._word(kind, self.rank), value, "set", dst)
@@ -433,15 +439,28 @@ class SymmBuffer:
         def judge(result):
             failed = result[1] & MASK64
             if failed == MASK64:  # the kernel skipped the wait: an earlier deferred wait had failed
-                return TimeoutError(f"rank {self.rank}: {what} skipped: an earlier wait on this buffer failed")
+                exc = TimeoutError(f"rank {self.rank}: {what} skipped: an earlier wait on this buffer failed")
+                exc.skipped = True
+                return exc
             if failed == 0:
                 return None
             src = first + failed - 1
             seen = result[0] & MASK64
             return self._gave_up(src, seen, what) if seen & _GAVE_UP else self._silence(src, what, t, value)
 
+        # An ACK wait guards this rank's writes into the peer's memory: it is never skipped, even after a
+        # failure (the writes behind it would land in a region the peer may still be reading).
         self._nv.wait_deferred(
-            self._word(kind, first), count, ">=", value, t, self.deferred, judge, what, abort_mask=_GAVE_UP
+            self._word(kind, first),
+            count,
+            ">=",
+            value,
+            t,
+            self.deferred,
+            judge,
+            what,
+            abort_words=(_NOTICE - kind) * self.world_size,
+            skip_on_sticky=kind != _ACK,
         )
 
     def _wait_from(
@@ -452,18 +471,30 @@ class SymmBuffer:
             self._wait_deferred(kind, src, 1, value, what, t)
             return
         if self.transport == "nvshmem":
-            seen, failed = self._nv_wait(self._word(kind, src), 1, ">=", value, t, _GAVE_UP)
+            seen, failed = self._nv_wait(self._word(kind, src), 1, ">=", value, t, (_NOTICE - kind) * self.world_size)
             if failed is not None:
                 self._failed_wait(src, seen, what, t, value)
             return
-        try:
-            seen = self._segments[self.rank].wait_until(self._word(kind, src), ">=", value, t)
-        except TimeoutError:
-            seen = 0  # raised below, outside the handler, so the C++ message does not chain onto ours
-        else:
-            if not seen & _GAVE_UP:  # (a notice satisfies ">= epoch" too)
-                return
-        self._failed_wait(src, seen, what, t, value)
+        notice = self._shm_wait(kind, src, value, t)
+        if notice is not None:
+            self._failed_wait(src, notice, what, t, value)
+
+    def _shm_wait(self, kind: int, src: int, value: int, t: float) -> int | None:
+        """shm: wait for word (kind, src) >= value while watching src's NOTICE word; None when the word got
+        there, else the notice (0 on timeout)."""
+        seg = self._segments[self.rank]
+        off, notice_off = self._word(kind, src), self._word(_NOTICE, src)
+        deadline = time.monotonic() + t
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            try:  # in slices, so that a notice ends the wait within _NOTICE_POLL_S
+                seg.wait_until(off, ">=", value, min(left, _NOTICE_POLL_S))
+                return None
+            except TimeoutError:
+                pass
+            notice = seg.load(notice_off)
+            if notice or left <= 0:
+                return notice
 
     def _wait_all_sources(
         self, kind: int, value: int, what: str, timeout: float | None = None, deferred: bool = False
@@ -478,7 +509,8 @@ class SymmBuffer:
         if deferred:
             self._wait_deferred(kind, 0, self.world_size, value, what, t)
             return
-        seen, failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t, _GAVE_UP)
+        abort = (_NOTICE - kind) * self.world_size
+        seen, failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t, abort)
         if failed is not None:
             self._failed_wait(failed, seen, what, t, value)
 

@@ -17,7 +17,7 @@ from epkit.collectives._details import ep_rows
 from epkit.collectives._details.deferred import DeferredChecks
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_low_latency_combine, reference_low_latency_dispatch
-from epkit.collectives.symm_buffer import PeerFailedError
+from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer
 from epkit.kernels.triton.copy_rows import compile_signature, copy_rows_by_address, word_bytes_for
 from epkit.testing import assert_bitwise_equal, compile_triton
 from epkit.testing.host_sync import HostSyncDetector
@@ -382,3 +382,37 @@ def _gpu_no_sync(rank, world_size):
 @requires_cuda
 def test_gpu_low_latency_makes_no_synchronizing_call():
     assert run_ranks(_gpu_no_sync, 1, timeout=240) == [True]
+
+
+def _slow_reader_and_a_failed_peer(rank, world_size):
+    """Rank 0 gives up after epoch 1; rank 1 starts epoch 2 while rank 2 is still reading epoch 1."""
+    buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport("nvemu"), timeout=20)
+    ex = buf.exchange(64, deferred=True)
+    for d in range(world_size):
+        ex.send_region(d)[:8].fill_(rank + 1)
+        ex.commit(d, 8)
+    views = ex.receive([8] * world_size)
+    buf.synchronize()
+    dist.barrier()
+    if rank == 2:  # a slow consumer: reads epoch 1 after rank 1 has started epoch 2
+        time.sleep(1.0)
+        got = [v.tolist() for v in views]
+        ex.release()
+        return got
+    if rank == 0:  # fails before acknowledging epoch 1
+        buf.mark_broken("rank 0 fails locally", culprit=0)
+        ex.release()  # posts nothing: a rank that gave up signals nothing more
+        return None
+    ex.release()
+    time.sleep(0.3)
+    ex = buf.exchange(64, deferred=True)
+    for d in range(world_size):
+        # The acknowledgement wait on rank 0 fails on its notice (sticky set); the one on rank 2 must still
+        # wait for rank 2 to finish reading, or the write below lands in the region it is reading.
+        ex.send_region(d)[:8].fill_(99)
+    return None
+
+
+def test_a_failed_wait_never_lets_writes_into_an_unacknowledged_region():
+    res = run_ranks(_slow_reader_and_a_failed_peer, 3, timeout=60)
+    assert res[2] == [[1] * 8, [2] * 8, [3] * 8], res

@@ -48,7 +48,8 @@ def test_emulator_has_every_binding_with_the_same_parameters():
         sig = inspect.signature(fn).parameters
         assert [p for p, _ in params] == list(sig), (name, params, list(sig))
         for p, default in params:
-            want = inspect.Parameter.empty if default is None else int(default)
+            want = inspect.Parameter.empty if default is None else {"true": True, "false": False}.get(default)
+            want = int(default) if want is None and default is not None else want
             assert sig[p].default == want, (name, p, default, sig[p].default)
 
 
@@ -96,8 +97,20 @@ def _contract(rank, world_size):
     seen["timeout"] = [res[0].item() & MASK64, res[1].item(), sticky.item()]
     emu.signal_wait_all(b, 1, 1, ">=", 0, 1.0, res.data_ptr(), 0, sticky.data_ptr())
     seen["skipped"] = res[1].item() & MASK64
+    emu.signal_wait_all(b, 1, 1, ">=", 0, 1.0, res.data_ptr(), 0, sticky.data_ptr(), 0, False)
+    seen["not_skipped"] = res.tolist()  # skip_on_sticky=False: runs despite the sticky word
     emu.signal_wait(b, "==", 8, 0.01, res.data_ptr(), 0)
     seen["single_timeout"] = res.tolist()
+    # abort words (3 words on): a notice ends a waiting word at once; a satisfied word ignores its abort word
+    c = emu.malloc(128)  # 16 zero words
+    sticky.zero_()
+    emu.signal_op(c, 7, "set", 0, 0)  # word 0: satisfied
+    emu.signal_op(c + 24, 1 << 40, "set", 0, 0)  # word 0's abort word: ignored, the word already holds
+    emu.signal_op(c + 32, (1 << 63) | 9, "set", 0, 0)  # word 1's abort word: word 1 (0) is waiting
+    emu.signal_wait_all(c, 1, 2, "==", 7, 30.0, res.data_ptr(), 0, sticky.data_ptr(), 3)
+    seen["aborted"] = [res[0].item() & MASK64, res[1].item(), sticky.item()]
+    emu.signal_wait_all(c, 1, 0, "==", 7, 30.0, res.data_ptr(), 0, 0, 3)
+    seen["count0"] = res.tolist()
     seen["peer_self"] = emu.peer_ptr(b, 0) == b
     emu.finalize()
     with pytest.raises(RuntimeError, match="finalized in this process"):
@@ -116,9 +129,13 @@ def test_single_pe_contract(monkeypatch):
     assert seen["timeout"] == [int.from_bytes(bytes(range(8, 16)), "little"), 2, 1], seen
     assert seen["skipped"] == MASK64, seen  # the sticky word made the next wait return at once
     assert seen["single_timeout"] == [7, 1], seen
+    assert seen["not_skipped"] == [7, 0], seen
+    assert seen["aborted"] == [(1 << 63) | 9, 2, 1], seen  # word 1 failed on the notice, sticky set
+    assert seen["count0"] == [0, 0], seen
     assert seen["peer_self"], seen
     calls = seen["calls"]
     assert calls["signal_wait_all/timed_out"] == 1 and calls["signal_wait_all/skipped"] == 1, calls
+    assert calls["signal_wait_all/aborted"] == 1, calls
 
 
 def _peer_addresses(rank, world_size, p2p):
@@ -129,17 +146,20 @@ def _peer_addresses(rank, world_size, p2p):
     emu.install(p2p=p2p)
     buf = SymmBuffer(dist.group.WORLD, 1 << 12, transport="nvshmem", num_signals=1, timeout=10)
     got = [buf._nv.peer_data[r] != 0 for r in range(world_size)]
-    # the same symmetric offset on every PE: rank r's local view is where the others' peer(r) points
-    addrs = [None] * world_size
-    dist.all_gather_object(addrs, buf._nv.peer_data, group=dist.group.WORLD)
+    if p2p:  # a store through peer(r) lands in rank r's local buffer
+        for r in range(world_size):
+            buf.peer(r)[rank] = 10 + rank
+        buf.barrier()
+        got.append(buf.local[:world_size].tolist())
     buf.close()
-    return got, addrs
+    return got
 
 
 @pytest.mark.parametrize("p2p", [True, False])
-def test_peer_pointers_are_symmetric_or_absent(p2p):
+def test_peer_pointers_alias_the_peers_memory_or_are_absent(p2p):
     res = run_ranks(_peer_addresses, 3, p2p, timeout=60)
-    for rank, (got, _) in enumerate(res):
-        assert got == [True] * 3 if p2p else [r == rank for r in range(3)], (rank, got)
-    if p2p:  # every PE maps every heap at its own address; the shared memory behind it is one page set
-        assert all(len(addrs) == 3 for _, addrs in res)
+    for rank, got in enumerate(res):
+        if p2p:
+            assert got == [True, True, True, [10, 11, 12]], (rank, got)
+        else:
+            assert got == [r == rank for r in range(3)], (rank, got)

@@ -181,3 +181,43 @@ def test_rank_killed_inside_the_bootstrap_leaves_no_segment():
     res = run_ranks(_killed_in_bootstrap, 3, timeout=60, may_die=(1,))
     assert res[1] is None and res[0] != "no error" and res[2] != "no error", res
     assert _shm_names() <= before, "the survivors must remove the dead rank's name"
+
+
+def _notice_passed_on(rank, world_size, transport):
+    buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport(transport), timeout=20)
+    ex = buf.exchange(64)
+    for d in range(world_size):
+        ex.send_region(d)[:1].fill_(rank)
+        ex.commit(d, 1)
+    ex.receive([1] * world_size)
+    if rank == 2:  # fails after receiving, before releasing: rank 1 learns it from its acknowledgement wait
+        time.sleep(0.5)
+        ex.abandon("rank 2 failed")
+        time.sleep(3)
+        return None
+    ex.release()
+    ex = buf.exchange(64)
+    try:
+        for d in [(rank + k) % world_size for k in range(world_size)]:
+            if rank == 0:
+                ex.commit(d, 0)  # nothing to send: rank 0 never waits on rank 2's acknowledgement
+            else:
+                ex.send_region(d)[:1].fill_(rank)
+                ex.commit(d, 1)
+        ex.receive([0] * world_size)
+    except PeerFailedError as exc:
+        return "PeerFailedError", exc.peer, exc.silent, str(exc)
+    except TimeoutError as exc:
+        return "TimeoutError", None, None, str(exc)
+    return "no error", None, None, ""
+
+
+@pytest.mark.parametrize("transport", ["shm", "nvemu"])
+def test_a_notice_is_passed_on_to_ranks_waiting_elsewhere(transport):
+    # Rank 0 waits on rank 1's data, never on rank 2: it learns of rank 2's failure because rank 1, told by
+    # rank 2, passes the notice on, instead of timing out after 20 s and blaming rank 1.
+    res = run_ranks(_notice_passed_on, 3, transport, timeout=60)
+    for rank in (0, 1):
+        kind, peer, silent, msg = res[rank]
+        assert (kind, peer, silent) == ("PeerFailedError", 2, False), res
+        assert "rank 2 gave up on this buffer" in msg, msg

@@ -86,22 +86,22 @@ def test_missing_reason_matches_this_machine():
 
 
 def test_layout_words_and_aligned_data():
-    # 3 reserved words per rank (READY, ACK, BARRIER) + user words; data starts on a 4096-byte boundary.
-    assert layout(2, 4, 1000) == (10, 4096, 5096)
-    assert layout(1, 0, 0) == (3, 4096, 4097)  # an empty buffer still allocates one byte
-    assert layout(200, 64, 1 << 20) == (664, 8192, 8192 + (1 << 20))  # 664 words = 5312 bytes -> 2 pages
-    assert layout(170, 2, 7) == (512, 4096, 4103)  # exactly one page of words
+    # 4 reserved words per rank (READY, ACK, BARRIER, NOTICE) + user words; data starts on a 4096-byte boundary.
+    assert layout(2, 4, 1000) == (12, 4096, 5096)
+    assert layout(1, 0, 0) == (4, 4096, 4097)  # an empty buffer still allocates one byte
+    assert layout(200, 64, 1 << 20) == (864, 8192, 8192 + (1 << 20))  # 864 words = 6912 bytes -> 2 pages
+    assert layout(127, 4, 7) == (512, 4096, 4103)  # exactly one page of words
     for bad in ((0, 4, 10), (2, -1, 10), (2, 4, -1), (2, 4, 1.5)):
         with pytest.raises(ValueError, match="must be an int"):
             layout(*bad)
 
 
 def test_layout_matches_symm_buffer_word_offsets():
-    # SymmBuffer puts word (kind, src) at (kind * w + src) * 8 and user word i at (3w + i) * 8.
+    # SymmBuffer puts word (kind, src) at (kind * w + src) * 8 and user word i at (4w + i) * 8.
     w, s = 4, 5
     num_words, data_offset, _ = layout(w, s, 64)
-    last_user_word_end = (3 * w + (s - 1)) * 8 + 8
-    assert num_words * 8 == last_user_word_end == 136
+    last_user_word_end = (4 * w + (s - 1)) * 8 + 8
+    assert num_words * 8 == last_user_word_end == 168
     assert data_offset >= last_user_word_end and data_offset % 4096 == 0
 
 

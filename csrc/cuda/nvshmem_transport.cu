@@ -133,14 +133,17 @@ __global__ void signal_op_kernel(uint64_t *sig, uint64_t value, int sig_op, int 
 // (of the last word on success). `sticky` (optional, a device word): a timeout sets it, and a wait
 // that starts with it set returns at once with result[1] = UINT64_MAX, so the stream-ordered waits
 // queued behind a failed one cost nothing instead of a full timeout each. `result` may be pinned host
-// memory (the deferred checks read it after the stream passes an event). `abort_mask` (0: none): a word
-// holding any of its bits ends the wait at once as a failure of that word (result[0] = the word), so a
-// peer that gave up on the protocol can say so instead of leaving us to wait out the timeout.
+// memory (the deferred checks read it after the stream passes an event). `abort_words` (0: none): the
+// offset, in words, from each waited word to its abort word; an abort word that turns nonzero ends the
+// wait at once as a failure of that word, with result[0] = the abort word (a peer that gave up says so
+// there instead of leaving us to wait out the timeout). `skip_on_sticky` = 0: the wait runs even with
+// sticky set (it still sets it on failure): waits that guard writes into a peer's memory must never be
+// skipped.
 __global__ void signal_wait_all_kernel(uint64_t *sig, uint64_t stride, int count, int cmp, uint64_t value,
                                        uint64_t timeout_ns, uint64_t *result, uint64_t *sticky,
-                                       uint64_t abort_mask) {
+                                       int64_t abort_words, int skip_on_sticky) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    if (sticky != nullptr && *reinterpret_cast<volatile uint64_t *>(sticky) != 0) {
+    if (skip_on_sticky && sticky != nullptr && *reinterpret_cast<volatile uint64_t *>(sticky) != 0) {
         result[0] = 0;
         result[1] = ~static_cast<uint64_t>(0);
         __threadfence_system();
@@ -150,14 +153,17 @@ __global__ void signal_wait_all_kernel(uint64_t *sig, uint64_t stride, int count
     uint64_t v = 0;
     for (int i = 0; i < count; ++i) {
         uint64_t *word = sig + static_cast<uint64_t>(i) * stride;
+        uint64_t *abort = abort_words != 0 ? word + abort_words : nullptr;
+        uint64_t notice = 0;
         v = nvshmem_signal_fetch(word);
-        while (!compare(v, cmp, value) && (v & abort_mask) == 0) {
+        while (!compare(v, cmp, value)) {
+            if (abort != nullptr && (notice = nvshmem_signal_fetch(abort)) != 0) break;
             if (globaltimer_ns() - start > timeout_ns) break;
             __nanosleep(100);
             v = nvshmem_signal_fetch(word);
         }
-        if ((v & abort_mask) != 0 || !compare(v, cmp, value)) {  // aborted by the peer, or timed out
-            result[0] = v;
+        if (!compare(v, cmp, value)) {  // the peer gave up (notice), or the wait timed out
+            result[0] = notice != 0 ? notice : v;
             result[1] = static_cast<uint64_t>(i) + 1;
             if (sticky != nullptr) *reinterpret_cast<volatile uint64_t *>(sticky) = 1;
             __threadfence_system();
@@ -279,7 +285,7 @@ PYBIND11_MODULE(_C_cuda, m) {
             require_init("signal_wait");
             int c = parse_cmp(cmp);
             if (result == 0) throw std::invalid_argument("signal_wait needs a 2-word device result buffer");
-            uint64_t timeout_ns = static_cast<uint64_t>((timeout_s < 0 ? 0 : timeout_s) * 1e9);
+            uint64_t timeout_ns = timeout_to_ns(timeout_s);
             signal_wait_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
                 reinterpret_cast<uint64_t *>(sig), c, value, timeout_ns, reinterpret_cast<uint64_t *>(result));
             check_cuda(cudaGetLastError(), "signal_wait launch");
@@ -306,7 +312,7 @@ PYBIND11_MODULE(_C_cuda, m) {
     m.def(
         "signal_wait_all",
         [](uintptr_t sig, uint64_t stride, int count, const std::string &cmp, uint64_t value, double timeout_s,
-           uintptr_t result, uintptr_t stream, uintptr_t sticky, uint64_t abort_mask) {
+           uintptr_t result, uintptr_t stream, uintptr_t sticky, int64_t abort_words, bool skip_on_sticky) {
             require_init("signal_wait_all");
             int c = parse_cmp(cmp);
             if (result == 0) throw std::invalid_argument("signal_wait_all needs a 2-word device result buffer");
@@ -319,15 +325,17 @@ PYBIND11_MODULE(_C_cuda, m) {
             }
             signal_wait_all_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
                 reinterpret_cast<uint64_t *>(sig), stride, count, c, value, timeout_to_ns(timeout_s),
-                reinterpret_cast<uint64_t *>(result), reinterpret_cast<uint64_t *>(sticky), abort_mask);
+                reinterpret_cast<uint64_t *>(result), reinterpret_cast<uint64_t *>(sticky), abort_words,
+                skip_on_sticky ? 1 : 0);
             check_cuda(cudaGetLastError(), "signal_wait_all launch");
         },
         py::arg("sig"), py::arg("stride"), py::arg("count"), py::arg("cmp"), py::arg("value"), py::arg("timeout"),
-        py::arg("result"), py::arg("stream"), py::arg("sticky") = 0, py::arg("abort_mask") = 0,
+        py::arg("result"), py::arg("stream"), py::arg("sticky") = 0, py::arg("abort_words") = 0,
+        py::arg("skip_on_sticky") = true,
         "On `stream`: wait until each local word sig[i * stride] (i < count, stride in 64-bit words) satisfies "
         "`cmp value`, under one deadline of `timeout` s; result (2 uint64, device or pinned host memory) gets "
         "[last value seen, 0 if all held else 1 + index of the first word that timed out]. `sticky` (0 or a "
         "device uint64): set on a timeout or an abort; a wait starting with it set returns at once with result[1] = "
-        "UINT64_MAX. `abort_mask`: a word with any of these bits set fails the wait at once (result[0] = that "
-        "word).");
+        "UINT64_MAX (unless skip_on_sticky is False). `abort_words`: offset in words from each waited word to its "
+        "abort word; a nonzero abort word fails the wait at once (result[0] = the abort word).");
 }

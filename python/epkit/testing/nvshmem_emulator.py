@@ -151,6 +151,9 @@ def init(unique_id: bytes, rank: int, world_size: int) -> None:
         barrier_all()  # every PE has mapped every heap: the names can go
     except BaseException:
         _state["initialized"] = False
+        for name in names:  # a PE that died before unlinking its own name leaves it to us
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name.lstrip('/')}")
         raise
     finally:
         mine.unlink()
@@ -160,6 +163,7 @@ def _attach(name: str, size: int, pe: int, deadline: float):
     """Map PE ``pe``'s heap once it exists at full size (its creator sizes it just after creating the name)."""
     from epkit import _C
 
+    last = "it does not exist"
     while True:
         if _C.shm_exists(name):
             try:
@@ -167,8 +171,9 @@ def _attach(name: str, size: int, pe: int, deadline: float):
             except RuntimeError as exc:
                 if "holds" not in str(exc):  # anything but "not sized yet" is an error
                     raise
+                last = str(exc)  # not sized yet, or sized differently (NVSHMEM_SYMMETRIC_SIZE differs)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"init: PE {pe} did not create its heap within {_timeout():g} s")
+            raise RuntimeError(f"init: PE {pe}'s heap was not ready within {_timeout():g} s ({last})")
         time.sleep(1e-3)
 
 
@@ -248,11 +253,10 @@ def free(ptr: int) -> None:
     _require_init("free")
     _count("free")
     off = ptr - _state["heaps"][_state["me"]].addr
-    size = _state["allocs"].pop(off, None)
-    if size is None:
+    if off not in _state["allocs"]:
         raise ValueError(f"free: {ptr:#x} is not a live symmetric allocation")
-    barrier_all()  # nvshmem_free is collective
-    _state["free"].append((off, size))
+    barrier_all()  # nvshmem_free is collective (a failed barrier leaves the allocation in place on every PE)
+    _state["free"].append((off, _state["allocs"].pop(off)))
 
 
 def peer_ptr(ptr: int, pe: int) -> int:
@@ -312,7 +316,7 @@ def signal_wait(sig: int, cmp: str, value: int, timeout: float, result: int, str
     out = (ctypes.c_uint64 * 2).from_address(result)
     heap = _state["heaps"][_state["me"]]
     try:
-        out[0], out[1] = heap.wait_until(off, cmp, value, max(float(timeout), 0.0)), 0
+        out[0], out[1] = heap.wait_until(off, cmp, value, _seconds(timeout)), 0
     except TimeoutError:
         out[0], out[1] = heap.load(off), 1
 
@@ -327,14 +331,16 @@ def signal_wait_all(
     result: int,
     stream: int,
     sticky: int = 0,
-    abort_mask: int = 0,
+    abort_words: int = 0,
+    skip_on_sticky: bool = True,
 ) -> None:
     """Wait until each local word ``sig[i * stride]`` (``i < count``) satisfies ``cmp value`` under one deadline.
 
     Writes ``[last value seen, 0 | 1 + index of the first word that failed]`` to the two uint64 at
-    ``result``; a word fails by timing out, or at once when it holds a bit of ``abort_mask``. A set
-    ``sticky`` word makes the wait return at once with ``result[1] = 2**64 - 1``; a failure sets it, as
-    the device kernel does.
+    ``result``. A word fails by timing out, or at once when its abort word (``abort_words`` words
+    further, 0: none) turns nonzero while it waits; ``result[0]`` is then the abort word. A set
+    ``sticky`` word makes the wait return at once with ``result[1] = 2**64 - 1`` (unless
+    ``skip_on_sticky`` is False); a failure sets it. All as the device kernel does.
     """
     _require_init("signal_wait_all")
     _count("signal_wait_all/deferred" if sticky else "signal_wait_all")
@@ -347,53 +353,50 @@ def signal_wait_all(
         raise ValueError(f"signal_wait_all: count must be >= 0 and stride >= 1 (in words), got {count} and {stride}")
     out = (ctypes.c_uint64 * 2).from_address(result)
     flag = ctypes.c_uint64.from_address(sticky) if sticky else None
-    if flag is not None and flag.value != 0:
+    if skip_on_sticky and flag is not None and flag.value != 0:
         _count("signal_wait_all/skipped")
         out[0], out[1] = 0, _MASK64
         return
-    first = _offset(sig, 8 * ((count - 1) * stride + 1) if count else 8, "signal_wait_all")
     heap = _state["heaps"][_state["me"]]
-    timeout_s = min(max(float(timeout), 0.0), 1e6) if timeout == timeout else 0.0
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + _seconds(timeout)
     seen = 0
     for i in range(count):
-        off = first + 8 * i * stride
-        seen = _wait_word(heap, off, cmp, value, deadline, abort_mask)
-        if seen is None or seen & abort_mask:
-            out[0], out[1] = heap.load(off) if seen is None else seen, i + 1
+        off = _offset(sig + 8 * i * stride, 8, "signal_wait_all")
+        abort_off = _offset(sig + 8 * (i * stride + abort_words), 8, "signal_wait_all") if abort_words else None
+        seen, notice = _wait_word(heap, off, cmp, value, deadline, abort_off)
+        if seen is None:
+            out[0], out[1] = notice or heap.load(off), i + 1
             if flag is not None:
                 flag.value = 1
-            _count("signal_wait_all/timed_out" if seen is None else "signal_wait_all/aborted")
+            _count("signal_wait_all/aborted" if notice else "signal_wait_all/timed_out")
             return
     out[0], out[1] = seen, 0
 
 
-_HOLDS = {
-    "==": lambda v, t: v == t,
-    "!=": lambda v, t: v != t,
-    ">=": lambda v, t: v >= t,
-    ">": lambda v, t: v > t,
-    "<=": lambda v, t: v <= t,
-    "<": lambda v, t: v < t,
-}
+def _seconds(timeout: float) -> float:
+    """A timeout as the device code takes it: clamped to [0, 1e6] s, NaN as 0."""
+    t = float(timeout)
+    return min(max(t, 0.0), 1e6) if t == t else 0.0
 
 
-def _wait_word(heap, off: int, cmp: str, value: int, deadline: float, abort_mask: int) -> int | None:
-    """The word's value once it satisfies ``cmp value`` or holds an ``abort_mask`` bit; None at the deadline."""
-    lowest_abort = abort_mask & -abort_mask
-    # Any word holding an abort bit is >= its lowest bit: for these waits the condition alone ends the wait.
-    if not abort_mask or (cmp in (">=", ">") and value < lowest_abort):  # one timed wait in epkit._C
-        try:
-            return heap.wait_until(off, cmp, value, max(0.0, deadline - time.monotonic()))
+#: Longest single wait in ``epkit._C`` before the abort word is looked at again.
+_ABORT_POLL_S = 2e-3
+
+
+def _wait_word(heap, off: int, cmp: str, value: int, deadline: float, abort_off: int | None):
+    """``(value, 0)`` once the word satisfies ``cmp value``; ``(None, notice)`` when the abort word turned
+    nonzero first, ``(None, 0)`` at the deadline."""
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        try:  # a timed wait in epkit._C (GIL released), in slices when an abort word is watched too
+            return heap.wait_until(off, cmp, value, left if abort_off is None else min(left, _ABORT_POLL_S)), 0
         except TimeoutError:
-            return None
-    while True:  # either condition ends the wait: poll
-        v = heap.load(off)
-        if _HOLDS[cmp](v, value) or v & abort_mask:
-            return v
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(20e-6)
+            pass
+        notice = heap.load(abort_off) if abort_off is not None else 0
+        if notice:
+            return None, notice
+        if left <= 0:
+            return None, 0
 
 
 # Installation
