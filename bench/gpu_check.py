@@ -1117,12 +1117,37 @@ def _ep_loopback(ctx: Ctx, res: dict) -> None:
             torch.cuda.set_sync_debug_mode(0)
         buf.synchronize()
         _check(res, "EPBuffer(nvshmem) low-latency dispatch+combine: no synchronizing call", not sync_msg, sync_msg)
+        _no_device_to_host_copy(res, low_latency, buf)
         ctx.log(
             f"EPBuffer(nvshmem) world 1: dispatch+combine {out['dispatch_combine']['median_ms']:.2f} ms "
             f"({tokens} tokens), low-latency {out['low_latency']['median_ms']:.2f} ms ({n_ll} tokens)"
         )
     finally:
         buf.buffer.close()
+
+
+def _no_device_to_host_copy(res: dict, call, buf) -> None:
+    """The low-latency pair under the CUDA profiler: no device-to-host memcpy at all (its status words reach
+    the host through a kernel's stores into pinned memory)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+    except Exception as exc:  # noqa: BLE001 - no CUPTI: say so instead of failing the section
+        res["ll_device_to_host_copies"] = f"not measured: profiler unavailable ({type(exc).__name__}: {exc})"
+        return
+    buf.synchronize()
+    d2h = [n for n in names if "DtoH" in n or "Device -> Pinned" in n or "Device -> Pageable" in n]
+    res["ll_device_to_host_copies"] = d2h
+    _check(
+        res,
+        "EPBuffer(nvshmem) low-latency dispatch+combine: no device-to-host memcpy (CUDA profiler)",
+        not d2h and len(names) > 0,  # (an empty trace would prove nothing)
+        f"{len(d2h)} device-to-host copies: {d2h[:4]}; {len(names)} events",
+    )
 
 
 SECTION_FUNCS = {

@@ -5,13 +5,15 @@ that never signalled or an input that was invalid on some rank. It records what 
 returns; the outcome becomes readable once the CUDA stream passes the point where it was recorded:
 
 - a timed device wait writes its 2-word result straight into pinned host memory (``host_slot``);
-- a status computed on the device is copied into pinned memory with a non-blocking copy.
+- a status computed on the device is stored into pinned memory by the row-copy kernel
+  (``ep_rows.move_rows``: a kernel's stores through the mapped address, not a device-to-host memcpy).
 
-Neither synchronizes the host. :meth:`DeferredChecks.poll` (called at the start of every later
-collective on the buffer) raises the first failure among the checks the stream has passed, and
-:meth:`DeferredChecks.drain` waits, with a deadline, for all of them (``synchronize()``). On CPU
-the "stream" is the host itself: a check is complete as soon as it is recorded, and the same code
-raises at the next poll, which is what lets the CPU tests exercise the GPU semantics.
+Neither synchronizes the host, and neither is a device-to-host copy. :meth:`DeferredChecks.poll`
+(called at the start of every later collective on the buffer) raises the first failure among the
+checks the stream has passed, and :meth:`DeferredChecks.drain` waits, with a deadline, for all of
+them (``synchronize()``). On CPU the "stream" is the host itself: a check is complete as soon as
+it is recorded, and the same code raises at the next poll, which is what lets the CPU tests
+exercise the GPU semantics.
 """
 
 from __future__ import annotations
@@ -75,19 +77,34 @@ class DeferredChecks:
         """Check ``values`` once the current stream has passed this point.
 
         ``values`` is either a host tensor from :meth:`host_slot` that queued device work fills, or a
-        device tensor (int, a few words) copied into one here without blocking (on CUDA a non-blocking
-        device-to-host copy into pinned memory: it orders on the stream and never waits). ``judge(list_of_ints)``
+        device tensor (int64, a few words) that a copy kernel on the current stream stores into one here
+        (the slot is pinned, so mapped: no device-to-host memcpy, and nothing waits). ``judge(list_of_ints)``
         returns the exception to raise, or None.
         """
-        if not getattr(values, "_epkit_host", False):  # device data: the one copy, non-blocking into pinned memory
+        if not getattr(values, "_epkit_host", False):
             host = self.host_slot(values.numel())
-            host.copy_(values.reshape(-1), non_blocking=True)
+            self._store(host, values)
             values = host
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         self._pending.append(_Check(event, values, judge, timeout, what))
+
+    def _store(self, host: torch.Tensor, values: torch.Tensor) -> None:
+        """``host[:] = values`` (int64): by the row-copy kernel for device data (or ``ep_rows.PORTABLE``)."""
+        from epkit.collectives._details import ep_rows
+
+        values = values.reshape(-1).to(torch.int64).contiguous()
+        if values.device.type == "cpu" and not ep_rows.PORTABLE[0]:
+            host.copy_(values)
+            return
+        # (values and the address tensors may be freed at once: the allocator reuses their memory only for
+        # later work on this stream, which runs after the kernel)
+        dev, nbytes = values.device, 8 * values.numel()
+        dst = torch.full((1,), host.data_ptr(), dtype=torch.int64, device=dev)  # a fill, not a copy
+        src = torch.full((1,), values.data_ptr(), dtype=torch.int64, device=dev)
+        ep_rows.move_rows(dst, src, nbytes, [host.data_ptr(), values.data_ptr(), nbytes])
 
     def _fail(self, exc: BaseException) -> BaseException:
         if self.on_failure is not None:

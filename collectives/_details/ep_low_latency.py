@@ -13,9 +13,9 @@ on the routing. Two ways to run it, one protocol:
   device, carried in the message headers, and raised as ``ValueError`` on every rank by a later call
   (or by :meth:`EPBuffer.synchronize`), the rows of the failing call being unspecified. Since the
   ranks learn of it at different calls, such a failure retires the buffer on every rank (later calls
-  raise RuntimeError naming it): create a new EPBuffer. The one device-to-host transfer is the
-  header status words (3 per source), copied without blocking into pinned memory and read by a
-  later call once the stream has passed them.
+  raise RuntimeError naming it): create a new EPBuffer. The header status words (3 per source)
+  reach the host through pinned (mapped) memory, stored there by the row-copy kernel on the stream
+  (no device-to-host memcpy), and a later call reads them once the stream has passed them.
 
 Mixed into :class:`~epkit.collectives.ep_buffer.EPBuffer`; it uses the buffer's ``buffer`` (SymmBuffer),
 sizes, ``_guard``/``_reject_locally``, ``_check_topk`` and ``_ll_cache``.
