@@ -1,7 +1,9 @@
 """MegaMoE-style fused MoE layer: dispatch -> grouped GEMM -> SwiGLU -> grouped GEMM -> combine in one call.
 
-Allowed only when every EP peer is directly addressable (``EPBuffer.is_within_domain()``:
-the ``shm`` transport on one host). There is no dispatch staging: each rank
+Allowed only when every EP peer is directly addressable (``EPBuffer.is_within_domain()``: the
+``shm`` transport on one host, or ``nvshmem`` within one NVLink domain, where the rows live on the
+GPU and move through peer views; that path runs in CI on the nvshmem emulator with the row moves and
+sums in their torch formulations, ``ep_rows.PORTABLE``). There is no dispatch staging: each rank
 publishes its tokens once in its own symmetric buffer, and every expert rank
 gathers the rows it needs straight from the senders' buffers into the grouped
 GEMM's input; the expert side then writes its weighted partial sums straight
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit.collectives._details.ep_rows import _META_MSG, _al, _check_biases, reduce_rows
+from epkit.collectives._details.ep_rows import _META_MSG, _al, _by_address, _check_biases, move_rows, reduce_indexed
 from epkit.collectives.ep_buffer import EPBuffer
 
 __all__ = ["fused_moe"]
@@ -52,7 +54,7 @@ def fused_moe(
     topk_weights : Tensor [T, num_topk] float32
     w13, w2 : this rank's local experts' weights, as :func:`epkit.moe.expert_mlp` takes them
         (``[L, 2I, hidden]`` and ``[L, hidden, I]``; FP8, MXFP4 or bf16)
-    buffer : EPBuffer whose transport is directly addressable (shm)
+    buffer : EPBuffer whose every peer is directly addressable (shm; nvshmem within one NVLink domain)
     bias : Tensor [T, hidden] or tuple of two, optional (e.g. the shared expert's output)
     swiglu_limit : float, optional
     expert_alignment : int
@@ -64,17 +66,16 @@ def fused_moe(
     -------
     Tensor [T, hidden] bfloat16, bitwise equal to dispatch(expand=True) -> expert_mlp -> combine.
     """
-    from epkit.moe import expert_mlp
 
     if not isinstance(buffer, EPBuffer):
         raise ValueError(f"buffer must be an EPBuffer, got {type(buffer).__name__}")
-    if buffer.transport != "shm" or not buffer.is_within_domain():
+    if not buffer.is_within_domain():
         raise ValueError(
-            f"fused_moe needs every EP peer directly addressable (shm transport); this buffer uses "
-            f"{buffer.transport!r}: compose dispatch -> expert_mlp -> combine instead"
+            f"fused_moe needs every EP peer directly addressable (shm on one host, or nvshmem within one NVLink "
+            f"domain); this buffer ({buffer.transport!r}) is not: compose dispatch -> expert_mlp -> combine instead"
         )
     sb = buffer.buffer
-    w, me, L, K, h = buffer.world_size, buffer.rank, buffer.num_local_experts, buffer.num_topk, buffer.hidden
+    w, me, K, h = buffer.world_size, buffer.rank, buffer.num_topk, buffer.hidden
     region = buffer._region
     error = None
     try:
@@ -118,68 +119,84 @@ def fused_moe(
         raise ValueError("fused_moe rejected on every rank before any row moved: " + "; ".join(errors))
 
     with buffer._guard("fused_moe"):  # a failure past the agreement leaves peers at a barrier
-        # Expert side: which (source, token) rows come here, in dispatch's received order.
-        recv_src, recv_tok, recv_idx, recv_w = [], [], [], []
-        for r, p in enumerate(peers):
-            t_r = int(p[8:16].view(torch.int64)[0])
-            o_x, o_i, o_w, _ = _publish_layout(t_r, xb, K)
-            ids = p[o_i : o_i + 4 * K * t_r].view(torch.int32).view(t_r, K).long()
-            on_me = (ids >= 0) & (ids // L == me)
-            toks = on_me.any(dim=1).nonzero().flatten()
-            recv_src.append(torch.full((toks.numel(),), r, dtype=torch.int64))
-            recv_tok.append(toks)
-            recv_idx.append(torch.where(on_me[toks], ids[toks] - me * L, -1))
-            recv_w.append(p[o_w : o_w + 4 * K * t_r].view(torch.float32).view(t_r, K)[toks])
-        recv_src, recv_tok = torch.cat(recv_src), torch.cat(recv_tok)
-        recv_idx = torch.cat(recv_idx).to(torch.int32)
-        recv_w = torch.cat(recv_w).clone()
-        counts = torch.bincount(recv_idx[recv_idx >= 0].long(), minlength=L)
-        buffer.recv_tokens_per_expert_total += counts
-        rows, slot = buffer._expanded_layout(recv_idx, counts, expert_alignment)
-        # Gather the GEMM's input straight from the senders' buffers (zero rows for padding).
+        return _fused_rows(x, topk_idx, peers, w13, w2, buffer, biases, swiglu_limit, expert_alignment, backend)
+
+
+def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_limit, expert_alignment, backend):
+    """The row-moving part of :func:`fused_moe`, after every rank published and agreed. Routing metadata is
+    read to the CPU (as normal-mode dispatch does); rows stay on the buffer's device."""
+    from epkit.moe import expert_mlp
+
+    sb, dev = buffer.buffer, buffer.device
+    w, me, L, K, h = buffer.world_size, buffer.rank, buffer.num_local_experts, buffer.num_topk, buffer.hidden
+    region, xb = buffer._region, 2 * buffer.hidden
+    # Expert side: which (source, token) rows come here, in dispatch's received order.
+    recv_src, recv_tok, recv_idx, recv_w, bases = [], [], [], [], []
+    for r, p in enumerate(peers):
+        t_r = int(p[8:16].view(torch.int64)[0])
+        o_x, o_i, o_w, _ = _publish_layout(t_r, xb, K)
+        bases.append(p.data_ptr() + o_x)
+        ids = p[o_i : o_i + 4 * K * t_r].view(torch.int32).view(t_r, K).long().cpu()
+        on_me = (ids >= 0) & (ids // L == me)
+        toks = on_me.any(dim=1).nonzero().flatten()
+        recv_src.append(torch.full((toks.numel(),), r, dtype=torch.int64))
+        recv_tok.append(toks)
+        recv_idx.append(torch.where(on_me[toks], ids[toks] - me * L, -1))
+        recv_w.append(p[o_w : o_w + 4 * K * t_r].view(torch.float32).view(t_r, K).cpu()[toks])
+    recv_src, recv_tok = torch.cat(recv_src), torch.cat(recv_tok)
+    recv_idx = torch.cat(recv_idx).to(torch.int32)
+    recv_w = torch.cat(recv_w).clone()
+    counts = torch.bincount(recv_idx[recv_idx >= 0].long(), minlength=L)
+    buffer.recv_tokens_per_expert_total += counts
+    rows, slot = buffer._expanded_layout(recv_idx, counts, expert_alignment)
+    # Gather the GEMM's input straight from the senders' buffers (zero rows for padding).
+    row_addr = torch.tensor(bases, dtype=torch.int64)[recv_src] + recv_tok * xb
+    addrs = torch.where(rows >= 0, row_addr[rows.clamp(min=0)], 0) if rows.numel() else rows
+    n_rows = rows.numel()
+    if _by_address(x):
         from epkit import _C
 
-        bases = torch.tensor(
-            [p.data_ptr() + _publish_layout(int(p[8:16].view(torch.int64)[0]), xb, K)[0] for p in peers],
-            dtype=torch.int64,
-        )
-        row_addr = bases[recv_src] + recv_tok * xb
-        addrs = torch.where(rows >= 0, row_addr[rows.clamp(min=0)], 0) if rows.numel() else rows
-        expanded = torch.empty((rows.numel(), h), dtype=torch.bfloat16)
+        expanded = torch.empty((n_rows, h), dtype=torch.bfloat16)
         _C.gather_rows_by_address(
-            expanded.data_ptr(), addrs.contiguous().data_ptr(), rows.numel(), xb, torch.get_num_threads()
+            expanded.data_ptr(), addrs.contiguous().data_ptr(), n_rows, xb, torch.get_num_threads()
         )
-        m_indices = torch.full((rows.numel(),), -1, dtype=torch.int32)
-        ok = slot >= 0
-        m_indices[slot[ok]] = recv_idx[ok]
-        if rows.numel():
-            y = expert_mlp(
-                expanded, "contiguous", w13, w2, m_indices=m_indices, swiglu_limit=swiglu_limit, backend=backend
-            ).contiguous()
-        else:
-            y = torch.zeros((0, h), dtype=torch.bfloat16)
-        sb.barrier()  # every rank is done reading the publish areas: regions may now be overwritten
+    else:  # device rows (or PORTABLE): the copy kernel, padding rows left zero
+        expanded = torch.zeros((n_rows, h), dtype=torch.bfloat16, device=dev)
+        dst = expanded.data_ptr() + torch.arange(n_rows, dtype=torch.int64) * xb
+        move_rows(dst.to(dev), addrs.to(dev), xb, [expanded.data_ptr(), xb, *bases])
+    m_indices = torch.full((n_rows,), -1, dtype=torch.int32)
+    ok = slot >= 0
+    m_indices[slot[ok]] = recv_idx[ok]
+    if n_rows:
+        y = expert_mlp(
+            expanded, "contiguous", w13, w2, m_indices=m_indices.to(dev), swiglu_limit=swiglu_limit, backend=backend
+        ).contiguous()
+    else:
+        y = torch.zeros((0, h), dtype=torch.bfloat16, device=dev)
+    sb.barrier()  # every rank is done reading the publish areas: regions may now be overwritten
 
-        # Expert side of combine: weighted partials written straight into each source's buffer.
-        for r in range(w):
-            sel = (recv_src == r).nonzero().flatten()
-            n = sel.numel()
-            if n:
-                dst = sb.peer(r)[me * region : me * region + n * xb].view(torch.bfloat16).view(n, h)
-                s = slot[sel]
-                a = torch.where(s >= 0, y.data_ptr() + s.clamp(min=0) * xb, 0)
-                reduce_rows(dst, a, torch.bfloat16, recv_w[sel])
-        sb.barrier()  # every partial has landed
+    # Expert side of combine: weighted partials written straight into each source's buffer.
+    for r in range(w):
+        sel = (recv_src == r).nonzero().flatten()
+        n = sel.numel()
+        if n:
+            dst = sb.peer(r)[me * region : me * region + n * xb].view(torch.bfloat16).view(n, h)
+            s = slot[sel]
+            reduce_indexed(dst, [y], torch.where(s >= 0, 0, -1), s.clamp(min=0), recv_w[sel])
+    sb.barrier()  # every partial has landed
 
-        # Source side: sum over ranks ascending, reading the partials in place.
-        t_num = x.shape[0]
-        ids = topk_idx.long()
-        src_addrs = torch.zeros((t_num, w), dtype=torch.int64)
-        for r in range(w):
-            toks = ((ids >= 0) & (ids // L == r)).any(dim=1).nonzero().flatten()
-            if toks.numel():
-                src_addrs[toks, r] = sb.local[r * region :].data_ptr() + torch.arange(toks.numel()) * xb
-        out = torch.empty((t_num, h), dtype=torch.bfloat16)
-        reduce_rows(out, src_addrs, torch.bfloat16, None, biases)
-        sb.barrier()  # regions are free again for the next exchange
-        return out
+    # Source side: sum over ranks ascending, reading the partials in place.
+    t_num = x.shape[0]
+    ids = topk_idx.long().cpu()
+    src_of = torch.full((t_num, w), -1, dtype=torch.int64)
+    row_of = torch.zeros((t_num, w), dtype=torch.int64)
+    sources = []
+    for r in range(w):
+        toks = ((ids >= 0) & (ids // L == r)).any(dim=1).nonzero().flatten()
+        src_of[toks, r] = r
+        row_of[toks, r] = torch.arange(toks.numel())
+        sources.append(sb.local[r * region : r * region + toks.numel() * xb].view(torch.bfloat16).view(-1, h))
+    out = torch.empty((t_num, h), dtype=torch.bfloat16, device=dev)
+    reduce_indexed(out, sources, src_of, row_of, None, biases)
+    sb.barrier()  # regions are free again for the next exchange
+    return out

@@ -10,6 +10,7 @@ from epkit.moe import expert_mlp
 from epkit.quant import per_block_cast_to_fp8
 from epkit.testing import assert_bitwise_equal
 from epkit.testing.multiprocess import run_ranks
+from epkit.testing.nvshmem_emulator import resolve_transport
 
 HIDDEN, INTER, EXPERTS, TOPK = 256, 128, 8, 2
 
@@ -25,8 +26,14 @@ def _weights(rank, world_size, fmt):
     return per_block_cast_to_fp8(w13), per_block_cast_to_fp8(w2)
 
 
-def _fused_vs_composed(rank, world_size, fmt, num_tokens):
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=64, num_topk=TOPK, timeout=30)
+def _fused_vs_composed(rank, world_size, fmt, num_tokens, transport="shm", portable=False):
+    from epkit.collectives._details import ep_rows
+
+    ep_rows.PORTABLE[0] = portable  # the device formulations of the row moves and sums
+    transport = resolve_transport(transport)
+    buf = EPBuffer(
+        dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=64, num_topk=TOPK, transport=transport, timeout=30
+    )
     g = torch.Generator().manual_seed(rank)
     t = num_tokens[rank]
     idx = (
@@ -55,8 +62,15 @@ def test_fused_equals_composed(fmt):
     assert run_ranks(_fused_vs_composed, 4, fmt, [17, 0, 40, 64], timeout=120) == [True] * 4
 
 
-def _torch_transport(rank, world_size):
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, transport="torch", timeout=10)
+@pytest.mark.parametrize("portable", [False, True])
+def test_fused_equals_composed_over_nvshmem_views(portable):
+    # nvshmem within one domain (emulated): the peers' buffers read through nvshmem_ptr views; with
+    # PORTABLE the rows move through the Triton copy kernel and sum in torch ops, as on a GPU.
+    assert run_ranks(_fused_vs_composed, 2, "bf16", [9, 30], "nvemu", portable, timeout=120) == [True] * 2
+
+
+def _outside_the_domain(rank, world_size, transport):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, transport=resolve_transport(transport), timeout=10)
     w13, w2 = _weights(rank, world_size, "bf16")
     with pytest.raises(ValueError, match="directly addressable"):
         fused_moe(
@@ -70,8 +84,9 @@ def _torch_transport(rank, world_size):
     return True
 
 
-def test_fused_needs_the_domain():
-    assert run_ranks(_torch_transport, 2, timeout=40) == [True, True]
+@pytest.mark.parametrize("transport", ["torch", "nvemu-nop2p"])
+def test_fused_needs_the_domain(transport):
+    assert run_ranks(_outside_the_domain, 2, transport, timeout=40) == [True, True]
 
 
 def _bad_input(rank, world_size):
