@@ -32,7 +32,6 @@ import contextlib
 import ctypes
 import os
 import secrets
-import time
 from datetime import timedelta
 from typing import NoReturn
 
@@ -57,8 +56,6 @@ MASK64 = (1 << 64) - 1
 _GAVE_UP = 1 << 63
 _GAVE_UP_SILENT = 1 << 62
 _RANK_BITS = 0xFFFFFFFF
-#: shm: how often a waiting rank looks at the source's NOTICE word (seconds).
-_NOTICE_POLL_S = 2e-3
 
 
 class PeerFailedError(TimeoutError):
@@ -448,8 +445,10 @@ class SymmBuffer:
             seen = result[0] & MASK64
             return self._gave_up(src, seen, what) if seen & _GAVE_UP else self._silence(src, what, t, value)
 
-        # An ACK wait guards this rank's writes into the peer's memory: it is never skipped, even after a
-        # failure (the writes behind it would land in a region the peer may still be reading).
+        # An ACK wait guards this rank's writes into the peer's memory, which the stream performs whatever the
+        # wait's outcome: it is never skipped after an earlier failure, and no notice ends it (a third rank may
+        # have called the peer silent while it is only slow, still reading). Only the peer's acknowledgement,
+        # or the timeout, ends it.
         self._nv.wait_deferred(
             self._word(kind, first),
             count,
@@ -459,7 +458,7 @@ class SymmBuffer:
             self.deferred,
             judge,
             what,
-            abort_words=(_NOTICE - kind) * self.world_size,
+            abort_words=0 if kind == _ACK else (_NOTICE - kind) * self.world_size,
             skip_on_sticky=kind != _ACK,
         )
 
@@ -480,21 +479,12 @@ class SymmBuffer:
             self._failed_wait(src, notice, what, t, value)
 
     def _shm_wait(self, kind: int, src: int, value: int, t: float) -> int | None:
-        """shm: wait for word (kind, src) >= value while watching src's NOTICE word; None when the word got
-        there, else the notice (0 on timeout)."""
-        seg = self._segments[self.rank]
-        off, notice_off = self._word(kind, src), self._word(_NOTICE, src)
-        deadline = time.monotonic() + t
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            try:  # in slices, so that a notice ends the wait within _NOTICE_POLL_S
-                seg.wait_until(off, ">=", value, min(left, _NOTICE_POLL_S))
-                return None
-            except TimeoutError:
-                pass
-            notice = seg.load(notice_off)
-            if notice or left <= 0:
-                return notice
+        """shm: wait for word (kind, src) >= value while watching src's NOTICE word (one wait in epkit._C);
+        None when the word got there, else the notice (0 on timeout)."""
+        status, seen = self._segments[self.rank].wait_until_or_abort(
+            self._word(kind, src), ">=", value, self._word(_NOTICE, src), t
+        )
+        return None if status == 0 else (seen if status == 1 else 0)
 
     def _wait_all_sources(
         self, kind: int, value: int, what: str, timeout: float | None = None, deferred: bool = False
@@ -544,7 +534,11 @@ class SymmBuffer:
         ``deferred=True`` (nvshmem): the waits for peers are kernels on the current stream whose outcome
         is checked later (:meth:`synchronize`, or the next collective call), so the exchange never blocks
         the host; everything that reads received data must then run on that stream. Other transports wait
-        on the host as usual.
+        on the host as usual. After a failure the later data waits of the buffer are skipped, but never the
+        waits for a peer's acknowledgement, which guard the writes into its region; and no notice ends one,
+        only the acknowledgement or the timeout. The limit of stream order: if such a wait times out (the
+        peer died, or is alive but slower than ``timeout``), the writes queued behind it still run, so a
+        peer that was merely slow may read overwritten bytes; this rank raises the timeout at its next call.
         """
         w = self.world_size
         self._check_usable()

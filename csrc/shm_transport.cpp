@@ -175,7 +175,11 @@ inline bool compare(uint64_t v, Cmp cmp, uint64_t target) {
 // Spins briefly, then backs off with growing sleeps (capped at 200us) so a
 // waiting rank does not starve the rank it waits for on a 2-core machine.
 // Returns true and the observed value when the condition holds.
-bool wait_word(const std::atomic<uint64_t> *w, Cmp cmp, uint64_t target, double timeout_s, uint64_t *seen) {
+// Waits until *w <cmp> target (true, *seen = the value) or `timeout_s` passes (false, *seen = the last
+// value). With `abort` set, a nonzero *abort also ends the wait (false, *seen = 0, *notice = *abort);
+// one spin/yield/sleep backoff for the whole wait either way.
+bool wait_word(const std::atomic<uint64_t> *w, Cmp cmp, uint64_t target, double timeout_s, uint64_t *seen,
+               const std::atomic<uint64_t> *abort = nullptr, uint64_t *notice = nullptr) {
     using clock = std::chrono::steady_clock;
     // Clamp so inf/NaN/huge timeouts cannot overflow the duration cast (NaN compares false: clamped too).
     if (!(timeout_s < 1e9)) timeout_s = 1e9;
@@ -187,6 +191,14 @@ bool wait_word(const std::atomic<uint64_t> *w, Cmp cmp, uint64_t target, double 
         if (compare(v, cmp, target)) {
             *seen = v;
             return true;
+        }
+        if (abort != nullptr) {
+            uint64_t a = abort->load(std::memory_order_acquire);
+            if (a != 0) {
+                *seen = v;
+                *notice = a;
+                return false;
+            }
         }
         if (iter < 256) {
             EPKIT_CPU_RELAX();
@@ -276,6 +288,25 @@ void register_shm_transport(py::module_ &m) {
             },
             py::arg("offset"), py::arg("cmp"), py::arg("value"), py::arg("timeout"),
             "Wait (GIL released) until word(offset) <cmp> value; raises TimeoutError after `timeout` s.")
+        .def(
+            "wait_until_or_abort",
+            [](const ShmSegment &s, size_t off, const std::string &cmp, uint64_t value, size_t abort_off,
+               double timeout_s) {
+                Cmp c = parse_cmp(cmp);
+                const std::atomic<uint64_t> *w = s.word(off);
+                const std::atomic<uint64_t> *a = s.word(abort_off);
+                uint64_t seen = 0, notice = 0;
+                bool ok;
+                {
+                    py::gil_scoped_release release;
+                    ok = wait_word(w, c, value, timeout_s, &seen, a, &notice);
+                }
+                return py::make_tuple(ok ? 0 : (notice != 0 ? 1 : 2), notice != 0 ? notice : seen);
+            },
+            py::arg("offset"), py::arg("cmp"), py::arg("value"), py::arg("abort_offset"), py::arg("timeout"),
+            "Wait (GIL released) until word(offset) <cmp> value, or the word at abort_offset turns nonzero, or "
+            "`timeout` s pass: returns (0, value) / (1, the abort word) / (2, last value seen); never raises "
+            "for a timeout.")
         .def(
             "write",
             [](const ShmSegment &s, size_t off, uintptr_t src, size_t nbytes) {

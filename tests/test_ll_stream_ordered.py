@@ -384,9 +384,10 @@ def test_gpu_low_latency_makes_no_synchronizing_call():
     assert run_ranks(_gpu_no_sync, 1, timeout=240) == [True]
 
 
-def _slow_reader_and_a_failed_peer(rank, world_size):
-    """Rank 0 gives up after epoch 1; rank 1 starts epoch 2 while rank 2 is still reading epoch 1."""
-    buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport("nvemu"), timeout=20)
+def _slow_reader_and_a_failed_peer(rank, world_size, blame_reader):
+    """Rank 0 gives up after epoch 1 (failing itself, or calling the slow rank 2 silent); rank 1 starts
+    epoch 2 while rank 2 is still reading epoch 1."""
+    buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport("nvemu"), timeout=3)
     ex = buf.exchange(64, deferred=True)
     for d in range(world_size):
         ex.send_region(d)[:8].fill_(rank + 1)
@@ -394,13 +395,16 @@ def _slow_reader_and_a_failed_peer(rank, world_size):
     views = ex.receive([8] * world_size)
     buf.synchronize()
     dist.barrier()
-    if rank == 2:  # a slow consumer: reads epoch 1 after rank 1 has started epoch 2
-        time.sleep(1.0)
+    if rank == 2:  # a slow consumer: reads epoch 1 after rank 1's wait on rank 0 timed out (3 s)
+        time.sleep(4.5)
         got = [v.tolist() for v in views]
         ex.release()
         return got
-    if rank == 0:  # fails before acknowledging epoch 1
-        buf.mark_broken("rank 0 fails locally", culprit=0)
+    if rank == 0:  # gives up before acknowledging epoch 1
+        if blame_reader:  # as after its own wait on rank 2 timed out: a notice in rank 2's NOTICE word at rank 1
+            buf.mark_broken("no signal from rank 2", culprit=2, silent=True)
+        else:
+            buf.mark_broken("rank 0 fails locally", culprit=0)
         ex.release()  # posts nothing: a rank that gave up signals nothing more
         return None
     ex.release()
@@ -413,6 +417,10 @@ def _slow_reader_and_a_failed_peer(rank, world_size):
     return None
 
 
-def test_a_failed_wait_never_lets_writes_into_an_unacknowledged_region():
-    res = run_ranks(_slow_reader_and_a_failed_peer, 3, timeout=60)
+@pytest.mark.parametrize("blame_reader", [False, True])
+def test_notices_never_let_writes_into_an_unacknowledged_region(blame_reader):
+    # After rank 1's acknowledgement wait on rank 0 failed (sticky set), its wait on rank 2 must still run:
+    # not skipped, and not ended by a notice that calls rank 2 silent. Only rank 2's acknowledgement ends it.
+    # (A wait that times out still lets the stream's writes behind it run: the limit of stream order.)
+    res = run_ranks(_slow_reader_and_a_failed_peer, 3, blame_reader, timeout=60)
     assert res[2] == [[1] * 8, [2] * 8, [3] * 8], res

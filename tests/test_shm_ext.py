@@ -144,3 +144,18 @@ def test_row_copies_by_address():
     _C.copy_rows_by_address(d_addr.data_ptr(), s_addr.data_ptr(), 3, 96, 1)
     before[7] = src[1]
     assert torch.equal(dst, before)
+
+
+def test_wait_until_or_abort_reports_which_ended_it():
+    seg = _C.ShmSegment(_name(), 64, True)
+    try:
+        seg.store(0, 5)
+        assert seg.wait_until_or_abort(0, ">=", 5, 8, 1.0) == (0, 5)  # the word holds
+        assert seg.wait_until_or_abort(0, ">=", 6, 8, 0.02) == (2, 5)  # timeout: the last value seen
+        seg.store(8, (1 << 63) | 7)
+        assert seg.wait_until_or_abort(0, ">=", 6, 8, 30.0) == (1, (1 << 63) | 7)  # the abort word, at once
+        assert seg.wait_until_or_abort(0, ">=", 5, 8, 30.0) == (0, 5)  # a word that holds wins over it
+        with pytest.raises(IndexError):
+            seg.wait_until_or_abort(0, ">=", 5, 64, 1.0)  # the abort word must lie in the segment
+    finally:
+        seg.unlink()

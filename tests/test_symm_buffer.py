@@ -136,8 +136,13 @@ def _silent_peer_reported(rank, world_size, transport):
     if rank == 2:  # alive but silent: never enters the second barrier
         time.sleep(4)
         return None
+    return _outcome(lambda: buf.barrier(timeout=1.0 if rank == 0 else 30.0))
+
+
+def _outcome(fn):
+    """``(kind, peer, silent, message)`` of how ``fn()`` ended."""
     try:
-        buf.barrier(timeout=1.0 if rank == 0 else 30.0)
+        fn()
     except PeerFailedError as exc:
         return "PeerFailedError", exc.peer, exc.silent, str(exc)
     except TimeoutError as exc:
@@ -197,7 +202,8 @@ def _notice_passed_on(rank, world_size, transport):
         return None
     ex.release()
     ex = buf.exchange(64)
-    try:
+
+    def second_exchange():
         for d in [(rank + k) % world_size for k in range(world_size)]:
             if rank == 0:
                 ex.commit(d, 0)  # nothing to send: rank 0 never waits on rank 2's acknowledgement
@@ -205,11 +211,8 @@ def _notice_passed_on(rank, world_size, transport):
                 ex.send_region(d)[:1].fill_(rank)
                 ex.commit(d, 1)
         ex.receive([0] * world_size)
-    except PeerFailedError as exc:
-        return "PeerFailedError", exc.peer, exc.silent, str(exc)
-    except TimeoutError as exc:
-        return "TimeoutError", None, None, str(exc)
-    return "no error", None, None, ""
+
+    return _outcome(second_exchange)
 
 
 @pytest.mark.parametrize("transport", ["shm", "nvemu"])

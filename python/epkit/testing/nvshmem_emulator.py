@@ -379,24 +379,17 @@ def _seconds(timeout: float) -> float:
     return min(max(t, 0.0), 1e6) if t == t else 0.0
 
 
-#: Longest single wait in ``epkit._C`` before the abort word is looked at again.
-_ABORT_POLL_S = 2e-3
-
-
 def _wait_word(heap, off: int, cmp: str, value: int, deadline: float, abort_off: int | None):
     """``(value, 0)`` once the word satisfies ``cmp value``; ``(None, notice)`` when the abort word turned
-    nonzero first, ``(None, 0)`` at the deadline."""
-    while True:
-        left = max(0.0, deadline - time.monotonic())
-        try:  # a timed wait in epkit._C (GIL released), in slices when an abort word is watched too
-            return heap.wait_until(off, cmp, value, left if abort_off is None else min(left, _ABORT_POLL_S)), 0
+    nonzero first, ``(None, 0)`` at the deadline (one timed wait in epkit._C, GIL released)."""
+    left = max(0.0, deadline - time.monotonic())
+    if abort_off is None:
+        try:
+            return heap.wait_until(off, cmp, value, left), 0
         except TimeoutError:
-            pass
-        notice = heap.load(abort_off) if abort_off is not None else 0
-        if notice:
-            return None, notice
-        if left <= 0:
             return None, 0
+    status, seen = heap.wait_until_or_abort(off, cmp, value, abort_off, left)
+    return (seen, 0) if status == 0 else (None, seen if status == 1 else 0)
 
 
 # Installation
