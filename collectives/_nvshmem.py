@@ -421,22 +421,7 @@ class NvshmemState:
         the stream itself did not reach the end of the wait within ``timeout + HOST_GRACE_S`` (stuck
         behind other work).
         """
-        if not isinstance(value, int) or not 0 <= value <= MASK64:
-            raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
-        if not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
-        self.cc.signal_wait_all(
-            self.base + off,
-            1,
-            count,
-            cmp,
-            value,
-            float(timeout),
-            self._result.data_ptr(),
-            self._stream(),
-            0,
-            abort_words,
-        )
+        self._launch_wait(off, count, cmp, value, timeout, self._result.data_ptr(), 0, abort_words, True)
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))
         deadline = time.monotonic() + timeout + HOST_GRACE_S
@@ -472,26 +457,20 @@ class NvshmemState:
         After a failed deferred wait on this buffer the later ones return at once (the sticky word),
         except those with ``skip_on_sticky=False``: waits that guard writes into a peer's memory.
         """
+        slot = checks.host_slot(2)  # pinned: with unified addressing the kernel stores into it directly
+        sticky = self._sticky.data_ptr()
+        self._launch_wait(off, count, cmp, value, timeout, slot.data_ptr(), sticky, abort_words, skip_on_sticky)
+        checks.record(slot, judge, timeout, what)
+
+    def _launch_wait(self, off, count, cmp, value, timeout, result: int, sticky: int, abort_words, skip) -> None:
+        """Check the arguments, then queue ``signal_wait_all`` over ``count`` words from ``off`` (stride 1)."""
         if not isinstance(value, int) or not 0 <= value <= MASK64:
             raise ValueError(f"signal value must be an int in [0, 2**64), got {value!r}")
         if not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
-        slot = checks.host_slot(2)  # pinned: with unified addressing the kernel stores into it directly
-        sticky = self._sticky.data_ptr()
         self.cc.signal_wait_all(
-            self.base + off,
-            1,
-            count,
-            cmp,
-            value,
-            float(timeout),
-            slot.data_ptr(),
-            self._stream(),
-            sticky,
-            abort_words,
-            skip_on_sticky,
+            self.base + off, 1, count, cmp, value, float(timeout), result, self._stream(), sticky, abort_words, skip
         )
-        checks.record(slot, judge, timeout, what)
 
     def read(self, off: int) -> int:
         """Current value of this rank's word at ``off`` (read after the stream's earlier work)."""

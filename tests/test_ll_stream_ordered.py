@@ -130,17 +130,18 @@ def _peer_never_acks(rank, world_size):
     hook()
     y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
     buf.low_latency_combine(y, idx, wts, handle)  # queues its waits and returns; the outcome comes later
-    try:
-        buf.synchronize()
-        err = "no error"
-    except TimeoutError as exc:
-        err = str(exc)
-    try:
-        buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
-        later = "no error"
-    except RuntimeError as exc:
-        later = str(exc)
+    err = _raised(buf.synchronize, TimeoutError)
+    later = _raised(lambda: buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False), RuntimeError)
     return err, later, nvshmem_emulator.calls()
+
+
+def _raised(fn, exc_type) -> str | None:
+    """The message of the ``exc_type`` that ``fn()`` raised, or None when it returned."""
+    try:
+        fn()
+    except exc_type as exc:
+        return str(exc)
+    return None
 
 
 def test_silent_peer_surfaces_later_and_the_sticky_word_skips_the_queued_waits():
@@ -149,14 +150,14 @@ def test_silent_peer_surfaces_later_and_the_sticky_word_skips_the_queued_waits()
     for rank in (0, 2, 3):
         err, later, calls = res[rank]
         # Its own timeout, or (when another survivor's came first) that survivor's notice in rank 1's words.
-        assert re.search(
+        assert err is not None and re.search(
             rf"rank {rank}: (rank 1 sent no ll_combine consumed signal within 2 s|ll_combine consumed abandoned: "
             rf"rank \d reports that rank 1 sent no signal within its timeout)",
             err,
         ), err
-        assert "unusable" in later, later
-        # The acknowledgement wait for rank 1 failed once; every deferred wait queued after it in the
-        # same call (the other peers' acknowledgements or the data) returned at once on the sticky word.
+        assert later is not None and "unusable" in later, later
+        # The acknowledgement wait for rank 1 failed once; the data wait queued after it in the same call
+        # returned at once on the sticky word (acknowledgement waits are never skipped: they guard writes).
         assert calls.get("signal_wait_all/timed_out", 0) + calls.get("signal_wait_all/aborted", 0) == 1, calls
         assert calls.get("signal_wait_all/skipped", 0) >= 1, calls
 
@@ -198,17 +199,9 @@ def _bad_ids_later(rank, world_size, what):
         idx[2, 1] = EXPERTS + 3
     if rank == 1 and what == "duplicates":  # 4 pairs per token for expert 3: 24 pairs, 16 slots
         idx = torch.full_like(idx, 3)
-    first = None
     recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)  # returns on every rank
-    try:
-        buf.synchronize()
-    except ValueError as exc:
-        first = str(exc)
-    try:
-        buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
-        second = "no error"
-    except RuntimeError as exc:
-        second = str(exc)
+    first = _raised(buf.synchronize, ValueError)
+    second = _raised(lambda: buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False), RuntimeError)
     return first, second
 
 
@@ -224,7 +217,7 @@ def test_device_found_errors_reach_every_rank_later_and_retire_the_buffer(what, 
 
     for first, second in run_ranks(_bad_ids_later, 2, what, timeout=90):
         assert first is not None and re.search(message, first), first
-        assert "unusable" in second and "rejected on every rank" in second, second
+        assert second is not None and "unusable" in second and "rejected on every rank" in second, second
 
 
 def _host_rejection(rank, world_size):
