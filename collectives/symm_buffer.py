@@ -260,8 +260,8 @@ class SymmBuffer:
                     else:
                         self._segments[dst].store(self._word(_NOTICE, src), notice)
 
-    def _gave_up(self, src: int, seen: int, what: str) -> PeerFailedError:
-        """The error for a wait on ``src`` that found the gave-up notice ``seen``; retires this buffer and
+    def _gave_up(self, seen: int, what: str) -> PeerFailedError:
+        """The error for a wait that found the gave-up notice ``seen``; retires this buffer and
         passes the notice on (a peer waiting on this rank, not on the reporter, learns it too)."""
         culprit, reporter = seen & _RANK_BITS, (seen >> 32) & (_RANK_BITS >> 2)
         silent = bool(seen & _GAVE_UP_SILENT)
@@ -356,6 +356,10 @@ class SymmBuffer:
     def _word(self, kind: int, idx: int) -> int:
         return (kind * self.world_size + idx) * 8
 
+    def _to_notice(self, kind: int) -> int:
+        """Words from word (kind, src) to src's NOTICE word: the waits' abort offset."""
+        return (_NOTICE - kind) * self.world_size
+
     def _user_word(self, idx: int) -> int:
         if not isinstance(idx, int) or not 0 <= idx < self.num_signals:
             raise ValueError(f"signal index must be in [0, {self.num_signals}), got {idx!r}")
@@ -427,7 +431,7 @@ class SymmBuffer:
     def _failed_wait(self, src: int, seen: int, what: str, t: float, value: int) -> NoReturn:
         """A wait on ``src`` ended without its signal: the peer's gave-up notice, or silence."""
         if seen & _GAVE_UP:
-            raise self._gave_up(src, seen, what)
+            raise self._gave_up(seen, what)
         self._silent(src, what, t, value)
 
     def _wait_deferred(self, kind: int, first: int, count: int, value: int, what: str, t: float) -> None:
@@ -443,7 +447,7 @@ class SymmBuffer:
                 return None
             src = first + failed - 1
             seen = result[0] & MASK64
-            return self._gave_up(src, seen, what) if seen & _GAVE_UP else self._silence(src, what, t, value)
+            return self._gave_up(seen, what) if seen & _GAVE_UP else self._silence(src, what, t, value)
 
         # An ACK wait guards this rank's writes into the peer's memory, which the stream performs whatever the
         # wait's outcome: it is never skipped after an earlier failure, and no notice ends it (a third rank may
@@ -458,7 +462,7 @@ class SymmBuffer:
             self.deferred,
             judge,
             what,
-            abort_words=0 if kind == _ACK else (_NOTICE - kind) * self.world_size,
+            abort_words=0 if kind == _ACK else self._to_notice(kind),
             skip_on_sticky=kind != _ACK,
         )
 
@@ -470,7 +474,7 @@ class SymmBuffer:
             self._wait_deferred(kind, src, 1, value, what, t)
             return
         if self.transport == "nvshmem":
-            seen, failed = self._nv_wait(self._word(kind, src), 1, ">=", value, t, (_NOTICE - kind) * self.world_size)
+            seen, failed = self._nv_wait(self._word(kind, src), 1, ">=", value, t, self._to_notice(kind))
             if failed is not None:
                 self._failed_wait(src, seen, what, t, value)
             return
@@ -499,8 +503,7 @@ class SymmBuffer:
         if deferred:
             self._wait_deferred(kind, 0, self.world_size, value, what, t)
             return
-        abort = (_NOTICE - kind) * self.world_size
-        seen, failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t, abort)
+        seen, failed = self._nv_wait(self._word(kind, 0), self.world_size, ">=", value, t, self._to_notice(kind))
         if failed is not None:
             self._failed_wait(failed, seen, what, t, value)
 
