@@ -25,7 +25,9 @@ Timing: CUDA events around each call after warm-up, median of N (CPU: ``time.per
 GEMMs flush L2 between calls. Every figure is paired with a peer or roof measured in the same run:
 ``torch.index_select`` and a device-to-device copy for the gathers, ``torch.matmul`` in bf16 at equal
 FLOPs (and dense ``torch._scaled_mm`` FP8 where torch has it) for the grouped GEMMs, a device copy for
-the NVSHMEM loopback put and the SymmBuffer(nvshmem) loopback exchange. Exit status: 0 when every
+the NVSHMEM loopback put and the SymmBuffer(nvshmem) loopback exchange. The nvshmem section also runs
+SymmBuffer(nvshmem) with its memory from torch's NVSHMEM symmetric memory, in a child process (torch
+must start that process's NVSHMEM job); where torch lacks NVSHMEM it records why. Exit status: 0 when every
 section is ok or skipped, 1 otherwise.
 """
 
@@ -818,6 +820,7 @@ def sec_nvshmem(ctx: Ctx, res: dict):
     # One PE on one GPU needs no network transport; do not let NVSHMEM probe for InfiniBand.
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     res["nvshmem_env"] = {k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")}
+    _torch_provider(ctx, res)  # first, in a fresh process: torch must start that process's NVSHMEM job
     ctx.log("nvshmem init (single PE, unique-id bootstrap)")
     t0 = time.perf_counter()
     cc.init(cc.get_unique_id(), 0, 1)
@@ -937,6 +940,83 @@ def _wait_all_checks(cc, res: dict, sig: int, stream: int, device) -> None:
     _check(res, "a wait behind a failed one returns at once on the sticky word", got == [0, mask64], str(got))
     got = wait_all(1, 3, 0, skip=False)
     _check(res, "skip_on_sticky=False: the wait still runs", got == [3, 0], str(got))
+
+
+def _torch_provider(ctx: Ctx, res: dict) -> None:
+    """SymmBuffer(nvshmem) with its memory from torch's NVSHMEM symmetric memory, in a child process.
+
+    NVSHMEM is one job per process and this section's own job is epkit's, so the torch provider runs in a
+    fresh process (``--torch-provider-child``) where torch starts the job and epkit attaches to it.
+    """
+    import subprocess
+
+    ctx.log("SymmBuffer(nvshmem) through torch's symmetric memory (child process)")
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--torch-provider-child"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired as exc:
+        _check(res, "torch provider child finished within 120 s", False, str(exc.stderr)[-2000:])
+        return
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        _check(res, "torch provider child ran", False, f"exit {proc.returncode}: {proc.stderr[-3000:]}")
+        return
+    out = json.loads(lines[-1])
+    res["torch_provider"] = out
+    if out.get("torch_symm_reason"):
+        out["status"] = f"not run: {out['torch_symm_reason']}"
+        return
+    _check(res, "torch provider: SymmBuffer took torch's memory", out.get("provider") == "torch", out.get("note", ""))
+    _check(res, "torch provider: signal set 5 + add 3 seen as 8", out.get("signal") == 8, str(out.get("signal")))
+    _check(res, "torch provider: memory zeroed at creation", out.get("zeroed") is True)
+    _check(res, "torch provider: 16 MiB exchange to self bit-exact", out.get("exchange") is True)
+    timeout_msg = out.get("timeout", "")
+    _check(res, "torch provider: timed-out wait raises", "did not satisfy" in timeout_msg, timeout_msg)
+
+
+def _torch_provider_child() -> int:
+    """Body of ``--torch-provider-child``: one JSON line on stdout."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from epkit.collectives import _nvshmem
+    from epkit.collectives.symm_buffer import SymmBuffer
+
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ["EPKIT_NVSHMEM_PROVIDER"] = "torch"
+    out: dict = {"torch_symm_reason": _nvshmem.torch_symm_reason()}
+    if out["torch_symm_reason"] is None:
+        torch.cuda.set_device(0)
+        tmp = tempfile.TemporaryDirectory(prefix="epkit-gpu-check-torch-")
+        store = dist.FileStore(os.path.join(tmp.name, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        nbytes = 16 << 20
+        buf = SymmBuffer(dist.group.WORLD, nbytes, transport="nvshmem", num_signals=2, timeout=10.0)
+        out.update(provider=buf.nvshmem_provider, note=buf.nvshmem_note, zeroed=not bool(buf.local.any()))
+        buf.signal(0, 0, 5, op="set")
+        buf.signal(0, 0, 3, op="add")
+        out["signal"] = buf.wait_until(0, "==", 8, timeout=5.0)
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        ex = buf.exchange(nbytes, tag="loopback")
+        ex.send_region(0).copy_(data)
+        ex.commit(0, nbytes)
+        out["exchange"] = bool(torch.equal(ex.receive([nbytes])[0], data))
+        ex.release()
+        try:
+            buf.wait_until(1, ">", 0, timeout=0.05)
+            out["timeout"] = "no TimeoutError"
+        except TimeoutError as exc:
+            out["timeout"] = str(exc)
+        buf.close()
+        dist.destroy_process_group()
+        tmp.cleanup()
+    print(json.dumps(out), flush=True)
+    return 0
 
 
 def _symm_loopback(ctx: Ctx, res: dict) -> None:
@@ -1300,6 +1380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--torch-provider-child"]:
+        return _torch_provider_child()
     args = parse_args(argv)
     t_start = time.perf_counter()
     if args.device == "auto":

@@ -1,12 +1,23 @@
 """The ``nvshmem`` transport of :class:`~epkit.collectives.symm_buffer.SymmBuffer` (CUDA ranks).
 
 One process per GPU; ``torch.cuda.current_device()`` is the rank's GPU. NVSHMEM is one job per
-process: the first nvshmem SymmBuffer starts it (rank 0 of the group draws a unique id, the bytes
-travel with ``broadcast_object_list``, every rank joins), later buffers over a group with the same
-ranks reuse it, and any other group is refused with a ValueError (NVSHMEM teams are out of scope).
-A job that someone started directly through ``epkit._C_cuda.init`` is adopted when its PE numbers
-are the group's ranks. NVSHMEM cannot be initialised twice in one process: after :func:`finalize`
-no nvshmem buffer can be created in it.
+process, and the memory comes from one of two *providers* (``EPKIT_NVSHMEM_PROVIDER``):
+
+- ``torch``: PyTorch symmetric memory with its NVSHMEM backend, where the installed torch has it
+  (``torch.distributed._symmetric_memory``: ``is_nvshmem_available()``, the backend set explicitly
+  with ``set_backend("NVSHMEM")``, ``empty`` + ``rendezvous`` for the allocation and its
+  ``buffer_ptrs``). Torch starts the job over the default group (PE numbers are global ranks), so
+  this provider needs a group of every rank; ``epkit._C_cuda.attach`` then joins that job so that
+  epkit's own kernels (puts, signals, timed waits: torch's NVSHMEM ops have no timeouts) use it.
+- ``epkit``: the extension's own binding. The first buffer starts the job (rank 0 of the group
+  draws a unique id, the bytes travel with ``broadcast_object_list``, every rank joins).
+
+``auto`` (the default) takes ``torch`` where every rank can and ``epkit`` otherwise, and the buffer
+says why (``SymmBuffer.nvshmem_provider``, ``.nvshmem_note``). Later buffers over a group with the same
+ranks reuse the job, and any other group is refused with a ValueError (NVSHMEM teams are out of
+scope). A job that someone started directly through ``epkit._C_cuda.init`` is adopted when its PE
+numbers are the group's ranks; one that torch started is joined through torch. NVSHMEM cannot be
+initialised twice in one process: after :func:`finalize` no nvshmem buffer can be created in it.
 
 Each buffer is one collective symmetric allocation laid out as the shm segments are::
 
@@ -21,6 +32,7 @@ deadline as a second line of defence against a stuck stream.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -40,7 +52,10 @@ __all__ = [
     "local_job_state",
     "missing_reason",
     "plan_job",
+    "plan_provider",
+    "torch_symm_reason",
     "use_extension",
+    "use_torch_symm",
 ]
 
 INSTALL_HINT = (
@@ -56,11 +71,18 @@ HOST_GRACE_S = 10.0
 MASK64 = (1 << 64) - 1
 _SIGNAL_OPS = ("set", "add")
 
-# Process-wide NVSHMEM job: None, or {"ranks": global ranks, "device": CUDA index, "owner": "epkit" | "adopted"}.
+PROVIDERS = ("auto", "torch", "epkit")
+# torch.distributed._symmetric_memory's functions the torch provider calls (feature-detected by name).
+_TORCH_SYMM_API = ("is_nvshmem_available", "set_backend", "get_backend", "empty", "rendezvous")
+
+# Process-wide NVSHMEM job: None, or {"ranks": global ranks, "device": CUDA index, "owner": "epkit" |
+# "adopted" | "torch"}.
 _job: dict | None = None
 _finalized = False
 # A stand-in for epkit._C_cuda with the same functions (epkit.testing.nvshmem_emulator), or None.
 _extension = None
+# A stand-in for torch.distributed._symmetric_memory (epkit.testing.torch_symm_emulator), or None.
+_torch_symm = None
 
 
 def use_extension(module) -> None:
@@ -71,6 +93,55 @@ def use_extension(module) -> None:
     """
     global _extension
     _extension = module
+
+
+def use_torch_symm(module) -> None:
+    """Route the torch provider through ``module`` instead of ``torch.distributed._symmetric_memory``
+    (None: back to torch's). Tests install ``epkit.testing.torch_symm_emulator`` this way."""
+    global _torch_symm
+    _torch_symm = module
+
+
+def _symm_mem():
+    if _torch_symm is not None:
+        return _torch_symm
+    import torch.distributed._symmetric_memory as sm
+
+    return sm
+
+
+def torch_symm_reason() -> str | None:
+    """Why this rank cannot take its buffers from torch's NVSHMEM symmetric memory, or None when it can.
+
+    Feature detection, not version checks: the module must import and have every function the provider
+    calls, and ``is_nvshmem_available()`` must be true (torch built with NVSHMEM, ``libnvshmem_host.so.3``
+    loadable). Whether the backend can still be switched to NVSHMEM is only known by trying (see
+    :class:`NvshmemState`).
+    """
+    if _torch_symm is None and _emulated():
+        return "the NVSHMEM emulator is installed without torch's stand-in (epkit.testing.torch_symm_emulator)"
+    try:
+        sm = _symm_mem()
+    except ImportError as exc:
+        return f"torch.distributed._symmetric_memory is not importable ({exc})"
+    missing = [name for name in _TORCH_SYMM_API if not callable(getattr(sm, name, None))]
+    if missing:
+        return f"this torch's symmetric memory lacks {missing}"
+    try:
+        available = bool(sm.is_nvshmem_available())
+    except Exception as exc:  # noqa: BLE001 -- any failure of the probe means "not usable", with its reason
+        return f"torch's is_nvshmem_available() failed ({type(exc).__name__}: {exc})"
+    if not available:
+        return "torch reports NVSHMEM unavailable (built without it, or libnvshmem_host.so.3 is not loadable)"
+    return None
+
+
+def provider_preference() -> str:
+    """``EPKIT_NVSHMEM_PROVIDER``: ``auto`` (default), ``torch`` or ``epkit``."""
+    pref = os.environ.get("EPKIT_NVSHMEM_PROVIDER", "auto").strip().lower() or "auto"
+    if pref not in PROVIDERS:
+        raise ValueError(f"EPKIT_NVSHMEM_PROVIDER must be one of {PROVIDERS}, got {pref!r}")
+    return pref
 
 
 def _emulated() -> bool:
@@ -137,16 +208,19 @@ def layout(world_size: int, num_signals: int, num_bytes: int) -> tuple[int, int,
 def local_job_state() -> tuple:
     """This process's NVSHMEM job, as a picklable tuple for :func:`plan_job`.
 
-    ``("none",)``; ``("job", global_ranks, device)`` (started or adopted by SymmBuffer);
-    ``("external", my_pe, n_pes)`` (started through ``epkit._C_cuda.init`` directly); ``("finalized",)``.
+    ``("none",)``; ``("job", global_ranks, device, owner)`` (started, adopted or joined by SymmBuffer);
+    ``("external", my_pe, n_pes)`` (started through ``epkit._C_cuda.init`` directly); ``("host",)`` (a job
+    another library started, torch's symmetric memory, that the extension has not joined); ``("finalized",)``.
     """
     cc = _load()
     if _finalized or getattr(cc, "finalized", lambda: False)() or (_job is not None and not cc.initialized()):
         return ("finalized",)
     if _job is not None:
-        return ("job", tuple(_job["ranks"]), _job["device"])
+        return ("job", tuple(_job["ranks"]), _job["device"], _job["owner"])
     if cc.initialized():
         return ("external", cc.my_pe(), cc.n_pes())
+    if getattr(cc, "job_status", lambda: 0)() >= 2:
+        return ("host",)
     return ("none",)
 
 
@@ -155,6 +229,8 @@ def _describe(state: tuple) -> str:
         return f"is in an NVSHMEM job over global ranks {list(state[1])} on cuda:{state[2]}"
     if state[0] == "external":
         return f"is PE {state[1]} of an NVSHMEM job of {state[2]} PEs started outside SymmBuffer"
+    if state[0] == "host":
+        return "runs an NVSHMEM job another library (torch's symmetric memory) started"
     return "has no NVSHMEM job"
 
 
@@ -183,9 +259,10 @@ def plan_job(states: list[tuple], group_ranks, devices: list[int], gpus: list[st
 
     Returns
     -------
-    {"init", "reuse", "adopt"}
+    {"init", "reuse", "adopt", "attach"}
         Start a job over the group; reuse the job SymmBuffer already runs over exactly these ranks;
-        adopt a job started directly whose PE numbers are the group ranks.
+        adopt a job started directly whose PE numbers are the group ranks; attach to the job torch
+        started on every rank (:func:`plan_provider` checks that torch can serve it).
 
     Raises
     ------
@@ -228,12 +305,80 @@ def plan_job(states: list[tuple], group_ranks, devices: list[int], gpus: list[st
         return "reuse"
     if all(s[0] == "external" and s[1] == i and s[2] == len(group_ranks) for i, s in enumerate(states)):
         return "adopt"
+    if all(s[0] == "host" for s in states):
+        return "attach"
     detail = "; ".join(f"group rank {i} {_describe(s)}" for i, s in enumerate(states))
     raise ValueError(
         f"SymmBuffer(transport='nvshmem') runs one NVSHMEM job per process over one fixed set of ranks; this "
         f"group has global ranks {list(group_ranks)} but {detail}. Create every nvshmem SymmBuffer of a "
         f"process over groups with the same ranks (NVSHMEM teams are not supported)"
     )
+
+
+def plan_provider(
+    plan: str, states: list[tuple], torch_reasons: list[str | None], prefer: str, whole_world: bool
+) -> tuple[str, str]:
+    """Which provider a new buffer's memory comes from, decided identically on every rank.
+
+    Parameters
+    ----------
+    plan : str
+        :func:`plan_job`'s answer.
+    states : list of tuple
+        :func:`local_job_state` of each group rank.
+    torch_reasons : list of (str or None)
+        :func:`torch_symm_reason` of each group rank.
+    prefer : {"auto", "torch", "epkit"}
+        :func:`provider_preference`.
+    whole_world : bool
+        The group holds every rank of the default group, in order (torch's NVSHMEM job spans the
+        default group and numbers PEs by global rank).
+
+    Returns
+    -------
+    (provider, note) : tuple of str
+        ``"torch"`` or ``"epkit"``, and why torch's was not taken ("" when it was, or when the job
+        already decided).
+
+    Raises
+    ------
+    BackendUnavailableError
+        ``prefer="torch"`` where some rank cannot use it.
+    ValueError
+        torch started a job that epkit can only join through torch, and torch's path is closed.
+    """
+    if plan == "reuse":
+        return (states[0][3] if len(states[0]) > 3 else "epkit"), ""
+    if plan == "adopt":
+        return "epkit", ""
+    blockers = [f"rank {r}: {why}" for r, why in enumerate(torch_reasons) if why]
+    if not whole_world:
+        blockers.append("the group is not every rank of the default group, over which torch starts NVSHMEM")
+    note = "torch's NVSHMEM symmetric memory is not used (" + "; ".join(blockers) + ")" if blockers else ""
+    if plan == "attach":
+        if blockers or prefer == "epkit":
+            why = "; ".join(blockers) or "EPKIT_NVSHMEM_PROVIDER=epkit"
+            raise ValueError(
+                f"torch's symmetric memory already runs NVSHMEM in these processes; epkit can join that job only "
+                f"through torch, but {why}"
+            )
+        return "torch", ""
+    if prefer == "epkit":
+        return "epkit", "EPKIT_NVSHMEM_PROVIDER=epkit"
+    if blockers and prefer == "torch":
+        raise BackendUnavailableError(f"EPKIT_NVSHMEM_PROVIDER=torch, but {note}")
+    return ("epkit", note) if blockers else ("torch", "")
+
+
+def _torch_backend(sm, device: torch.device) -> tuple[str | None, str | None]:
+    """Set torch's symmetric-memory backend to NVSHMEM for ``device``: ``(previous backend, error or None)``."""
+    try:
+        previous = sm.get_backend(device)
+        if previous != "NVSHMEM":
+            sm.set_backend("NVSHMEM")
+    except Exception as exc:  # noqa: BLE001 -- torch refuses once another backend allocated; say so, all ranks
+        return None, f"set_backend('NVSHMEM') failed ({type(exc).__name__}: {exc})"
+    return previous, None
 
 
 def _bootstrap(cc, group, rank: int, world_size: int, device: int, ranks) -> None:
@@ -301,8 +446,16 @@ def device_view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 class NvshmemState:
     """One rank's part of an nvshmem SymmBuffer: the symmetric allocation, its views and the device ops.
 
-    Creation is collective over ``group`` (one all-gather, the bootstrap when needed, one
-    ``nvshmem_malloc``). Offsets (``off``) are byte offsets into the signal words, as ``SymmBuffer._word``.
+    Creation is collective over ``group`` (one all-gather, the bootstrap when needed, one symmetric
+    allocation: ``nvshmem_malloc`` through epkit's binding, or torch's ``empty`` + ``rendezvous``).
+    Offsets (``off``) are byte offsets into the signal words, as ``SymmBuffer._word``.
+
+    Attributes
+    ----------
+    provider : {"torch", "epkit"}
+        Where the memory and the job come from (see the module docstring).
+    note : str
+        Why torch's symmetric memory was not used, or "".
     """
 
     def __init__(self, group, rank: int, world_size: int, num_bytes: int, num_signals: int):
@@ -313,9 +466,11 @@ class NvshmemState:
         device = (0 if emulated else torch.cuda.current_device()) if missing is None else -1
         state = local_job_state() if missing is None else ("none",)
         gpu = gpu_identity(device) if missing is None else ""
+        prefer = provider_preference()
+        torch_why = torch_symm_reason() if missing is None and prefer != "epkit" else None
         infos = [None] * world_size
         # Every rank sees the same list, so every rank raises the same error (no rank is left waiting).
-        dist.all_gather_object(infos, (missing, alloc, state, device, gpu), group=group)
+        dist.all_gather_object(infos, (missing, alloc, state, device, gpu, torch_why), group=group)
         reasons = {r: info[0] for r, info in enumerate(infos) if info[0]}
         if reasons:
             detail = "; ".join(f"rank {r}: {why}" for r, why in reasons.items())
@@ -327,28 +482,41 @@ class NvshmemState:
                 f"must pass the same num_bytes and num_signals"
             )
         ranks = dist.get_process_group_ranks(group)
-        plan = plan_job([info[2] for info in infos], ranks, [info[3] for info in infos], [info[4] for info in infos])
-        cc = _load()
-        if plan == "init":
-            _bootstrap(cc, group, rank, world_size, device, ranks)
-        elif plan == "adopt":
-            _job = {"ranks": tuple(ranks), "device": device, "owner": "adopted"}
-        cc.set_device(device)  # kernels of epkit._C_cuda launch on this thread's current device
-        self.cc = cc
+        states = [info[2] for info in infos]
+        plan = plan_job(states, ranks, [info[3] for info in infos], [info[4] for info in infos])
+        whole_world = list(ranks) == list(range(dist.get_world_size()))
+        self.provider, self.note = plan_provider(plan, states, [info[5] for info in infos], prefer, whole_world)
         self.rank, self.world_size, self.num_bytes = rank, world_size, num_bytes
         # The emulator's PEs are CPU processes: CPU views, and its ops complete before they return.
         self.device = torch.device("cpu") if emulated else torch.device("cuda", device)
         self.num_words, self.data_offset = num_words, data_offset
-        try:
-            self.base = cc.malloc(alloc)  # collective; zero-filled
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"rank {rank}: {exc}; the NVSHMEM symmetric heap may be too small for {alloc} bytes per rank: "
-                f"set NVSHMEM_SYMMETRIC_SIZE (bytes, read when NVSHMEM starts) larger"
-            ) from exc
-        data = self.base + data_offset
+        if self.provider == "torch" and plan == "init":
+            self.provider, self.note = self._claim_torch_backend(group, prefer)
+        cc = _load()
+        self.cc = cc
+        self._torch_memory = None  # torch provider: (the symmetric tensor, its rendezvous handle)
+        if self.provider == "torch":
+            cc.set_device(device)
+            bases = self._torch_alloc(group, alloc)
+            if _job is None:
+                _job = {"ranks": tuple(ranks), "device": device, "owner": "torch"}
+        else:
+            if plan == "init":
+                _bootstrap(cc, group, rank, world_size, device, ranks)
+            elif plan == "adopt":
+                _job = {"ranks": tuple(ranks), "device": device, "owner": "adopted"}
+            cc.set_device(device)  # kernels of epkit._C_cuda launch on this thread's current device
+            try:
+                base = cc.malloc(alloc)  # collective; zero-filled
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"rank {rank}: {exc}; the NVSHMEM symmetric heap may be too small for {alloc} bytes per "
+                    f"rank: set NVSHMEM_SYMMETRIC_SIZE (bytes, read when NVSHMEM starts) larger"
+                ) from exc
+            bases = [base if r == rank else cc.peer_ptr(base, r) for r in range(world_size)]
+        self.base = bases[rank]
         #: Address of each rank's data as seen from this GPU; 0 where the peer is not directly addressable.
-        self.peer_data = [data if r == rank else cc.peer_ptr(data, r) for r in range(world_size)]
+        self.peer_data = [b + data_offset if b else 0 for b in bases]
         self.views = [device_view(p, num_bytes, self.device) if p else None for p in self.peer_data]
         self.local = self.views[rank]
         self.words = device_view(self.base, num_words * 8, self.device).view(torch.int64)
@@ -357,6 +525,51 @@ class NvshmemState:
         self._sticky = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._event = None if emulated else torch.cuda.Event()
         self._urgent = None  # the side stream of urgent posts (created on first use)
+
+    def _claim_torch_backend(self, group, prefer: str) -> tuple[str, str]:
+        """Set torch's backend to NVSHMEM on every rank (collective); where some rank cannot, undo it and fall
+        back to epkit's binding (``auto``) or raise (``torch``)."""
+        sm = _symm_mem()
+        previous, error = _torch_backend(sm, self.device)
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=group)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        if not failed:
+            return "torch", ""
+        if error is None and previous not in (None, "NVSHMEM"):
+            # Nothing was allocated with NVSHMEM here: give the user's backend back (best effort).
+            with contextlib.suppress(Exception):
+                sm.set_backend(previous)
+        note = "torch's NVSHMEM symmetric memory is not used (" + "; ".join(failed) + ")"
+        if prefer == "torch":
+            raise BackendUnavailableError(f"EPKIT_NVSHMEM_PROVIDER=torch, but {note}")
+        return "epkit", note
+
+    def _torch_alloc(self, group, alloc: int) -> list[int]:
+        """Allocate through torch's symmetric memory, join its job, zero the memory; returns each rank's base
+        address as seen from this GPU (0 where not directly addressable). Collective over ``group``."""
+        sm = _symm_mem()
+        try:
+            tensor = sm.empty(alloc, dtype=torch.uint8, device=self.device)  # torch starts NVSHMEM on the first
+            handle = sm.rendezvous(tensor, group)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"rank {self.rank}: torch's NVSHMEM symmetric memory could not allocate {alloc} bytes ({exc}); "
+                f"set NVSHMEM_SYMMETRIC_SIZE larger, or EPKIT_NVSHMEM_PROVIDER=epkit to use epkit's own binding"
+            ) from exc
+        bases = [int(p or 0) for p in handle.buffer_ptrs]
+        self.cc.attach()  # epkit's kernels join torch's job (their device state is the extension's own)
+        if len(bases) != self.world_size or bases[self.rank] != tensor.data_ptr():
+            raise RuntimeError(
+                f"rank {self.rank}: torch's rendezvous gave buffer_ptrs {[hex(b) for b in bases]} for a tensor at "
+                f"{tensor.data_ptr():#x} in a group of {self.world_size}"
+            )
+        tensor.zero_()  # torch's allocation is not zeroed, and the signal words must start at 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)  # no rank signals or writes into a peer's buffer before the peer zeroed it
+        self._torch_memory = (tensor, handle)
+        return bases
 
     @property
     def within_domain(self) -> bool:
@@ -490,6 +703,11 @@ class NvshmemState:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.views, self.local, self.words = [], None, None
+        if self._torch_memory is not None:
+            # torch owns the memory: dropping the tensor returns it to torch's allocator, which frees it when
+            # its rendezvous cache lets go (nvshmem_free is collective; torch decides when).
+            self._torch_memory = None
+            return False
         if not collective or not self.cc.initialized():
             return False
         self.cc.free(self.base)

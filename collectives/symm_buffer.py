@@ -124,7 +124,9 @@ class SymmBuffer:
     transport : {"auto", "shm", "torch", "nvshmem"}
         ``auto`` picks ``nvshmem`` for an NCCL group when every rank has CUDA and ``epkit._C_cuda``,
         ``shm`` for a gloo group on this host, else ``torch``. ``nvshmem`` where it cannot run raises
-        :class:`~epkit.backends.BackendUnavailableError` saying what is missing.
+        :class:`~epkit.backends.BackendUnavailableError` saying what is missing. Its memory comes from
+        torch's symmetric memory (NVSHMEM backend) where torch has it, else from epkit's own NVSHMEM
+        binding; ``EPKIT_NVSHMEM_PROVIDER=auto|torch|epkit`` chooses (``collectives/_nvshmem.py``).
     num_signals : int
         User signal words per rank (``signal``/``wait_until`` indices).
     timeout : float
@@ -137,6 +139,10 @@ class SymmBuffer:
         the symmetric heap is freed, they must not be used); on the rank's GPU for nvshmem.
     rank, world_size : int
         Position in ``group``.
+    nvshmem_provider : {"torch", "epkit"} or None
+        nvshmem transport: where the symmetric memory came from; None on other transports.
+    nvshmem_note : str
+        nvshmem transport: why torch's symmetric memory was not used ("" when it was).
     """
 
     def __init__(self, group, num_bytes: int, transport: str = "auto", num_signals: int = 64, timeout: float = 30.0):
@@ -159,6 +165,7 @@ class SymmBuffer:
         self._broken: str | None = None
         self._open: Exchange | None = None
         self._nv = None  # nvshmem transport state (collectives/_nvshmem.py)
+        self.nvshmem_provider, self.nvshmem_note = None, ""
         self._staging: dict[tuple[int, int], torch.Tensor] = {}  # nvshmem: per (peer, region) put sources
         if self.transport == "shm":
             self._init_shm()
@@ -211,6 +218,7 @@ class SymmBuffer:
         from epkit.collectives._nvshmem import NvshmemState
 
         self._nv = NvshmemState(self.group, self.rank, self.world_size, self.num_bytes, self.num_signals)
+        self.nvshmem_provider, self.nvshmem_note = self._nv.provider, self._nv.note
         self._peers = self._nv.views  # None where a peer is not directly addressable
         self.local = self._nv.local
 

@@ -104,7 +104,16 @@ CASES = [
 
 @pytest.mark.parametrize(
     "transport,world_size",
-    [("shm", 2), ("shm", 4), ("torch", 2), ("torch", 4), ("nvemu", 2), ("nvemu", 4), ("nvemu-nop2p", 4)],
+    [
+        ("shm", 2),
+        ("shm", 4),
+        ("torch", 2),
+        ("torch", 4),
+        ("nvemu", 2),
+        ("nvemu", 4),
+        ("nvemu-nop2p", 4),
+        ("nvemu-torch", 2),
+    ],
 )
 def test_dispatch_combine_matches_reference(transport, world_size):
     for case, expand, alignment, fp8 in CASES:

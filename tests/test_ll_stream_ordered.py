@@ -86,7 +86,7 @@ def test_stream_ordered_low_latency_reads_nothing_back_and_matches_reference(use
     assert res == [[]] * 4, res
 
 
-@pytest.mark.parametrize("transport", ["nvemu", "nvemu-nop2p"])
+@pytest.mark.parametrize("transport", ["nvemu", "nvemu-nop2p", "nvemu-torch-nop2p"])
 def test_stream_ordered_low_latency_over_emulated_nvshmem(transport):
     # The code the GPU runs, down to the nvshmem transport: waits are NvshmemState.wait_deferred writing
     # into host slots, peers outside the domain (nop2p) get their messages through put_signal.
@@ -97,7 +97,7 @@ def test_stream_ordered_low_latency_over_emulated_nvshmem(transport):
         # per peer; the host-waiting form never runs.
         assert calls.get("signal_wait_all/deferred", 0) >= 4 and "signal_wait_all" not in calls, calls
         # without peer views every message to a peer is one put-with-signal (3 peers x 4 exchanges)
-        assert calls.get("put_signal", 0) == (12 if transport == "nvemu-nop2p" else 0), calls
+        assert calls.get("put_signal", 0) == (12 if transport.endswith("nop2p") else 0), calls
 
 
 def _round_emulated(rank, world_size, transport):

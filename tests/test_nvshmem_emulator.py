@@ -163,3 +163,37 @@ def test_peer_pointers_alias_the_peers_memory_or_are_absent(p2p):
             assert got == [True, True, True, [10, 11, 12]], (rank, got)
         else:
             assert got == [r == rank for r in range(3)], (rank, got)
+
+
+def _attach_contract(rank, world_size):
+    """A job another library started (torch's symmetric memory): the module's ops need attach() first."""
+    seen = {"status_before": emu.job_status()}
+    with pytest.raises(RuntimeError, match="no NVSHMEM job is running in this process to attach to"):
+        emu.attach()
+    emu._start_job(emu.get_unique_id(), 0, 1)  # the host library's init, as torch runs it
+    seen["status_running"], seen["initialized_before"] = emu.job_status(), emu.initialized()
+    with pytest.raises(RuntimeError, match="signal_op: call init\\(\\) first"):
+        emu.signal_op(4096, 1, "set", 0, 0)
+    with pytest.raises(RuntimeError, match="already running"):
+        emu.init(emu.get_unique_id(), 0, 1)  # epkit's own bootstrap must not start a second job
+    emu.attach()
+    emu.attach()  # joining twice is one join
+    a = emu.malloc(64)
+    emu.signal_op(a, 3, "set", 0, 0)
+    seen["word"] = ctypes.c_uint64.from_address(a).value
+    emu.finalize()  # gives the reference back; the job stays with its starter
+    seen["after"] = (emu.initialized(), emu.job_status())
+    seen["attaches"] = emu.calls().get("attach", 0)
+    return seen
+
+
+def test_attach_joins_a_job_started_elsewhere():
+    (seen,) = run_ranks(_attach_contract, 1, timeout=60, init_dist=False)
+    assert seen == {
+        "status_before": 0,
+        "status_running": 2,
+        "initialized_before": False,
+        "word": 3,
+        "after": (False, 2),
+        "attaches": 1,
+    }, seen

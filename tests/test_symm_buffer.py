@@ -22,8 +22,10 @@ def _shm_names():
 def _puts_and_signals(rank, world_size, transport):
     mode, transport = transport, resolve_transport(transport)
     buf = SymmBuffer(dist.group.WORLD, 4096, transport=transport, num_signals=4, timeout=20)
-    direct = mode in ("shm", "nvemu")  # every peer addressable
+    direct = mode in ("shm", "nvemu", "nvemu-torch")  # every peer addressable
     assert buf.transport == transport and buf.is_within_domain() == direct
+    provider = None if transport != "nvshmem" else "torch" if "torch" in mode else "epkit"
+    assert buf.nvshmem_provider == provider, (buf.nvshmem_provider, buf.nvshmem_note)
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
     if direct:
         buf.peer(nxt)[rank * 8 : rank * 8 + 8].copy_(torch.full((8,), rank + 1, dtype=torch.uint8))
@@ -32,7 +34,7 @@ def _puts_and_signals(rank, world_size, transport):
         assert buf.local[prev * 8 : prev * 8 + 8].tolist() == [prev + 1] * 8
         buf.barrier()
         buf.barrier()
-    elif mode == "nvemu-nop2p":  # signals still reach every peer; only the views are missing
+    elif mode in ("nvemu-nop2p", "nvemu-torch-nop2p"):  # signals still reach every peer; only views are missing
         assert buf.peer(rank).data_ptr() == buf.local.data_ptr()
         with pytest.raises(RuntimeError, match="not directly addressable"):
             buf.peer(nxt)
@@ -54,7 +56,7 @@ def _puts_and_signals(rank, world_size, transport):
     return True
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch", "nvemu", "nvemu-nop2p"])
+@pytest.mark.parametrize("transport", ["shm", "torch", "nvemu", "nvemu-nop2p", "nvemu-torch", "nvemu-torch-nop2p"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_puts_signals_exchanges(transport, world_size):
     before = _shm_names()

@@ -1,7 +1,9 @@
 // epkit._C_cuda: the host and device side of the `nvshmem` transport.
 //
 // Bootstrap: rank 0 calls get_unique_id(), the bytes travel over
-// torch.distributed, every rank calls init(uid, rank, world_size).
+// torch.distributed, every rank calls init(uid, rank, world_size). Or, where
+// torch's symmetric memory already runs NVSHMEM in the process, attach() joins
+// that job (job_status() tells which).
 // Memory: symmetric allocations (malloc/free), peer pointers (nvshmem_ptr) for
 // ranks in the same NVLink domain.
 // One-sided ops, launched on a caller-given CUDA stream so they order with the
@@ -227,6 +229,27 @@ PYBIND11_MODULE(_C_cuda, m) {
             g_finalized = true;
         }
     });
+    m.def(
+        "job_status",
+        []() { return nvshmemx_init_status(); },
+        "The process's NVSHMEM state as the host library reports it (0 none, 1 bootstrapped, >= 2 running), "
+        "whoever started it (this extension, torch's symmetric memory, the application).");
+    m.def(
+        "attach",
+        []() {
+            if (g_initialized) return;
+            if (g_finalized) throw std::runtime_error("attach: NVSHMEM was finalized in this process");
+            if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED) {
+                throw std::runtime_error("attach: no NVSHMEM job is running in this process to attach to");
+            }
+            // NVSHMEM 3.x allows further init calls by the PEs of the running job: this one joins it
+            // (reference-counted, no new bootstrap) and registers this module's device state, which the
+            // statically linked device library keeps per module; finalize() gives the reference back.
+            nvshmem_init();
+            g_initialized = true;
+        },
+        "Join the NVSHMEM job another library in this process started (torch's symmetric memory), so that "
+        "this extension's kernels can use it.");
     m.def("initialized", []() { return g_initialized; });
     m.def("finalized", []() { return g_finalized; }, "True once finalize() ran: init() cannot run again here.");
     m.def("my_pe", []() { require_init("my_pe"); return nvshmem_my_pe(); });

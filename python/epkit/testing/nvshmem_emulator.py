@@ -52,7 +52,9 @@ _MASK64 = (1 << 64) - 1
 _CMPS = {"==", "eq", "!=", "ne", ">=", "ge", ">", "gt", "<=", "le", "<", "lt"}
 _CANON = {"eq": "==", "ne": "!=", "ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
-_state: dict = {"initialized": False, "finalized": False, "device": 0, "p2p": True}
+# "job": the process's NVSHMEM job exists (the host library's state, whoever started it); "initialized":
+# this module may use it (epkit._C_cuda's own flag: set by init, or by attach to a job torch started).
+_state: dict = {"job": False, "initialized": False, "finalized": False, "device": 0, "p2p": True}
 #: Calls per function of the extension's interface, and deferred waits (those given a sticky word).
 _calls: dict[str, int] = {}
 
@@ -80,6 +82,11 @@ def _heap_size() -> int:
 def _require_init(what: str) -> None:
     if not _state["initialized"]:
         raise RuntimeError(f"{what}: call init() first")
+
+
+def _require_job(what: str) -> None:
+    if not _state["job"]:
+        raise RuntimeError(f"{what}: no NVSHMEM job is running in this process")
 
 
 def _require_pe(pe: int, what: str) -> None:
@@ -125,8 +132,6 @@ def get_unique_id() -> bytes:
 
 def init(unique_id: bytes, rank: int, world_size: int) -> None:
     """Join the job: create this PE's heap, map every peer's, barrier, unlink the names (collective)."""
-    from epkit import _C
-
     if len(unique_id) != _UID_BYTES:
         raise ValueError(f"unique id has {len(unique_id)} bytes, expected {_UID_BYTES}")
     if not 0 <= rank < world_size:
@@ -135,6 +140,17 @@ def init(unique_id: bytes, rank: int, world_size: int) -> None:
         raise RuntimeError("init: NVSHMEM is already initialised in this process")
     if _state["finalized"]:
         raise RuntimeError("init: NVSHMEM was finalized in this process and cannot be initialised again")
+    _start_job(unique_id, rank, world_size)
+    _state["initialized"] = True
+    _count("init")
+
+
+def _start_job(unique_id: bytes, rank: int, world_size: int) -> None:
+    """The host library's part of init (torch's symmetric memory starts a job this way, without epkit's module)."""
+    from epkit import _C
+
+    if _state["job"]:
+        raise RuntimeError("init: an NVSHMEM job is already running in this process")
     if world_size * 8 > _CONTROL:
         raise ValueError(f"the emulator supports at most {_CONTROL // 8} PEs")
     size = _heap_size()
@@ -145,12 +161,12 @@ def init(unique_id: bytes, rank: int, world_size: int) -> None:
     deadline = time.monotonic() + _timeout()
     try:
         for r, name in enumerate(names):
-            heaps.append(mine if r == rank else _attach(name, size, r, deadline))
+            heaps.append(mine if r == rank else _map_heap(name, size, r, deadline))
         _state.update(me=rank, n_pes=world_size, heaps=heaps, top=_CONTROL, free=[], barrier=0, allocs={})
-        _state["initialized"] = True
-        barrier_all()  # every PE has mapped every heap: the names can go
+        _state["job"] = True
+        _barrier()  # every PE has mapped every heap: the names can go
     except BaseException:
-        _state["initialized"] = False
+        _state["job"] = False
         for name in names:  # a PE that died before unlinking its own name leaves it to us
             with contextlib.suppress(OSError):
                 os.unlink(f"/dev/shm/{name.lstrip('/')}")
@@ -159,7 +175,7 @@ def init(unique_id: bytes, rank: int, world_size: int) -> None:
         mine.unlink()
 
 
-def _attach(name: str, size: int, pe: int, deadline: float):
+def _map_heap(name: str, size: int, pe: int, deadline: float):
     """Map PE ``pe``'s heap once it exists at full size (its creator sizes it just after creating the name)."""
     from epkit import _C
 
@@ -184,8 +200,28 @@ def _unlink_quietly(seg) -> None:
 
 def finalize() -> None:
     if _state["initialized"]:
+        if _state.get("attached"):  # gives back attach()'s reference: the job stays with whoever started it
+            _state.update(initialized=False, finalized=True, attached=False)
+            return
         barrier_all()
-        _state.update(initialized=False, finalized=True, heaps=[])
+        _state.update(job=False, initialized=False, finalized=True, heaps=[])
+
+
+def job_status() -> int:
+    """2 while an NVSHMEM job runs in this process (whoever started it), else 0 (``nvshmemx_init_status``)."""
+    return 2 if _state["job"] else 0
+
+
+def attach() -> None:
+    """Let this module use the job another library (torch's symmetric memory) started in this process."""
+    if _state["initialized"]:
+        return
+    if _state["finalized"]:
+        raise RuntimeError("attach: NVSHMEM was finalized in this process")
+    if not _state["job"]:
+        raise RuntimeError("attach: no NVSHMEM job is running in this process to attach to")
+    _count("attach")
+    _state.update(initialized=True, attached=True)
 
 
 def initialized() -> bool:
@@ -209,6 +245,11 @@ def n_pes() -> int:
 def barrier_all() -> None:
     """Every PE reaches this point: each posts its epoch into every heap's control words and waits for all."""
     _require_init("barrier_all")
+    _barrier()
+
+
+def _barrier() -> None:
+    _require_job("barrier_all")
     _count("barrier_all")
     _state["barrier"] += 1
     epoch, me = _state["barrier"], _state["me"]
@@ -228,6 +269,12 @@ def barrier_all() -> None:
 def malloc(nbytes: int) -> int:
     """Collective allocation at the same offset in every heap, zero-filled, then a barrier."""
     _require_init("malloc")
+    return _malloc(nbytes, zero=True)
+
+
+def _malloc(nbytes: int, zero: bool) -> int:
+    """The collective allocation (``zero=False``: left as the heap holds it, as ``nvshmem_malloc`` itself does)."""
+    _require_job("malloc")
     _count("malloc")
     size = -(-max(nbytes, 1) // _ALLOC_ALIGN) * _ALLOC_ALIGN
     off = next((o for o, n in _state["free"] if n >= size), None)
@@ -244,8 +291,9 @@ def malloc(nbytes: int) -> int:
         off, _state["top"] = _state["top"], _state["top"] + size
     _state["allocs"][off] = size
     base = _state["heaps"][_state["me"]].addr
-    ctypes.memset(base + off, 0, size)
-    barrier_all()  # as the real malloc: no PE writes into a peer's allocation before the peer zeroed it
+    if zero:
+        ctypes.memset(base + off, 0, size)
+    _barrier()  # as epkit's malloc: no PE writes into a peer's allocation before the peer zeroed it
     return base + off
 
 
@@ -262,6 +310,11 @@ def free(ptr: int) -> None:
 def peer_ptr(ptr: int, pe: int) -> int:
     """``ptr`` (symmetric) as an address of PE ``pe``'s memory, or 0 when ``pe`` is not directly addressable."""
     _require_init("peer_ptr")
+    return _peer_ptr(ptr, pe)
+
+
+def _peer_ptr(ptr: int, pe: int) -> int:
+    _require_job("peer_ptr")
     _count("peer_ptr")
     _require_pe(pe, "peer_ptr")
     me = _state["me"]
@@ -425,8 +478,15 @@ def installed() -> bool:
 
 def resolve_transport(transport: str) -> str:
     """Test parameter -> SymmBuffer transport: ``"nvemu"`` / ``"nvemu-nop2p"`` install the emulator
-    (with / without peer views) and give ``"nvshmem"``; any other name is returned unchanged."""
+    (with / without peer views) and give ``"nvshmem"``; ``"nvemu-torch"`` / ``"nvemu-torch-nop2p"`` also
+    install torch's symmetric-memory stand-in, so that the memory comes through the torch provider; any
+    other name is returned unchanged."""
     if transport in ("nvemu", "nvemu-nop2p"):
         install(p2p=transport == "nvemu")
+        return "nvshmem"
+    if transport in ("nvemu-torch", "nvemu-torch-nop2p"):
+        from epkit.testing import torch_symm_emulator
+
+        torch_symm_emulator.install(p2p=transport == "nvemu-torch")
         return "nvshmem"
     return transport
