@@ -83,6 +83,12 @@ _finalized = False
 _extension = None
 # A stand-in for torch.distributed._symmetric_memory (epkit.testing.torch_symm_emulator), or None.
 _torch_symm = None
+# torch provider: closed buffers' allocations, by size, for reuse. torch's NVSHMEM allocator keeps every
+# rendezvoused allocation for the life of the process, so memory handed back to it would never return.
+# Entries are (allocation number, tensor, handle); allocations are collective, so every rank numbers
+# them alike (addresses would not do: each PE may see its heap elsewhere).
+_torch_pool: dict[int, list[tuple[int, torch.Tensor, object]]] = {}
+_torch_allocations = 0
 
 
 def use_extension(module) -> None:
@@ -121,6 +127,11 @@ def torch_symm_reason() -> str | None:
     if _torch_symm is None and _emulated():
         return "the NVSHMEM emulator is installed without torch's stand-in (epkit.testing.torch_symm_emulator)"
     try:
+        if not callable(getattr(_load(), "attach", None)):
+            return "epkit._C_cuda predates attach() (rebuild it to join torch's NVSHMEM job)"
+    except ImportError as exc:
+        return f"epkit._C_cuda is not importable ({exc})"
+    try:
         sm = _symm_mem()
     except ImportError as exc:
         return f"torch.distributed._symmetric_memory is not importable ({exc})"
@@ -137,11 +148,21 @@ def torch_symm_reason() -> str | None:
 
 
 def provider_preference() -> str:
-    """``EPKIT_NVSHMEM_PROVIDER``: ``auto`` (default), ``torch`` or ``epkit``."""
-    pref = os.environ.get("EPKIT_NVSHMEM_PROVIDER", "auto").strip().lower() or "auto"
-    if pref not in PROVIDERS:
-        raise ValueError(f"EPKIT_NVSHMEM_PROVIDER must be one of {PROVIDERS}, got {pref!r}")
-    return pref
+    """``EPKIT_NVSHMEM_PROVIDER`` as this process sets it, normalised (``auto`` when unset); checked by the
+    buffer after every rank's value is gathered, so that a bad or differing value fails on every rank."""
+    return os.environ.get("EPKIT_NVSHMEM_PROVIDER", "auto").strip().lower() or "auto"
+
+
+def _agreed_preference(prefs: list[str]) -> str:
+    """The one provider preference of the group, or ValueError (identical on every rank)."""
+    bad = {r: p for r, p in enumerate(prefs) if p not in PROVIDERS}
+    if bad:
+        raise ValueError(
+            f"EPKIT_NVSHMEM_PROVIDER must be one of {PROVIDERS}; ranks {list(bad)} set {list(bad.values())}"
+        )
+    if len(set(prefs)) != 1:
+        raise ValueError(f"EPKIT_NVSHMEM_PROVIDER differs across ranks ({prefs}); set the same value on every rank")
+    return prefs[0]
 
 
 def _emulated() -> bool:
@@ -348,7 +369,7 @@ def plan_provider(
         torch started a job that epkit can only join through torch, and torch's path is closed.
     """
     if plan == "reuse":
-        return (states[0][3] if len(states[0]) > 3 else "epkit"), ""
+        return ("torch" if len(states[0]) > 3 and states[0][3] == "torch" else "epkit"), ""
     if plan == "adopt":
         return "epkit", ""
     blockers = [f"rank {r}: {why}" for r, why in enumerate(torch_reasons) if why]
@@ -356,11 +377,15 @@ def plan_provider(
         blockers.append("the group is not every rank of the default group, over which torch starts NVSHMEM")
     note = "torch's NVSHMEM symmetric memory is not used (" + "; ".join(blockers) + ")" if blockers else ""
     if plan == "attach":
-        if blockers or prefer == "epkit":
-            why = "; ".join(blockers) or "EPKIT_NVSHMEM_PROVIDER=epkit"
+        if prefer == "epkit":
             raise ValueError(
-                f"torch's symmetric memory already runs NVSHMEM in these processes; epkit can join that job only "
-                f"through torch, but {why}"
+                "NVSHMEM already runs in these processes (torch's symmetric memory started it); epkit can join that "
+                "job only through torch, but EPKIT_NVSHMEM_PROVIDER=epkit"
+            )
+        if blockers:
+            raise BackendUnavailableError(
+                "NVSHMEM already runs in these processes, started outside epkit; epkit can join that job only "
+                "through torch's symmetric memory, but " + "; ".join(blockers)
             )
         return "torch", ""
     if prefer == "epkit":
@@ -468,9 +493,15 @@ class NvshmemState:
         gpu = gpu_identity(device) if missing is None else ""
         prefer = provider_preference()
         torch_why = torch_symm_reason() if missing is None and prefer != "epkit" else None
+        if torch_why is None and state == ("host",) and prefer != "epkit":
+            backend = _symm_mem().get_backend(torch.device("cpu") if emulated else torch.device("cuda", device))
+            if backend != "NVSHMEM":  # not torch's job: torch's memory would not be on its heap
+                torch_why = f"torch's symmetric-memory backend is {backend!r}, so another library started NVSHMEM"
+        pooled = [number for number, _, _ in _torch_pool.get(alloc, [])]
+        info = (missing, alloc, state, device, gpu, torch_why, pooled, prefer)
         infos = [None] * world_size
         # Every rank sees the same list, so every rank raises the same error (no rank is left waiting).
-        dist.all_gather_object(infos, (missing, alloc, state, device, gpu, torch_why), group=group)
+        dist.all_gather_object(infos, info, group=group)
         reasons = {r: info[0] for r, info in enumerate(infos) if info[0]}
         if reasons:
             detail = "; ".join(f"rank {r}: {why}" for r, why in reasons.items())
@@ -485,6 +516,7 @@ class NvshmemState:
         states = [info[2] for info in infos]
         plan = plan_job(states, ranks, [info[3] for info in infos], [info[4] for info in infos])
         whole_world = list(ranks) == list(range(dist.get_world_size()))
+        prefer = _agreed_preference([info[7] for info in infos])
         self.provider, self.note = plan_provider(plan, states, [info[5] for info in infos], prefer, whole_world)
         self.rank, self.world_size, self.num_bytes = rank, world_size, num_bytes
         # The emulator's PEs are CPU processes: CPU views, and its ops complete before they return.
@@ -494,10 +526,11 @@ class NvshmemState:
             self.provider, self.note = self._claim_torch_backend(group, prefer)
         cc = _load()
         self.cc = cc
-        self._torch_memory = None  # torch provider: (the symmetric tensor, its rendezvous handle)
+        self._torch_memory = None  # torch provider: (allocation number, the symmetric tensor, its handle)
         if self.provider == "torch":
             cc.set_device(device)
-            bases = self._torch_alloc(group, alloc)
+            common = set.intersection(*(set(info[6]) for info in infos))
+            bases = self._torch_alloc(group, alloc, min(common) if common else None)
             if _job is None:
                 _job = {"ranks": tuple(ranks), "device": device, "owner": "torch"}
         else:
@@ -545,30 +578,48 @@ class NvshmemState:
             raise BackendUnavailableError(f"EPKIT_NVSHMEM_PROVIDER=torch, but {note}")
         return "epkit", note
 
-    def _torch_alloc(self, group, alloc: int) -> list[int]:
-        """Allocate through torch's symmetric memory, join its job, zero the memory; returns each rank's base
-        address as seen from this GPU (0 where not directly addressable). Collective over ``group``."""
+    def _torch_alloc(self, group, alloc: int, reuse: int | None) -> list[int]:
+        """Allocate through torch's symmetric memory (or take pooled allocation number ``reuse``, pooled on every
+        rank), join its job, zero the memory; returns each rank's base address as seen from this GPU (0 where
+        not directly addressable). Collective over ``group``; a failure on any rank raises on every rank."""
+        global _torch_allocations
         sm = _symm_mem()
+        error, bases = None, []
         try:
-            tensor = sm.empty(alloc, dtype=torch.uint8, device=self.device)  # torch starts NVSHMEM on the first
-            handle = sm.rendezvous(tensor, group)
-        except RuntimeError as exc:
+            if reuse is not None:
+                pool = _torch_pool[alloc]
+                number, tensor, handle = pool.pop(next(i for i, entry in enumerate(pool) if entry[0] == reuse))
+            else:
+                _torch_allocations += 1
+                number = _torch_allocations
+                tensor = sm.empty(alloc, dtype=torch.uint8, device=self.device)  # torch starts NVSHMEM at the first
+                handle = sm.rendezvous(tensor, group)
+            self._torch_memory = (number, tensor, handle)
+            bases = [int(p or 0) for p in handle.buffer_ptrs]
+            if tensor.data_ptr() == 0:  # torch does not check nvshmem_malloc's result
+                error = f"the allocation of {alloc} bytes gave a null pointer (the symmetric heap is exhausted)"
+            elif len(bases) != self.world_size or bases[self.rank] != tensor.data_ptr():
+                error = (
+                    f"rendezvous gave buffer_ptrs {[hex(b) for b in bases]} for a tensor at {tensor.data_ptr():#x} "
+                    f"in a group of {self.world_size}"
+                )
+            else:
+                self.cc.attach()  # epkit's kernels join torch's job (their device state is the extension's own)
+        except Exception as exc:  # noqa: BLE001 -- reported on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=group)
+        failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        if failed:
+            self._torch_memory = None
             raise RuntimeError(
-                f"rank {self.rank}: torch's NVSHMEM symmetric memory could not allocate {alloc} bytes ({exc}); "
-                f"set NVSHMEM_SYMMETRIC_SIZE larger, or EPKIT_NVSHMEM_PROVIDER=epkit to use epkit's own binding"
-            ) from exc
-        bases = [int(p or 0) for p in handle.buffer_ptrs]
-        self.cc.attach()  # epkit's kernels join torch's job (their device state is the extension's own)
-        if len(bases) != self.world_size or bases[self.rank] != tensor.data_ptr():
-            raise RuntimeError(
-                f"rank {self.rank}: torch's rendezvous gave buffer_ptrs {[hex(b) for b in bases]} for a tensor at "
-                f"{tensor.data_ptr():#x} in a group of {self.world_size}"
+                f"torch's NVSHMEM symmetric memory could not provide {alloc} bytes per rank ({failed}); set "
+                f"NVSHMEM_SYMMETRIC_SIZE larger, or EPKIT_NVSHMEM_PROVIDER=epkit to use epkit's own binding"
             )
         tensor.zero_()  # torch's allocation is not zeroed, and the signal words must start at 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dist.barrier(group=group)  # no rank signals or writes into a peer's buffer before the peer zeroed it
-        self._torch_memory = (tensor, handle)
         return bases
 
     @property
@@ -583,11 +634,12 @@ class NvshmemState:
             return 0  # emulated: the calling thread is the stream
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def post(self, off: int, value: int, op: str, pe: int, urgent: bool = False) -> None:
+    def post(self, off: int, value: int, op: str, pe: int, urgent: bool = False, guarded: bool = False) -> None:
         """Set/add ``value`` to the word at ``off`` on rank ``pe``, on the current stream after its earlier work.
 
         ``urgent``: on a stream of its own instead, so that it is not queued behind a stuck stream (the
-        gave-up notices).
+        gave-up notices). ``guarded``: not if a stream-ordered wait of this buffer failed before it (the
+        sticky word), so that no signal follows writes that were skipped.
         """
         if op not in _SIGNAL_OPS:
             raise ValueError(f"op must be 'set' or 'add', got {op!r}")
@@ -598,12 +650,22 @@ class NvshmemState:
             if self._urgent is None:
                 self._urgent = torch.cuda.Stream(self.device, priority=-1)
             stream = self._urgent.cuda_stream
-        self.cc.signal_op(self.base + off, value, op, pe, stream)
+        self.cc.signal_op(self.base + off, value, op, pe, stream, self._sticky.data_ptr() if guarded else 0)
 
-    def put_signal(self, dst_off: int, src: torch.Tensor | None, nbytes: int, sig_off: int, value: int, pe: int):
-        """Copy ``nbytes`` of ``src`` to data offset ``dst_off`` on ``pe``, then set its word at ``sig_off``."""
+    def put_signal(
+        self,
+        dst_off: int,
+        src: torch.Tensor | None,
+        nbytes: int,
+        sig_off: int,
+        value: int,
+        pe: int,
+        guarded: bool = False,
+    ):
+        """Copy ``nbytes`` of ``src`` to data offset ``dst_off`` on ``pe``, then set its word at ``sig_off``
+        (``guarded``: neither after a failed stream-ordered wait of this buffer, see :meth:`post`)."""
         if nbytes == 0:
-            self.post(sig_off, value, "set", pe)
+            self.post(sig_off, value, "set", pe, guarded=guarded)
             return
         if (
             src is None
@@ -621,6 +683,7 @@ class NvshmemState:
             "set",
             pe,
             self._stream(),
+            self._sticky.data_ptr() if guarded else 0,
         )
 
     def wait(
@@ -704,10 +767,13 @@ class NvshmemState:
             torch.cuda.synchronize(self.device)
         self.views, self.local, self.words = [], None, None
         if self._torch_memory is not None:
-            # torch owns the memory: dropping the tensor returns it to torch's allocator, which frees it when
-            # its rendezvous cache lets go (nvshmem_free is collective; torch decides when).
-            self._torch_memory = None
-            return False
+            # torch never frees a rendezvoused allocation, so a cleanly closed buffer's goes to this process's
+            # pool for the next buffer of the size; after a failure a peer may still write into it: dropped.
+            memory, self._torch_memory = self._torch_memory, None
+            if not collective:
+                return False
+            _torch_pool.setdefault(memory[1].numel(), []).append(memory)
+            return True
         if not collective or not self.cc.initialized():
             return False
         self.cc.free(self.base)

@@ -416,11 +416,12 @@ class SymmBuffer:
             return seen
         return self._segments[self.rank].wait_until(self._user_word(idx), cmp, value, t)
 
-    def _post(self, kind: int, dst: int, value: int) -> None:
+    def _post(self, kind: int, dst: int, value: int, guarded: bool = False) -> None:
+        """Set word ``kind`` of this rank at ``dst`` (``guarded``, nvshmem: not after a failed stream-ordered wait)."""
         if self._broken is not None:  # a rank that gave up signals nothing more (its peers read its notice)
             return
         if self.transport == "nvshmem":
-            self._nv.post(self._word(kind, self.rank), value, "set", dst)
+            self._nv.post(self._word(kind, self.rank), value, "set", dst, guarded=guarded)
             return
         self._segments[dst].store(self._word(kind, self.rank), value)
 
@@ -547,9 +548,12 @@ class SymmBuffer:
         the host; everything that reads received data must then run on that stream. Other transports wait
         on the host as usual. After a failure the later data waits of the buffer are skipped, but never the
         waits for a peer's acknowledgement, which guard the writes into its region; and no notice ends one,
-        only the acknowledgement or the timeout. The limit of stream order: if such a wait times out (the
-        peer died, or is alive but slower than ``timeout``), the writes queued behind it still run, so a
-        peer that was merely slow may read overwritten bytes; this rank raises the timeout at its next call.
+        only the acknowledgement or the timeout. If such a wait times out (the peer died, or is alive but
+        slower than ``timeout``), the writes queued behind it must not land: write through
+        :meth:`Exchange.write` (or kernels that take :attr:`Exchange.guard`), and the commit's signal and
+        put are skipped as well, so a merely slow peer keeps reading its old bytes and then times out on
+        this rank's missing signal. Stores made directly into :meth:`Exchange.send_region` views are not
+        guarded. This rank raises the timeout at its next call.
         """
         w = self.world_size
         self._check_usable()
@@ -642,6 +646,41 @@ class Exchange:
         self._recv = None
         self._acked = [False] * w
 
+    @property
+    def guard(self) -> torch.Tensor | None:
+        """Stream-ordered (deferred) nvshmem exchanges: the buffer's sticky word (``[1]`` int64 on the device),
+        nonzero once a stream-ordered wait failed; copies that take it as their guard write nothing then.
+        None otherwise (the waits end on the host, which raises before any write)."""
+        if self.deferred and self.buf.transport == "nvshmem":
+            return self.buf._nv._sticky
+        return None
+
+    def write(self, dst: int, data: torch.Tensor, offset: int = 0) -> None:
+        """Copy ``data`` (uint8, 1-D) into :meth:`send_region` ``(dst)`` at ``offset``, guarded (see :attr:`guard`).
+
+        The same bytes as ``send_region(dst)[offset:offset + n].copy_(data)``; in a stream-ordered exchange
+        the copy is skipped on the stream when a wait before it failed.
+        """
+        region = self.send_region(dst)
+        n = data.numel()
+        if data.dtype != torch.uint8 or data.dim() != 1 or not 0 <= offset <= self.region_bytes - n:
+            raise ValueError(
+                f"write needs a 1-D uint8 tensor fitting the {self.region_bytes}-byte region at offset {offset}, got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        if n == 0:
+            return
+        guard = self.guard
+        if guard is None:
+            region[offset : offset + n].copy_(data)
+            return
+        from epkit.collectives._details.ep_rows import move_rows
+
+        src = data.to(region.device).contiguous()
+        dst_addr = torch.full((1,), region.data_ptr() + offset, dtype=torch.int64, device=region.device)
+        src_addr = torch.full((1,), src.data_ptr(), dtype=torch.int64, device=region.device)
+        move_rows(dst_addr, src_addr, n, [region.data_ptr(), offset, src.data_ptr()], guard=guard)
+
     def send_region(self, dst: int) -> torch.Tensor:
         """``[region_bytes]`` uint8 view to fill with the payload for ``dst``."""
         buf = self.buf
@@ -678,11 +717,17 @@ class Exchange:
         if buf.transport == "nvshmem" and staged:
             # Data and READY in one NVSHMEM put-with-signal: the signal lands after the bytes.
             buf._nv.put_signal(
-                buf.rank * self.region_bytes, self._staging[dst], nbytes, buf._word(_READY, buf.rank), self.epoch, dst
+                buf.rank * self.region_bytes,
+                self._staging[dst],
+                nbytes,
+                buf._word(_READY, buf.rank),
+                self.epoch,
+                dst,
+                guarded=self.guard is not None,
             )
         elif buf.transport in _DIRECT:
             # A zero-byte message writes nothing, so it needs no acknowledgement of the previous one.
-            buf._post(_READY, dst, self.epoch)
+            buf._post(_READY, dst, self.epoch, guarded=self.guard is not None)
         self._sizes[dst] = nbytes
 
     def receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:

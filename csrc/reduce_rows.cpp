@@ -9,6 +9,7 @@
 // Rows are given as raw addresses (0 = no row), which lets combine read straight
 // from shared-memory receive regions with no staging copy.
 
+#include <atomic>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -165,10 +166,12 @@ void copy_range(int64_t i0, int64_t i1, const int64_t *dst, const int64_t *src, 
 void register_gather_by_address(py::module_ &m) {
     m.def(
         "copy_rows_by_address",
-        [](uintptr_t dst_addrs, uintptr_t src_addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {
+        [](uintptr_t dst_addrs, uintptr_t src_addrs, int64_t num_rows, int64_t row_bytes, int num_threads,
+           uintptr_t guard) {
             if (num_rows < 0 || row_bytes < 0) throw std::invalid_argument("negative size");
             if (num_rows == 0 || row_bytes == 0) return;
             if (dst_addrs == 0 || src_addrs == 0) throw std::invalid_argument("null pointer");
+            if (guard != 0 && reinterpret_cast<const std::atomic<int64_t> *>(guard)->load() != 0) return;
             const int64_t *d = reinterpret_cast<const int64_t *>(dst_addrs);
             const int64_t *s = reinterpret_cast<const int64_t *>(src_addrs);
             py::gil_scoped_release release;
@@ -176,8 +179,10 @@ void register_gather_by_address(py::module_ &m) {
                            [&](int64_t lo, int64_t hi) { copy_range(lo, hi, d, s, row_bytes); });
         },
         py::arg("dst_addrs"), py::arg("src_addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
+        py::arg("guard") = 0,
         "Row i: copy row_bytes from address src_addrs[i] to dst_addrs[i] (int64 address arrays; rows must not "
-        "overlap); a row where either address is 0 is skipped.");
+        "overlap); a row where either address is 0 is skipped. Nothing is copied if the int64 word at `guard` "
+        "(0: none) is nonzero.");
     m.def(
         "gather_rows_by_address",
         [](uintptr_t out, uintptr_t addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {

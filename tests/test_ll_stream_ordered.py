@@ -330,10 +330,24 @@ def test_copy_rows_kernel_skips_zero_addresses_and_copies_bits():
     s[3] = 0  # a zero on the source side skips too
     keep[3] = False
     want[rows[keep]] = src[keep]
-    copy_rows_by_address(d, s, 96, word_bytes_for(96, dst.data_ptr(), src.data_ptr()))
+    word = word_bytes_for(96, dst.data_ptr(), src.data_ptr())
+    before = dst.clone()
+    copy_rows_by_address(d, s, 96, word, guard=torch.ones(1, dtype=torch.int64))  # a set guard: nothing moves
+    assert torch.equal(dst, before)
+    copy_rows_by_address(d, s, 96, word, guard=torch.zeros(1, dtype=torch.int64))
     assert torch.equal(dst, want)
     with pytest.raises(ValueError, match="multiple of word_bytes"):
         copy_rows_by_address(d, s, 94, 8)
+
+
+def test_cpu_row_copy_honours_its_guard():
+    src = torch.arange(64, dtype=torch.uint8).view(4, 16)
+    dst = torch.zeros(4, 16, dtype=torch.uint8)
+    d, s = dst.data_ptr() + torch.arange(4) * 16, src.data_ptr() + torch.arange(4) * 16
+    ep_rows.move_rows(d, s, 16, [dst.data_ptr(), src.data_ptr()], guard=torch.ones(1, dtype=torch.int64))
+    assert not dst.any()
+    ep_rows.move_rows(d, s, 16, [dst.data_ptr(), src.data_ptr()], guard=torch.zeros(1, dtype=torch.int64))
+    assert torch.equal(dst, src)
 
 
 @pytest.mark.parametrize("word", [1, 2, 4, 8])
@@ -410,10 +424,47 @@ def _slow_reader_and_a_failed_peer(rank, world_size, blame_reader):
     return None
 
 
+def _slow_reader_keeps_its_bytes(rank, world_size, transport):
+    """Rank 1 reads epoch 1 after rank 0's acknowledgement wait for it (1 s) has timed out."""
+    from epkit.testing import nvshmem_emulator
+
+    buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport(transport), timeout=1)
+    ex = buf.exchange(64, deferred=True)
+    for d in range(world_size):
+        ex.write(d, torch.full((8,), rank + 1, dtype=torch.uint8))
+        ex.commit(d, 8)
+    views = ex.receive([8] * world_size)
+    buf.synchronize()
+    dist.barrier()
+    if rank == 1:  # alive, but slower than rank 0's timeout
+        time.sleep(2.5)
+        got = [v.tolist() for v in views]
+        ex.release()
+        return got
+    ex.release()
+    ex = buf.exchange(64, deferred=True)
+    for d in range(world_size):
+        ex.write(d, torch.full((8,), 99, dtype=torch.uint8))  # to rank 1: behind the wait that times out
+        ex.commit(d, 8)
+    calls = nvshmem_emulator.calls()
+    return _raised(buf.synchronize, TimeoutError), calls.get("signal_op/guarded", 0), calls.get("put_signal/guarded", 0)
+
+
+@pytest.mark.parametrize("transport", ["nvemu", "nvemu-nop2p"])
+def test_writes_behind_a_timed_out_acknowledgement_wait_do_not_land(transport):
+    # Rank 0's wait for rank 1's acknowledgement of epoch 1 times out on the stream; the epoch-2 write and
+    # its signal (a store and a post with P2P, a put-with-signal without) queued behind it must not happen,
+    # so the slow rank 1 still reads what rank 0 sent in epoch 1.
+    res = run_ranks(_slow_reader_keeps_its_bytes, 2, transport, timeout=60)
+    assert res[1] == [[1] * 8, [2] * 8], res
+    err, guarded_posts, guarded_puts = res[0]
+    assert err is not None and "rank 1 sent no" in err, res
+    assert (guarded_posts, guarded_puts) == ((1, 0) if transport == "nvemu" else (0, 1)), res
+
+
 @pytest.mark.parametrize("blame_reader", [False, True])
 def test_notices_never_let_writes_into_an_unacknowledged_region(blame_reader):
     # After rank 1's acknowledgement wait on rank 0 failed (sticky set), its wait on rank 2 must still run:
     # not skipped, and not ended by a notice that calls rank 2 silent. Only rank 2's acknowledgement ends it.
-    # (A wait that times out still lets the stream's writes behind it run: the limit of stream order.)
     res = run_ranks(_slow_reader_and_a_failed_peer, 3, blame_reader, timeout=60)
     assert res[2] == [[1] * 8, [2] * 8, [3] * 8], res

@@ -47,11 +47,13 @@ def test_plan_provider_decisions():
     job = [("job", (0, 1), d, "torch") for d in (0, 1)]
     assert plan_provider("reuse", job, ["x", "x"], "epkit", True) == ("torch", "")
     assert plan_provider("reuse", [("job", (0, 1), d) for d in (0, 1)], ok, "auto", True) == ("epkit", "")
+    adopted = [("job", (0, 1), d, "adopted") for d in (0, 1)]
+    assert plan_provider("reuse", adopted, ok, "torch", True) == ("epkit", "")
     assert plan_provider("adopt", [("external", i, 2) for i in range(2)], ok, "torch", True) == ("epkit", "")
     # torch started the job: joining it through torch is the only way.
     host = [("host",)] * 2
     assert plan_provider("attach", host, ok, "auto", True) == ("torch", "")
-    with pytest.raises(ValueError, match="join that job only through torch, but rank 1: gone"):
+    with pytest.raises(BackendUnavailableError, match="only through torch's symmetric memory, but rank 1: gone"):
         plan_provider("attach", host, [None, "gone"], "auto", True)
     with pytest.raises(ValueError, match="EPKIT_NVSHMEM_PROVIDER=epkit"):
         plan_provider("attach", host, ok, "epkit", True)
@@ -68,15 +70,23 @@ def _torch_provider_run(rank, world_size):
     got = b.wait_until(0, "==", 40 + (rank - 1) % world_size)
     b.barrier()
     out = (a.nvshmem_provider, b.nvshmem_provider, a.nvshmem_note, fresh, got == 40 + (rank - 1) % world_size)
+    a_ptr = a.local.data_ptr()
+    a.local.fill_(7)
     a.close()
     b.close()
+    # torch never frees what it rendezvoused: a closed buffer's memory serves the next buffer of its size.
+    c = SymmBuffer(dist.group.WORLD, 1 << 12, transport="nvshmem", num_signals=2, timeout=20)
+    reused = (c.local.data_ptr() == a_ptr, not c.local.any())
+    c.barrier()
+    c.close()
     fake, nv = tse.calls(), emu.calls()
-    return out, fake.get("set_backend:NVSHMEM", 0), fake.get("empty", 0), nv.get("attach", 0), "init" in nv
+    return out, reused, fake.get("set_backend:NVSHMEM", 0), fake.get("empty", 0), nv.get("attach", 0), "init" in nv
 
 
 def test_torch_provider_allocates_through_torch_and_joins_its_job():
-    for out, set_backend, empties, attaches, epkit_init in run_ranks(_torch_provider_run, 2, timeout=60):
+    for out, reused, set_backend, empties, attaches, epkit_init in run_ranks(_torch_provider_run, 2, timeout=60):
         assert out == ("torch", "torch", "", True, True)
+        assert reused == (True, True)
         assert (set_backend, empties, attaches, epkit_init) == (1, 2, 1, False)
 
 
@@ -86,6 +96,12 @@ def _fallback(rank, world_size, case):
     elif case == "backend-taken":  # another backend allocated already: torch refuses to switch
         tse.install()
         tse._state["allocated"] = True
+    elif case == "backend-taken-on-1":  # rank 0 switches, rank 1 cannot: rank 0 switches back
+        tse.install()
+        tse._state["allocated"] = rank == 1
+    elif case == "other-library":  # NVSHMEM started by something other than torch (its backend stays CUDA)
+        tse.install()
+        emu._start_job(b"0" * 128, rank, world_size)  # one fixed unique id for both ranks
     elif case == "subgroup":
         tse.install()
     group = dist.new_group([0]) if case == "subgroup" else dist.group.WORLD
@@ -107,6 +123,8 @@ def _fallback(rank, world_size, case):
         ("unavailable", "torch", ("BackendUnavailableError", "EPKIT_NVSHMEM_PROVIDER=torch, but", "CUDA")),
         ("backend-taken", "auto", ("epkit", "rank 0: set_backend('NVSHMEM') failed", "CUDA")),
         ("subgroup", "auto", ("epkit", "not every rank of the default group", "CUDA")),
+        ("backend-taken-on-1", "auto", ("epkit", "rank 1: set_backend('NVSHMEM') failed", "CUDA")),
+        ("other-library", "auto", ("BackendUnavailableError", "backend is 'CUDA', so another library started", "CUDA")),
     ],
 )
 def test_torch_provider_falls_back_or_refuses_with_the_reason(case, env, want, monkeypatch):
@@ -137,3 +155,23 @@ def test_a_job_torch_started_is_joined_not_restarted():
     assert run_ranks(_torch_started_first, 2, "auto", timeout=60) == [("torch", 1)] * 2
     for kind, msg in run_ranks(_torch_started_first, 2, "epkit", timeout=60):
         assert kind == "ValueError" and "can join that job only through torch" in msg
+
+
+def _preferences(rank, world_size, prefs):
+    tse.install()
+    os.environ["EPKIT_NVSHMEM_PROVIDER"] = prefs[rank]
+    try:
+        SymmBuffer(dist.group.WORLD, 256, transport="nvshmem", timeout=20)
+    except ValueError as exc:
+        return str(exc)
+    return "created"
+
+
+@pytest.mark.parametrize(
+    "prefs, message",
+    [(("epkit", "auto"), "differs across ranks"), (("auto", "nvshmem4py"), "ranks [1] set ['nvshmem4py']")],
+)
+def test_provider_preferences_are_checked_on_every_rank(prefs, message):
+    # Each rank reads its own environment; a rank deciding alone would leave the others in a collective.
+    for msg in run_ranks(_preferences, 2, prefs, timeout=60):
+        assert message in msg, msg

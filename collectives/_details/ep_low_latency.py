@@ -309,13 +309,21 @@ class LowLatencyMixin:
                 ],
                 dim=1,
             )
-            for dst in range(w):
-                regions[dst][: 4 * (3 + L)].view(torch.int32).copy_(heads[dst])
+            # Every write into the regions takes the exchange's guard: none lands behind a failed wait.
+            E, guard = self.num_experts, ex.guard
+            bases = [r.data_ptr() for r in regions]
+            region_addr = self._addresses(bases)
+            head_bytes = 4 * (3 + L)
+            move_rows(
+                region_addr,
+                heads.data_ptr() + torch.arange(w, device=self.device) * head_bytes,
+                head_bytes,
+                [*bases, heads.data_ptr(), head_bytes],
+                guard,
+            )
             # One address list per field covers every destination: pair i (token i // K) goes to slot
             # expert * n_max + pos of its destination's region, unless it has no expert or no slot.
-            E = self.num_experts
-            bases = [r.data_ptr() for r in regions]
-            base_of = self._addresses(bases)[key.clamp(max=E - 1) // L]
+            base_of = region_addr[key.clamp(max=E - 1) // L]
             live = (key < E) & (pos < n_max)
             slot = (key % L) * n_max + pos.clamp(max=n_max - 1)
             tok = torch.arange(key.numel(), device=self.device) // K
@@ -324,6 +332,7 @@ class LowLatencyMixin:
                 torch.where(live, x_src.data_ptr() + tok * xb, 0),
                 xb,
                 [*bases, hdr, x_src.data_ptr()],
+                guard,
             )
             if s_src is not None:
                 off = hdr + L * n_max * xb
@@ -332,6 +341,7 @@ class LowLatencyMixin:
                     torch.where(live, s_src.data_ptr() + tok * sb, 0),
                     sb,
                     [*bases, off, s_src.data_ptr()],
+                    guard,
                 )
             for dst in range(w):
                 ex.commit(dst, msg_bytes)
@@ -488,6 +498,7 @@ class LowLatencyMixin:
             torch.where(live, y.data_ptr() + y_row * row, 0),
             row,
             [*bases, y.data_ptr()],
+            ex.guard,
         )
         for s in range(w):
             ex.commit(s, msg_bytes)

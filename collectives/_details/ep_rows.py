@@ -169,13 +169,21 @@ def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src
     _C.copy_rows_by_address(dst_addrs.data_ptr(), src_addrs.data_ptr(), n, dst.shape[1], torch.get_num_threads())
 
 
-def move_rows(dst_addrs: torch.Tensor, src_addrs: torch.Tensor, row_bytes: int, bases: list[int]) -> None:
+def move_rows(
+    dst_addrs: torch.Tensor,
+    src_addrs: torch.Tensor,
+    row_bytes: int,
+    bases: list[int],
+    guard: torch.Tensor | None = None,
+) -> None:
     """Row i: copy ``row_bytes`` from address ``src_addrs[i]`` to ``dst_addrs[i]``; a 0 on either side skips it.
 
     The lists have a fixed length (routing-independent), so callers build them with tensor ops and
     never read them on the host. ``bases``: every base address and offset the addresses were formed
     from (their common alignment picks the word width). CPU lists go to ``epkit._C`` (multi-threaded
     memcpy); device lists (or ``PORTABLE``) to the Triton kernel, which on CPU runs in the interpreter.
+    ``guard`` (a ``[1]`` int64 word on the lists' device, see ``Exchange.guard``): copy nothing if it is
+    nonzero when the copy runs (in stream order on a GPU; on CPU, where ops run in call order, when called).
     """
     if dst_addrs.numel() == 0 or row_bytes == 0:
         return
@@ -183,11 +191,13 @@ def move_rows(dst_addrs: torch.Tensor, src_addrs: torch.Tensor, row_bytes: int, 
         from epkit import _C
 
         d, s = dst_addrs.contiguous(), src_addrs.contiguous()
-        _C.copy_rows_by_address(d.data_ptr(), s.data_ptr(), d.numel(), row_bytes, torch.get_num_threads())
+        g = 0 if guard is None else guard.data_ptr()  # read by the copy itself, as the kernel does
+        _C.copy_rows_by_address(d.data_ptr(), s.data_ptr(), d.numel(), row_bytes, torch.get_num_threads(), g)
         return
     from epkit.kernels.triton.copy_rows import copy_rows_by_address, word_bytes_for
 
-    copy_rows_by_address(dst_addrs.reshape(-1), src_addrs.reshape(-1), row_bytes, word_bytes_for(row_bytes, *bases))
+    word = word_bytes_for(row_bytes, *bases)
+    copy_rows_by_address(dst_addrs.reshape(-1), src_addrs.reshape(-1), row_bytes, word, guard)
 
 
 def reduce_gathered(

@@ -58,10 +58,17 @@ int parse_signal_op(const std::string &s) {
     throw std::invalid_argument("unknown signal op '" + s + "': use 'set' or 'add'");
 }
 
+// True when the optional `guard` word (a local device word: the buffer's sticky word, set by a failed
+// stream-ordered wait) is set: the put or signal behind that wait must not happen.
+__device__ bool guarded(const uint64_t *guard) {
+    return guard != nullptr && *reinterpret_cast<const volatile uint64_t *>(guard) != 0;
+}
+
 // One block copies `nbytes` to `pe` and then updates the signal word there; the
 // signal is visible only after the data (put-with-signal ordering).
 __global__ void put_signal_kernel(void *dst, const void *src, size_t nbytes, uint64_t *sig, uint64_t value,
-                                  int sig_op, int pe) {
+                                  int sig_op, int pe, const uint64_t *guard) {
+    if (guarded(guard)) return;  // every thread reads the same word: the block returns as one
     nvshmemx_putmem_signal_block(dst, src, nbytes, sig, value, sig_op, pe);
 }
 
@@ -123,8 +130,8 @@ void require_pe(int pe, const char *what) {
 // One thread sets/adds `value` to the 64-bit word `sig` (a symmetric address) on `pe`. The system
 // fence first makes this stream's earlier writes (kernels before this one, including stores into
 // peers' memory through nvshmem_ptr views) visible before the signal can be observed.
-__global__ void signal_op_kernel(uint64_t *sig, uint64_t value, int sig_op, int pe) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+__global__ void signal_op_kernel(uint64_t *sig, uint64_t value, int sig_op, int pe, const uint64_t *guard) {
+    if (threadIdx.x != 0 || blockIdx.x != 0 || guarded(guard)) return;
     __threadfence_system();
     nvshmemx_signal_op(sig, value, sig_op, pe);
 }
@@ -290,17 +297,18 @@ PYBIND11_MODULE(_C_cuda, m) {
     m.def(
         "put_signal",
         [](uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t sig, uint64_t value, const std::string &op, int pe,
-           uintptr_t stream) {
+           uintptr_t stream, uintptr_t guard) {
             require_init("put_signal");
             int sig_op = parse_signal_op(op);
             put_signal_kernel<<<1, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
                 reinterpret_cast<void *>(dst), reinterpret_cast<const void *>(src), nbytes,
-                reinterpret_cast<uint64_t *>(sig), value, sig_op, pe);
+                reinterpret_cast<uint64_t *>(sig), value, sig_op, pe, reinterpret_cast<const uint64_t *>(guard));
             check_cuda(cudaGetLastError(), "put_signal launch");
         },
         py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("sig"), py::arg("value"), py::arg("op"),
-        py::arg("pe"), py::arg("stream"),
-        "On `stream`: copy nbytes to symmetric `dst` on `pe`, then set/add `value` to its signal word `sig`.");
+        py::arg("pe"), py::arg("stream"), py::arg("guard") = 0,
+        "On `stream`: copy nbytes to symmetric `dst` on `pe`, then set/add `value` to its signal word `sig`; "
+        "neither happens if the local device word `guard` (0: none) is nonzero when the kernel runs.");
     m.def(
         "signal_wait",
         [](uintptr_t sig, const std::string &cmp, uint64_t value, double timeout_s, uintptr_t result,
@@ -318,7 +326,7 @@ PYBIND11_MODULE(_C_cuda, m) {
         "result (2 device uint64) gets [last value, timed_out].");
     m.def(
         "signal_op",
-        [](uintptr_t sig, uint64_t value, const std::string &op, int pe, uintptr_t stream) {
+        [](uintptr_t sig, uint64_t value, const std::string &op, int pe, uintptr_t stream, uintptr_t guard) {
             require_init("signal_op");
             int sig_op = parse_signal_op(op);
             require_pe(pe, "signal_op");
@@ -326,12 +334,13 @@ PYBIND11_MODULE(_C_cuda, m) {
                 throw std::invalid_argument("signal_op needs an 8-byte aligned symmetric signal address");
             }
             signal_op_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-                reinterpret_cast<uint64_t *>(sig), value, sig_op, pe);
+                reinterpret_cast<uint64_t *>(sig), value, sig_op, pe, reinterpret_cast<const uint64_t *>(guard));
             check_cuda(cudaGetLastError(), "signal_op launch");
         },
-        py::arg("sig"), py::arg("value"), py::arg("op"), py::arg("pe"), py::arg("stream"),
+        py::arg("sig"), py::arg("value"), py::arg("op"), py::arg("pe"), py::arg("stream"), py::arg("guard") = 0,
         "On `stream`: after a system fence (earlier writes of the stream become visible first), set/add "
-        "`value` to the symmetric 64-bit word `sig` on `pe`.");
+        "`value` to the symmetric 64-bit word `sig` on `pe`; not if the local device word `guard` (0: none) "
+        "is nonzero when the kernel runs.");
     m.def(
         "signal_wait_all",
         [](uintptr_t sig, uint64_t stride, int count, const std::string &cmp, uint64_t value, double timeout_s,

@@ -7,7 +7,10 @@ dispatch/combine of :class:`~epkit.collectives.ep_buffer.EPBuffer` builds these 
 fixed-shape tensor ops and never reads them back. Skipped rows cost one address load.
 
 Rows move as integer words of ``word_bytes`` (8/4/2/1; every address and ``row_bytes`` must
-be a multiple of it), so the copy is bit-exact for any dtype. On CPU tensors the same kernel
+be a multiple of it), so the copy is bit-exact for any dtype. An optional ``guard`` word (the
+buffer's sticky word, set on the stream by a failed stream-ordered wait) turns the whole copy
+into a no-op when it is nonzero as the kernel runs: writes queued behind a wait that timed out
+do not land in a peer's region it may still be reading. On CPU tensors the same kernel
 runs under the Triton interpreter (the addresses are host addresses then).
 """
 
@@ -26,13 +29,23 @@ __all__ = ["copy_rows_by_address", "compile_signature", "word_bytes_for"]
 
 @triton.jit
 def _copy_rows_kernel(
-    dst_addr_ptr, src_addr_ptr, N, W, WORD_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr
+    dst_addr_ptr,
+    src_addr_ptr,
+    guard_ptr,
+    N,
+    W,
+    HAS_GUARD: tl.constexpr,
+    WORD_BYTES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_w = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     in_range = rows < N
+    if HAS_GUARD:  # one word, loaded per row so that the mask keeps the block's shape
+        in_range = in_range & (tl.load(guard_ptr + rows * 0, volatile=True) == 0)
     d = tl.load(dst_addr_ptr + rows, mask=in_range, other=0)
     s = tl.load(src_addr_ptr + rows, mask=in_range, other=0)
     live = in_range & (d != 0) & (s != 0)
@@ -64,7 +77,13 @@ def _blocks(num_words: int) -> tuple[int, int]:
     return max(1, 2048 // block_w), block_w
 
 
-def copy_rows_by_address(dst_addrs: torch.Tensor, src_addrs: torch.Tensor, row_bytes: int, word_bytes: int) -> None:
+def copy_rows_by_address(
+    dst_addrs: torch.Tensor,
+    src_addrs: torch.Tensor,
+    row_bytes: int,
+    word_bytes: int,
+    guard: torch.Tensor | None = None,
+) -> None:
     """Launch the copy.
 
     Parameters
@@ -75,6 +94,8 @@ def copy_rows_by_address(dst_addrs: torch.Tensor, src_addrs: torch.Tensor, row_b
         Bytes per row, a multiple of ``word_bytes``.
     word_bytes : int
         1, 2, 4 or 8: the width of each load/store; every row address must be aligned to it.
+    guard : Tensor [1] int64 on the lists' device, optional
+        Nothing is copied if it is nonzero when the kernel runs (read in stream order).
     """
     if word_bytes not in (1, 2, 4, 8) or row_bytes % word_bytes:
         raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of word_bytes ({word_bytes}) in (1, 2, 4, 8)")
@@ -83,32 +104,39 @@ def copy_rows_by_address(dst_addrs: torch.Tensor, src_addrs: torch.Tensor, row_b
     n, w = dst_addrs.numel(), row_bytes // word_bytes
     if n == 0 or w == 0:
         return
+    if guard is not None and (guard.dtype != torch.int64 or guard.device != dst_addrs.device or guard.numel() < 1):
+        raise ValueError(f"guard must be an int64 tensor on {dst_addrs.device}, got {guard.dtype} on {guard.device}")
     block_m, block_w = _blocks(w)
     grid = (triton.cdiv(n, block_m), triton.cdiv(w, block_w))
     kernel = for_device(_copy_rows_kernel, dst_addrs.device)
-    guard = torch.cuda.device(dst_addrs.device) if dst_addrs.is_cuda else contextlib.nullcontext()
-    with guard:  # launch on the lists' device's current stream, where the caller's waits are ordered
+    on_device = torch.cuda.device(dst_addrs.device) if dst_addrs.is_cuda else contextlib.nullcontext()
+    with on_device:  # launch on the lists' device's current stream, where the caller's waits are ordered
         kernel[grid](
             dst_addrs.contiguous(),
             src_addrs.contiguous(),
+            dst_addrs if guard is None else guard,  # not read without a guard
             n,
             w,
+            HAS_GUARD=guard is not None,
             WORD_BYTES=word_bytes,
             BLOCK_M=block_m,
             BLOCK_W=block_w,
         )
 
 
-def compile_signature(word_bytes: int = 8, num_words: int = 512):
+def compile_signature(word_bytes: int = 8, num_words: int = 512, guarded: bool = True):
     """(kernel, signature, constexprs) for an ahead-of-time compile (see epkit.testing.compile_triton)."""
     block_m, block_w = _blocks(num_words)
     sig = {
         "dst_addr_ptr": "*i64",
         "src_addr_ptr": "*i64",
+        "guard_ptr": "*i64",
         "N": "i32",
         "W": "i32",
+        "HAS_GUARD": "constexpr",
         "WORD_BYTES": "constexpr",
         "BLOCK_M": "constexpr",
         "BLOCK_W": "constexpr",
     }
-    return _copy_rows_kernel, sig, {"WORD_BYTES": word_bytes, "BLOCK_M": block_m, "BLOCK_W": block_w}
+    consts = {"HAS_GUARD": guarded, "WORD_BYTES": word_bytes, "BLOCK_M": block_m, "BLOCK_W": block_w}
+    return _copy_rows_kernel, sig, consts

@@ -201,6 +201,7 @@ def _unlink_quietly(seg) -> None:
 def finalize() -> None:
     if _state["initialized"]:
         if _state.get("attached"):  # gives back attach()'s reference: the job stays with whoever started it
+            _barrier()  # still collective, as nvshmem_finalize is
             _state.update(initialized=False, finalized=True, attached=False)
             return
         barrier_all()
@@ -337,21 +338,39 @@ def _signal(sig: int, value: int, op: str, pe: int) -> None:
         heap.fetch_add(off, value & _MASK64)
 
 
-def signal_op(sig: int, value: int, op: str, pe: int, stream: int) -> None:
-    """Set/add ``value`` to the 64-bit word at symmetric ``sig`` on ``pe`` (release: earlier writes first)."""
+def _guarded(guard: int, what: str) -> bool:
+    """The optional guard word (the buffer's sticky word) is set: the op must not happen (counted)."""
+    if guard and ctypes.c_uint64.from_address(guard).value != 0:
+        _count(f"{what}/guarded")
+        return True
+    return False
+
+
+def signal_op(sig: int, value: int, op: str, pe: int, stream: int, guard: int = 0) -> None:
+    """Set/add ``value`` to the 64-bit word at symmetric ``sig`` on ``pe`` (release: earlier writes first);
+    nothing when the local word ``guard`` (0: none) is nonzero."""
     _require_init("signal_op")
     _count("signal_op")
     op = _parse_op(op)
     _require_pe(pe, "signal_op")
+    if sig == 0 or sig % 8:
+        raise ValueError("signal_op needs an 8-byte aligned symmetric signal address")
+    if _guarded(guard, "signal_op"):
+        return
     _signal(sig, value, op, pe)
 
 
-def put_signal(dst: int, src: int, nbytes: int, sig: int, value: int, op: str, pe: int, stream: int) -> None:
-    """Copy ``nbytes`` from local ``src`` to symmetric ``dst`` on ``pe``, then set/add its word ``sig``."""
+def put_signal(
+    dst: int, src: int, nbytes: int, sig: int, value: int, op: str, pe: int, stream: int, guard: int = 0
+) -> None:
+    """Copy ``nbytes`` from local ``src`` to symmetric ``dst`` on ``pe``, then set/add its word ``sig``;
+    neither when the local word ``guard`` (0: none) is nonzero."""
     _require_init("put_signal")
     _count("put_signal")
     op = _parse_op(op)
     _require_pe(pe, "put_signal")
+    if _guarded(guard, "put_signal"):
+        return
     off = _offset(dst, nbytes, "put_signal")
     if nbytes:
         ctypes.memmove(_state["heaps"][pe].addr + off, src, nbytes)
