@@ -940,6 +940,32 @@ def _wait_all_checks(cc, res: dict, sig: int, stream: int, device) -> None:
     _check(res, "a wait behind a failed one returns at once on the sticky word", got == [0, mask64], str(got))
     got = wait_all(1, 3, 0, skip=False)
     _check(res, "skip_on_sticky=False: the wait still runs", got == [3, 0], str(got))
+    _guard_checks(cc, res, words[7], sticky, stream, device)
+
+
+def _guard_checks(cc, res: dict, word: int, sticky: torch.Tensor, stream: int, device) -> None:
+    """The sticky word (set above by the failed wait) as a guard: a guarded signal and a guarded row copy do
+    nothing, and with a clear guard both happen."""
+    from epkit.collectives._nvshmem import device_view
+    from epkit.kernels.triton.copy_rows import copy_rows_by_address
+
+    clear = torch.zeros(1, dtype=torch.int64, device=device)
+    cell = device_view(word, 8, device).view(torch.int64)
+    cc.signal_op(word, 9, "set", 0, stream, sticky.data_ptr())
+    torch.cuda.synchronize()
+    _check(res, "guarded signal_op behind a failed wait sets nothing", cell.item() == 0, str(cell.item()))
+    src = torch.arange(256, dtype=torch.uint8, device=device).view(2, 128)
+    dst = torch.zeros_like(src)
+    d = dst.data_ptr() + torch.arange(2, device=device) * 128
+    s = src.data_ptr() + torch.arange(2, device=device) * 128
+    copy_rows_by_address(d, s, 128, 8, guard=sticky)
+    torch.cuda.synchronize()
+    _check(res, "guarded row copy behind a failed wait writes nothing", not bool(dst.any()))
+    copy_rows_by_address(d, s, 128, 8, guard=clear)
+    cc.signal_op(word, 11, "set", 0, stream, clear.data_ptr())
+    torch.cuda.synchronize()
+    _check(res, "row copy with a clear guard copies every byte", torch.equal(dst, src))
+    _check(res, "signal_op with a clear guard sets the word", cell.item() == 11, str(cell.item()))
 
 
 def _torch_provider(ctx: Ctx, res: dict) -> None:

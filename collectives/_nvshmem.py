@@ -494,7 +494,10 @@ class NvshmemState:
         prefer = provider_preference()
         torch_why = torch_symm_reason() if missing is None and prefer != "epkit" else None
         if torch_why is None and state == ("host",) and prefer != "epkit":
-            backend = _symm_mem().get_backend(torch.device("cpu") if emulated else torch.device("cuda", device))
+            try:
+                backend = _symm_mem().get_backend(torch.device("cpu") if emulated else torch.device("cuda", device))
+            except Exception as exc:  # noqa: BLE001 -- a reason like any other, gathered below
+                backend = f"unknown ({type(exc).__name__}: {exc})"
             if backend != "NVSHMEM":  # not torch's job: torch's memory would not be on its heap
                 torch_why = f"torch's symmetric-memory backend is {backend!r}, so another library started NVSHMEM"
         pooled = [number for number, _, _ in _torch_pool.get(alloc, [])]
@@ -772,6 +775,9 @@ class NvshmemState:
             memory, self._torch_memory = self._torch_memory, None
             if not collective:
                 return False
+            # Every PE's puts and signals into this memory (the last acknowledgements too) have landed before
+            # it can be reused: quiet and barrier over the job (torch's job is every rank, as this group).
+            self.cc.barrier_all()
             _torch_pool.setdefault(memory[1].numel(), []).append(memory)
             return True
         if not collective or not self.cc.initialized():

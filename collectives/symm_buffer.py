@@ -661,13 +661,13 @@ class Exchange:
         The same bytes as ``send_region(dst)[offset:offset + n].copy_(data)``; in a stream-ordered exchange
         the copy is skipped on the stream when a wait before it failed.
         """
-        region = self.send_region(dst)
         n = data.numel()
         if data.dtype != torch.uint8 or data.dim() != 1 or not 0 <= offset <= self.region_bytes - n:
             raise ValueError(
                 f"write needs a 1-D uint8 tensor fitting the {self.region_bytes}-byte region at offset {offset}, got "
                 f"{data.dtype} {tuple(data.shape)}"
             )
+        region = self.send_region(dst)
         if n == 0:
             return
         guard = self.guard
@@ -676,7 +676,9 @@ class Exchange:
             return
         from epkit.collectives._details.ep_rows import move_rows
 
-        src = data.to(region.device).contiguous()
+        src = data.contiguous()
+        if src.device != region.device:  # from pinned memory, asynchronously: the host does not wait for the stream
+            src = src.pin_memory().to(region.device, non_blocking=True)
         dst_addr = torch.full((1,), region.data_ptr() + offset, dtype=torch.int64, device=region.device)
         src_addr = torch.full((1,), src.data_ptr(), dtype=torch.int64, device=region.device)
         move_rows(dst_addr, src_addr, n, [region.data_ptr(), offset, src.data_ptr()], guard=guard)

@@ -462,6 +462,39 @@ def test_writes_behind_a_timed_out_acknowledgement_wait_do_not_land(transport):
     assert (guarded_posts, guarded_puts) == ((1, 0) if transport == "nvemu" else (0, 1)), res
 
 
+def _slow_reader_then_a_rejection(rank, world_size):
+    """Rank 0 rejects its second dispatch while rank 1, slower than rank 0's 1 s timeout, has not read the first."""
+    ep_rows.PORTABLE[0] = True
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=resolve_transport("nvemu"), timeout=1)
+    x, idx, _ = _inputs(rank, 6)
+    _, recv_count, _, hook = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
+    if rank == 0:
+        hook()
+        try:
+            buf.low_latency_dispatch(x.float(), idx, N_MAX, use_fp8=False)  # rejected: a header to every rank
+        except (TimeoutError, ValueError) as exc:
+            return type(exc).__name__, str(exc)
+        return "no error", ""
+    time.sleep(2.5)
+    hook()
+    err = _raised(buf.synchronize, ValueError)
+    local = EXPERTS // world_size
+    want = [0] * local
+    for src in range(world_size):  # what each source routed to this rank's experts (slots are never short here)
+        ids = _inputs(src, 6)[1]
+        for e in range(local):
+            want[e] += int((ids == rank * local + e).sum())
+    return recv_count.tolist() == want, err
+
+
+def test_a_rejection_behind_a_timed_out_wait_does_not_reach_the_slow_reader():
+    # The rejection header is a write into the slow rank's region like any other: behind the acknowledgement
+    # wait that timed out it must not land, so rank 1 reads rank 0's first message intact.
+    res = run_ranks(_slow_reader_then_a_rejection, 2, timeout=60)
+    assert res[1] == (True, None), res
+    assert res[0][0] == "TimeoutError" and "rank 1 sent no" in res[0][1], res
+
+
 @pytest.mark.parametrize("blame_reader", [False, True])
 def test_notices_never_let_writes_into_an_unacknowledged_region(blame_reader):
     # After rank 1's acknowledgement wait on rank 0 failed (sticky set), its wait on rank 2 must still run:

@@ -388,13 +388,13 @@ class LowLatencyMixin:
 
     def _ll_reject(self, ex, error: str, hdr: int, msg_bytes: int, use_fp8: bool):
         """Tell every rank, finish the exchange so the counters stay in step, then raise."""
-        for dst in range(self.world_size):
-            region = ex.send_region(dst)
-            region[:4].view(torch.int32)[0] = _REJECTED
-            raw = error.encode()[: _META_MSG - 1]
-            text = torch.zeros(_META_MSG, dtype=torch.uint8)
-            text[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-            region[hdr - _META_MSG : hdr].copy_(text)
+        raw = error.encode()[: _META_MSG - 1]
+        text = torch.zeros(_META_MSG, dtype=torch.uint8)
+        text[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        status = torch.tensor([_REJECTED], dtype=torch.int32).view(torch.uint8)
+        for dst in range(self.world_size):  # guarded writes: none lands behind a failed acknowledgement wait
+            ex.write(dst, status, 0)
+            ex.write(dst, text, hdr - _META_MSG)
             ex.commit(dst, msg_bytes)
         views = ex.receive([msg_bytes] * self.world_size)
         self.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)

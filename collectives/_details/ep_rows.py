@@ -187,6 +187,8 @@ def move_rows(
     """
     if dst_addrs.numel() == 0 or row_bytes == 0:
         return
+    if guard is not None and guard.device != dst_addrs.device:
+        raise ValueError(f"the guard word is on {guard.device}, the address lists on {dst_addrs.device}")
     if _by_address(dst_addrs, src_addrs):
         from epkit import _C
 
