@@ -116,14 +116,20 @@ def test_detector_sees_the_host_checked_path_read_routing():
         assert any("tolist" in e for e in events), events
 
 
+def _hooked_dispatch(rank, timeout):
+    """A stream-ordered buffer over the emulator (PORTABLE) and one 6-token dispatch with a receive hook."""
+    ep_rows.PORTABLE[0] = True
+    transport = resolve_transport("nvemu")
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=timeout)
+    x, idx, wts = _inputs(rank, 6)
+    return buf, x, idx, wts, buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
+
+
 def _peer_never_acks(rank, world_size):
     """Rank 1 receives a dispatch but never releases it: the others' combine waits for its acknowledgement."""
     from epkit.testing import nvshmem_emulator
 
-    ep_rows.PORTABLE[0] = True
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=resolve_transport("nvemu"), timeout=2)
-    x, idx, wts = _inputs(rank, 6)
-    recv_x, _, handle, hook = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
+    buf, x, idx, wts, (recv_x, _, handle, hook) = _hooked_dispatch(rank, 2)
     if rank == 1:
         time.sleep(5)  # alive (its heap stays mapped) but silent: no hook, no combine
         return None
@@ -464,10 +470,7 @@ def test_writes_behind_a_timed_out_acknowledgement_wait_do_not_land(transport):
 
 def _slow_reader_then_a_rejection(rank, world_size):
     """Rank 0 rejects its second dispatch while rank 1, slower than rank 0's 1 s timeout, has not read the first."""
-    ep_rows.PORTABLE[0] = True
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=resolve_transport("nvemu"), timeout=1)
-    x, idx, _ = _inputs(rank, 6)
-    _, recv_count, _, hook = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
+    buf, x, idx, _, (_, recv_count, _, hook) = _hooked_dispatch(rank, 1)
     if rank == 0:
         hook()
         try:
