@@ -443,8 +443,12 @@ class SymmBuffer:
             raise self._gave_up(seen, what)
         self._silent(src, what, t, value)
 
-    def _wait_deferred(self, kind: int, first: int, count: int, value: int, what: str, t: float) -> None:
-        """nvshmem: a stream-ordered wait on ``count`` sources from ``first``, judged later (see DeferredChecks)."""
+    def _wait_deferred(
+        self, kind: int, first: int, count: int, value: int, what: str, t: float, guarded: bool = False
+    ) -> None:
+        """nvshmem: a stream-ordered wait on ``count`` sources from ``first``, judged later (see DeferredChecks).
+
+        ``guarded``: an acknowledgement wait of an exchange whose writes all take the exchange's guard."""
 
         def judge(result):
             failed = result[1] & MASK64
@@ -458,10 +462,12 @@ class SymmBuffer:
             seen = result[0] & MASK64
             return self._gave_up(seen, what) if seen & _GAVE_UP else self._silence(src, what, t, value)
 
-        # An ACK wait guards this rank's writes into the peer's memory, which the stream performs whatever the
-        # wait's outcome: it is never skipped after an earlier failure, and no notice ends it (a third rank may
-        # have called the peer silent while it is only slow, still reading). Only the peer's acknowledgement,
-        # or the timeout, ends it.
+        # An ACK wait guards this rank's writes into the peer's memory. Where the stream would perform them
+        # whatever the wait's outcome (writes made straight into send regions), it is never skipped after an
+        # earlier failure and no notice ends it (a third rank may have called the peer silent while it is only
+        # slow, still reading): only the peer's acknowledgement, or the timeout, ends it. Where every write
+        # behind it takes the guard, a failed or skipped wait stops them, so it may end like any other wait.
+        trusted = kind != _ACK or guarded
         self._nv.wait_deferred(
             self._word(kind, first),
             count,
@@ -471,16 +477,23 @@ class SymmBuffer:
             self.deferred,
             judge,
             what,
-            abort_words=0 if kind == _ACK else self._to_notice(kind),
-            skip_on_sticky=kind != _ACK,
+            abort_words=self._to_notice(kind) if trusted else 0,
+            skip_on_sticky=trusted,
         )
 
     def _wait_from(
-        self, kind: int, src: int, value: int, what: str, timeout: float | None = None, deferred: bool = False
+        self,
+        kind: int,
+        src: int,
+        value: int,
+        what: str,
+        timeout: float | None = None,
+        deferred: bool = False,
+        guarded: bool = False,
     ) -> None:
         t = self.timeout if timeout is None else timeout
         if self.transport == "nvshmem" and deferred:
-            self._wait_deferred(kind, src, 1, value, what, t)
+            self._wait_deferred(kind, src, 1, value, what, t, guarded)
             return
         if self.transport == "nvshmem":
             seen, failed = self._nv_wait(self._word(kind, src), 1, ">=", value, t, self._to_notice(kind))
@@ -533,7 +546,12 @@ class SymmBuffer:
     # collective exchange used by the dispatch/combine protocol
 
     def exchange(
-        self, region_bytes: int, tag: str = "exchange", timeout: float | None = None, deferred: bool = False
+        self,
+        region_bytes: int,
+        tag: str = "exchange",
+        timeout: float | None = None,
+        deferred: bool = False,
+        guarded: bool = False,
     ) -> Exchange:
         """Begin one all-to-all of byte payloads (collective: every rank calls it in the same order).
 
@@ -554,6 +572,10 @@ class SymmBuffer:
         put are skipped as well, so a merely slow peer keeps reading its old bytes and then times out on
         this rank's missing signal. Stores made directly into :meth:`Exchange.send_region` views are not
         guarded. This rank raises the timeout at its next call.
+
+        ``guarded=True`` (with ``deferred``): the caller promises that every write into the send regions takes
+        the guard. The acknowledgement waits then end like the others: skipped after an earlier failure and
+        ended by a peer's gave-up notice, so a dead peer costs the stream one timeout, not one per queued wait.
         """
         w = self.world_size
         self._check_usable()
@@ -571,7 +593,13 @@ class SymmBuffer:
                 )
         self._epochs["a2a"] = self._epochs.get("a2a", 0) + 1
         self._open = Exchange(
-            self, self._epochs["a2a"], region_bytes, tag, self.timeout if timeout is None else timeout, deferred
+            self,
+            self._epochs["a2a"],
+            region_bytes,
+            tag,
+            self.timeout if timeout is None else timeout,
+            deferred,
+            guarded and deferred,
         )
         return self._open
 
@@ -637,9 +665,18 @@ class SymmBuffer:
 class Exchange:
     """One all-to-all in flight on a :class:`SymmBuffer` (see :meth:`SymmBuffer.exchange`)."""
 
-    def __init__(self, buf: SymmBuffer, epoch: int, region_bytes: int, tag: str, timeout: float, deferred: bool):
+    def __init__(
+        self,
+        buf: SymmBuffer,
+        epoch: int,
+        region_bytes: int,
+        tag: str,
+        timeout: float,
+        deferred: bool,
+        guarded: bool = False,
+    ):
         self.buf, self.epoch, self.region_bytes, self.tag, self.timeout = buf, epoch, region_bytes, tag, timeout
-        self.deferred = deferred
+        self.deferred, self.guarded = deferred, guarded
         w = buf.world_size
         self._sizes = [None] * w
         self._staging: list[torch.Tensor | None] = [None] * w
@@ -692,7 +729,7 @@ class Exchange:
             return self._staging[dst]
         if self.epoch > 1 and not self._acked[dst]:
             # dst must have consumed our previous message before we overwrite its region.
-            buf._wait_from(_ACK, dst, self.epoch - 1, f"{self.tag} consumed", self.timeout, self.deferred)
+            buf._wait_from(_ACK, dst, self.epoch - 1, f"{self.tag} consumed", self.timeout, self.deferred, self.guarded)
             self._acked[dst] = True
         if buf._peers[dst] is None:  # nvshmem peer outside the NVLink domain: staged, put by commit()
             if self._staging[dst] is None:

@@ -162,10 +162,32 @@ def test_silent_peer_surfaces_later_and_the_sticky_word_skips_the_queued_waits()
             err,
         ), err
         assert later is not None and "unusable" in later, later
-        # The acknowledgement wait for rank 1 failed once; the data wait queued after it in the same call
-        # returned at once on the sticky word (acknowledgement waits are never skipped: they guard writes).
+        # The acknowledgement wait for rank 1 failed once; the waits queued after it in the same call returned
+        # at once on the sticky word (the low-latency writes behind them all take the guard).
         assert calls.get("signal_wait_all/timed_out", 0) + calls.get("signal_wait_all/aborted", 0) == 1, calls
         assert calls.get("signal_wait_all/skipped", 0) >= 1, calls
+
+
+def _silent_peers(rank, world_size):
+    """Every rank but 0 dispatches, then goes silent: rank 0's combine queues an acknowledgement wait on each."""
+    from epkit.testing import nvshmem_emulator
+
+    buf, x, idx, wts, (recv_x, _, handle, hook) = _hooked_dispatch(rank, 1)
+    if rank != 0:
+        time.sleep(4)
+        return None
+    hook()
+    buf.low_latency_combine(torch.zeros(recv_x.shape, dtype=torch.bfloat16), idx, wts, handle)
+    err = _raised(buf.synchronize, TimeoutError)
+    return err, nvshmem_emulator.calls()
+
+
+def test_a_dead_peer_costs_the_stream_one_timeout_not_one_per_queued_wait():
+    # The low-latency writes all take the guard, so after the acknowledgement wait on rank 1 timed out, those on
+    # ranks 2 and 3 (and the data wait) return at once instead of each waiting out the timeout.
+    err, calls = run_ranks(_silent_peers, 4, timeout=60)[0]
+    assert err is not None and "rank 1 sent no ll_combine consumed signal within 1 s" in err, err
+    assert calls.get("signal_wait_all/timed_out") == 1 and calls.get("signal_wait_all/skipped", 0) >= 3, calls
 
 
 def _peer_rejects_combine(rank, world_size):

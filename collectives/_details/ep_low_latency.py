@@ -285,7 +285,7 @@ class LowLatencyMixin:
                 )
         except Exception as exc:  # every rank must learn of it through the message header
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        ex = self.buffer.exchange(self._region, tag="ll_dispatch", deferred=streamed)
+        ex = self.buffer.exchange(self._region, tag="ll_dispatch", deferred=streamed, guarded=True)
         if error is not None:
             self._ll_reject(ex, error, hdr, msg_bytes, use_fp8)
         key, pos, per_expert, status = route
@@ -489,7 +489,7 @@ class LowLatencyMixin:
         row = 2 * h
         msg_bytes = L * n_max * row
         streamed = self._ll_stream_ordered()
-        ex = self.buffer.exchange(self._region, tag="ll_combine", deferred=streamed)
+        ex = self.buffer.exchange(self._region, tag="ll_combine", deferred=streamed, guarded=True)
         y = y.contiguous()
         src, live, slot, y_row = _slot_grid(handle.counts.to(self.device), n_max)
         bases = [ex.send_region(s).data_ptr() for s in range(w)]
