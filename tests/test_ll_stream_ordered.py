@@ -172,9 +172,9 @@ def _silent_peers(rank, world_size):
     """Every rank but 0 dispatches, then goes silent: rank 0's combine queues an acknowledgement wait on each."""
     from epkit.testing import nvshmem_emulator
 
-    buf, x, idx, wts, (recv_x, _, handle, hook) = _hooked_dispatch(rank, 1)
+    buf, x, idx, wts, (recv_x, _, handle, hook) = _hooked_dispatch(rank, 3)
     if rank != 0:
-        time.sleep(4)
+        time.sleep(9)  # past rank 0's 3 s wait, with room for a slow (interpreted) dispatch under load
         return None
     hook()
     buf.low_latency_combine(torch.zeros(recv_x.shape, dtype=torch.bfloat16), idx, wts, handle)
@@ -186,7 +186,7 @@ def test_a_dead_peer_costs_the_stream_one_timeout_not_one_per_queued_wait():
     # The low-latency writes all take the guard, so after the acknowledgement wait on rank 1 timed out, those on
     # ranks 2 and 3 (and the data wait) return at once instead of each waiting out the timeout.
     err, calls = run_ranks(_silent_peers, 4, timeout=60)[0]
-    assert err is not None and "rank 1 sent no ll_combine consumed signal within 1 s" in err, err
+    assert err is not None and "rank 1 sent no ll_combine consumed signal within 3 s" in err, err
     assert calls.get("signal_wait_all/timed_out") == 1 and calls.get("signal_wait_all/skipped", 0) >= 3, calls
 
 
@@ -419,13 +419,23 @@ def test_gpu_low_latency_makes_no_synchronizing_call():
     assert run_ranks(_gpu_no_sync, 1, timeout=240) == [True]
 
 
-def _slow_reader_and_a_failed_peer(rank, world_size, blame_reader):
+def _slow_reader_and_a_failed_peer(rank, world_size, blame_reader, guarded):
     """Rank 0 gives up after epoch 1 (failing itself, or calling the slow rank 2 silent); rank 1 starts
-    epoch 2 while rank 2 is still reading epoch 1."""
+    epoch 2 while rank 2 is still reading epoch 1. ``guarded``: a guarded exchange writing through the guard,
+    else direct stores into the send regions."""
+    from epkit.testing import nvshmem_emulator
+
     buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport("nvemu"), timeout=3)
-    ex = buf.exchange(64, deferred=True)
+
+    def put(ex, d, value):
+        if guarded:
+            ex.write(d, torch.full((8,), value, dtype=torch.uint8))
+        else:
+            ex.send_region(d)[:8].fill_(value)
+
+    ex = buf.exchange(64, deferred=True, guarded=guarded)
     for d in range(world_size):
-        ex.send_region(d)[:8].fill_(rank + 1)
+        put(ex, d, rank + 1)
         ex.commit(d, 8)
     views = ex.receive([8] * world_size)
     buf.synchronize()
@@ -444,19 +454,20 @@ def _slow_reader_and_a_failed_peer(rank, world_size, blame_reader):
         return None
     ex.release()
     time.sleep(0.3)
-    ex = buf.exchange(64, deferred=True)
+    ex = buf.exchange(64, deferred=True, guarded=guarded)
     for d in range(world_size):
-        # The acknowledgement wait on rank 0 fails on its notice (sticky set); the one on rank 2 must still
-        # wait for rank 2 to finish reading, or the write below lands in the region it is reading.
-        ex.send_region(d)[:8].fill_(99)
-    return None
+        # The acknowledgement wait on rank 0 fails on its notice (sticky set). Unguarded, the one on rank 2
+        # must still wait for rank 2 to finish reading, or the store below lands in the region it is reading;
+        # guarded, it may end at once (skipped, or on the notice calling rank 2 silent): the write is skipped.
+        put(ex, d, 99)
+    return nvshmem_emulator.calls()
 
 
 def _slow_reader_keeps_its_bytes(rank, world_size, transport):
-    """Rank 1 reads epoch 1 after rank 0's acknowledgement wait for it (1 s) has timed out."""
+    """Rank 1 reads epoch 1 after rank 0's acknowledgement wait for it (2 s) has timed out."""
     from epkit.testing import nvshmem_emulator
 
-    buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport(transport), timeout=1)
+    buf = SymmBuffer(dist.group.WORLD, 4096, transport=resolve_transport(transport), timeout=2)
     ex = buf.exchange(64, deferred=True)
     for d in range(world_size):
         ex.write(d, torch.full((8,), rank + 1, dtype=torch.uint8))
@@ -465,7 +476,7 @@ def _slow_reader_keeps_its_bytes(rank, world_size, transport):
     buf.synchronize()
     dist.barrier()
     if rank == 1:  # alive, but slower than rank 0's timeout
-        time.sleep(2.5)
+        time.sleep(5)
         got = [v.tolist() for v in views]
         ex.release()
         return got
@@ -491,8 +502,8 @@ def test_writes_behind_a_timed_out_acknowledgement_wait_do_not_land(transport):
 
 
 def _slow_reader_then_a_rejection(rank, world_size):
-    """Rank 0 rejects its second dispatch while rank 1, slower than rank 0's 1 s timeout, has not read the first."""
-    buf, x, idx, _, (_, recv_count, _, hook) = _hooked_dispatch(rank, 1)
+    """Rank 0 rejects its second dispatch while rank 1, slower than rank 0's 2 s timeout, has not read the first."""
+    buf, x, idx, _, (_, recv_count, _, hook) = _hooked_dispatch(rank, 2)
     if rank == 0:
         hook()
         try:
@@ -500,7 +511,7 @@ def _slow_reader_then_a_rejection(rank, world_size):
         except (TimeoutError, ValueError) as exc:
             return type(exc).__name__, str(exc)
         return "no error", ""
-    time.sleep(2.5)
+    time.sleep(5)
     hook()
     err = _raised(buf.synchronize, ValueError)
     local = EXPERTS // world_size
@@ -520,9 +531,16 @@ def test_a_rejection_behind_a_timed_out_wait_does_not_reach_the_slow_reader():
     assert res[0][0] == "TimeoutError" and "rank 1 sent no" in res[0][1], res
 
 
+@pytest.mark.parametrize("guarded", [False, True])
 @pytest.mark.parametrize("blame_reader", [False, True])
-def test_notices_never_let_writes_into_an_unacknowledged_region(blame_reader):
-    # After rank 1's acknowledgement wait on rank 0 failed (sticky set), its wait on rank 2 must still run:
-    # not skipped, and not ended by a notice that calls rank 2 silent. Only rank 2's acknowledgement ends it.
-    res = run_ranks(_slow_reader_and_a_failed_peer, 3, blame_reader, timeout=60)
+def test_notices_never_let_writes_into_an_unacknowledged_region(blame_reader, guarded):
+    # After rank 1's acknowledgement wait on rank 0 failed (sticky set), either its wait on rank 2 still runs
+    # (unguarded: not skipped, not ended by a notice calling rank 2 silent; only rank 2's acknowledgement ends
+    # it), or (guarded) the wait ends at once and the write behind it is skipped. Rank 2 keeps its bytes.
+    res = run_ranks(_slow_reader_and_a_failed_peer, 3, blame_reader, guarded, timeout=60)
     assert res[2] == [[1] * 8, [2] * 8, [3] * 8], res
+    calls = res[1]
+    ended_early = calls.get("signal_wait_all/skipped", 0) + calls.get("signal_wait_all/aborted", 0)
+    if guarded:  # the notice ended the first acknowledgement wait; the two behind it (self, rank 2) were skipped
+        assert calls.get("signal_wait_all/aborted") == 1 and ended_early == 3, calls
+        assert "signal_wait_all/timed_out" not in calls, calls

@@ -132,7 +132,9 @@ def install(p2p: bool = True, available: bool = True, backend: str = "CUDA") -> 
     from epkit.collectives import _nvshmem
 
     _emu.install(p2p=p2p)
-    _state.update(available=bool(available), backend=backend)
+    _state["available"] = bool(available)
+    if not _state["allocated"]:  # installing again later (a second buffer) keeps the backend torch froze
+        _state["backend"] = backend
     _nvshmem.use_torch_symm(sys.modules[__name__])
 
 
