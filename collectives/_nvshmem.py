@@ -364,9 +364,10 @@ def plan_provider(
     Raises
     ------
     BackendUnavailableError
-        ``prefer="torch"`` where some rank cannot use it.
+        ``prefer="torch"`` where some rank cannot use it; or NVSHMEM already runs (``attach``) and some
+        rank cannot join it through torch.
     ValueError
-        torch started a job that epkit can only join through torch, and torch's path is closed.
+        NVSHMEM already runs (``attach``) but ``prefer="epkit"``: epkit's own binding cannot start a second job.
     """
     if plan == "reuse":
         return ("torch" if len(states[0]) > 3 and states[0][3] == "torch" else "epkit"), ""
