@@ -18,7 +18,7 @@ import subprocess
 import sys
 import sysconfig
 
-from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from pybind11.setup_helpers import build_ext as _pybind_build_ext
 from setuptools import Extension, find_packages, setup
 
@@ -63,11 +63,30 @@ def _cuda_wanted() -> tuple[bool, str]:
     return (not missing), ("auto: found nvcc and nvshmem" if not missing else f"auto: no {', '.join(missing)}")
 
 
+def _build_jobs() -> int:
+    """Parallel compile jobs: EPKIT_BUILD_JOBS, else every core."""
+    raw = os.environ.get("EPKIT_BUILD_JOBS", "")
+    try:
+        jobs = int(raw) if raw else (os.cpu_count() or 1)
+    except ValueError:
+        raise SystemExit(f"EPKIT_BUILD_JOBS must be a whole number, got {raw!r}") from None
+    return max(1, jobs)
+
+
+# csrc/*.cpp compile side by side, and epkit._C_cuda's nvcc build runs beside them.
+ParallelCompile(default=_build_jobs()).install()
+
+
 class CUDAExtension(Extension):
     """Marker: sources compiled with nvcc -rdc=true for sm_90 and device-linked with NVSHMEM."""
 
 
 class build_ext(_pybind_build_ext):
+    def finalize_options(self):
+        if self.parallel is None and _build_jobs() > 1:
+            self.parallel = _build_jobs()
+        super().finalize_options()
+
     def build_extension(self, ext):
         if isinstance(ext, CUDAExtension):
             return self._build_cuda(ext)

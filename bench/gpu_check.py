@@ -10,10 +10,11 @@ and on a CPU-only machine as a dry run of the control flow (what CI does)::
 
     python bench/gpu_check.py --device cpu --quick --out /tmp/dry.json
 
-Sections (in order): ``env``, ``gather_rows``, ``logical_to_physical``, ``prepare_cp_mirror``,
-``engram_hash``, ``grouped_gemm``, ``nvshmem``. Each one runs inside its own try/except with its own
-time budget (scaled by ``--budget``): a failing or slow section records its status, its traceback
-and what it measured so far, and the next section still runs. A watchdog thread interrupts a section
+Sections (default order): ``env``, ``gather_rows``, ``logical_to_physical``, ``prepare_cp_mirror``,
+``engram_hash``, ``grouped_gemm``, ``nvshmem``; ``--sections`` runs the ones it names in its order.
+Each one runs inside its own try/except with its own time budget (scaled by ``--budget``, or fixed by
+``--section-budget``): a failing or slow section records its status, its traceback and what it
+measured so far, and the next section still runs. A watchdog thread interrupts a section
 that overruns its budget by far, and writes the JSON and exits if it stays stuck (a hung kernel).
 The JSON is rewritten after every section, so a run killed from outside keeps the sections it finished.
 
@@ -53,7 +54,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-#: Seconds per section at ``--budget 450`` (they sum to it); scaled linearly with ``--budget``.
+#: Seconds per section at ``--budget 450`` (they sum to it); scaled linearly with ``--budget``, except
+#: the sections given a fixed ``--section-budget`` (the others then share what is left).
 BUDGETS = {
     "env": 15,
     "gather_rows": 70,
@@ -248,6 +250,9 @@ def sec_env(ctx: Ctx, res: dict):
         res["git"] = {"commit": commit or None, "dirty": bool(dirty)}
     except (OSError, subprocess.SubprocessError) as exc:
         res["git"] = {"error": str(exc)}
+    if not res["git"].get("commit") and os.environ.get("EPKIT_COMMIT"):
+        # A copied tree without .git (a lent GPU machine): the commit the caller says it sent.
+        res["git"] = {"commit": os.environ["EPKIT_COMMIT"], "source": "EPKIT_COMMIT"}
     from epkit.cli import collect_info
 
     info = collect_info()
@@ -1399,7 +1404,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if present")
     ap.add_argument("--quick", action="store_true", help="smaller shapes (same checks)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}, run in the order given",
+    )
     ap.add_argument(
         "--out",
         default=None,
@@ -1411,14 +1420,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_TOTAL,
         help=f"total seconds, split over sections (default {DEFAULT_TOTAL})",
     )
+    ap.add_argument(
+        "--section-budget",
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="give one section a fixed budget (repeatable); the other sections share what is left of --budget",
+    )
     args = ap.parse_args(argv)
     names = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in names if s not in SECTION_FUNCS]
     if unknown or not names:
         ap.error(f"--sections: unknown {unknown}; expected a comma-separated subset of {','.join(SECTIONS)}")
-    args.sections = [s for s in SECTIONS if s in names]
+    args.sections = list(dict.fromkeys(names))  # the order given: a lent machine's minutes go first to what matters
     if args.budget <= 0:
         ap.error(f"--budget must be > 0 seconds, got {args.budget}")
+    fixed = {}
+    for item in args.section_budget:
+        name, _, secs = item.partition("=")
+        try:
+            value = float(secs)
+        except ValueError:
+            value = -1.0
+        if name not in SECTION_FUNCS or value <= 0:
+            ap.error(f"--section-budget: expected NAME=SECONDS with NAME in {','.join(SECTIONS)}, got {item!r}")
+        fixed[name] = value
+    left = args.budget - sum(fixed.values())
+    if left <= 0 and len(fixed) < len(SECTIONS):
+        ap.error(f"--section-budget: the fixed budgets ({sum(fixed.values()):g} s) leave nothing of --budget")
+    scale = left / max(1, sum(BUDGETS[n] for n in SECTIONS if n not in fixed))
+    args.budgets = {n: fixed.get(n, BUDGETS[n] * scale) for n in SECTIONS}
     return args
 
 
@@ -1434,7 +1465,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     out = args.out or os.path.join(HERE, "results", "gpu_check.json" if device.type == "cuda" else "gpu_check_cpu.json")
-    scale = args.budget / DEFAULT_TOTAL
     meta = {
         "script": "bench/gpu_check.py",
         "argv": sys.argv[1:] if argv is None else argv,
@@ -1442,6 +1472,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "sections_requested": args.sections,
         "budget_s": args.budget,
+        "section_budgets_s": {n: round(args.budgets[n], 1) for n in args.sections},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "timing": "CUDA events per call after warm-up, median of N (CPU: perf_counter); GEMMs flush L2 per call",
     }
@@ -1454,7 +1485,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: device {device}, quick={args.quick}, sections {','.join(args.sections)} -> {out}", flush=True)
     try:
         for name in args.sections:
-            run_section(name, ctx, BUDGETS[name] * scale, report, watchdog)
+            run_section(name, ctx, args.budgets[name], report, watchdog)
     except KeyboardInterrupt:
         report.data["meta"]["exit"] = "interrupted (Ctrl-C)"
         report.write()

@@ -101,3 +101,31 @@ def test_cli_rejects_unknown_sections_and_missing_cuda(tmp_path):
         proc = _run(["--device", "cuda", "--out", str(tmp_path / "y.json")], timeout=120)
         assert proc.returncode == 2 and "no CUDA device" in proc.stderr, proc.stderr
         assert not (tmp_path / "y.json").exists()
+
+
+def test_sections_run_in_the_order_given():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_for_args", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_args(["--sections", "env,nvshmem,gather_rows,nvshmem"]).sections == [
+        "env",
+        "nvshmem",
+        "gather_rows",
+    ]
+    args = mod.parse_args([])
+    assert args.sections == list(mod.SECTIONS) and args.budgets == mod.BUDGETS
+    # A fixed budget for one section; the others share what is left in their default proportions.
+    args = mod.parse_args(["--budget", "300", "--section-budget", "nvshmem=90"])
+    assert args.budgets["nvshmem"] == 90
+    others = {n: b for n, b in args.budgets.items() if n != "nvshmem"}
+    assert abs(sum(others.values()) - 210) < 1e-9
+    assert abs(others["grouped_gemm"] / others["env"] - mod.BUDGETS["grouped_gemm"] / mod.BUDGETS["env"]) < 1e-9
+    for bad in (
+        ["--section-budget", "nvshmem"],
+        ["--section-budget", "bogus=5"],
+        ["--budget", "50", "--section-budget", "nvshmem=60"],
+    ):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)

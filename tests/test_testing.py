@@ -44,3 +44,16 @@ def test_bitwise_equal_sees_signed_zero_and_nan_payload():
     c[1, 2] = 1
     with pytest.raises(AssertionError, match=r"first at \(1, 2\)"):
         assert_bitwise_equal(b, c)
+
+
+def test_requires_cuda_marks_gpu_and_skips_without_cuda():
+    """`pytest -m gpu` (bench/gpu_run.sh on a GPU machine) selects exactly the tests that skip here for lack of CUDA."""
+    from epkit.testing.markers import requires_cuda
+
+    def probe():
+        pass
+
+    marks = {m.name: m for m in getattr(requires_cuda(probe), "pytestmark", [])}
+    assert set(marks) == {"gpu", "skipif"}
+    assert marks["skipif"].args == (not torch.cuda.is_available(),)
+    assert "needs a CUDA device" in marks["skipif"].kwargs["reason"]

@@ -8,10 +8,17 @@ import shutil
 import pytest
 import torch
 
-requires_cuda = pytest.mark.skipif(
+_skip_without_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA device (rung 4 of the verification ladder); this machine has none",
 )
+
+
+def requires_cuda(test):
+    """Decorator for a rung-4 test: marked ``gpu`` (``pytest -m gpu`` selects exactly these, as
+    ``bench/gpu_run.sh`` does on a GPU machine), and skipped with the reason where torch sees no CUDA device."""
+    return pytest.mark.gpu(_skip_without_cuda(test))
+
 
 requires_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) on PATH")
 
