@@ -142,6 +142,25 @@ class EPBuffer(LowLatencyMixin):
         self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
         self._ll_cache: dict = {}
 
+    def close(self) -> None:
+        """Release the symmetric buffer; the EPBuffer cannot be used afterwards (DeepEP's ``destroy``).
+
+        Collective on nvshmem: every rank closes its buffer (see :meth:`SymmBuffer.close`). Tensors that
+        the calls returned stay valid (none is a view of the symmetric memory); closing twice is harmless,
+        any other call afterwards raises ``RuntimeError``. Also ``with EPBuffer(...) as buf:``.
+        """
+        self._ll_cache.clear()
+        self.__dict__.pop("_addr_tables", None)
+        self.buffer.close()
+
+    destroy = close  # DeepEP's name for it
+
+    def __enter__(self) -> EPBuffer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def is_within_domain(self) -> bool:
         return self.buffer.is_within_domain()
 

@@ -163,6 +163,7 @@ class SymmBuffer:
         self._peers: list[torch.Tensor] = []
         self._epochs = {"barrier": 0}
         self._broken: str | None = None
+        self._closed = False
         self._open: Exchange | None = None
         self._nv = None  # nvshmem transport state (collectives/_nvshmem.py)
         self.nvshmem_provider, self.nvshmem_note = None, ""
@@ -300,6 +301,8 @@ class SymmBuffer:
             self.mark_broken(str(exc))
 
     def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: this SymmBuffer is closed")
         if self._broken is not None:
             raise RuntimeError(
                 f"rank {self.rank}: this SymmBuffer is unusable after an earlier failure ({self._broken});"
@@ -327,6 +330,8 @@ class SymmBuffer:
             raise TimeoutError(f"rank {self.rank}: {what} did not complete within {timeout:g} s")
 
     def _is_open(self) -> bool:
+        if self._closed:
+            return False
         return self._nv is not None if self.transport == "nvshmem" else bool(self._segments)
 
     def _check_shm(self, what: str) -> None:
@@ -645,7 +650,10 @@ class SymmBuffer:
         nvshmem: frees the symmetric allocation, a collective call (every rank must close its buffer).
         A buffer made unusable by a failure (a peer timed out) is left allocated instead, since the free
         would wait for the silent peer; its memory returns when the process exits.
+        Closing twice is harmless; any other call on a closed buffer raises ``RuntimeError``.
+        Also ``with SymmBuffer(...) as buf:`` closes on leaving the block.
         """
+        self._closed = True
         self._peers = []
         self._staging = {}
         self.local = torch.empty(0, dtype=torch.uint8)
@@ -655,6 +663,12 @@ class SymmBuffer:
         # A segment is unmapped when its last reference goes; views hold one, so a view kept past
         # close() never points at an unmapped page.
         self._segments = []
+
+    def __enter__(self) -> SymmBuffer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def __del__(self):
         with contextlib.suppress(Exception):

@@ -89,7 +89,14 @@ def _compare(rank, world_size, transport, case, expand, alignment, fp8, seed=0):
     # cached dispatch reuses the layout and moves the same rows
     again = buf.dispatch(inp, handle=handle)
     assert_bitwise_equal(again[0][0] if fp8 else again[0], got_x, ctx + " cached")
-    buf.buffer.close()
+    buf.close()
+    buf.close()  # twice is harmless
+    for late in (lambda: buf.dispatch(inp, idx, w), lambda: buf.low_latency_dispatch(x, idx, x.shape[0] or 1)):
+        with pytest.raises(RuntimeError, match="closed"):
+            late()
+    # What the calls returned is the caller's, not a view of the released memory.
+    assert_bitwise_equal(got_x, ref["expanded_x"] if expand else ref["recv_x"], ctx + " recv_x after close")
+    assert_bitwise_equal(out, want, ctx + " combine after close")
     return True
 
 
