@@ -227,11 +227,19 @@ def test_tile_schedule():
 
 
 @requires_triton
-@pytest.mark.parametrize("kind,masked,block_m", [("fp8", False, 128), ("fp8", True, 64), ("fp8_fp4", False, 128)])
-def test_triton_compiles_for_sm90_with_wgmma(kind, masked, block_m):
+@pytest.mark.parametrize(
+    "kind,masked,block_m,out",
+    [
+        ("fp8", False, 128, "bf16"),
+        ("fp8", True, 64, "bf16"),
+        ("fp8", True, 64, "fp32"),
+        ("fp8_fp4", False, 128, "bf16"),
+    ],
+)
+def test_triton_compiles_for_sm90_with_wgmma(kind, masked, block_m, out):
     from epkit.kernels.triton.grouped_gemm import compile_signature
 
-    k = compile_triton(*compile_signature(kind, masked, block_m))
+    k = compile_triton(*compile_signature(kind, masked, block_m, out=out))
     assert ".target sm_90" in k.ptx
     assert "wgmma.mma_async" in k.ptx, f"{kind}: the grouped GEMM must use Hopper wgmma"
     if kind == "fp8":

@@ -285,8 +285,11 @@ def grouped_gemm_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, conf
     _launch(kind, a, sfa, b, sfb, d, grid, None, masked_m.to(torch.int32).contiguous(), m_max, tiles, cfg)
 
 
-def compile_signature(kind: str = "fp8", masked: bool = False, block_m: int = 128, block_n: int = 128):
-    """(kernel, signature, constexprs) for an ahead-of-time sm_90 compile (epkit.testing.compile_triton)."""
+def compile_signature(
+    kind: str = "fp8", masked: bool = False, block_m: int = 128, block_n: int = 128, out: str = "bf16"
+):
+    """(kernel, signature, constexprs) for an ahead-of-time sm_90 compile (epkit.testing.compile_triton);
+    ``out`` is the output dtype, ``"bf16"`` or ``"fp32"``."""
     a_t = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_fp4": "*fp8e4nv"}[kind]
     b_t = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_fp4": "*u8"}[kind]
     sfb_t = "*u8" if kind == "fp8_fp4" else "*fp32"
@@ -295,7 +298,7 @@ def compile_signature(kind: str = "fp8", masked: bool = False, block_m: int = 12
         "sfa_ptr": "*fp32",
         "b_ptr": b_t,
         "sfb_ptr": sfb_t,
-        "d_ptr": "*bf16",
+        "d_ptr": {"bf16": "*bf16", "fp32": "*fp32"}[out],
         "tile_group_ptr": "*i32",
         "tile_start_ptr": "*i32",
         "tile_end_ptr": "*i32",
