@@ -808,9 +808,25 @@ class _DevicePtr:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
+def _one_host_nvshmem_env() -> None:
+    """One PE on one GPU: no network transport (no InfiniBand probing), bootstrap over loopback."""
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+
+
+#: Share of the nvshmem section's budget for epkit's own job; the torch provider's child gets the rest.
+NVSHMEM_EPKIT_SHARE = 0.6
+
+
 def sec_nvshmem(ctx: Ctx, res: dict):
+    """NVSHMEM checks, each job in a child process of its own.
+
+    NVSHMEM ends the process on most of its failures (``exit()`` in the library), and a process holds one
+    job. So epkit's own job (``--nvshmem-child``) and the one torch starts (``--torch-provider-child``) run in
+    children; the JSON keeps what a child reported before it died, and the next sections still run.
+    """
     try:
-        import epkit._C_cuda as cc
+        import epkit._C_cuda  # noqa: F401 - the children use it; loading it starts nothing
     except ImportError as exc:
         res["c_cuda_extension"] = f"not importable: {exc}"
         if not ctx.cuda:
@@ -819,11 +835,108 @@ def sec_nvshmem(ctx: Ctx, res: dict):
     res["c_cuda_extension"] = "importable"
     if not ctx.cuda:
         return "no CUDA"
+    budget = max(20.0, ctx.remaining() * NVSHMEM_EPKIT_SHARE)
+    ctx.log(f"epkit's NVSHMEM job (child process, budget {budget:.0f} s)")
+    child = _run_child(
+        ["--nvshmem-child", f"{budget:.1f}", "quick" if ctx.quick else "full"], budget + 30.0, json_file=True
+    )
+    res.update(child["result"])
+    res["child_exit"] = child["exit"]
+    if child["exit"] != 0:
+        _check(res, "epkit's NVSHMEM child exited normally", False, child["detail"])
+    _torch_provider(ctx, res)  # last, in a fresh process: torch must start that process's NVSHMEM job
+    status = child["result"].get("child_status", "no report")
+    if status == "budget_exceeded":
+        raise BudgetExceeded(child["result"].get("error", "nvshmem child: budget spent"))
+    if status != "ok":
+        raise RuntimeError(f"nvshmem child: {child['result'].get('error') or status} (its traceback: child_traceback)")
+    return None
+
+
+def _run_child(args: list[str], limit: float, json_file: bool = False) -> dict:
+    """Run this script with ``args`` in a child process for at most ``limit`` seconds.
+
+    Its progress lines go to this process's stdout. Returns ``{"exit", "detail", "result"}``: ``result`` is
+    the dict the child left in its JSON file (``json_file``: the path is the argument after ``args``;
+    rewritten at every step, so a child that died keeps what it reported), else its last JSON stdout line.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="epkit-gpu-check-") as tmp:
+        path = os.path.join(tmp, "child.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *args] + ([path] if json_file else [])
+        out = {"exit": None, "detail": "", "result": {}}
+        try:
+            proc = subprocess.run(
+                cmd, stdout=None if json_file else subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=limit
+            )
+            out["exit"], stdout, stderr = proc.returncode, proc.stdout or "", proc.stderr or ""
+        except subprocess.TimeoutExpired as exc:
+            out["exit"], stdout = "timeout", exc.stdout if isinstance(exc.stdout, str) else ""
+            stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+            out["detail"] = f"killed after {limit:.0f} s. "
+        if out["exit"] != 0:
+            out["detail"] += f"exit {out['exit']}; stderr tail: {stderr[-3000:]}"
+        if json_file:
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                out["result"] = json.load(f)
+        else:
+            for line in stdout.splitlines():
+                if not line.startswith("{"):
+                    print(f"  (child) {line}", flush=True)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+            with contextlib.suppress(ValueError, IndexError):
+                out["result"] = json.loads(lines[-1])
+    return out
+
+
+class _ChildCtx(Ctx):
+    """A child's context: every step boundary also saves the child's results so far to its JSON file."""
+
+    def __init__(self, path: str, res: dict, quick: bool):
+        super().__init__(torch.device("cuda", 0), quick, time.perf_counter())
+        self.path, self.res = path, res
+
+    def save(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.res, f, default=str)
+        os.replace(tmp, self.path)
+
+    def check(self, what: str) -> None:
+        self.save()
+        super().check(what)
+
+
+def _nvshmem_child(budget: float, quick: bool, path: str) -> int:
+    """Body of ``--nvshmem-child``: epkit's own single-PE NVSHMEM job; results in the JSON file ``path``."""
+    res: dict = {}
+    ctx = _ChildCtx(path, res, quick)
+    torch.cuda.set_device(0)
+    ctx.begin("nvshmem", budget)
+    try:
+        _nvshmem_epkit(ctx, res)
+        res["child_status"] = "ok"
+    except BudgetExceeded as exc:
+        res["child_status"], res["error"] = "budget_exceeded", str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported through the file
+        res["child_status"], res["error"] = "error", f"{type(exc).__name__}: {exc}"
+        res["child_traceback"] = traceback.format_exc()
+        print(res["child_traceback"], flush=True)
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+    ctx.save()
+    sys.stdout.flush()
+    os._exit(0)  # what NVSHMEM and torch do at exit can crash after the results are safe
+
+
+def _nvshmem_epkit(ctx: Ctx, res: dict) -> None:
+    import epkit._C_cuda as cc
+
     nbytes = (256 << 20) if not ctx.quick else (64 << 20)
     res["nbytes"] = nbytes
     stream = torch.cuda.current_stream().cuda_stream
-    # One PE on one GPU needs no network transport; do not let NVSHMEM probe for InfiniBand.
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    _one_host_nvshmem_env()
     res["nvshmem_env"] = {k: v for k, v in os.environ.items() if k.startswith("NVSHMEM_")}
     ctx.log("nvshmem init (single PE, unique-id bootstrap)")
     t0 = time.perf_counter()
@@ -908,8 +1021,6 @@ def sec_nvshmem(ctx: Ctx, res: dict):
         _symm_loopback(ctx, res)
     finally:
         cc.finalize()
-    _torch_provider(ctx, res)  # last, in a fresh process: torch must start that process's NVSHMEM job
-    return None
 
 
 def _wait_all_checks(cc, res: dict, sig: int, stream: int, device) -> None:
@@ -976,32 +1087,22 @@ def _guard_checks(cc, res: dict, word: int, sticky: torch.Tensor, stream: int, d
 def _torch_provider(ctx: Ctx, res: dict) -> None:
     """SymmBuffer(nvshmem) with its memory from torch's NVSHMEM symmetric memory, in a child process.
 
-    NVSHMEM is one job per process and this section's own job is epkit's, so the torch provider runs in a
+    NVSHMEM is one job per process and epkit's own job ran in another child, so the torch provider runs in a
     fresh process (``--torch-provider-child``) where torch starts the job and epkit attaches to it.
     """
-    import subprocess
-
-    limit = min(120.0, ctx.remaining() + 10.0)
+    limit = ctx.remaining() + 10.0
     if limit < 30.0:
         res["torch_provider"] = {"status": f"not run: {ctx.remaining():.0f} s of the section's budget left"}
         return
     ctx.log(f"SymmBuffer/EPBuffer(nvshmem) through torch's symmetric memory (child process, up to {limit:.0f} s)")
-    try:
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--torch-provider-child"],
-            capture_output=True,
-            text=True,
-            timeout=limit,
-        )
-    except subprocess.TimeoutExpired as exc:
-        _check(res, f"torch provider child finished within {limit:.0f} s", False, str(exc.stderr)[-2000:])
-        return
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        _check(res, "torch provider child ran", False, f"exit {proc.returncode}: {proc.stderr[-3000:]}")
-        return
-    out = json.loads(lines[-1])
+    child = _run_child(["--torch-provider-child", f"{max(10.0, limit - 40.0):.1f}"], limit)
+    out = child["result"]
     res["torch_provider"] = out
+    res["torch_provider_exit"] = child["exit"]
+    if child["exit"] != 0:
+        _check(res, "torch provider child exited normally", False, child["detail"])
+    if not out:
+        return
     if out.get("torch_symm_reason"):
         out["status"] = f"not run: {out['torch_symm_reason']}"
         return
@@ -1016,8 +1117,8 @@ def _torch_provider(ctx: Ctx, res: dict) -> None:
         _check(res, "torch provider: EPBuffer(nvshmem) loopback ran", False, out["ep_error"])
 
 
-def _torch_provider_child() -> int:
-    """Body of ``--torch-provider-child``: one JSON line on stdout."""
+def _torch_provider_child(ep_budget: float) -> int:
+    """Body of ``--torch-provider-child``: one JSON line on stdout (the EPBuffer loopback gets ``ep_budget`` s)."""
     import tempfile
 
     import torch.distributed as dist
@@ -1025,7 +1126,7 @@ def _torch_provider_child() -> int:
     from epkit.collectives import _nvshmem
     from epkit.collectives.symm_buffer import SymmBuffer
 
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    _one_host_nvshmem_env()
     os.environ["EPKIT_NVSHMEM_PROVIDER"] = "torch"
     out: dict = {"torch_symm_reason": _nvshmem.torch_symm_reason()}
     if out["torch_symm_reason"] is None:
@@ -1052,7 +1153,7 @@ def _torch_provider_child() -> int:
             out["timeout"] = str(exc)
         buf.close()
         ctx = Ctx(torch.device("cuda", 0), True, time.perf_counter())
-        ctx.begin("torch_provider", 80.0)
+        ctx.begin("torch_provider", ep_budget)
         ep: dict = {}
         try:
             _ep_loopback(ctx, ep)
@@ -1063,8 +1164,8 @@ def _torch_provider_child() -> int:
         out.update(ep_checks=ep.get("checks", []), ep_error=ep.get("error"))
         dist.destroy_process_group()
         tmp.cleanup()
-    print(json.dumps(out), flush=True)
-    return 0
+    print(json.dumps(out, default=str), flush=True)
+    os._exit(0)  # torch's NVSHMEM teardown at exit can crash after the result is out
 
 
 def _symm_loopback(ctx: Ctx, res: dict) -> None:
@@ -1454,8 +1555,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv) == ["--torch-provider-child"]:
-        return _torch_provider_child()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--torch-provider-child"]:
+        return _torch_provider_child(float(argv[1]) if len(argv) > 1 else 80.0)
+    if argv[:1] == ["--nvshmem-child"] and len(argv) == 4:
+        return _nvshmem_child(float(argv[1]), argv[2] == "quick", argv[3])
     args = parse_args(argv)
     t_start = time.perf_counter()
     if args.device == "auto":

@@ -407,11 +407,27 @@ def _torch_backend(sm, device: torch.device) -> tuple[str | None, str | None]:
     return previous, None
 
 
+def _tensor_bases(handle, data_ptr: int, rank: int) -> list[int]:
+    """Each rank's address of the rendezvoused tensor (0 where not directly addressable).
+
+    ``buffer_ptrs`` are the peers' addresses of the tensor itself, or, where torch carves tensors out of a
+    larger symmetric allocation (its memory pool), of that allocation, the tensor sitting ``handle.offset``
+    bytes in. Which one holds is read off this rank's own entry.
+    """
+    raw = [int(p or 0) for p in handle.buffer_ptrs]
+    offset = int(getattr(handle, "offset", 0) or 0)
+    if offset and 0 <= rank < len(raw) and raw[rank] != data_ptr and raw[rank] + offset == data_ptr:
+        return [p + offset if p else 0 for p in raw]
+    return raw
+
+
 def _bootstrap(cc, group, rank: int, world_size: int, device: int, ranks) -> None:
     global _job
     if world_size == 1:
-        # One PE on one GPU needs no network transport; users may still choose one.
+        # One PE on one GPU needs no network transport, and bootstraps with itself over loopback (a
+        # sandbox's other interfaces may not be usable); users may still choose otherwise.
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
     cc.set_device(device)
     uid = [cc.get_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
@@ -599,13 +615,14 @@ class NvshmemState:
                 tensor = sm.empty(alloc, dtype=torch.uint8, device=self.device)  # torch starts NVSHMEM at the first
                 handle = sm.rendezvous(tensor, group)
             self._torch_memory = (number, tensor, handle)
-            bases = [int(p or 0) for p in handle.buffer_ptrs]
+            bases = _tensor_bases(handle, tensor.data_ptr(), self.rank)
             if tensor.data_ptr() == 0:  # torch does not check nvshmem_malloc's result
                 error = f"the allocation of {alloc} bytes gave a null pointer (the symmetric heap is exhausted)"
             elif len(bases) != self.world_size or bases[self.rank] != tensor.data_ptr():
                 error = (
-                    f"rendezvous gave buffer_ptrs {[hex(b) for b in bases]} for a tensor at {tensor.data_ptr():#x} "
-                    f"in a group of {self.world_size}"
+                    f"rendezvous gave buffer_ptrs {[hex(int(p or 0)) for p in handle.buffer_ptrs]} (offset "
+                    f"{getattr(handle, 'offset', None)}) for a tensor at {tensor.data_ptr():#x} in a group of "
+                    f"{self.world_size}"
                 )
             else:
                 self.cc.attach()  # epkit's kernels join torch's job (their device state is the extension's own)

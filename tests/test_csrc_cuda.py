@@ -10,6 +10,7 @@ import torch
 
 from epkit.testing.ladder import _cuda_tool
 from epkit.testing.markers import requires_cuda, requires_nvcc
+from epkit.testing.multiprocess import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,13 +87,13 @@ def test_setup_cuda_switch_is_respected():
         assert want in res.stdout + res.stderr, (flag, res.stdout, res.stderr)
 
 
-@requires_cuda
-def test_nvshmem_single_pe_put_signal():
-    if _ext_path() is None:
-        pytest.skip("epkit._C_cuda was not built here (no nvcc + nvidia-nvshmem wheel)")
+def _single_pe_put_signal(rank, world_size):
     import epkit._C_cuda as cc
 
-    cc.init(cc.get_unique_id(), 0, 1)
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    torch.cuda.set_device(0)
+    cc.init(cc.get_unique_id(), 0, 1)  # makes the device's context current itself; no other CUDA call before
     try:
         nbytes = 1 << 20
         buf = cc.malloc(nbytes + 64)
@@ -107,3 +108,12 @@ def test_nvshmem_single_pe_put_signal():
         cc.free(buf)
     finally:
         cc.finalize()
+    return True
+
+
+@requires_cuda
+def test_nvshmem_single_pe_put_signal():
+    if _ext_path() is None:
+        pytest.skip("epkit._C_cuda was not built here (no nvcc + nvidia-nvshmem wheel)")
+    # In a child process: NVSHMEM ends its process on most failures, which must not take pytest with it.
+    assert run_ranks(_single_pe_put_signal, 1, timeout=180) == [True]

@@ -129,3 +129,60 @@ def test_sections_run_in_the_order_given():
     ):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
+
+
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_children", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_child_results_survive_a_child_that_dies(tmp_path, capfd):
+    """NVSHMEM ends its process on failure: what a child saved before that reaches the report."""
+    mod = _load_script()
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, os, sys\n"
+        "mode = sys.argv[1]\n"
+        "if mode == 'file':\n"
+        "    json.dump({'checks': [{'name': 'first', 'ok': True}]}, open(sys.argv[-1], 'w'))\n"
+        "    print('progress line', flush=True)\n"
+        "    sys.stderr.write('nvshmem: fatal\\n'); sys.stderr.flush()\n"
+        "    os._exit(7)\n"
+        "print('log line'); print(json.dumps({'signal': 8}), flush=True)\n"
+        "os._exit(0 if mode == 'line' else 5)\n"
+    )
+    mod.__file__ = str(child)
+    died = mod._run_child(["file"], 60, json_file=True)
+    assert died["exit"] == 7 and "nvshmem: fatal" in died["detail"], died
+    assert died["result"] == {"checks": [{"name": "first", "ok": True}]}
+    assert "progress line" in capfd.readouterr().out  # a JSON-file child's progress shows as it runs
+    ok = mod._run_child(["line"], 60)
+    assert ok == {"exit": 0, "detail": "", "result": {"signal": 8}}, ok
+    assert "(child) log line" in capfd.readouterr().out
+    crashed_after = mod._run_child(["other"], 60)  # the JSON line is kept even if the exit crashes
+    assert crashed_after["exit"] == 5 and crashed_after["result"] == {"signal": 8}, crashed_after
+
+
+def open_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_child_context_saves_its_results_at_every_step(tmp_path):
+    mod = _load_script()
+    path = str(tmp_path / "partial.json")
+    res: dict = {}
+    ctx = mod._ChildCtx(path, res, quick=True)
+    ctx.begin("nvshmem", 60.0)
+    res["nbytes"] = 64
+    ctx.check("put_signal")
+    assert json.loads(open_text(path)) == {"nbytes": 64}
+    res["checks"] = [{"name": "a", "ok": False}]
+    ctx.begin("nvshmem", -1.0)  # budget spent: the step still saves, then stops the section
+    with pytest.raises(mod.BudgetExceeded):
+        ctx.check("bandwidth")
+    assert json.loads(open_text(path))["checks"] == [{"name": "a", "ok": False}]

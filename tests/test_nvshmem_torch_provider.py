@@ -29,7 +29,7 @@ def test_stand_in_has_the_installed_torchs_signatures():
             (p.name, p.kind) for p in fake.parameters.values()
         ], (name, real, fake)
     # The attributes of the rendezvous handle the provider reads exist on torch's handle type.
-    for attr in ("buffer_ptrs", "signal_pad_ptrs", "rank", "world_size", "buffer_size"):
+    for attr in ("buffer_ptrs", "signal_pad_ptrs", "rank", "world_size", "buffer_size", "offset"):
         assert hasattr(sm._SymmetricMemory, attr), attr
 
 
@@ -60,8 +60,10 @@ def test_plan_provider_decisions():
 
 
 def _torch_provider_run(rank, world_size):
-    """Two buffers through the torch provider: zeroed memory, one backend switch, epkit's ops joined."""
-    tse.install(p2p=True)
+    """Two buffers through the torch provider: zeroed memory, one backend switch, epkit's ops joined.
+
+    As with torch's memory pool, each tensor sits 4 KiB into its symmetric allocation (``handle.offset``)."""
+    tse.install(p2p=True, pool_offset=4096)
     a = SymmBuffer(dist.group.WORLD, 1 << 12, transport="nvshmem", num_signals=2, timeout=20)
     fresh = not a.local.any() and a.read_signal(0) == 0  # torch's allocation came filled with 0xA5
     a.barrier()

@@ -42,6 +42,25 @@ void require_init(const char *what) {
     if (!g_initialized) throw std::runtime_error(std::string(what) + ": call init() first");
 }
 
+// NVSHMEM binds to the calling thread's current CUDA context. Finding none, its init only bootstraps and
+// still returns 0, and the next NVSHMEM call exits the process. So make the current device's primary
+// context current first (cudaSetDevice does on CUDA 12+; cudaFree(nullptr) forces it on any runtime).
+void ensure_cuda_context(const char *what) {
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), what);
+    check_cuda(cudaSetDevice(device), what);
+    check_cuda(cudaFree(nullptr), what);
+}
+
+// After an init call: the job must be running, not just bootstrapped, before anything else touches it.
+void require_running(const char *what) {
+    int status = nvshmemx_init_status();
+    if (status < NVSHMEM_STATUS_IS_INITIALIZED) {
+        throw std::runtime_error(std::string(what) + ": NVSHMEM is not running after init (status " +
+                                 std::to_string(status) + "); was a CUDA device usable in this thread?");
+    }
+}
+
 int parse_cmp(const std::string &s) {
     if (s == "==" || s == "eq") return NVSHMEM_CMP_EQ;
     if (s == "!=" || s == "ne") return NVSHMEM_CMP_NE;
@@ -68,7 +87,12 @@ __device__ bool guarded(const uint64_t *guard) {
 // signal is visible only after the data (put-with-signal ordering).
 __global__ void put_signal_kernel(void *dst, const void *src, size_t nbytes, uint64_t *sig, uint64_t value,
                                   int sig_op, int pe, const uint64_t *guard) {
-    if (guarded(guard)) return;  // every thread reads the same word: the block returns as one
+    // One read for the whole block: the word may be set while the block runs (a failed wait on another
+    // stream), and threads that read it at different times would split the block-wide put and hang it.
+    __shared__ bool skip;
+    if (threadIdx.x == 0) skip = guarded(guard);
+    __syncthreads();
+    if (skip) return;
     nvshmemx_putmem_signal_block(dst, src, nbytes, sig, value, sig_op, pe);
 }
 
@@ -219,6 +243,7 @@ PYBIND11_MODULE(_C_cuda, m) {
             }
             nvshmemx_uniqueid_t uid;
             std::memcpy(&uid, raw.data(), sizeof(uid));
+            ensure_cuda_context("init: making a CUDA context current");
             nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
             if (nvshmemx_set_attr_uniqueid_args(rank, world_size, &uid, &attr) != 0) {
                 throw std::runtime_error("nvshmemx_set_attr_uniqueid_args failed");
@@ -226,6 +251,7 @@ PYBIND11_MODULE(_C_cuda, m) {
             if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
                 throw std::runtime_error("nvshmemx_init_attr failed");
             }
+            require_running("init");
             g_initialized = true;
         },
         py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), "Join the NVSHMEM job (collective).");
@@ -252,7 +278,9 @@ PYBIND11_MODULE(_C_cuda, m) {
             // NVSHMEM 3.x allows further init calls by the PEs of the running job: this one joins it
             // (reference-counted, no new bootstrap) and registers this module's device state, which the
             // statically linked device library keeps per module; finalize() gives the reference back.
+            ensure_cuda_context("attach: making a CUDA context current");
             nvshmem_init();
+            require_running("attach");
             g_initialized = true;
         },
         "Join the NVSHMEM job another library in this process started (torch's symmetric memory), so that "

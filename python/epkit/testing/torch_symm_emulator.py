@@ -12,7 +12,9 @@ transport depends on:
 - ``empty`` does not zero the memory (here it is filled with 0xA5, so a transport that forgets to
   zero its signal words fails loudly);
 - ``rendezvous(tensor, group)`` gives a handle whose ``buffer_ptrs`` are the group's peers' addresses
-  of the allocation (``nvshmem_ptr``), 0 for peers outside the NVLink domain.
+  of the allocation (``nvshmem_ptr``), 0 for peers outside the NVLink domain;
+- with ``install(pool_offset=N)``, as torch's memory pool does, the tensor sits ``N`` bytes into its
+  symmetric allocation: ``buffer_ptrs`` are then the allocation's addresses and ``handle.offset`` is ``N``.
 
 Function names and signatures follow the installed torch's (``tests/test_nvshmem_torch_provider.py``
 compares them). Use it in a rank process before the first nvshmem buffer::
@@ -38,7 +40,7 @@ EMULATED = True
 _BACKENDS = ("NVSHMEM", "CUDA", "NCCL")
 _GARBAGE = 0xA5
 
-_state: dict = {"available": True, "backend": "CUDA", "allocated": False, "allocs": {}}
+_state: dict = {"available": True, "backend": "CUDA", "allocated": False, "allocs": {}, "pool_offset": 0}
 _calls: dict[str, int] = {}
 
 
@@ -87,10 +89,12 @@ def empty(*size, dtype=None, device=None) -> torch.Tensor:
     for n in size:
         numel *= int(n)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    ptr = _emu._malloc(nbytes, zero=False)
-    ctypes.memset(ptr, _GARBAGE, nbytes)
+    offset = _state["pool_offset"]
+    base = _emu._malloc(offset + nbytes, zero=False)
+    ctypes.memset(base, _GARBAGE, offset + nbytes)
+    ptr = base + offset
     _state["allocated"] = True
-    _state["allocs"][ptr] = nbytes
+    _state["allocs"][ptr] = (base, nbytes)
     raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)
     return torch.frombuffer(raw, dtype=torch.uint8)[:nbytes].view(dtype).view(size)
 
@@ -98,13 +102,14 @@ def empty(*size, dtype=None, device=None) -> torch.Tensor:
 class _SymmetricMemory:
     """The rendezvous handle: the attributes of torch's ``_SymmetricMemory`` the transport reads."""
 
-    def __init__(self, ptr: int, nbytes: int, group, device: torch.device):
+    def __init__(self, ptr: int, base: int, nbytes: int, group, device: torch.device):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.buffer_size = nbytes
         self.device = device
+        self.offset = ptr - base
         ranks = dist.get_process_group_ranks(group)
-        self.buffer_ptrs = [_emu._peer_ptr(ptr, pe) for pe in ranks]
+        self.buffer_ptrs = [_emu._peer_ptr(base, pe) for pe in ranks]
         pad = _emu._malloc(2048, zero=True)  # torch's handle allocates its signal pad (collective)
         self.signal_pad_ptrs = [_emu._peer_ptr(pad, pe) for pe in ranks]
 
@@ -114,10 +119,11 @@ def rendezvous(tensor: torch.Tensor, group) -> _SymmetricMemory:
     ptr = tensor.data_ptr()
     if ptr not in _state["allocs"]:
         raise RuntimeError("rendezvous: the tensor was not allocated with symmetric memory empty()")
-    return _SymmetricMemory(ptr, _state["allocs"][ptr], group, tensor.device)
+    base, nbytes = _state["allocs"][ptr]
+    return _SymmetricMemory(ptr, base, nbytes, group, tensor.device)
 
 
-def install(p2p: bool = True, available: bool = True, backend: str = "CUDA") -> None:
+def install(p2p: bool = True, available: bool = True, backend: str = "CUDA", pool_offset: int = 0) -> None:
     """Make the nvshmem transport's torch provider use this stand-in (and the NVSHMEM emulator) here.
 
     Parameters
@@ -128,11 +134,15 @@ def install(p2p: bool = True, available: bool = True, backend: str = "CUDA") -> 
         What ``is_nvshmem_available()`` answers.
     backend : str
         The backend before epkit sets one (torch's default for CUDA is "CUDA").
+    pool_offset : int
+        Bytes between a symmetric allocation's start and the tensor ``empty`` returns (torch's memory pool
+        carves tensors out of larger allocations; ``handle.offset`` says where).
     """
     from epkit.collectives import _nvshmem
 
     _emu.install(p2p=p2p)
     _state["available"] = bool(available)
+    _state["pool_offset"] = int(pool_offset)
     if not _state["allocated"]:  # installing again later (a second buffer) keeps the backend torch froze
         _state["backend"] = backend
     _nvshmem.use_torch_symm(sys.modules[__name__])
