@@ -64,13 +64,13 @@ def _cuda_wanted() -> tuple[bool, str]:
 
 
 def _build_jobs() -> int:
-    """Parallel compile jobs: EPKIT_BUILD_JOBS, else every core."""
+    """Parallel compile jobs: EPKIT_BUILD_JOBS (1 = one at a time), else, or when 0, every core."""
     raw = os.environ.get("EPKIT_BUILD_JOBS", "")
     try:
-        jobs = int(raw) if raw else (os.cpu_count() or 1)
+        jobs = int(raw) if raw else 0
     except ValueError:
         raise SystemExit(f"EPKIT_BUILD_JOBS must be a whole number, got {raw!r}") from None
-    return max(1, jobs)
+    return jobs if jobs > 0 else (os.cpu_count() or 1)
 
 
 # csrc/*.cpp compile side by side, and epkit._C_cuda's nvcc build runs beside them.

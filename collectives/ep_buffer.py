@@ -147,19 +147,24 @@ class EPBuffer(LowLatencyMixin):
 
         Collective on nvshmem: every rank closes its buffer (see :meth:`SymmBuffer.close`). Tensors that
         the calls returned stay valid (none is a view of the symmetric memory); closing twice is harmless,
-        any other call afterwards raises ``RuntimeError``. Also ``with EPBuffer(...) as buf:``.
+        and a dispatch or combine afterwards raises ``RuntimeError``. Also ``with EPBuffer(...) as buf:``
+        (leaving it by an exception skips the collective free, which could wait for the other ranks).
         """
+        self._drop_caches()
+        self.buffer.close()
+
+    def _drop_caches(self) -> None:
         self._ll_cache.clear()
         self.__dict__.pop("_addr_tables", None)
-        self.buffer.close()
 
     destroy = close  # DeepEP's name for it
 
     def __enter__(self) -> EPBuffer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._drop_caches()
+        self.buffer.__exit__(exc_type, exc, tb)
 
     def is_within_domain(self) -> bool:
         return self.buffer.is_within_domain()

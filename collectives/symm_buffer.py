@@ -647,28 +647,45 @@ class SymmBuffer:
         """Release the buffer: it cannot be used afterwards. On shm, views taken before stay valid memory
         until they are dropped (each segment is unmapped once no view of it remains).
 
-        nvshmem: frees the symmetric allocation, a collective call (every rank must close its buffer).
-        A buffer made unusable by a failure (a peer timed out) is left allocated instead, since the free
-        would wait for the silent peer; its memory returns when the process exits.
+        nvshmem: frees the symmetric allocation, a collective call (every rank must close its buffer). It
+        first meets the other ranks in a timed barrier, since NVSHMEM's free waits for every rank without a
+        timeout: a rank that does not come within the buffer's timeout gets a ``TimeoutError`` raised here,
+        and the memory stays allocated. So does a buffer made unusable by a failure (a peer timed out);
+        that memory returns when the process exits.
         Closing twice is harmless; any other call on a closed buffer raises ``RuntimeError``.
-        Also ``with SymmBuffer(...) as buf:`` closes on leaving the block.
+        Also ``with SymmBuffer(...) as buf:`` closes on leaving the block; leaving it by an exception
+        (perhaps on this rank alone) skips the collective free, as after a failure.
         """
+        self._close(collective=self._broken is None)
+
+    def _close(self, collective: bool) -> None:
+        if self._closed:
+            return
+        late = None
+        if collective and self._nv is not None:
+            try:
+                self.barrier()  # every rank is here: the free below cannot wait forever
+            except Exception as exc:  # noqa: BLE001 -- raised below, after releasing what is local
+                late, collective = exc, False
         self._closed = True
         self._peers = []
         self._staging = {}
         self.local = torch.empty(0, dtype=torch.uint8)
         if self._nv is not None:
             nv, self._nv = self._nv, None
-            nv.free(collective=self._broken is None)
+            nv.free(collective=collective)
         # A segment is unmapped when its last reference goes; views hold one, so a view kept past
         # close() never points at an unmapped page.
         self._segments = []
+        if late is not None:
+            raise late
 
     def __enter__(self) -> SymmBuffer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # An exception may be leaving the block on this rank only: nothing that waits for the peers then.
+        self._close(collective=exc_type is None and self._broken is None)
 
     def __del__(self):
         with contextlib.suppress(Exception):

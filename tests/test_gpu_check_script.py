@@ -122,6 +122,9 @@ def test_sections_run_in_the_order_given():
     others = {n: b for n, b in args.budgets.items() if n != "nvshmem"}
     assert abs(sum(others.values()) - 210) < 1e-9
     assert abs(others["grouped_gemm"] / others["env"] - mod.BUDGETS["grouped_gemm"] / mod.BUDGETS["env"]) < 1e-9
+    # A fixed budget for a section not run takes nothing from the others.
+    args = mod.parse_args(["--sections", "env", "--budget", "50", "--section-budget", "nvshmem=60"])
+    assert abs(args.budgets["env"] - 50 * mod.BUDGETS["env"] / mod.DEFAULT_TOTAL) < 1e-9
     for bad in (
         ["--section-budget", "nvshmem"],
         ["--section-budget", "bogus=5"],

@@ -225,6 +225,27 @@ def test_tile_schedule():
 
 # Rung 3: compiled for sm_90 without a GPU.
 
+#: Shared memory one block may use on sm_90 (227 KiB, with the opt-in the launcher makes).
+SM90_MAX_SHARED = 232448
+
+
+@requires_triton
+@pytest.mark.parametrize(
+    "kind,masked,g,rows",
+    [("fp8", False, 4, 8192), ("fp8", True, 4, 32), ("fp8_fp4", False, 4, 8192), ("bf16", False, 4, 8192)],
+)
+def test_triton_as_launched_at_benchmark_shapes_fits_sm90(kind, masked, g, rows):
+    """The binary a GPU launch at gpu_check's shapes would run (same specialization, warps and stages):
+    its shared memory fits an sm_90 block, its loads are pipelined (cp.async) into wgmma."""
+    from epkit.kernels.triton.grouped_gemm import get_config, launched_compile_args
+    from epkit.testing import compile_triton_as_launched
+
+    k = compile_triton_as_launched(*launched_compile_args(kind, masked, g, rows, 4096, 7168))
+    cfg = get_config(kind, 4096, 7168, rows, "cuda")
+    assert 0 < k.shared <= SM90_MAX_SHARED, (k.shared, cfg)
+    assert k.num_warps == cfg["num_warps"]
+    assert "cp.async" in k.ptx and "wgmma.mma_async" in k.ptx, cfg
+
 
 @requires_triton
 @pytest.mark.parametrize(

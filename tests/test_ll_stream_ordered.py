@@ -48,8 +48,11 @@ def _expert_outputs(recv_x, counts, use_fp8, world_size):
     return y, per_expert
 
 
-def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2, transport="shm"):
-    """Dispatch + combine under the detector; the outputs against the reference outside it."""
+def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2, transport="shm", calls=None):
+    """Dispatch + combine under the detector; the outputs against the reference outside it.
+
+    ``calls``: a function whose result is returned with the events, taken before the buffer closes (the
+    close's timed barrier is a host wait of its own)."""
     ep_rows.PORTABLE[0] = portable
     transport = resolve_transport(transport)
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=20)
@@ -76,8 +79,9 @@ def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2, transport="
     with HostSyncDetector() as det:
         buf.synchronize()  # nothing pending failed
     events += det.events
-    buf.buffer.close()
-    return events
+    counted = calls() if calls is not None else None
+    buf.close()
+    return events if calls is None else (events, counted)
 
 
 @pytest.mark.parametrize("use_fp8,hook_mode", [(True, False), (False, True)])
@@ -103,8 +107,7 @@ def test_stream_ordered_low_latency_over_emulated_nvshmem(transport):
 def _round_emulated(rank, world_size, transport):
     from epkit.testing import nvshmem_emulator
 
-    events = _round(rank, world_size, True, False, True, 2, transport)
-    return events, nvshmem_emulator.calls()
+    return _round(rank, world_size, True, False, True, 2, transport, calls=nvshmem_emulator.calls)
 
 
 def test_detector_sees_the_host_checked_path_read_routing():

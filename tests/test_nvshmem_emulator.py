@@ -197,3 +197,40 @@ def test_attach_joins_a_job_started_elsewhere():
         "after": (False, 2),
         "attaches": 1,
     }, seen
+
+
+def _close_paths(rank, world_size):
+    import time
+
+    import torch.distributed as dist
+
+    from epkit.collectives.symm_buffer import SymmBuffer
+
+    emu.install(p2p=True)
+    # Every rank closes: a timed barrier, then the collective free.
+    with SymmBuffer(dist.group.WORLD, 1 << 12, transport="nvshmem", num_signals=1, timeout=10) as buf:
+        buf.barrier()
+    frees = emu.calls().get("free", 0)
+    # Rank 0 leaves its block by an exception: it must not wait for the others, and they must not wait
+    # forever for it (NVSHMEM's free has no timeout): their close raises naming rank 0, memory kept.
+    buf = SymmBuffer(dist.group.WORLD, 1 << 12, transport="nvshmem", num_signals=1, timeout=2)
+    t0 = time.monotonic()
+    outcome = "closed"
+    try:
+        with buf:
+            if rank == 0:
+                raise KeyError("local trouble")
+    except KeyError:
+        outcome = "raised here"
+    except TimeoutError as exc:
+        outcome = str(exc)
+    return frees, emu.calls().get("free", 0) - frees, outcome, time.monotonic() - t0
+
+
+def test_close_meets_the_peers_in_a_timed_barrier_before_the_free():
+    res = run_ranks(_close_paths, 2, timeout=90)
+    assert [r[0] for r in res] == [1, 1], res  # the clean close freed the allocation on both ranks
+    (_, freed0, out0, t0), (_, freed1, out1, t1) = res
+    assert out0 == "raised here" and t0 < 1.5, res  # no collective step on the way out
+    assert "rank 0" in out1 and 1.5 < t1 < 9, res  # the peer's close timed out on rank 0, within the timeout
+    assert freed0 == freed1 == 0, res  # neither freed collectively: nobody can hang in nvshmem_free

@@ -205,13 +205,12 @@ def _check_config(cfg: dict, kind: str) -> None:
         raise ValueError(f"scaled kinds need BLOCK_K == 128 and BLOCK_N dividing 128, got {cfg}")
 
 
-def _launch(kind, a, sfa, b, sfb, d, grid, sched, masked_m, m_max, tiles_per_group, cfg):
+def _launch_args(kind, a, sfa, b, sfb, d, sched, masked_m, m_max, tiles_per_group, cfg):
+    """The kernel's arguments for one launch: (positional, constexpr keywords, launch options)."""
     _check_config(cfg, kind)
     n, k = b.shape[1], a.shape[-1]
     dummy = d  # any pointer for the arguments a variant does not read
-    kernel = for_device(_grouped_gemm_kernel, d.device)
-    extra = {} if d.device.type != "cuda" else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    kernel[grid](
+    args = (
         a,
         sfa if sfa is not None else dummy,
         b,
@@ -230,14 +229,55 @@ def _launch(kind, a, sfa, b, sfb, d, grid, sched, masked_m, m_max, tiles_per_gro
         sfb.stride(0) if sfb is not None else 0,
         sfb.stride(1) if sfb is not None else 0,
         n,
+    )
+    consts = dict(
         B_KIND=_KINDS[kind],
         MASKED=masked_m is not None,
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         UPCAST_DOT=d.device.type != "cuda",
-        **extra,
     )
+    options = {} if d.device.type != "cuda" else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return args, consts, options
+
+
+def _launch(kind, a, sfa, b, sfb, d, grid, sched, masked_m, m_max, tiles_per_group, cfg):
+    args, consts, options = _launch_args(kind, a, sfa, b, sfb, d, sched, masked_m, m_max, tiles_per_group, cfg)
+    for_device(_grouped_gemm_kernel, d.device)[grid](*args, **consts, **options)
+
+
+def launched_compile_args(kind: str, masked: bool, g: int, rows: int, n: int, k: int, out=torch.bfloat16):
+    """What a CUDA launch at this shape compiles: ``(kernel, {arg name: value}, constexprs, options)``.
+
+    The values are those ``_launch`` passes (tensors of the real shapes, never written: ``torch.empty``
+    touches no memory), with the config the heuristic picks for CUDA, so that
+    ``epkit.testing.compile_triton_as_launched`` specializes and compiles them as Triton's JIT would.
+    """
+    from epkit.gemm import build_m_indices
+
+    m = g * rows
+    cfg = get_config(kind, n, k, rows, "cuda")
+    a_dt = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
+    a = torch.empty((g, rows, k) if masked else (m, k), dtype=a_dt)
+    sfa = None if kind == "bf16" else torch.empty((*a.shape[:-1], k // 128), dtype=torch.float32)
+    if kind == "fp8_fp4":
+        b, sfb = torch.empty((g, n, k // 2), dtype=torch.uint8), torch.empty((g, n, k // 32), dtype=torch.uint8)
+    else:
+        b = torch.empty((g, n, k), dtype=a_dt)
+        sfb = None if kind == "bf16" else torch.empty((g, -(-n // 128), k // 128), dtype=torch.float32)
+    d = torch.empty((g, rows, n) if masked else (m, n), dtype=out)
+    if masked:
+        masked_m = torch.full((g,), rows, dtype=torch.int32)
+        tiles = triton.cdiv(rows, cfg["BLOCK_M"])
+        args, consts, _ = _launch_args(kind, a, sfa, b, sfb, d, None, masked_m, rows, tiles, cfg)
+    else:
+        sched = tile_schedule(build_m_indices([rows] * g), cfg["BLOCK_M"])
+        args, consts, _ = _launch_args(kind, a, sfa, b, sfb, d, sched, None, 0, 1, cfg)
+    consts["UPCAST_DOT"] = False  # what a CUDA tensor gets (these stand-ins are on the CPU)
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    names = _grouped_gemm_kernel.arg_names[: len(args)]
+    return _grouped_gemm_kernel, dict(zip(names, args)), consts, options
 
 
 def tile_schedule(m_indices: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

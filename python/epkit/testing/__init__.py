@@ -21,6 +21,7 @@ import torch
 from epkit.testing.ladder import (
     CompiledKernel,
     compile_triton,
+    compile_triton_as_launched,
     nvcc_compile,
     run_triton_interpreted,
     tilelang_build_c,
@@ -34,6 +35,7 @@ __all__ = [
     "assert_bitwise_equal",
     "run_triton_interpreted",
     "compile_triton",
+    "compile_triton_as_launched",
     "CompiledKernel",
     "nvcc_compile",
     "tilelang_build_c",

@@ -16,6 +16,7 @@ __all__ = [
     "CompiledKernel",
     "run_triton_interpreted",
     "compile_triton",
+    "compile_triton_as_launched",
     "nvcc_compile",
     "tilelang_build_c",
     "tilelang_compile_cuda",
@@ -43,6 +44,8 @@ class CompiledKernel:
     ptx: str | None
     cubin: bytes | None
     sass: str | None
+    shared: int | None = None  # bytes of shared memory per block (Triton's metadata), where known
+    num_warps: int | None = None
 
 
 def _cuda_tool(name: str) -> str | None:
@@ -97,6 +100,47 @@ def compile_triton(kernel, signature: dict, constexprs: dict | None = None, arch
         ptx=asm["ptx"],
         cubin=cubin,
         sass=disassemble(cubin) if cubin else None,
+    )
+
+
+def compile_triton_as_launched(kernel, args: dict, constexprs: dict, options: dict, arch: int = 90) -> CompiledKernel:
+    """Compile ``kernel`` for sm_``arch`` as Triton's JIT would for a launch with ``args`` (name -> value).
+
+    Each value is specialized the way the JIT does it (its type; integers equal to 1 become constants;
+    pointers and integers divisible by 16 carry that as an attribute), and ``options`` (``num_warps``,
+    ``num_stages``) are the launch's: the result is the binary the launch would run, so its shared memory
+    (``metadata.shared``) and pipelining can be checked without a GPU.
+    """
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, consts, attrs = {}, dict(constexprs), {}
+    names = kernel.arg_names
+    for name, value in args.items():
+        ty, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        if ty == "constexpr":
+            signature[name], consts[name] = "constexpr", key
+            continue
+        signature[name] = ty
+        if key == "D":
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    asm = compiled.asm
+    cubin = asm.get("cubin")
+    return CompiledKernel(
+        name=compiled.name,
+        target=f"sm_{arch}",
+        source=asm["ptx"],
+        ptx=asm["ptx"],
+        cubin=cubin,
+        sass=disassemble(cubin) if cubin else None,
+        shared=int(compiled.metadata.shared),
+        num_warps=int(compiled.metadata.num_warps),
     )
 
 
