@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -1319,7 +1320,8 @@ def _symm_loopback(ctx: Ctx, res: dict) -> None:
             res["summary"] = f"{res['summary']}; {line}" if res.get("summary") else line
             ctx.log(line)
         finally:
-            buf.close()
+            with contextlib.suppress(Exception):  # a failure above is the one to report
+                buf.close()
         try:
             _ep_loopback(ctx, res)
         except Exception:  # noqa: BLE001 - recorded as a failed check; the SymmBuffer results above stand
@@ -1423,7 +1425,8 @@ def _ep_loopback(ctx: Ctx, res: dict) -> None:
             f"({tokens} tokens), low-latency {out['low_latency']['median_ms']:.2f} ms ({n_ll} tokens)"
         )
     finally:
-        buf.buffer.close()
+        with contextlib.suppress(Exception):  # a failure above is the one to report
+            buf.buffer.close()
 
 
 def _no_device_to_host_copy(res: dict, call, buf) -> None:
@@ -1544,8 +1547,10 @@ def run_section(name: str, ctx: Ctx, budget: float, report: Report, watchdog: Wa
     except BudgetExceeded as exc:
         status = "budget_exceeded"
         res["error"] = str(exc)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if watchdog.fired_for != name:
+            res["status"] = "interrupted"
+            res["error"] = f"interrupted ({exc or 'Ctrl-C'}) after {time.perf_counter() - t0:.1f} s"
             raise
         status = "hung"
         res["error"] = "interrupted by the watchdog after overrunning its hard limit"
@@ -1621,8 +1626,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     left = args.budget - sum(fixed.values())
     if left <= 0 and any(n not in fixed for n in names):
         ap.error(f"--section-budget: the fixed budgets ({sum(fixed.values()):g} s) leave nothing of --budget")
-    scale = left / max(1, sum(BUDGETS[n] for n in SECTIONS if n not in fixed))
-    args.budgets = {n: fixed.get(n, BUDGETS[n] * scale) for n in SECTIONS}
+    # --budget is split over the sections that run, in their default proportions.
+    scale = left / max(1, sum(BUDGETS[n] for n in names if n not in fixed))
+    args.budgets = {n: fixed.get(n, BUDGETS[n] * scale) for n in names}
     return args
 
 
@@ -1653,6 +1659,11 @@ def main(argv: list[str] | None = None) -> int:
         "timing": "CUDA events per call after warm-up, median of N (CPU: perf_counter); GEMMs flush L2 per call",
     }
     report = Report(out, meta)
+
+    def on_sigterm(signum, frame):  # an outer `timeout`: end like Ctrl-C, so the report is written first
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     watchdog = Watchdog(report)
     watchdog.start()
     ctx = Ctx(device, args.quick, t_start)
@@ -1662,8 +1673,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.sections:
             run_section(name, ctx, args.budgets[name], report, watchdog)
-    except KeyboardInterrupt:
-        report.data["meta"]["exit"] = "interrupted (Ctrl-C)"
+    except KeyboardInterrupt as exc:
+        report.data["meta"]["exit"] = f"interrupted ({exc or 'Ctrl-C'})"
         report.write()
         raise
     finally:

@@ -2,13 +2,14 @@
 # Rung 4 in one call on a lent GPU machine: build, bench/gpu_check.py, GPU tests; logs + JSON to $OUT.
 #
 # Made for a machine that has a CUDA torch, nvcc, an nvidia-nvshmem wheel, einops, pybind11, setuptools
-# (>= 77), pytest and hypothesis, but no network and no epkit: nothing is installed into its Python.
+# (>= 77), pytest, pytest-timeout and hypothesis, but no network and no epkit: nothing is installed into
+# its Python.
 # epkit is compiled for that Python (epkit._C, and epkit._C_cuda against the NVSHMEM wheel its torch
 # uses) into build/gpu_run/lib, and a package tree of this checkout's sources plus those libraries,
 # assembled afresh at every run in build/gpu_run/site, goes first on PYTHONPATH. TileLang need not be
 # there: its backends then say "unavailable" and its tests skip.
 #
-#   bash bench/gpu_run.sh          # typically ~1 min build, ~5 min checks, ~1.5 min tests; at most GPU_RUN_LIMIT
+#   bash bench/gpu_run.sh          # typically ~1 min build, ~5 min checks, ~1.5 min tests
 #   GPU_RUN_STEPS=check GPU_RUN_SECTIONS=nvshmem bash bench/gpu_run.sh   # rerun one section, libraries kept
 #
 # Knobs (environment):
@@ -19,7 +20,9 @@
 #   GPU_RUN_BUDGET    gpu_check's total seconds (default 300): nvshmem gets 150 s (the open issue's
 #                     evidence, two child processes), the other sections share the rest in proportion
 #   GPU_RUN_ARGS      more gpu_check arguments (e.g. --quick)
-#   GPU_RUN_LIMIT     seconds the whole script may take (default 540); each step gets what is left
+#   GPU_RUN_LIMIT     seconds for build, check and tests together (default 540): each step gets what is
+#                     left, and a step with too little left is not started (a failure); the env and
+#                     import probes before them take seconds
 #   GPU_RUN_DEVICE    cuda (default), or cpu: a dry run of this script's flow on a machine without a GPU
 # Exit status: 0 when every step that ran passed; otherwise the first failing step's status. No usable
 # GPU, or no importable epkit._C, stops the run before the checks; a failed epkit._C_cuda build is
@@ -46,6 +49,12 @@ failed() {  # failed STEP RC: remember the first failure, keep going
     [ "$status" -ne 0 ] || status=$2
 }
 left() { echo $((LIMIT - (SECONDS - START))); }  # seconds left of GPU_RUN_LIMIT
+time_for() {  # time_for STEP MIN: true when at least MIN seconds are left, else a failure of STEP
+    [ "$(left)" -ge "$2" ] && return 0
+    say "$1 not started: only $(left) s of GPU_RUN_LIMIT left (exit 5)"
+    [ "$status" -ne 0 ] || status=5
+    return 1
+}
 finish() {
     say "done in $((SECONDS - START)) s (exit $status); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
     exit "$status"
@@ -93,7 +102,7 @@ fi
 
 compile() {  # compile CUDA: the extensions for this Python into $BUILD/lib (nothing stale survives a failure)
     rm -rf "$BUILD/lib" "$SITE" &&
-        EPKIT_CUDA=$1 timeout $(($(left) - 60)) "$PY" setup.py -q build_ext \
+        EPKIT_CUDA=$1 timeout -k 10 $(($(left) - 90)) "$PY" setup.py -q build_ext \
             --build-temp "$BUILD/temp" --build-lib "$BUILD/lib" &&
         ls "$BUILD"/lib/epkit/_C.*.so &&
         { [ "$1" = 0 ] || ls "$BUILD"/lib/epkit/_C_cuda.*.so; }
@@ -109,12 +118,15 @@ assemble() {  # this checkout's Python sources + the compiled libraries, as one 
 }
 
 if [[ $STEPS == *,build,* ]]; then
+    time_for build 150 || finish
     say "build: epkit._C and epkit._C_cuda for this Python (log: $OUT/build.log)"
     compile 1 >"$OUT/build.log" 2>&1
     rc=$?
     tail -n 3 "$OUT/build.log"
     if [ "$rc" -ne 0 ]; then
         failed build "$rc"
+        # A build stopped by its time limit would only be stopped again.
+        [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && time_for "build without epkit._C_cuda" 240 || finish
         say "build: again without epkit._C_cuda, so that the kernel sections still run (nvshmem will fail)"
         compile 0 >>"$OUT/build.log" 2>&1 || finish
     fi
@@ -133,19 +145,19 @@ fi
 "$PY" -c "import epkit._C_cuda" >>"$OUT/env.txt" 2>&1 || failed "importing epkit._C_cuda (see env.txt)" 3
 tail -n 1 "$OUT/env.txt"
 
-if [[ $STEPS == *,check,* ]]; then
+if [[ $STEPS == *,check,* ]] && time_for check 90; then
     fixed=()
     [[ ",$SECTIONS," != *,nvshmem,* ]] || fixed=(--section-budget nvshmem=150)
     say "check: bench/gpu_check.py --device $DEVICE --sections $SECTIONS --budget $BUDGET ${fixed[*]} ${GPU_RUN_ARGS:-}"
     # shellcheck disable=SC2086  # GPU_RUN_ARGS is a list of words
-    timeout "$(($(left) > 60 ? $(left) - 30 : 30))" "$PY" bench/gpu_check.py --device "$DEVICE" --sections "$SECTIONS" \
+    timeout -k 15 $(($(left) - 20)) "$PY" bench/gpu_check.py --device "$DEVICE" --sections "$SECTIONS" \
         --budget "$BUDGET" "${fixed[@]}" --out "$OUT/gpu_check.json" ${GPU_RUN_ARGS:-} 2>&1 | tee "$OUT/gpu_check.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || failed check "$rc"
 fi
-if [[ $STEPS == *,tests,* ]]; then
-    say "tests: pytest -m gpu, $(($(left) - 10)) s left (log: $OUT/pytest_gpu.log)"
-    timeout "$(($(left) > 40 ? $(left) - 10 : 30))" "$PY" -m pytest -v -m gpu -rs -p no:cacheprovider --timeout 120 \
+if [[ $STEPS == *,tests,* ]] && time_for tests 60; then
+    say "tests: pytest -m gpu, $(left) s left (log: $OUT/pytest_gpu.log)"
+    timeout -k 10 $(($(left) - 10)) "$PY" -m pytest -v -m gpu -rs -p no:cacheprovider --timeout 120 \
         --durations 10 tests >"$OUT/pytest_gpu.log" 2>&1 || failed tests $?
     tail -n 15 "$OUT/pytest_gpu.log"
 fi

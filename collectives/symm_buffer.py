@@ -651,7 +651,8 @@ class SymmBuffer:
         first meets the other ranks in a timed barrier, since NVSHMEM's free waits for every rank without a
         timeout: a rank that does not come within the buffer's timeout gets a ``TimeoutError`` raised here,
         and the memory stays allocated. So does a buffer made unusable by a failure (a peer timed out);
-        that memory returns when the process exits.
+        that memory returns when the process exits. (A rank that passes the barrier just as a peer's wait on
+        it times out still enters the free; the barrier narrows that window, it cannot close it.)
         Closing twice is harmless; any other call on a closed buffer raises ``RuntimeError``.
         Also ``with SymmBuffer(...) as buf:`` closes on leaving the block; leaving it by an exception
         (perhaps on this rank alone) skips the collective free, as after a failure.
@@ -684,7 +685,11 @@ class SymmBuffer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # An exception may be leaving the block on this rank only: nothing that waits for the peers then.
+        if exc_type is not None and self._broken is None and not self._closed:
+            # The exception may be leaving the block on this rank only: tell the peers (their waits on this
+            # rank, the close's barrier too, end at once naming it), and wait for none of them.
+            with contextlib.suppress(Exception):
+                self.mark_broken(f"rank {self.rank} left its block by {exc_type.__name__}", culprit=self.rank)
         self._close(collective=exc_type is None and self._broken is None)
 
     def __del__(self):

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -122,9 +123,13 @@ def test_sections_run_in_the_order_given():
     others = {n: b for n, b in args.budgets.items() if n != "nvshmem"}
     assert abs(sum(others.values()) - 210) < 1e-9
     assert abs(others["grouped_gemm"] / others["env"] - mod.BUDGETS["grouped_gemm"] / mod.BUDGETS["env"]) < 1e-9
-    # A fixed budget for a section not run takes nothing from the others.
+    # --budget is split over the sections that run; a fixed budget for a section not run takes nothing.
     args = mod.parse_args(["--sections", "env", "--budget", "50", "--section-budget", "nvshmem=60"])
-    assert abs(args.budgets["env"] - 50 * mod.BUDGETS["env"] / mod.DEFAULT_TOTAL) < 1e-9
+    assert args.budgets == {"env": 50}
+    args = mod.parse_args(
+        ["--sections", "nvshmem,gather_rows,env", "--budget", "100", "--section-budget", "nvshmem=30"]
+    )
+    assert args.budgets["nvshmem"] == 30 and abs(args.budgets["gather_rows"] - 70 * 70 / 85) < 1e-9, args.budgets
     for bad in (
         ["--section-budget", "nvshmem"],
         ["--section-budget", "bogus=5"],
@@ -189,3 +194,27 @@ def test_child_context_saves_its_results_at_every_step(tmp_path):
     with pytest.raises(mod.BudgetExceeded):
         ctx.check("bandwidth")
     assert json.loads(open_text(path))["checks"] == [{"name": "a", "ok": False}]
+
+
+def test_sigterm_writes_the_report_with_the_section_in_progress(tmp_path):
+    """An outer `timeout` (gpu_run.sh's) ends the run like Ctrl-C: the JSON says which section it stopped."""
+    import signal
+
+    out = tmp_path / "term.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--sections", "env,prepare_cp_mirror", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # wait until the second section is under way
+            if "prepare_cp_mirror: start" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    report = json.loads(out.read_text())
+    assert report["meta"]["exit"] == "interrupted (signal 15)", report["meta"]
+    assert report["sections"]["env"]["status"] == "ok"
+    assert report["sections"]["prepare_cp_mirror"]["status"] == "interrupted", report["sections"]
