@@ -479,9 +479,9 @@ def sec_logical_to_physical(ctx: Ctx, res: dict):
             ok = torch.equal(fn(), peer())
             _check(res, f"{backend}: {n}x6 equals the vectorised torch path on {dev.type}", ok)
             lat[f"{n}x6"] = {
-                backend: {"device": ctx.time_op(fn, iters=it), "wall": ctx.time_wall(fn, calls=calls)},
+                backend: {"events_one_call": ctx.time_op(fn, iters=it), "wall": ctx.time_wall(fn, calls=calls)},
                 "torch_vectorised_same_device": {
-                    "device": ctx.time_op(peer, iters=it),
+                    "events_one_call": ctx.time_op(peer, iters=it),
                     "wall": ctx.time_wall(peer, calls=calls),
                 },
             }
@@ -551,7 +551,7 @@ def sec_prepare_cp_mirror(ctx: Ctx, res: dict):
             continue
         ctx.check(f"latency[{backend}]")
         fn = lambda b=backend: prepare_cp_mirror(cu_q, cu_k, 8, 3, ratios, backend=b)  # noqa: E731
-        lat[backend] = {"wall": ctx.time_wall(fn, calls=5), "device": ctx.time_op(fn, iters=10)}
+        lat[backend] = {"wall": ctx.time_wall(fn, calls=5), "events_one_call": ctx.time_op(fn, iters=10)}
         ctx.log(f"{backend}: {lat[backend]['wall']['median_ms']:.3f} ms/call wall")
     if ctx.cuda:  # the CPU backend on host tensors, same run, as the peer
         ctx.check("latency[cpu peer]")
@@ -1656,7 +1656,9 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget,
         "section_budgets_s": {n: round(args.budgets[n], 1) for n in args.sections},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "timing": "CUDA events per call after warm-up, median of N (CPU: perf_counter); GEMMs flush L2 per call",
+        "timing": "CUDA events per call after warm-up, median of N (CPU: perf_counter); GEMMs flush L2 per call; "
+        "'events_one_call' brackets one call with events, host work inside the call included (the ops that read "
+        "routing or sequence lengths back sync there); 'wall' is host-inclusive over back-to-back calls",
     }
     report = Report(out, meta)
 
@@ -1675,6 +1677,9 @@ def main(argv: list[str] | None = None) -> int:
             run_section(name, ctx, args.budgets[name], report, watchdog)
     except KeyboardInterrupt as exc:
         report.data["meta"]["exit"] = f"interrupted ({exc or 'Ctrl-C'})"
+        for sec in report.data["sections"].values():  # also one interrupted before its own handler ran
+            if sec.get("status") == "running":
+                sec["status"] = "interrupted"
         report.write()
         raise
     finally:
