@@ -90,7 +90,11 @@ def compile_triton(kernel, signature: dict, constexprs: dict | None = None, arch
     if fn is not None and not isinstance(kernel, triton.runtime.JITFunction):
         kernel = triton.jit(fn)  # an interpreted kernel: compile its source
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    return _artifacts(triton.compile(src, target=GPUTarget("cuda", arch, 32)), arch)
+
+
+def _artifacts(compiled, arch: int) -> CompiledKernel:
+    """A :class:`CompiledKernel` from what ``triton.compile`` returned."""
     asm = compiled.asm
     cubin = asm.get("cubin")
     return CompiledKernel(
@@ -100,6 +104,8 @@ def compile_triton(kernel, signature: dict, constexprs: dict | None = None, arch
         ptx=asm["ptx"],
         cubin=cubin,
         sass=disassemble(cubin) if cubin else None,
+        shared=int(compiled.metadata.shared),
+        num_warps=int(compiled.metadata.num_warps),
     )
 
 
@@ -129,19 +135,7 @@ def compile_triton_as_launched(kernel, args: dict, constexprs: dict, options: di
     for name in constexprs:
         signature[name] = "constexpr"
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    asm = compiled.asm
-    cubin = asm.get("cubin")
-    return CompiledKernel(
-        name=compiled.name,
-        target=f"sm_{arch}",
-        source=asm["ptx"],
-        ptx=asm["ptx"],
-        cubin=cubin,
-        sass=disassemble(cubin) if cubin else None,
-        shared=int(compiled.metadata.shared),
-        num_warps=int(compiled.metadata.num_warps),
-    )
+    return _artifacts(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), arch)
 
 
 def nvcc_compile(
