@@ -825,22 +825,16 @@ def _gemm_perf(ctx: Ctx, res: dict, gemm, layout: str, grp: int, rows: int, n: i
 
 
 def _gemm_kernel_call(ctx: Ctx, backend: str, layout: str, a, b, d, groups, rows: int):
-    """On CUDA with the Triton backend: a call of the FP8 grouped GEMM kernel with everything the op derives
-    (config, tile schedule, contiguous operands) prepared once; None otherwise."""
+    """On CUDA with the Triton backend: the FP8 grouped GEMM's launch, with everything the op derives from
+    its inputs (config, tile schedule, contiguous operands) done once; None otherwise."""
     if not ctx.cuda or backend != "triton":
         return None
     from epkit.kernels.triton import grouped_gemm as tg
 
     (a8, sfa), (b8, sfb) = a, b
-    a8, sfa, b8, sfb = a8.contiguous(), sfa.contiguous(), b8.contiguous(), sfb.contiguous()
-    n, k = b8.shape[1], a8.shape[-1]
-    if layout != "contiguous":
-        masked_m = groups.to(torch.int32).contiguous()
-        return lambda: tg.grouped_gemm_masked("fp8", a8, sfa, b8, sfb, d, masked_m, rows)
-    cfg = tg.get_config("fp8", n, k, max(1, d.shape[0] // b8.shape[0]), "cuda")
-    sched = tg.tile_schedule(groups, cfg["BLOCK_M"])
-    grid = (sched[0].numel(), -(-n // cfg["BLOCK_N"]))
-    return lambda: tg._launch("fp8", a8, sfa, b8, sfb, d, grid, sched, None, 0, 1, cfg)
+    if layout == "contiguous":
+        return tg.contiguous_launcher("fp8", a8, sfa, b8, sfb, d, groups)
+    return tg.masked_launcher("fp8", a8, sfa, b8, sfb, d, groups, rows)
 
 
 def _scaled_mm_peer(ctx: Ctx, a8: torch.Tensor, b8: torch.Tensor, flops: float, iters: int):

@@ -296,33 +296,46 @@ def tile_schedule(m_indices: torch.Tensor, block_m: int) -> tuple[torch.Tensor, 
     return ids[starts][run].contiguous(), tile_start.to(torch.int32), ends[run].to(torch.int32)
 
 
-def grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None) -> None:
-    """Contiguous layout on validated inputs (see epkit.gemm): ``m_indices [M]`` per-row groups, -1 padding."""
+def _operands(a, sfa, b, sfb):
+    """The operands as the kernel reads them: contiguous (the bf16 kind has no scales)."""
+    return tuple(t.contiguous() if t is not None else None for t in (a, sfa, b, sfb))
+
+
+def contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None):
+    """Everything a contiguous-layout launch derives from its inputs (config, tile schedule, contiguous
+    operands), done once: returns the launch, a callable of no arguments (repeatable, as a benchmark needs)."""
     m, n = d.shape
     if m == 0 or n == 0:
-        return
+        return lambda: None
     g = b.shape[0]
     cfg = config or get_config(kind, n, a.shape[1], max(1, m // max(g, 1)), d.device.type)
     sched = tile_schedule(m_indices, cfg["BLOCK_M"])
     grid = (sched[0].numel(), triton.cdiv(n, cfg["BLOCK_N"]))
-    a, b = a.contiguous(), b.contiguous()
-    sfa = sfa.contiguous() if sfa is not None else None
-    sfb = sfb.contiguous() if sfb is not None else None
-    _launch(kind, a, sfa, b, sfb, d, grid, sched, None, 0, 1, cfg)
+    a, sfa, b, sfb = _operands(a, sfa, b, sfb)
+    return lambda: _launch(kind, a, sfa, b, sfb, d, grid, sched, None, 0, 1, cfg)
+
+
+def masked_launcher(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: dict | None = None):
+    """As :func:`contiguous_launcher`, for the masked layout."""
+    g, m_max, n = d.shape
+    if g == 0 or m_max == 0 or n == 0:
+        return lambda: None
+    cfg = config or get_config(kind, n, a.shape[-1], max(1, expected_m), d.device.type)
+    tiles = triton.cdiv(m_max, cfg["BLOCK_M"])
+    grid = (g * tiles, triton.cdiv(n, cfg["BLOCK_N"]))
+    a, sfa, b, sfb = _operands(a, sfa, b, sfb)
+    masked_m = masked_m.to(torch.int32).contiguous()
+    return lambda: _launch(kind, a, sfa, b, sfb, d, grid, None, masked_m, m_max, tiles, cfg)
+
+
+def grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None) -> None:
+    """Contiguous layout on validated inputs (see epkit.gemm): ``m_indices [M]`` per-row groups, -1 padding."""
+    contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config)()
 
 
 def grouped_gemm_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: dict | None = None) -> None:
     """Masked layout on validated inputs: ``a [G, M_max, K]``, rows ``>= masked_m[g]`` untouched."""
-    g, m_max, n = d.shape
-    if g == 0 or m_max == 0 or n == 0:
-        return
-    cfg = config or get_config(kind, n, a.shape[-1], max(1, expected_m), d.device.type)
-    tiles = triton.cdiv(m_max, cfg["BLOCK_M"])
-    grid = (g * tiles, triton.cdiv(n, cfg["BLOCK_N"]))
-    a, b = a.contiguous(), b.contiguous()
-    sfa = sfa.contiguous() if sfa is not None else None
-    sfb = sfb.contiguous() if sfb is not None else None
-    _launch(kind, a, sfa, b, sfb, d, grid, None, masked_m.to(torch.int32).contiguous(), m_max, tiles, cfg)
+    masked_launcher(kind, a, sfa, b, sfb, d, masked_m, expected_m, config)()
 
 
 def compile_signature(
