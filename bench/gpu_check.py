@@ -635,12 +635,10 @@ def sec_engram_hash(ctx: Ctx, res: dict):
         }
         if ctx.cuda and backend == "triton":
             # The kernel alone, its tables prepared once as the op prepares them: the device-side figure.
+            from epkit.engram import _kernel_tables
             from epkit.kernels.triton.engram_hash import engram_hash_tokens
 
-            nl = vocab.shape[0]
-            vocab64 = vocab.reshape(nl, -1).to(torch.int64).contiguous()
-            inv, off64 = 1.0 / vocab64.to(torch.float64), off.to(torch.int64).contiguous()
-            args = (ids.contiguous(), mult.contiguous(), vocab64, inv, off64)
+            args = (ids.contiguous(), mult.contiguous(), *_kernel_tables(vocab, off))
             want = out.clone()  # the op's result from the timing above
             out.zero_()
             engram_hash_tokens(*args, out)

@@ -321,6 +321,13 @@ def _validate_hash_args(ids, mult, vocab, off, out) -> None:
             )
 
 
+def _kernel_tables(vocab_sizes: torch.Tensor, offsets: torch.Tensor):
+    """The per-head tables the GPU kernels read, from validated ``vocab_sizes [L, N-1, K]`` and ``offsets
+    [L, H]`` int32: ``(vocab int64 [L, H], 1/vocab float64 [L, H], offsets int64 [L, H])``, contiguous."""
+    vocab64 = vocab_sizes.reshape(vocab_sizes.shape[0], -1).to(torch.int64).contiguous()
+    return vocab64, 1.0 / vocab64.to(torch.float64), offsets.to(torch.int64).contiguous()
+
+
 def engram_hash(
     ngram_token_ids: torch.Tensor,
     multipliers: torch.Tensor,
@@ -381,9 +388,7 @@ def engram_hash(
 
         engram_hash_tokens_cpu(ids, multipliers.contiguous(), _float_mod_table(vocab_sizes, offsets), out)
         return out
-    vocab64 = vocab_sizes.reshape(num_layers, -1).to(torch.int64).contiguous()
-    inv = 1.0 / vocab64.to(torch.float64)
-    off64 = offsets.to(torch.int64).contiguous()
+    vocab64, inv, off64 = _kernel_tables(vocab_sizes, offsets)
     if impl == "triton":
         from epkit.kernels.triton.engram_hash import engram_hash_tokens
     else:
