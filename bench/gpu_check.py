@@ -1412,6 +1412,8 @@ def _ep_loopback(ctx: Ctx, res: dict) -> None:
         buf.synchronize()
         _check(res, "EPBuffer(nvshmem) low-latency dispatch+combine: no synchronizing call", not sync_msg, sync_msg)
         _no_device_to_host_copy(res, low_latency, buf)
+        ctx.check("fused_moe")
+        _fused_moe_check(ctx, res, buf, xd, idd, wd)
         ctx.log(
             f"EPBuffer(nvshmem) world 1: dispatch+combine {out['dispatch_combine']['median_ms']:.2f} ms "
             f"({tokens} tokens), low-latency {out['low_latency']['median_ms']:.2f} ms ({n_ll} tokens)"
@@ -1419,6 +1421,38 @@ def _ep_loopback(ctx: Ctx, res: dict) -> None:
     finally:
         with contextlib.suppress(Exception):  # a failure above is the one to report
             buf.buffer.close()
+
+
+def _fused_moe_check(ctx: Ctx, res: dict, buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+    """fused_moe on ``buf`` (FP8 experts) against dispatch(expand) -> expert_mlp -> combine: bit for bit, and
+    the time of each (host-inclusive, back to back)."""
+    from epkit.collectives.ep_buffer import EPBuffer
+    from epkit.collectives.fused_moe import fused_moe
+    from epkit.moe import expert_mlp
+    from epkit.quant import per_block_cast_to_fp8
+
+    hidden, inter, local = buf.hidden, 256, buf.num_local_experts
+    g = torch.Generator().manual_seed(5)
+    w13 = per_block_cast_to_fp8((torch.randn(local, 2 * inter, hidden, generator=g) / hidden**0.5).to(x.device))
+    w2 = per_block_cast_to_fp8((torch.randn(local, hidden, inter, generator=g) / inter**0.5).to(x.device))
+    shared = (x.float() * 0.25).to(torch.bfloat16)  # stands in for the shared expert's output
+
+    def composed():
+        recv, _, _, _, handle = buf.dispatch(x, idx, w, expand=True, expert_alignment=128)
+        y = expert_mlp(recv, "contiguous", w13, w2, m_indices=EPBuffer.m_indices(handle))
+        return buf.combine(y, handle, bias=shared)
+
+    def fused():
+        return fused_moe(x, idx, w, w13, w2, buf, bias=shared, expert_alignment=128)
+
+    want, got = composed(), fused()
+    ok, detail = _bits_equal(got, want)
+    _check(res, f"fused_moe on {buf.transport} equals dispatch -> expert_mlp -> combine bit for bit", ok, detail)
+    out = res.setdefault("fused_moe", {"tokens": x.shape[0], "hidden": hidden, "inter": inter, "experts": local})
+    out["composed"] = ctx.time_wall(composed, calls=3, rounds=3)
+    out["fused"] = ctx.time_wall(fused, calls=3, rounds=3)
+    out["speedup_vs_composed"] = out["composed"]["median_ms"] / out["fused"]["median_ms"]
+    ctx.log(f"fused_moe {out['fused']['median_ms']:.2f} ms, composed {out['composed']['median_ms']:.2f} ms")
 
 
 def _no_device_to_host_copy(res: dict, call, buf) -> None:
