@@ -415,7 +415,7 @@ class EPBuffer(LowLatencyMixin):
             row += n
         ex.release()
         recv_x = recv_x.view(x.dtype).view(total, h)
-        recv_s = recv_s.view(torch.float32).view(total, -1) if recv_s is not None else None
+        recv_s = recv_s.view(torch.float32).view(total, sb // 4) if recv_s is not None else None
         return recv_x, recv_s, recv_i, recv_w
 
     def _finish_dispatch(

@@ -106,6 +106,7 @@ CASES = [
     ("hot", True, 128, False),
     ("full", True, 4, True),
     ("uneven", False, 1, True),
+    ("hot", True, 128, True),  # FP8 rows, and ranks that receive none (a reshape of 0 rows once failed)
 ]
 
 
