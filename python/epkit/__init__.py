@@ -27,6 +27,9 @@ Collectives (symmetric memory, dispatch/combine; transports shm / torch, and nvs
     ShardedEngramTable   ENP-sharded Engram rows with prefetched fetch() -> hook()
     PeerFailedError      (a TimeoutError) a peer gave up on the buffer and said so: raised without waiting
 
+Reference model (the ops assembled into the DP attention + Wide-EP forward)
+    model.DPEPModel / model.generate / model.forward_reference   (``python -m epkit.model``)
+
 Topology and experts (control plane)
     topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups
     resolve_num_extra_experts, ExpertPlacement       logical / extra / physical / local experts
@@ -39,7 +42,7 @@ Everything else (topology, experts, CP, Engram, GEMM, dispatch/combine) lands
 family by family; ``epkit info`` lists what this machine can run.
 """
 
-from epkit import backends, eplb, lockstep, quant, topology
+from epkit import backends, eplb, lockstep, model, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.fused_moe import fused_moe
@@ -102,6 +105,7 @@ __all__ = [
     # topology and experts
     "topology",
     "lockstep",
+    "model",
     "eplb",
     "ExpertPlacement",
     "logical_to_physical",

@@ -1,0 +1,748 @@
+"""A thin reference model: a DeepSeek-style MoE decoder run as DP attention + Wide-EP on epkit's ops.
+
+It exists to prove the whole chain end to end, on CPU ranks as on GPUs, not to be fast. One
+forward on every DP rank (each rank holds its own sequences; the EP group spans all ranks)::
+
+    tokens -> embedding -> per layer:
+        RMSNorm -> attention over this rank's own sequences (no communication; KV cache per sequence)
+        RMSNorm -> dense SwiGLU MLP (the first ``n_dense_layers``), or the MoE layer:
+            replicated gate: sigmoid (or softmax) scores + correction bias, group-limited top-k
+            -> logical_to_physical (redundant replicas; a replica on the token's own rank first)
+            -> prefill "normal": dispatch (FP8, expand) -> expert_mlp (contiguous) -> combine
+                                 (+ the shared expert as combine's bias)
+               prefill "fused":  fused_moe (MegaMoE-style; bit for bit the "normal" result)
+               decode "low_latency": low_latency_dispatch (FP8) -> expert_mlp (masked)
+                                 -> low_latency_combine, + the shared expert
+    -> RMSNorm -> LM head -> the last token's logits of every sequence.
+
+:func:`generate` is the engine loop around it: :class:`epkit.lockstep.LockstepDriver` (one
+all-reduce per step: liveness and the prefill vote), placeholder steps for idle ranks so every
+rank enters every dispatch/combine, greedy decoding. :meth:`DPEPModel.rebalance` feeds the tokens
+each expert received to :func:`epkit.eplb.rebalance_experts` and moves the experts.
+
+:func:`forward_reference` is the specification: the same model in one process, float64, a plain
+per-expert loop over every DP rank's sequences, with the parallel model's quantisation points
+(bf16 MoE input, FP8 weights and activations) simulated. Context parallelism and Engram are not
+part of this model (the source engine ships CP disabled; Engram has its own layer,
+:class:`epkit.EngramLayer`).
+
+Run ``python -m epkit.model`` for the textbook experiment on CPU ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epkit import eplb
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.fused_moe import fused_moe
+from epkit.experts import ExpertPlacement, logical_to_physical
+from epkit.lockstep import LockstepDriver, placeholder_batch
+from epkit.moe import expert_mlp
+from epkit.quant import (
+    dequant_per_block_fp8,
+    dequant_per_token_group_fp8,
+    per_block_cast_to_fp8,
+    per_token_group_cast_to_fp8,
+)
+
+__all__ = ["ModelArgs", "Batch", "init_weights", "DPEPModel", "generate", "forward_reference"]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Sizes of the model (small defaults: a CPU test runs it in seconds).
+
+    ``dim`` and ``moe_inter_dim`` are multiples of 128 (the FP8 groups); ``n_routed_experts`` is
+    divisible by ``n_expert_groups``, of which the gate keeps the best ``n_limited_groups``.
+    ``expert_format``: ``"fp8"`` (e4m3 weights, 128x128 block scales, FP8 dispatch) or ``"bf16"``.
+    """
+
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 3
+    n_dense_layers: int = 1
+    n_heads: int = 4
+    head_dim: int = 32
+    inter_dim: int = 512
+    moe_inter_dim: int = 128
+    n_routed_experts: int = 16
+    n_shared_experts: int = 1
+    n_activated_experts: int = 4
+    n_expert_groups: int = 4
+    n_limited_groups: int = 2
+    score_func: str = "sigmoid"
+    route_scale: float = 2.5
+    expert_format: str = "fp8"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "inter_dim", "moe_inter_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not 0 <= self.n_dense_layers < self.n_layers:
+            raise ValueError(f"n_dense_layers must be in [0, n_layers={self.n_layers}), got {self.n_dense_layers}")
+        if self.dim % 128 or self.moe_inter_dim % 128:
+            raise ValueError(f"dim ({self.dim}) and moe_inter_dim ({self.moe_inter_dim}) must be multiples of 128")
+        if self.n_expert_groups < 1 or self.n_routed_experts % self.n_expert_groups:
+            raise ValueError(
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_expert_groups "
+                f"({self.n_expert_groups})"
+            )
+        per_group = self.n_routed_experts // self.n_expert_groups
+        if not 1 <= self.n_limited_groups <= self.n_expert_groups:
+            raise ValueError(f"n_limited_groups must be in [1, {self.n_expert_groups}], got {self.n_limited_groups}")
+        if not 1 <= self.n_activated_experts <= self.n_limited_groups * per_group:
+            raise ValueError(
+                f"n_activated_experts ({self.n_activated_experts}) must be in [1, {self.n_limited_groups * per_group}]"
+                f" (the experts of n_limited_groups={self.n_limited_groups} groups)"
+            )
+        if self.n_expert_groups > 1 and per_group < 2:
+            raise ValueError("group-limited routing scores a group by its best two experts: >= 2 per group")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.score_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {self.score_func!r}")
+        if self.expert_format not in ("fp8", "bf16"):
+            raise ValueError(f"expert_format must be 'fp8' or 'bf16', got {self.expert_format!r}")
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+
+def init_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Every parameter, float32 on the CPU, from ``args.seed`` (equal on every rank, as in the textbook).
+
+    Keys: ``embed [V, D]``, ``norm [D]``, ``head [V, D]``, and per layer ``i`` under ``layers.{i}.``:
+    ``attn_norm``, ``ffn_norm [D]``, ``wq``, ``wk``, ``wv [H*hd, D]``, ``wo [D, H*hd]``; a dense layer
+    ``w13 [2*inter, D]`` (gate rows first), ``w2 [D, inter]``; a MoE layer ``gate [E, D]``,
+    ``gate_bias [E]``, ``shared_w13 [2*Is, D]``, ``shared_w2 [D, Is]`` (``Is = n_shared * moe_inter``),
+    ``experts_w13 [E, 2*I, D]``, ``experts_w2 [E, D, I]``.
+    """
+    g = torch.Generator().manual_seed(args.seed)
+    d, hd = args.dim, args.n_heads * args.head_dim
+
+    def lin(*shape):
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    def norm():
+        return 1 + 0.1 * torch.randn(d, generator=g)
+
+    w = {"embed": torch.randn(args.vocab_size, d, generator=g), "norm": norm(), "head": lin(args.vocab_size, d)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        w[p + "attn_norm"], w[p + "ffn_norm"] = norm(), norm()
+        w[p + "wq"], w[p + "wk"], w[p + "wv"], w[p + "wo"] = lin(hd, d), lin(hd, d), lin(hd, d), lin(d, hd)
+        if i < args.n_dense_layers:
+            w[p + "w13"], w[p + "w2"] = lin(2 * args.inter_dim, d), lin(d, args.inter_dim)
+            continue
+        e, inter, shared = args.n_routed_experts, args.moe_inter_dim, args.n_shared_experts * args.moe_inter_dim
+        w[p + "gate"], w[p + "gate_bias"] = lin(e, d), 0.1 * torch.randn(e, generator=g)
+        if shared:
+            w[p + "shared_w13"], w[p + "shared_w2"] = lin(2 * shared, d), lin(d, shared)
+        w[p + "experts_w13"], w[p + "experts_w2"] = lin(e, 2 * inter, d), lin(e, d, inter)
+    return w
+
+
+@dataclass
+class Batch:
+    """One step's tokens on one DP rank: ``S`` sequences packed back to back.
+
+    ``token_ids [T] int64``, ``positions [T] int64`` (position in its sequence; decode rows continue
+    the cached prefix), ``cu_seqlens [S+1] int64``, ``seq_ids`` (``S`` hashable ids keying the KV
+    cache; ``None`` = not cached, e.g. a placeholder), ``is_prompt``.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_ids: list
+    is_prompt: bool
+
+    @classmethod
+    def prefill(cls, prompts: list[list[int]], seq_ids: list) -> Batch:
+        lens = [len(p) for p in prompts]
+        return cls(
+            token_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
+            positions=torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.int64),
+            cu_seqlens=torch.tensor([0, *lens], dtype=torch.int64).cumsum(0),
+            seq_ids=list(seq_ids),
+            is_prompt=True,
+        )
+
+    @classmethod
+    def decode(cls, tokens: list[int], positions: list[int], seq_ids: list) -> Batch:
+        return cls(
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            cu_seqlens=torch.arange(len(tokens) + 1, dtype=torch.int64),
+            seq_ids=list(seq_ids),
+            is_prompt=False,
+        )
+
+    @classmethod
+    def placeholder(cls, is_prompt: bool) -> Batch:
+        """The one-token dummy batch of :func:`epkit.lockstep.placeholder_batch`, not cached."""
+        p = placeholder_batch(is_prompt)
+        return cls(p.token_ids.long(), p.positions.long(), p.cu_seqlens.long(), [None], is_prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+
+# The dense part: shared by the parallel model (float32) and the reference (float64). Attention never
+# communicates under DP attention, so it is not what the reference checks.
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = (x @ w13.T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE on ``x [T, H, hd]`` at integer positions ``pos [T]``."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    ang = (pos.double()[:, None] * freq[None, :]).to(x.dtype)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), dim=-1)
+
+
+def _attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, cache, layer: int) -> torch.Tensor:
+    """Causal attention of every sequence over its own keys (and its cached prefix)."""
+    t_num, h, hd = x.shape[0], args.n_heads, args.head_dim
+    pos = batch.positions.to(x.device)
+    q = _rope((x @ w[p + "wq"].T).view(t_num, h, hd), pos, args.rope_theta)
+    k = _rope((x @ w[p + "wk"].T).view(t_num, h, hd), pos, args.rope_theta)
+    v = (x @ w[p + "wv"].T).view(t_num, h, hd)
+    out = torch.empty_like(q)
+    cu = batch.cu_seqlens.tolist()
+    for s, sid in enumerate(batch.seq_ids):
+        lo, hi = cu[s], cu[s + 1]
+        ks, vs = k[lo:hi], v[lo:hi]
+        if cache is not None and sid is not None:
+            entry = cache.setdefault(sid, [None] * args.n_layers)
+            if entry[layer] is not None:
+                ks, vs = torch.cat((entry[layer][0], ks)), torch.cat((entry[layer][1], vs))
+            entry[layer] = (ks, vs)
+        att = torch.einsum("qhd,khd->hqk", q[lo:hi], ks) / math.sqrt(hd)
+        future = torch.arange(ks.shape[0], device=x.device)[None, :] > pos[lo:hi][:, None]
+        att = att.masked_fill(future[None], float("-inf")).softmax(-1)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", att, vs)
+    return out.reshape(t_num, h * hd) @ w[p + "wo"].T
+
+
+def _route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor):
+    """DeepSeek-V3's gate: ``(topk_idx [T, K] int64 logical ids, topk_weights [T, K] float32)``."""
+    t_num, e, groups = x.shape[0], args.n_routed_experts, args.n_expert_groups
+    scores = x @ gate.T
+    scores = scores.sigmoid() if args.score_func == "sigmoid" else scores.softmax(-1)
+    biased = scores + bias
+    if groups > 1:
+        per_group = biased.view(t_num, groups, e // groups)
+        group_score = per_group.topk(2, dim=-1).values.sum(-1)
+        keep = group_score.topk(args.n_limited_groups, dim=-1).indices
+        drop = torch.ones(t_num, groups, dtype=torch.bool, device=x.device).scatter_(1, keep, False)
+        biased = per_group.masked_fill(drop[..., None], float("-inf")).view(t_num, e)
+    idx = biased.topk(args.n_activated_experts, dim=-1).indices
+    weights = scores.gather(1, idx)
+    if args.score_func == "sigmoid":
+        weights = weights / weights.sum(-1, keepdim=True)
+    return idx, (weights * args.route_scale).float()
+
+
+def _logits(args: ModelArgs, w: dict, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    last = batch.cu_seqlens[1:].to(x.device) - 1
+    return _rms_norm(x[last], w["norm"], args.norm_eps) @ w["head"].T
+
+
+def _check_batch(args: ModelArgs, batch: Batch) -> None:
+    if not isinstance(batch, Batch):
+        raise ValueError(f"batch must be an epkit.model.Batch, got {type(batch).__name__}")
+    t_num = batch.num_tokens
+    if (
+        batch.positions.shape != (t_num,)
+        or batch.cu_seqlens.dim() != 1
+        or len(batch.seq_ids) + 1 != len(batch.cu_seqlens)
+    ):
+        raise ValueError("batch: positions [T], cu_seqlens [S+1] and S seq_ids must agree")
+    if int(batch.cu_seqlens[0]) != 0 or int(batch.cu_seqlens[-1]) != t_num:
+        raise ValueError(f"batch: cu_seqlens must run from 0 to {t_num}")
+    if t_num and not 0 <= int(batch.token_ids.min()) <= int(batch.token_ids.max()) < args.vocab_size:
+        raise ValueError(f"batch: token ids must be in [0, {args.vocab_size})")
+
+
+class DPEPModel:
+    """The model on one rank of a DP attention + Wide-EP deployment.
+
+    Parameters
+    ----------
+    args : ModelArgs
+    groups : epkit.topology.ParallelGroups
+        This rank's groups (``ParallelGroups.create(dp_size=world)``: CP 1, EP over every rank).
+        Rows live on the EP buffer's device: CPU for ``shm`` / ``torch``, the current GPU for
+        ``nvshmem`` (which also runs over gloo groups, e.g. ``device="cpu"`` groups on GPU ranks).
+    weights : dict, optional
+        :func:`init_weights` output (default: built from ``args.seed``). Each rank keeps the dense
+        weights and only its own experts.
+    transport : str
+        EPBuffer transport (``"auto"``: shm for CPU ranks on one host, nvshmem on GPUs).
+    prefill_moe : {"auto", "normal", "fused"}
+        ``auto``: ``fused`` where every EP peer is directly addressable, else ``normal``.
+    decode_moe : {"low_latency", "normal"}
+    max_tokens_per_rank : int
+        Prefill capacity: tokens one rank may bring to one forward.
+    max_decode_tokens_per_rank : int
+        Low-latency capacity: sequences one rank may decode in one step.
+    min_num_extra_experts : int
+        Redundant expert slots (padded so every rank holds as many; see
+        :func:`epkit.experts.resolve_num_extra_experts`).
+    expert_alignment : int
+        Rows per expert group in the contiguous layout are padded to this.
+    timeout : float
+        Seconds any wait on a peer may take.
+
+    Every rank must construct it with the same arguments and call :meth:`forward` with the same
+    ``is_prompt`` in the same steps (what :func:`generate` arranges): each MoE layer is a collective.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        groups,
+        *,
+        weights: dict | None = None,
+        transport: str = "auto",
+        prefill_moe: str = "auto",
+        decode_moe: str = "low_latency",
+        max_tokens_per_rank: int = 256,
+        max_decode_tokens_per_rank: int = 32,
+        min_num_extra_experts: int = 0,
+        expert_alignment: int = 128,
+        timeout: float = 30.0,
+    ):
+        if prefill_moe not in ("auto", "normal", "fused"):
+            raise ValueError(f"prefill_moe must be 'auto', 'normal' or 'fused', got {prefill_moe!r}")
+        if decode_moe not in ("low_latency", "normal"):
+            raise ValueError(f"decode_moe must be 'low_latency' or 'normal', got {decode_moe!r}")
+        if groups.sizes["cp"] != 1:
+            raise ValueError("the reference model runs without context parallelism (cp_size 1)")
+        self.args, self.groups = args, groups
+        weights = init_weights(args) if weights is None else weights
+        self.ep_size, self.ep_rank = groups.sizes["ep"], groups.ep_rank
+        self.expert_alignment = expert_alignment
+        self.max_decode_tokens_per_rank = max_decode_tokens_per_rank
+        placement = ExpertPlacement.default(args.n_routed_experts, self.ep_size, min_num_extra_experts)
+        self.placements = [placement] * args.n_moe_layers
+        self.buffer = EPBuffer(
+            groups.ep_group,
+            args.dim,
+            placement.num_physical,
+            max_tokens_per_rank,
+            args.n_activated_experts,
+            transport=transport,
+            num_max_dispatch_tokens_per_rank=max_decode_tokens_per_rank,
+            timeout=timeout,
+        )
+        #: Where activations and weights live: the EP buffer's rows' device (the GPU for nvshmem,
+        #: whatever the groups' backend; control messages always go over the gloo groups).
+        self.device = self.buffer.device
+        if prefill_moe == "auto":
+            prefill_moe = "fused" if self.buffer.is_within_domain() else "normal"
+        self.prefill_moe, self.decode_moe = prefill_moe, decode_moe
+        experts = {}
+        self.weights = {}
+        for name, t in weights.items():
+            if ".experts_" in name:
+                experts[name] = t  # every logical expert: kept on the CPU to reload after a rebalance
+            else:
+                self.weights[name] = t.to(self.device)
+        self._all_experts = {n: _quantize_experts(t, args.expert_format) for n, t in experts.items()}
+        self._load_local_experts()
+        #: Tokens this rank routed to each physical expert, per MoE layer, since the last rebalance
+        #: (counted on the rows' device, no host sync; :meth:`expert_load` sums them over the EP group).
+        self.routed_load = torch.zeros(args.n_moe_layers, placement.num_physical, dtype=torch.int64, device=self.device)
+        self.kv_cache: dict = {}
+
+    # experts
+
+    def _load_local_experts(self) -> None:
+        self.local_experts = []
+        for m, placement in enumerate(self.placements):
+            p = f"layers.{m + self.args.n_dense_layers}.experts_"
+            ids = placement.local_experts(self.ep_rank).long()
+            pair = []
+            for kind in ("w13", "w2"):
+                full = self._all_experts[p + kind]
+                pair.append(
+                    tuple(t[ids].to(self.device) for t in full)
+                    if isinstance(full, tuple)
+                    else full[ids].to(self.device)
+                )
+            self.local_experts.append(tuple(pair))
+        self._placements_dev = [pl.to(self.device) for pl in self.placements]
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens routed to each logical expert since the last rebalance, ``[n_moe_layers, E]`` int64.
+
+        Collective over the EP group: every rank's routed counts, summed (what each physical expert
+        received), folded through each layer's ``phy2log``; equal on every rank.
+        """
+        physical = self.routed_load.to("cpu", copy=True)  # all_reduce works in place
+        dist.all_reduce(physical, group=self.groups.cpu_groups["ep"])
+        out = torch.zeros(self.args.n_moe_layers, self.args.n_routed_experts, dtype=torch.int64)
+        for m, placement in enumerate(self.placements):
+            out[m].index_add_(0, placement.phy2log.long(), physical[m])
+        return out
+
+    def rebalance(self) -> list[ExpertPlacement]:
+        """EPLB: place the experts (and their replicas) by the load measured since the last rebalance.
+
+        Collective over the EP group. Each layer's new placement comes from
+        :func:`epkit.eplb.rebalance_experts` (one node, the gate's expert groups); every rank then
+        holds the experts of its new slots. Returns the new placements.
+        """
+        load = self.expert_load()
+        num_physical = self.placements[0].num_physical
+        groups = self.args.n_expert_groups
+        phy2log, _, _ = eplb.rebalance_experts(load, num_physical, groups, 1, self.ep_size)
+        self.placements = [
+            ExpertPlacement.from_phy2log(phy2log[m].to(torch.int32), self.args.n_routed_experts, self.ep_size)
+            for m in range(self.args.n_moe_layers)
+        ]
+        self._load_local_experts()
+        self.routed_load.zero_()
+        return self.placements
+
+    # forward
+
+    def _moe(self, m: int, x: torch.Tensor, is_prompt: bool) -> torch.Tensor:
+        args, p = self.args, f"layers.{m + self.args.n_dense_layers}."
+        w = self.weights
+        idx, weights = _route(args, x, w[p + "gate"], w[p + "gate_bias"])
+        phys = logical_to_physical(idx, self._placements_dev[m], self.ep_rank, token_offset=self.ep_rank)
+        flat = phys.reshape(-1).long()
+        self.routed_load[m].index_add_(0, flat.clamp(min=0), (flat >= 0).long())
+        shared = _swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]) if args.n_shared_experts else None
+        xb = x.to(torch.bfloat16)
+        w13, w2 = self.local_experts[m]
+        fp8 = args.expert_format == "fp8"
+        mode = self.prefill_moe if is_prompt else self.decode_moe
+        if mode == "low_latency":
+            n_max = self.max_decode_tokens_per_rank
+            recv, count, handle, _ = self.buffer.low_latency_dispatch(xb, phys, n_max, use_fp8=fp8)
+            y = expert_mlp(recv, "masked", w13, w2, masked_m=count, expected_m=max(1, n_max))
+            out = self.buffer.low_latency_combine(y, phys, weights, handle).float()
+            return out if shared is None else out + shared.to(torch.bfloat16).float()
+        bias = None if shared is None else shared.to(torch.bfloat16)
+        if mode == "fused":
+            out = fused_moe(xb, phys, weights, w13, w2, self.buffer, bias=bias, expert_alignment=self.expert_alignment)
+        else:
+            inp = per_token_group_cast_to_fp8(xb) if fp8 else xb
+            recv, _, _, _, handle = self.buffer.dispatch(
+                inp, phys, weights, expert_alignment=self.expert_alignment, expand=True
+            )
+            y = expert_mlp(recv, "contiguous", w13, w2, m_indices=EPBuffer.m_indices(handle))
+            out = self.buffer.combine(y, handle, bias=bias)
+        return out.float()
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """One step on this rank (collective over the EP group).
+
+        Returns
+        -------
+        Tensor [S, vocab_size] float32: the logits of every sequence's last token.
+        """
+        _check_batch(self.args, batch)
+        args, w = self.args, self.weights
+        x = w["embed"][batch.token_ids.to(self.device)]
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            x = x + _attention(args, w, p, _rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, self.kv_cache, i)
+            h = _rms_norm(x, w[p + "ffn_norm"], args.norm_eps)
+            if i < args.n_dense_layers:
+                x = x + _swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
+            else:
+                x = x + self._moe(i - args.n_dense_layers, h, batch.is_prompt)
+        return _logits(args, w, x, batch)
+
+    def release(self, seq_id) -> None:
+        """Drop a finished sequence's KV cache."""
+        self.kv_cache.pop(seq_id, None)
+
+    def close(self) -> None:
+        """Free the EP buffer (collective on nvshmem)."""
+        self.buffer.close()
+
+
+def _quantize_experts(w: torch.Tensor, fmt: str):
+    return per_block_cast_to_fp8(w) if fmt == "fp8" else w.to(torch.bfloat16)
+
+
+def generate(
+    model: DPEPModel,
+    prompts: list[list[int]],
+    max_new_tokens,
+    *,
+    prefill_attempt_interval: int = 1,
+    prefill_any_attempt_interval: int = 16,
+    max_steps: int = 100_000,
+) -> tuple[list[list[int]], dict]:
+    """Greedy generation for this rank's prompts, in lockstep with every DP rank (collective).
+
+    Each step, one all-reduce decides whether any rank still has work and whether the group
+    prefills (:class:`epkit.lockstep.LockstepDriver`); a rank with nothing of that kind to run
+    runs a placeholder batch, so every rank enters every dispatch/combine. A prefill step admits
+    pending prompts while they fit the prefill capacity and the decode capacity (a rank whose
+    decode slots are full does not ask for prefill). No end-of-sequence token: each prompt gets
+    exactly its ``max_new_tokens``.
+
+    Parameters
+    ----------
+    model : DPEPModel
+    prompts : list of lists of token ids (this rank's requests; may be empty)
+    max_new_tokens : int or list of int (per prompt), >= 1
+    prefill_attempt_interval, prefill_any_attempt_interval : int
+        The prefill vote's intervals (see :class:`epkit.lockstep.PrefillVote`).
+    max_steps : int
+        Safety bound on the number of steps.
+
+    Returns
+    -------
+    (tokens, stats): the generated ids per prompt, and ``{"steps", "prefill_steps",
+    "placeholder_steps", "tokens"}`` for this rank (``tokens``: every token it forwarded,
+    placeholders included).
+    """
+    n = len(prompts)
+    budget = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budget) != n or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budget):
+        raise ValueError(f"max_new_tokens must be an int >= 1 or one per prompt, got {max_new_tokens!r}")
+    cap = model.buffer.num_max_tokens_per_rank
+    for i, p in enumerate(prompts):
+        if not 1 <= len(p) <= cap:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; each must have 1..{cap} (the prefill capacity)")
+    driver = LockstepDriver(model.groups.cpu_dp_group, prefill_attempt_interval, prefill_any_attempt_interval)
+    pending, running = deque(range(n)), []
+    out: list[list[int]] = [[] for _ in range(n)]
+    stats = {"steps": 0, "prefill_steps": 0, "placeholder_steps": 0, "tokens": 0}
+    decode_cap = model.max_decode_tokens_per_rank if model.decode_moe == "low_latency" else cap
+    while True:
+        plan = driver.next_step(
+            has_unfinished=bool(pending or running),
+            # only a prompt this rank could admit now counts: a full rank that voted for prefill could
+            # hold every rank in prefill steps it cannot use while its own sequences never decode
+            has_pending_prefill=bool(pending) and len(running) < decode_cap,
+            has_running_decode=bool(running),
+        )
+        if plan is None:
+            return out, stats
+        stats["steps"] += 1
+        if stats["steps"] > max_steps:
+            raise RuntimeError(f"generate: more than max_steps={max_steps} steps")
+        if plan.is_prefill:
+            stats["prefill_steps"] += 1
+            admitted, tokens = [], 0
+            while pending and tokens + len(prompts[pending[0]]) <= cap and len(running) + len(admitted) < decode_cap:
+                tokens += len(prompts[pending[0]])
+                admitted.append(pending.popleft())
+            batch = Batch.prefill([prompts[i] for i in admitted], admitted) if admitted else None
+            active = admitted
+        else:
+            active = list(running)
+            batch = (
+                Batch.decode([out[i][-1] for i in active], [len(prompts[i]) + len(out[i]) - 1 for i in active], active)
+                if active
+                else None
+            )
+        if batch is None:
+            stats["placeholder_steps"] += 1
+            batch = Batch.placeholder(plan.is_prefill)
+            stats["tokens"] += batch.num_tokens
+            model.forward(batch)  # its output is discarded
+            continue
+        stats["tokens"] += batch.num_tokens
+        next_ids = model.forward(batch).argmax(-1).tolist()
+        for i, t in zip(active, next_ids):
+            out[i].append(int(t))
+            if plan.is_prefill:
+                running.append(i)
+        for i in active:
+            if len(out[i]) >= budget[i]:
+                running.remove(i)
+                model.release(i)
+
+
+# Reference
+
+
+def _fake_fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Activations through the grouped GEMM's FP8 format (per token, per 128), back to x's dtype."""
+    q, s = per_token_group_cast_to_fp8(x.float())
+    return dequant_per_token_group_fp8(q, s).to(x.dtype)
+
+
+def _moe_reference(args: ModelArgs, w: dict, experts: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+    idx, weights = _route(args, x, w[p + "gate"], w[p + "gate_bias"])
+    xe = x.to(torch.bfloat16).to(x.dtype)
+    if args.expert_format == "fp8":
+        xe = _fake_fp8_rows(xe)
+    w13, w2 = experts[p + "experts_w13"], experts[p + "experts_w2"]
+    out = torch.zeros_like(x)
+    for e in range(args.n_routed_experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if not tok.numel():
+            continue
+        gate, up = (xe[tok] @ w13[e].T).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        if args.expert_format == "fp8":
+            act = _fake_fp8_rows(act)
+        y = _bf16(act @ w2[e].T)  # expert_mlp's output rows are bf16
+        out.index_add_(0, tok, weights[tok, slot].to(x.dtype)[:, None] * y)
+    if args.n_shared_experts:
+        out = out + _bf16(_swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]))
+    return _bf16(out)  # combine returns bf16
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+@torch.no_grad()
+def forward_reference(
+    args: ModelArgs, sequences: list[list[int]], weights: dict | None = None, dtype: torch.dtype = torch.float64
+) -> list[torch.Tensor]:
+    """The specification: every sequence (all DP ranks') through the model in one process.
+
+    Plain torch in ``dtype`` (default float64), a per-expert loop, no parallelism. The expert
+    weights are the parallel model's (FP8 block-quantized, or bf16), and the activations take the
+    same quantisation points: the MoE input, each expert's output rows, the shared expert's output
+    and the MoE layer's output through bf16 and, for FP8 experts, the expert inputs and the SwiGLU
+    output through per-token FP8. Sums stay in ``dtype`` (the parallel model rounds partial sums
+    and accumulates in float32: the two differ by rounding only).
+
+    Returns
+    -------
+    list of Tensor [len(seq), vocab_size] in ``dtype``: the logits at every position.
+    """
+    weights = init_weights(args) if weights is None else weights
+    w, experts = {}, {}
+    for name, t in weights.items():
+        if ".experts_" in name:
+            q = _quantize_experts(t, args.expert_format)
+            experts[name] = (dequant_per_block_fp8(*q) if isinstance(q, tuple) else q.float()).to(dtype)
+        else:
+            w[name] = t.to(dtype)
+    outs = []
+    for seq in sequences:
+        batch = Batch.prefill([seq], [None])
+        _check_batch(args, batch)
+        x = w["embed"][batch.token_ids]
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            x = x + _attention(args, w, p, _rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, None, i)
+            h = _rms_norm(x, w[p + "ffn_norm"], args.norm_eps)
+            x = x + (
+                _swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
+                if i < args.n_dense_layers
+                else _moe_reference(args, w, experts, p, h)
+            )
+        outs.append(_rms_norm(x, w["norm"], args.norm_eps) @ w["head"].T)
+    return outs
+
+
+# The textbook experiment (``python -m epkit.model``)
+
+
+def _demo_prompts(rank: int, num_requests: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    n = int(torch.randint(0, num_requests + 1, (1,), generator=g))  # uneven, possibly none
+    prompts = [
+        torch.randint(0, ModelArgs().vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+    budget = [int(torch.randint(1, 9, (1,), generator=g)) for _ in range(n)]
+    return prompts, budget
+
+
+def _demo_rank(rank: int, world_size: int, transport: str, num_requests: int, seed: int) -> dict:
+    import time
+
+    from epkit.topology import ParallelGroups
+
+    groups = ParallelGroups.create(dp_size=world_size, device="cpu")
+    model = DPEPModel(ModelArgs(), groups, transport=transport, min_num_extra_experts=world_size)
+    prompts, budget = _demo_prompts(rank, num_requests, seed)
+    t0 = time.perf_counter()
+    tokens, stats = generate(model, prompts, budget)
+    stats["seconds"] = time.perf_counter() - t0
+    stats["prefill_moe"], stats["transport"] = model.prefill_moe, model.buffer.transport
+    load = model.expert_load()
+    model.close()
+    return {"prompts": prompts, "tokens": tokens, "stats": stats, "load": load}
+
+
+def _main(argv=None) -> int:
+    import argparse
+
+    from epkit.testing.multiprocess import run_ranks
+
+    ap = argparse.ArgumentParser(
+        prog="python -m epkit.model",
+        description="DP attention + Wide-EP generation on CPU ranks, checked against the one-process float64 model.",
+    )
+    ap.add_argument("--world", type=int, default=4, help="ranks (DP = EP = world; default 4)")
+    ap.add_argument("--transport", default="auto", choices=["auto", "shm", "torch"])
+    ap.add_argument("--requests", type=int, default=3, help="at most this many requests per rank (default 3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    a = ap.parse_args(argv)
+    res = run_ranks(_demo_rank, a.world, a.transport, a.requests, a.seed, timeout=a.timeout)
+    args = ModelArgs()
+    seqs = [(p, o) for r in res for p, o in zip(r["prompts"], r["tokens"])]
+    ref = forward_reference(args, [p + o[:-1] for p, o in seqs])
+    exact = total = 0
+    worst = 0.0
+    for (p, o), lg in zip(seqs, ref):
+        lg = lg[len(p) - 1 :]
+        chosen = lg.gather(1, torch.tensor(o)[:, None])[:, 0]
+        worst = max(worst, float((lg.max(-1).values - chosen).max()))
+        exact += int((lg.argmax(-1) == torch.tensor(o)).sum())
+        total += len(o)
+    s0 = res[0]["stats"]
+    print(
+        f"{a.world} ranks, transport {s0['transport']}, prefill MoE {s0['prefill_moe']}, decode MoE low_latency; "
+        f"{args.n_routed_experts} experts (+ redundant), top-{args.n_activated_experts}"
+    )
+    print("rank  requests  tokens out  steps  prefill  placeholder  tokens forwarded  s")
+    for r, out in enumerate(res):
+        st = out["stats"]
+        print(
+            f"{r:4d}  {len(out['prompts']):8d}  {sum(len(o) for o in out['tokens']):10d}  {st['steps']:5d}  "
+            f"{st['prefill_steps']:7d}  {st['placeholder_steps']:11d}  {st['tokens']:16d}  {st['seconds']:.2f}"
+        )
+    load = res[0]["load"].sum(0)
+    print(f"tokens per logical expert (all MoE layers): {load.tolist()}")
+    print(
+        f"greedy tokens equal to the float64 reference's argmax: {exact}/{total}; largest gap between the "
+        f"reference's best logit and the chosen token's: {worst:.4f}"
+    )
+    return 0 if worst < 0.15 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
