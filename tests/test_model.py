@@ -38,15 +38,15 @@ def _prefill_decode(rank, world_size, fmt, transport):
     logits = m.forward(step)
     out = {"prompts": prompts, "prefill": logits if prompts else None}
     if m.buffer.is_within_domain():
-        cache, m.kv_cache = m.kv_cache, {}
+        saved = {k: v.copy() for k, v in m.cache.items()}
         m.prefill_moe = "fused"
         assert_bitwise_equal(m.forward(step), logits, f"{rank=} fused vs normal prefill")
-        m.kv_cache = cache
+        m.cache = saved
     nxt = logits.argmax(-1).tolist() if prompts else []
     dec = Batch.decode(nxt, [len(p) for p in prompts], ids) if prompts else Batch.placeholder(False)
-    cache = {k: list(v) for k, v in m.kv_cache.items()}
+    saved = {k: v.copy() for k, v in m.cache.items()}
     out["next"], out["decode"] = nxt, m.forward(dec)
-    m.kv_cache, m.decode_moe = cache, "normal"
+    m.cache, m.decode_moe = saved, "normal"
     out["decode_normal"] = m.forward(dec)
     m.close()
     return out
@@ -232,7 +232,7 @@ def _gpu_model(rank, world_size):
     prompts = PROMPTS[0]
     step = Batch.prefill(prompts, [0, 1, 2])
     fused = m.forward(step)
-    m.kv_cache, m.prefill_moe = {}, "normal"
+    m.prefill_moe = "normal"  # the prompts start afresh
     normal = m.forward(step)
     assert_bitwise_equal(fused.cpu(), normal.cpu(), "fused vs normal prefill on the GPU")
     nxt = normal.argmax(-1).tolist()

@@ -3,7 +3,9 @@
 It exists to prove the whole chain end to end, on CPU ranks as on GPUs, not to be fast. One
 forward on every DP rank (each rank holds its own sequences; the EP group spans all ranks)::
 
-    tokens -> embedding -> per layer:
+    tokens -> Engram: hash_tokens -> ShardedEngramTable.fetch (ENP all-to-all, started before layer 0)
+           -> embedding -> per layer:
+        an Engram layer (``engram_layer_ids``): the fetched rows through EngramLayer, added to the stream
         RMSNorm -> attention over this rank's own sequences (no communication; KV cache per sequence)
         RMSNorm -> dense SwiGLU MLP (the first ``n_dense_layers``), or the MoE layer:
             replicated gate: sigmoid (or softmax) scores + correction bias, group-limited top-k
@@ -22,9 +24,9 @@ each expert received to :func:`epkit.eplb.rebalance_experts` and moves the exper
 
 :func:`forward_reference` is the specification: the same model in one process, float64, a plain
 per-expert loop over every DP rank's sequences, with the parallel model's quantisation points
-(bf16 MoE input, FP8 weights and activations) simulated. Context parallelism and Engram are not
-part of this model (the source engine ships CP disabled; Engram has its own layer,
-:class:`epkit.EngramLayer`).
+(bf16 MoE input, FP8 weights and activations) simulated, and the Engram tables whole. Context
+parallelism is not part of this model (the source engine ships it disabled; ``epkit.cp`` and
+``epkit.collectives.cp`` have their own end-to-end tests).
 
 Run ``python -m epkit.model`` for the textbook experiment on CPU ranks.
 """
@@ -41,6 +43,9 @@ import torch.distributed as dist
 from epkit import eplb
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.fused_moe import fused_moe
+from epkit.engram import EngramConfig, hash_tokens
+from epkit.engram_layer import EngramLayer
+from epkit.engram_table import ShardedEngramTable
 from epkit.experts import ExpertPlacement, logical_to_physical
 from epkit.lockstep import LockstepDriver, placeholder_batch
 from epkit.moe import expert_mlp
@@ -81,6 +86,11 @@ class ModelArgs:
     expert_format: str = "fp8"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    engram_layer_ids: tuple[int, ...] = (1,)
+    engram_max_ngram: int = 3
+    engram_heads_per_ngram: int = 2
+    engram_embed_per_ngram: int = 64
+    engram_table_size: int = 1009
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -113,17 +123,50 @@ class ModelArgs:
             raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {self.score_func!r}")
         if self.expert_format not in ("fp8", "bf16"):
             raise ValueError(f"expert_format must be 'fp8' or 'bf16', got {self.expert_format!r}")
+        ids = tuple(self.engram_layer_ids)
+        if len(set(ids)) != len(ids) or any(not 0 <= i < self.n_layers for i in ids):
+            raise ValueError(f"engram_layer_ids must be distinct layers in [0, {self.n_layers}), got {ids}")
+        object.__setattr__(self, "engram_layer_ids", tuple(sorted(ids)))
+        if ids:
+            engram_config(self)  # EngramConfig checks the Engram sizes
 
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.n_dense_layers
 
 
+def engram_config(args: ModelArgs) -> EngramConfig:
+    """The :class:`epkit.EngramConfig` of the model's Engram layers (hashes of the raw token ids)."""
+    return EngramConfig(
+        vocab_size=args.vocab_size,
+        max_ngram_size=args.engram_max_ngram,
+        n_head_per_ngram=args.engram_heads_per_ngram,
+        n_embed_per_ngram=args.engram_embed_per_ngram,
+        layer_ids=args.engram_layer_ids,
+        pad_id=min(2, args.vocab_size - 1),
+        seed=args.seed,
+        ngram_vocab_sizes=(args.engram_table_size,) * (args.engram_max_ngram - 1),
+    )
+
+
+def _engram_layer(args: ModelArgs, w: dict, i: int, dtype: torch.dtype, device=None) -> EngramLayer:
+    """Layer ``i``'s EngramLayer (no table: rows come from the sharded table) with the weights of ``w``."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    layer = torch.nn.utils.skip_init(
+        EngramLayer, engram_config(args), i, args.dim, with_table=False, device=device, dtype=dtype
+    )
+    p = f"layers.{i}.engram."
+    layer.load_state_dict({n: w[p + n].to(device=device, dtype=dtype) for n, _ in layer.named_parameters()})
+    return layer
+
+
 def init_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
     """Every parameter, float32 on the CPU, from ``args.seed`` (equal on every rank, as in the textbook).
 
     Keys: ``embed [V, D]``, ``norm [D]``, ``head [V, D]``, and per layer ``i`` under ``layers.{i}.``:
-    ``attn_norm``, ``ffn_norm [D]``, ``wq``, ``wk``, ``wv [H*hd, D]``, ``wo [D, H*hd]``; a dense layer
+    ``attn_norm``, ``ffn_norm [D]``, ``wq``, ``wk``, ``wv [H*hd, D]``, ``wo [D, H*hd]``; an Engram
+    layer's ``engram.<parameter>`` (:class:`epkit.EngramLayer`'s) and ``engram_table [rows, head_dim]``
+    (bf16 values); a dense layer
     ``w13 [2*inter, D]`` (gate rows first), ``w2 [D, inter]``; a MoE layer ``gate [E, D]``,
     ``gate_bias [E]``, ``shared_w13 [2*Is, D]``, ``shared_w2 [D, Is]`` (``Is = n_shared * moe_inter``),
     ``experts_w13 [E, 2*I, D]``, ``experts_w2 [E, D, I]``.
@@ -141,6 +184,21 @@ def init_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
     for i in range(args.n_layers):
         p = f"layers.{i}."
         w[p + "attn_norm"], w[p + "ffn_norm"] = norm(), norm()
+        if i in args.engram_layer_ids:
+            shape = EngramLayer(engram_config(args), i, d, with_table=False, device="meta")
+            for name, t in shape.named_parameters():
+                if name.endswith("norm.weight"):
+                    v = 1 + 0.1 * torch.randn(t.shape, generator=g)
+                elif name.endswith(".bias"):
+                    v = 0.02 * torch.randn(t.shape, generator=g)
+                elif name == "conv.weight":
+                    v = 0.3 * torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+                else:
+                    v = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+                w[p + "engram." + name] = v
+            # the table's rows are bf16 values (the table is stored in bf16)
+            rows = torch.randn(shape.num_rows, shape.config.head_dim, generator=g)
+            w[p + "engram_table"] = rows.to(torch.bfloat16).float()
         w[p + "wq"], w[p + "wk"], w[p + "wv"], w[p + "wo"] = lin(hd, d), lin(hd, d), lin(hd, d), lin(d, hd)
         if i < args.n_dense_layers:
             w[p + "w13"], w[p + "w2"] = lin(2 * args.inter_dim, d), lin(d, args.inter_dim)
@@ -223,7 +281,10 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def _attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, cache, layer: int) -> torch.Tensor:
-    """Causal attention of every sequence over its own keys (and its cached prefix)."""
+    """Causal attention of every sequence over its own keys (and its cached prefix).
+
+    ``cache``: None, or a dict ``seq_id -> _SeqCache`` whose ``kv[layer]`` this reads and extends.
+    """
     t_num, h, hd = x.shape[0], args.n_heads, args.head_dim
     pos = batch.positions.to(x.device)
     q = _rope((x @ w[p + "wq"].T).view(t_num, h, hd), pos, args.rope_theta)
@@ -235,7 +296,7 @@ def _attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, 
         lo, hi = cu[s], cu[s + 1]
         ks, vs = k[lo:hi], v[lo:hi]
         if cache is not None and sid is not None:
-            entry = cache.setdefault(sid, [None] * args.n_layers)
+            entry = cache[sid].kv
             if entry[layer] is not None:
                 ks, vs = torch.cat((entry[layer][0], ks)), torch.cat((entry[layer][1], vs))
             entry[layer] = (ks, vs)
@@ -284,6 +345,24 @@ def _check_batch(args: ModelArgs, batch: Batch) -> None:
         raise ValueError(f"batch: cu_seqlens must run from 0 to {t_num}")
     if t_num and not 0 <= int(batch.token_ids.min()) <= int(batch.token_ids.max()) < args.vocab_size:
         raise ValueError(f"batch: token ids must be in [0, {args.vocab_size})")
+
+
+@dataclass
+class _SeqCache:
+    """What a running sequence keeps between steps: each layer's keys and values, and for the Engram
+    layers the last ``N - 1`` token ids (the next n-grams) and the last rows of their inputs (the
+    causal convolution's window)."""
+
+    kv: list
+    tokens: list
+    engram: dict
+
+    @classmethod
+    def new(cls, num_layers: int) -> _SeqCache:
+        return cls([None] * num_layers, [], {})
+
+    def copy(self) -> _SeqCache:
+        return _SeqCache(list(self.kv), list(self.tokens), dict(self.engram))
 
 
 class DPEPModel:
@@ -369,14 +448,25 @@ class DPEPModel:
         for name, t in weights.items():
             if ".experts_" in name:
                 experts[name] = t  # every logical expert: kept on the CPU to reload after a rebalance
-            else:
+            elif ".engram" not in name:
                 self.weights[name] = t.to(self.device)
+        #: Engram layers (by layer index) and their ENP-sharded tables (bf16 rows in CPU memory, as the
+        #: source engine keeps its 400M-row tables; rows are fetched before the first layer).
+        self.engram, self.engram_tables = {}, {}
+        for i in args.engram_layer_ids:
+            self.engram[i] = _engram_layer(args, weights, i, torch.float32, self.device)
+            full = weights[f"layers.{i}.engram_table"]
+            table = ShardedEngramTable(full.shape[0], full.shape[1], group=groups, timeout=timeout)
+            table.load_rows(table.row_start, full[table.row_start : table.row_start + table.num_per_part])
+            self.engram_tables[i] = table
+        self.engram_config = engram_config(args) if args.engram_layer_ids else None
         self._all_experts = {n: _quantize_experts(t, args.expert_format) for n, t in experts.items()}
         self._load_local_experts()
         #: Tokens this rank routed to each physical expert, per MoE layer, since the last rebalance
         #: (counted on the rows' device, no host sync; :meth:`expert_load` sums them over the EP group).
         self.routed_load = torch.zeros(args.n_moe_layers, placement.num_physical, dtype=torch.int64, device=self.device)
-        self.kv_cache: dict = {}
+        #: Running sequences' state (``seq_id -> _SeqCache``); :meth:`release` drops one.
+        self.cache: dict = {}
 
     # experts
 
@@ -470,10 +560,18 @@ class DPEPModel:
         """
         _check_batch(self.args, batch)
         args, w = self.args, self.weights
+        for sid in batch.seq_ids:
+            if sid is not None and (batch.is_prompt or sid not in self.cache):
+                if not batch.is_prompt:
+                    raise ValueError(f"batch: decode of sequence {sid!r}, which has no prefill on this rank")
+                self.cache[sid] = _SeqCache.new(args.n_layers)  # a prompt starts its sequence afresh
+        hooks = self._engram_fetch(batch)  # before the first layer: hashes need only the token ids
         x = w["embed"][batch.token_ids.to(self.device)]
         for i in range(args.n_layers):
             p = f"layers.{i}."
-            x = x + _attention(args, w, p, _rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, self.kv_cache, i)
+            if i in hooks:
+                x = x + self._engram_apply(i, x, hooks[i](), batch)
+            x = x + _attention(args, w, p, _rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, self.cache, i)
             h = _rms_norm(x, w[p + "ffn_norm"], args.norm_eps)
             if i < args.n_dense_layers:
                 x = x + _swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
@@ -481,9 +579,55 @@ class DPEPModel:
                 x = x + self._moe(i - args.n_dense_layers, h, batch.is_prompt)
         return _logits(args, w, x, batch)
 
+    # Engram
+
+    def _engram_fetch(self, batch: Batch) -> dict:
+        """Hash every token's n-grams and start fetching its rows of each Engram layer's table.
+
+        Collective over the ENP group (every rank fetches once per Engram layer, in layer order).
+        Decode rows continue their sequence: their n-grams include the cached previous tokens.
+        """
+        if not self.engram:
+            return {}
+        cfg = self.engram_config
+        ids, cus = batch.token_ids.tolist(), batch.cu_seqlens.tolist()
+        toks, cu, keep = [], [0], []
+        for s, sid in enumerate(batch.seq_ids):
+            st = self.cache.get(sid) if sid is not None else None
+            ctx = st.tokens if st is not None else []
+            seq = ids[cus[s] : cus[s + 1]]
+            keep.extend(range(len(toks) + len(ctx), len(toks) + len(ctx) + len(seq)))
+            toks += ctx + seq
+            cu.append(len(toks))
+            if st is not None:
+                st.tokens = (ctx + seq)[-(cfg.max_ngram_size - 1) :]
+        rows = hash_tokens(torch.tensor(toks, dtype=torch.int32), torch.tensor(cu), cfg)[:, keep]
+        return {i: self.engram_tables[i].fetch(rows[li]) for li, i in enumerate(cfg.layer_ids)}
+
+    def _engram_apply(self, i: int, x: torch.Tensor, emb: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Layer ``i``'s Engram output for this step's rows; decode rows see their sequence's window."""
+        layer = self.engram[i]
+        span = (layer.kernel_size - 1) * layer.dilation  # earlier rows the causal convolution reads
+        emb = emb.to(self.device, torch.float32)
+        cus = batch.cu_seqlens.tolist()
+        hs, es, cu, keep = [], [], [0], []
+        for s, sid in enumerate(batch.seq_ids):
+            lo, hi = cus[s], cus[s + 1]
+            st = self.cache.get(sid) if sid is not None else None
+            hist_h, hist_e = st.engram.get(i, (x[:0], emb[:0])) if st is not None else (x[:0], emb[:0])
+            h_all, e_all = torch.cat((hist_h, x[lo:hi])), torch.cat((hist_e, emb[lo:hi]))
+            keep.extend(range(cu[-1] + hist_h.shape[0], cu[-1] + h_all.shape[0]))
+            hs.append(h_all)
+            es.append(e_all)
+            cu.append(cu[-1] + h_all.shape[0])
+            if st is not None:
+                st.engram[i] = (h_all[-span:], e_all[-span:])
+        out = layer(torch.cat(hs), embeddings=torch.cat(es), cu_seqlens=torch.tensor(cu))
+        return out[torch.tensor(keep, dtype=torch.int64, device=out.device)]
+
     def release(self, seq_id) -> None:
-        """Drop a finished sequence's KV cache."""
-        self.kv_cache.pop(seq_id, None)
+        """Drop a finished sequence's state (KV cache, Engram window)."""
+        self.cache.pop(seq_id, None)
 
     def close(self) -> None:
         """Free the EP buffer (collective on nvshmem)."""
@@ -628,7 +772,8 @@ def forward_reference(
 ) -> list[torch.Tensor]:
     """The specification: every sequence (all DP ranks') through the model in one process.
 
-    Plain torch in ``dtype`` (default float64), a per-expert loop, no parallelism. The expert
+    Plain torch in ``dtype`` (default float64), a per-expert loop, no parallelism, the Engram
+    tables whole (rows from ``table[hash_tokens(...)]``), each sequence in one pass. The expert
     weights are the parallel model's (FP8 block-quantized, or bf16), and the activations take the
     same quantisation points: the MoE input, each expert's output rows, the shared expert's output
     and the MoE layer's output through bf16 and, for FP8 experts, the expert inputs and the SwiGLU
@@ -641,6 +786,7 @@ def forward_reference(
     """
     weights = init_weights(args) if weights is None else weights
     w, experts = {}, {}
+    engram = {i: _engram_layer(args, weights, i, dtype) for i in args.engram_layer_ids}
     for name, t in weights.items():
         if ".experts_" in name:
             q = _quantize_experts(t, args.expert_format)
@@ -652,8 +798,14 @@ def forward_reference(
         batch = Batch.prefill([seq], [None])
         _check_batch(args, batch)
         x = w["embed"][batch.token_ids]
+        if engram:
+            rows = hash_tokens(batch.token_ids.to(torch.int32), batch.cu_seqlens, engram_config(args)).long()
         for i in range(args.n_layers):
             p = f"layers.{i}."
+            if i in engram:
+                table = w[p + "engram_table"]
+                li = args.engram_layer_ids.index(i)
+                x = x + engram[i](x, embeddings=table[rows[li]], cu_seqlens=batch.cu_seqlens)
             x = x + _attention(args, w, p, _rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, None, i)
             h = _rms_norm(x, w[p + "ffn_norm"], args.norm_eps)
             x = x + (
