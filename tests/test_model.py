@@ -37,17 +37,20 @@ def _prefill_decode(rank, world_size, fmt, transport):
     step = Batch.prefill(prompts, ids) if prompts else Batch.placeholder(True)
     logits = m.forward(step)
     out = {"prompts": prompts, "prefill": logits if prompts else None}
-    if m.buffer.is_within_domain():
-        saved = {k: v.copy() for k, v in m.cache.items()}
-        m.prefill_moe = "fused"
-        assert_bitwise_equal(m.forward(step), logits, f"{rank=} fused vs normal prefill")
-        m.cache = saved
+    saved = {k: v.copy() for k, v in m.cache.items()}
+    modes = ["reference", "fused"] if m.buffer.is_within_domain() else ["reference"]
+    for mode in modes:  # the textbook exchange and the fused op give what EPBuffer gave, bit for bit
+        m.prefill_moe = mode
+        assert_bitwise_equal(m.forward(step), logits, f"{rank=} {mode} vs normal prefill")
+    m.cache = saved
     nxt = logits.argmax(-1).tolist() if prompts else []
     dec = Batch.decode(nxt, [len(p) for p in prompts], ids) if prompts else Batch.placeholder(False)
     saved = {k: v.copy() for k, v in m.cache.items()}
     out["next"], out["decode"] = nxt, m.forward(dec)
-    m.cache, m.decode_moe = saved, "normal"
+    m.cache, m.decode_moe = {k: v.copy() for k, v in saved.items()}, "normal"
     out["decode_normal"] = m.forward(dec)
+    m.cache, m.decode_moe = {k: v.copy() for k, v in saved.items()}, "reference"
+    assert_bitwise_equal(m.forward(dec), out["decode_normal"], f"{rank=} reference vs normal decode")
     m.close()
     return out
 

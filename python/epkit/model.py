@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from epkit import eplb
 from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.ep_reference import reference_combine, reference_dispatch
 from epkit.collectives.fused_moe import fused_moe
 from epkit.engram import EngramConfig, hash_tokens
 from epkit.engram_layer import EngramLayer
@@ -380,9 +381,12 @@ class DPEPModel:
         weights and only its own experts.
     transport : str
         EPBuffer transport (``"auto"``: shm for CPU ranks on one host, nvshmem on GPUs).
-    prefill_moe : {"auto", "normal", "fused"}
+    prefill_moe : {"auto", "normal", "fused", "reference"}
         ``auto``: ``fused`` where every EP peer is directly addressable, else ``normal``.
-    decode_moe : {"low_latency", "normal"}
+        ``reference``: the textbook exchange (:mod:`epkit.collectives.ep_reference`, two
+        ``all_to_all_single`` per direction; bf16 rows on the wire, quantized at the experts), the
+        same result as ``normal`` bit for bit: the peer the benchmark measures EPBuffer against.
+    decode_moe : {"low_latency", "normal", "reference"}
     max_tokens_per_rank : int
         Prefill capacity: tokens one rank may bring to one forward.
     max_decode_tokens_per_rank : int
@@ -414,10 +418,10 @@ class DPEPModel:
         expert_alignment: int = 128,
         timeout: float = 30.0,
     ):
-        if prefill_moe not in ("auto", "normal", "fused"):
-            raise ValueError(f"prefill_moe must be 'auto', 'normal' or 'fused', got {prefill_moe!r}")
-        if decode_moe not in ("low_latency", "normal"):
-            raise ValueError(f"decode_moe must be 'low_latency' or 'normal', got {decode_moe!r}")
+        if prefill_moe not in ("auto", "normal", "fused", "reference"):
+            raise ValueError(f"prefill_moe must be 'auto', 'normal', 'fused' or 'reference', got {prefill_moe!r}")
+        if decode_moe not in ("low_latency", "normal", "reference"):
+            raise ValueError(f"decode_moe must be 'low_latency', 'normal' or 'reference', got {decode_moe!r}")
         if groups.sizes["cp"] != 1:
             raise ValueError("the reference model runs without context parallelism (cp_size 1)")
         self.args, self.groups = args, groups
@@ -440,6 +444,8 @@ class DPEPModel:
         #: Where activations and weights live: the EP buffer's rows' device (the GPU for nvshmem,
         #: whatever the groups' backend; control messages always go over the gloo groups).
         self.device = self.buffer.device
+        if "reference" in (prefill_moe, decode_moe) and self.device.type != "cpu":
+            raise ValueError("the textbook exchange (prefill_moe / decode_moe 'reference') runs on CPU rows only")
         if prefill_moe == "auto":
             prefill_moe = "fused" if self.buffer.is_within_domain() else "normal"
         self.prefill_moe, self.decode_moe = prefill_moe, decode_moe
@@ -541,6 +547,13 @@ class DPEPModel:
         bias = None if shared is None else shared.to(torch.bfloat16)
         if mode == "fused":
             out = fused_moe(xb, phys, weights, w13, w2, self.buffer, bias=bias, expert_alignment=self.expert_alignment)
+        elif mode == "reference":
+            group, num_physical = self.buffer.group, self.buffer.num_experts
+            st = reference_dispatch(
+                xb, phys, weights, num_physical, group, expand=True, expert_alignment=self.expert_alignment
+            )
+            y = expert_mlp(st["expanded_x"], "contiguous", w13, w2, m_indices=st["m_indices"])
+            out = reference_combine(y, st, xb.shape[0], group, bias=bias, expand=True)
         else:
             inp = per_token_group_cast_to_fp8(xb) if fp8 else xb
             recv, _, _, _, handle = self.buffer.dispatch(
