@@ -190,6 +190,22 @@ def test_masked_triton_interpreter(kind):
 
 
 @requires_triton
+def test_masked_kernel_clamps_counts_it_never_reads_on_the_host():
+    # On a GPU the op passes masked_m to the kernel unread (no sync): out-of-range counts must stay in
+    # their group (a count above M_max once wrote the next group's first rows).
+    from epkit.kernels.triton.grouped_gemm import grouped_gemm_masked
+
+    g, m_max, n, k = 3, 40, 96, 256
+    (aq, asf), (bq, bsf), af, bf = make_inputs("fp8", g, m_max, n, k, masked=True, seed=9)
+    d = torch.full((g, m_max, n), 9.0, dtype=torch.float32)
+    grouped_gemm_masked("fp8", aq, asf, bq, bsf, d, torch.tensor([m_max + 30, -5, 17], dtype=torch.int32), 20)
+    live = torch.arange(m_max)[None, :] < torch.tensor([m_max, 0, 17])[:, None]
+    ref = torch.einsum("gmk,gnk->gmn", af.float(), bf.float())
+    assert (d[~live] == 9.0).all(), "rows outside the clamped counts must be untouched"
+    assert_diff(d[live], ref[live], THRESH["fp8"], "clamped masked_m")
+
+
+@requires_triton
 def test_large_m_triton_interpreter_with_config_override():
     from epkit.kernels.triton import grouped_gemm as tk
 

@@ -60,7 +60,9 @@ def _grouped_gemm_kernel(
     if MASKED:
         g = pid // TILES_PER_GROUP
         t = pid % TILES_PER_GROUP
-        rows_in_group = tl.load(masked_m_ptr + g)
+        # clamped to [0, M_MAX]: CUDA callers' counts are not read on the host (no sync), so a bad
+        # count must not move a tile into the next group
+        rows_in_group = tl.minimum(tl.maximum(tl.load(masked_m_ptr + g), 0), M_MAX)
         row0 = g.to(tl.int64) * M_MAX + t * BLOCK_M
         row_end = g.to(tl.int64) * M_MAX + rows_in_group
         num_k = tl.where(t * BLOCK_M < rows_in_group, (K + BLOCK_K - 1) // BLOCK_K, 0)

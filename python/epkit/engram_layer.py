@@ -95,10 +95,11 @@ class EngramLayer(nn.Module):
         if cu_seqlens is None:
             starts = torch.zeros_like(t)
         else:
-            cu = cu_seqlens.to(device=v.device, dtype=torch.int64)
+            # checked and expanded where cu_seqlens lives: a CPU cu_seqlens costs a GPU caller no sync
+            cu = cu_seqlens.to(torch.int64)
             if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"cu_seqlens = {cu_seqlens.tolist()[:16]} must go from 0 to T = {num_tokens}")
-            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=num_tokens).to(v.device)
         w = self.conv.weight[:, 0, :]  # [D, kernel]
         y = torch.zeros_like(v)
         for i in range(self.kernel_size):

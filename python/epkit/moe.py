@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from epkit import gemm
-from epkit.quant import per_token_group_cast_to_fp8
+from epkit.quant import cast_groups_to_fp8, per_token_group_cast_to_fp8
 
 __all__ = ["expert_mlp", "expert_mlp_reference", "pack_moe_weight", "unpack_moe_weight", "fuse_gate_up"]
 
@@ -134,7 +134,9 @@ def expert_mlp(
     else:
         first(xa, w13, h, m_indices, backend=backend)
     act = _swiglu(h, swiglu_limit)
-    act_q = act.to(torch.bfloat16) if kind == "bf16" else per_token_group_cast_to_fp8(act)
+    # the intermediate is this op's own: quantized without per_token_group_cast_to_fp8's finiteness check,
+    # which reads it on the host (a device sync on every masked-layout decode call)
+    act_q = act.to(torch.bfloat16) if kind == "bf16" else cast_groups_to_fp8(act)
     if masked:
         first(act_q, w2, out, masked_m, expected_m, backend=backend)
     else:
