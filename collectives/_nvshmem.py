@@ -376,6 +376,8 @@ def plan_provider(
     blockers = [f"rank {r}: {why}" for r, why in enumerate(torch_reasons) if why]
     if not whole_world:
         blockers.append("the group is not every rank of the default group, over which torch starts NVSHMEM")
+    if len(states) == 1:  # measured on torch 2.11 (H200): rendezvous fails "Expected global_ranks.size() > 1"
+        blockers.append("a one-rank group (torch's symmetric-memory rendezvous needs two or more ranks)")
     note = "torch's NVSHMEM symmetric memory is not used (" + "; ".join(blockers) + ")" if blockers else ""
     if plan == "attach":
         if prefer == "epkit":

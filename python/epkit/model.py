@@ -218,7 +218,8 @@ class Batch:
 
     ``token_ids [T] int64``, ``positions [T] int64`` (position in its sequence; decode rows continue
     the cached prefix), ``cu_seqlens [S+1] int64``, ``seq_ids`` (``S`` hashable ids keying the KV
-    cache; ``None`` = not cached, e.g. a placeholder), ``is_prompt``.
+    cache; ``None`` = not cached, e.g. a placeholder), ``is_prompt``, ``is_placeholder`` (its
+    output is discarded and its tokens are not counted as expert load).
     """
 
     token_ids: torch.Tensor
@@ -226,6 +227,7 @@ class Batch:
     cu_seqlens: torch.Tensor
     seq_ids: list
     is_prompt: bool
+    is_placeholder: bool = False
 
     @classmethod
     def prefill(cls, prompts: list[list[int]], seq_ids: list) -> Batch:
@@ -252,7 +254,7 @@ class Batch:
     def placeholder(cls, is_prompt: bool) -> Batch:
         """The one-token dummy batch of :func:`epkit.lockstep.placeholder_batch`, not cached."""
         p = placeholder_batch(is_prompt)
-        return cls(p.token_ids.long(), p.positions.long(), p.cu_seqlens.long(), [None], is_prompt)
+        return cls(p.token_ids.long(), p.positions.long(), p.cu_seqlens.long(), [None], is_prompt, True)
 
     @property
     def num_tokens(self) -> int:
@@ -275,7 +277,7 @@ def _swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.T
 def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE on ``x [T, H, hd]`` at integer positions ``pos [T]``."""
     half = x.shape[-1] // 2
-    freq = theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
     ang = (pos.double()[:, None] * freq[None, :]).to(x.dtype)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), dim=-1)
@@ -308,11 +310,16 @@ def _attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, 
     return out.reshape(t_num, h * hd) @ w[p + "wo"].T
 
 
-def _route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor):
-    """DeepSeek-V3's gate: ``(topk_idx [T, K] int64 logical ids, topk_weights [T, K] float32)``."""
+def _route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, idx=None):
+    """DeepSeek-V3's gate: ``(topk_idx [T, K] int64 logical ids, topk_weights [T, K] float32)``.
+
+    ``idx`` given: those experts instead of the gate's choice (the weights still come from the scores).
+    """
     t_num, e, groups = x.shape[0], args.n_routed_experts, args.n_expert_groups
     scores = x @ gate.T
     scores = scores.sigmoid() if args.score_func == "sigmoid" else scores.softmax(-1)
+    if idx is not None:
+        return _route_weights(args, scores, idx.to(x.device))
     biased = scores + bias
     if groups > 1:
         per_group = biased.view(t_num, groups, e // groups)
@@ -320,7 +327,10 @@ def _route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Ten
         keep = group_score.topk(args.n_limited_groups, dim=-1).indices
         drop = torch.ones(t_num, groups, dtype=torch.bool, device=x.device).scatter_(1, keep, False)
         biased = per_group.masked_fill(drop[..., None], float("-inf")).view(t_num, e)
-    idx = biased.topk(args.n_activated_experts, dim=-1).indices
+    return _route_weights(args, scores, biased.topk(args.n_activated_experts, dim=-1).indices)
+
+
+def _route_weights(args: ModelArgs, scores: torch.Tensor, idx: torch.Tensor):
     weights = scores.gather(1, idx)
     if args.score_func == "sigmoid":
         weights = weights / weights.sum(-1, keepdim=True)
@@ -346,6 +356,9 @@ def _check_batch(args: ModelArgs, batch: Batch) -> None:
         raise ValueError(f"batch: cu_seqlens must run from 0 to {t_num}")
     if t_num and not 0 <= int(batch.token_ids.min()) <= int(batch.token_ids.max()) < args.vocab_size:
         raise ValueError(f"batch: token ids must be in [0, {args.vocab_size})")
+    named = [sid for sid in batch.seq_ids if sid is not None]
+    if len(set(named)) != len(named):
+        raise ValueError(f"batch: a sequence appears twice in seq_ids {batch.seq_ids}")
 
 
 @dataclass
@@ -378,7 +391,8 @@ class DPEPModel:
         ``nvshmem`` (which also runs over gloo groups, e.g. ``device="cpu"`` groups on GPU ranks).
     weights : dict, optional
         :func:`init_weights` output (default: built from ``args.seed``). Each rank keeps the dense
-        weights and only its own experts.
+        weights and its own experts on the rows' device, and every expert's quantized weights in host
+        memory to reload after a rebalance.
     transport : str
         EPBuffer transport (``"auto"``: shm for CPU ranks on one host, nvshmem on GPUs).
     prefill_moe : {"auto", "normal", "fused", "reference"}
@@ -422,6 +436,13 @@ class DPEPModel:
             raise ValueError(f"prefill_moe must be 'auto', 'normal', 'fused' or 'reference', got {prefill_moe!r}")
         if decode_moe not in ("low_latency", "normal", "reference"):
             raise ValueError(f"decode_moe must be 'low_latency', 'normal' or 'reference', got {decode_moe!r}")
+        for name, v in (
+            ("max_tokens_per_rank", max_tokens_per_rank),
+            ("max_decode_tokens_per_rank", max_decode_tokens_per_rank),
+            ("expert_alignment", expert_alignment),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if groups.sizes["cp"] != 1:
             raise ValueError("the reference model runs without context parallelism (cp_size 1)")
         self.args, self.groups = args, groups
@@ -463,7 +484,10 @@ class DPEPModel:
             self.engram[i] = _engram_layer(args, weights, i, torch.float32, self.device)
             full = weights[f"layers.{i}.engram_table"]
             table = ShardedEngramTable(full.shape[0], full.shape[1], group=groups, timeout=timeout)
-            table.load_rows(table.row_start, full[table.row_start : table.row_start + table.num_per_part])
+            lo = min(table.row_start, full.shape[0])  # a part may hold padding rows only
+            hi = min(table.row_start + table.num_per_part, full.shape[0])
+            if lo < hi:
+                table.load_rows(lo, full[lo:hi])
             self.engram_tables[i] = table
         self.engram_config = engram_config(args) if args.engram_layer_ids else None
         self._all_experts = {n: _quantize_experts(t, args.expert_format) for n, t in experts.items()}
@@ -473,6 +497,10 @@ class DPEPModel:
         self.routed_load = torch.zeros(args.n_moe_layers, placement.num_physical, dtype=torch.int64, device=self.device)
         #: Running sequences' state (``seq_id -> _SeqCache``); :meth:`release` drops one.
         self.cache: dict = {}
+        #: Set True to keep each forward's gate choices in :attr:`last_routing` (logical ids, one
+        #: ``[T, K]`` tensor per MoE layer), e.g. to replay them in :func:`forward_reference`.
+        self.record_routing = False
+        self.last_routing: list = []
 
     # experts
 
@@ -526,13 +554,18 @@ class DPEPModel:
 
     # forward
 
-    def _moe(self, m: int, x: torch.Tensor, is_prompt: bool) -> torch.Tensor:
+    def _moe(self, m: int, x: torch.Tensor, is_prompt: bool, count_load: bool) -> torch.Tensor:
         args, p = self.args, f"layers.{m + self.args.n_dense_layers}."
         w = self.weights
         idx, weights = _route(args, x, w[p + "gate"], w[p + "gate_bias"])
-        phys = logical_to_physical(idx, self._placements_dev[m], self.ep_rank, token_offset=self.ep_rank)
-        flat = phys.reshape(-1).long()
-        self.routed_load[m].index_add_(0, flat.clamp(min=0), (flat >= 0).long())
+        if self.record_routing:
+            self.last_routing.append(idx)
+        # the gate's ids are valid by construction: no check_index (it reads them on the host)
+        placement = self._placements_dev[m]
+        phys = logical_to_physical(idx, placement, self.ep_rank, token_offset=self.ep_rank, check_index=False)
+        if count_load:  # a placeholder's traffic is not load: EPLB would replicate experts for it
+            flat = phys.reshape(-1).long()
+            self.routed_load[m].index_add_(0, flat.clamp(min=0), (flat >= 0).long())
         shared = _swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]) if args.n_shared_experts else None
         xb = x.to(torch.bfloat16)
         w13, w2 = self.local_experts[m]
@@ -543,7 +576,8 @@ class DPEPModel:
             recv, count, handle, _ = self.buffer.low_latency_dispatch(xb, phys, n_max, use_fp8=fp8)
             y = expert_mlp(recv, "masked", w13, w2, masked_m=count, expected_m=max(1, n_max))
             out = self.buffer.low_latency_combine(y, phys, weights, handle).float()
-            return out if shared is None else out + shared.to(torch.bfloat16).float()
+            # the layer's output is bf16 on every path (combine adds the shared expert before rounding)
+            return out if shared is None else (out + shared.to(torch.bfloat16).float()).to(torch.bfloat16).float()
         bias = None if shared is None else shared.to(torch.bfloat16)
         if mode == "fused":
             out = fused_moe(xb, phys, weights, w13, w2, self.buffer, bias=bias, expert_alignment=self.expert_alignment)
@@ -573,11 +607,21 @@ class DPEPModel:
         """
         _check_batch(self.args, batch)
         args, w = self.args, self.weights
-        for sid in batch.seq_ids:
-            if sid is not None and (batch.is_prompt or sid not in self.cache):
-                if not batch.is_prompt:
-                    raise ValueError(f"batch: decode of sequence {sid!r}, which has no prefill on this rank")
+        cus = batch.cu_seqlens.tolist()
+        for s, sid in enumerate(batch.seq_ids):
+            if sid is None:
+                continue
+            if batch.is_prompt:
                 self.cache[sid] = _SeqCache.new(args.n_layers)  # a prompt starts its sequence afresh
+                continue
+            st = self.cache.get(sid)
+            cached = st.kv[0][0].shape[0] if st is not None and st.kv[0] is not None else None
+            if cached is None or int(batch.positions[cus[s]]) != cached:
+                raise ValueError(
+                    f"batch: decode of sequence {sid!r} at position {int(batch.positions[cus[s]])}, but this rank "
+                    f"holds {'no prefill of it' if cached is None else f'{cached} cached tokens'}"
+                )
+        self.last_routing = []
         hooks = self._engram_fetch(batch)  # before the first layer: hashes need only the token ids
         x = w["embed"][batch.token_ids.to(self.device)]
         for i in range(args.n_layers):
@@ -589,7 +633,7 @@ class DPEPModel:
             if i < args.n_dense_layers:
                 x = x + _swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
             else:
-                x = x + self._moe(i - args.n_dense_layers, h, batch.is_prompt)
+                x = x + self._moe(i - args.n_dense_layers, h, batch.is_prompt, not batch.is_placeholder)
         return _logits(args, w, x, batch)
 
     # Engram
@@ -634,7 +678,8 @@ class DPEPModel:
             es.append(e_all)
             cu.append(cu[-1] + h_all.shape[0])
             if st is not None:
-                st.engram[i] = (h_all[-span:], e_all[-span:])
+                keep_from = max(0, h_all.shape[0] - span)
+                st.engram[i] = (h_all[keep_from:], e_all[keep_from:])
         out = layer(torch.cat(hs), embeddings=torch.cat(es), cu_seqlens=torch.tensor(cu))
         return out[torch.tensor(keep, dtype=torch.int64, device=out.device)]
 
@@ -649,6 +694,20 @@ class DPEPModel:
 
 def _quantize_experts(w: torch.Tensor, fmt: str):
     return per_block_cast_to_fp8(w) if fmt == "fp8" else w.to(torch.bfloat16)
+
+
+def _agree(group, error: str | None, settings) -> None:
+    """Every rank of ``group`` learns every rank's input error (and settings) before any step."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    reports = [(error, settings)]
+    if world > 1:
+        reports = [None] * world
+        dist.all_gather_object(reports, (error, settings), group=group)
+    bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e is not None]
+    if bad:
+        raise ValueError("generate rejected on every rank before the first step: " + "; ".join(bad))
+    if len({tuple(st) for _, st in reports}) > 1:
+        raise ValueError(f"generate: the ranks pass different prefill vote intervals: {[st for _, st in reports]}")
 
 
 def generate(
@@ -682,17 +741,31 @@ def generate(
     Returns
     -------
     (tokens, stats): the generated ids per prompt, and ``{"steps", "prefill_steps",
-    "placeholder_steps", "tokens"}`` for this rank (``tokens``: every token it forwarded,
-    placeholders included).
+    "placeholder_steps", "tokens"}`` for this rank (``tokens``: the tokens of its real batches,
+    which are what the expert load counts; placeholders excluded).
+
+    Raises
+    ------
+    ValueError
+        On every rank, before the first step, if any rank's prompts or ``max_new_tokens`` are
+        invalid or the ranks pass different vote intervals (the message names the rank).
     """
     n = len(prompts)
     budget = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(budget) != n or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budget):
-        raise ValueError(f"max_new_tokens must be an int >= 1 or one per prompt, got {max_new_tokens!r}")
     cap = model.buffer.num_max_tokens_per_rank
-    for i, p in enumerate(prompts):
-        if not 1 <= len(p) <= cap:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; each must have 1..{cap} (the prefill capacity)")
+    error = None
+    try:
+        if len(budget) != n or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budget):
+            raise ValueError(f"max_new_tokens must be an int >= 1 or one per prompt, got {max_new_tokens!r}")
+        vocab = model.args.vocab_size
+        for i, p in enumerate(prompts):
+            if not 1 <= len(p) <= cap:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; each must have 1..{cap} (the prefill capacity)")
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in p):
+                raise ValueError(f"prompt {i} holds a token id outside [0, {vocab})")
+    except (ValueError, TypeError) as exc:
+        error = str(exc)
+    _agree(model.groups.cpu_dp_group, error, (prefill_attempt_interval, prefill_any_attempt_interval))
     driver = LockstepDriver(model.groups.cpu_dp_group, prefill_attempt_interval, prefill_any_attempt_interval)
     pending, running = deque(range(n)), []
     out: list[list[int]] = [[] for _ in range(n)]
@@ -728,9 +801,7 @@ def generate(
             )
         if batch is None:
             stats["placeholder_steps"] += 1
-            batch = Batch.placeholder(plan.is_prefill)
-            stats["tokens"] += batch.num_tokens
-            model.forward(batch)  # its output is discarded
+            model.forward(Batch.placeholder(plan.is_prefill))  # its output is discarded
             continue
         stats["tokens"] += batch.num_tokens
         next_ids = model.forward(batch).argmax(-1).tolist()
@@ -753,8 +824,8 @@ def _fake_fp8_rows(x: torch.Tensor) -> torch.Tensor:
     return dequant_per_token_group_fp8(q, s).to(x.dtype)
 
 
-def _moe_reference(args: ModelArgs, w: dict, experts: dict, p: str, x: torch.Tensor) -> torch.Tensor:
-    idx, weights = _route(args, x, w[p + "gate"], w[p + "gate_bias"])
+def _moe_reference(args: ModelArgs, w: dict, experts: dict, p: str, x: torch.Tensor, idx=None) -> torch.Tensor:
+    idx, weights = _route(args, x, w[p + "gate"], w[p + "gate_bias"], idx)
     xe = x.to(torch.bfloat16).to(x.dtype)
     if args.expert_format == "fp8":
         xe = _fake_fp8_rows(xe)
@@ -766,10 +837,9 @@ def _moe_reference(args: ModelArgs, w: dict, experts: dict, p: str, x: torch.Ten
             continue
         gate, up = (xe[tok] @ w13[e].T).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
-        if args.expert_format == "fp8":
-            act = _fake_fp8_rows(act)
+        act = _fake_fp8_rows(act) if args.expert_format == "fp8" else _bf16(act)  # expert_mlp's intermediate
         y = _bf16(act @ w2[e].T)  # expert_mlp's output rows are bf16
-        out.index_add_(0, tok, weights[tok, slot].to(x.dtype)[:, None] * y)
+        out[tok] += weights[tok, slot].to(x.dtype)[:, None] * y  # a token picks an expert at most once
     if args.n_shared_experts:
         out = out + _bf16(_swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]))
     return _bf16(out)  # combine returns bf16
@@ -781,7 +851,11 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_reference(
-    args: ModelArgs, sequences: list[list[int]], weights: dict | None = None, dtype: torch.dtype = torch.float64
+    args: ModelArgs,
+    sequences: list[list[int]],
+    weights: dict | None = None,
+    dtype: torch.dtype = torch.float64,
+    routing: list | None = None,
 ) -> list[torch.Tensor]:
     """The specification: every sequence (all DP ranks') through the model in one process.
 
@@ -792,6 +866,11 @@ def forward_reference(
     and the MoE layer's output through bf16 and, for FP8 experts, the expert inputs and the SwiGLU
     output through per-token FP8. Sums stay in ``dtype`` (the parallel model rounds partial sums
     and accumulates in float32: the two differ by rounding only).
+
+    ``routing`` (optional, one entry per sequence: a list over MoE layers of ``[len(seq), K]``
+    logical expert ids, e.g. gathered from :attr:`DPEPModel.last_routing`) replays the parallel
+    model's gate choices. Top-k is discontinuous: where two experts' scores nearly tie, rounding
+    alone can pick the other one, and replaying the choice keeps such a token comparable.
 
     Returns
     -------
@@ -806,8 +885,10 @@ def forward_reference(
             experts[name] = (dequant_per_block_fp8(*q) if isinstance(q, tuple) else q.float()).to(dtype)
         else:
             w[name] = t.to(dtype)
+    if routing is not None and len(routing) != len(sequences):
+        raise ValueError(f"routing must have one entry per sequence ({len(sequences)}), got {len(routing)}")
     outs = []
-    for seq in sequences:
+    for si, seq in enumerate(sequences):
         batch = Batch.prefill([seq], [None])
         _check_batch(args, batch)
         x = w["embed"][batch.token_ids]
@@ -824,7 +905,9 @@ def forward_reference(
             x = x + (
                 _swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
                 if i < args.n_dense_layers
-                else _moe_reference(args, w, experts, p, h)
+                else _moe_reference(
+                    args, w, experts, p, h, None if routing is None else routing[si][i - args.n_dense_layers]
+                )
             )
         outs.append(_rms_norm(x, w["norm"], args.norm_eps) @ w["head"].T)
     return outs
