@@ -1199,7 +1199,14 @@ def _torch_provider_child(ep_budget: float) -> int:
         store = dist.FileStore(os.path.join(tmp.name, "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         nbytes = 16 << 20
-        buf = SymmBuffer(dist.group.WORLD, nbytes, transport="nvshmem", num_signals=2, timeout=10.0)
+        from epkit.backends import BackendUnavailableError
+
+        try:
+            buf = SymmBuffer(dist.group.WORLD, nbytes, transport="nvshmem", num_signals=2, timeout=10.0)
+        except BackendUnavailableError as exc:  # e.g. a one-rank job, which torch's rendezvous refuses
+            out["torch_symm_reason"] = str(exc)
+            print(json.dumps(out, default=str), flush=True)
+            os._exit(0)
         out.update(provider=buf.nvshmem_provider, note=buf.nvshmem_note)
         buf.signal(0, 0, 5, op="set")
         buf.signal(0, 0, 3, op="add")

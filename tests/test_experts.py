@@ -126,7 +126,7 @@ def _random_placement(num_logical, ep_size, max_replicas, g):
     counts[: max_replicas - 1] = torch.arange(2, max_replicas + 1)
     total = int(counts.sum())
     pad = (-total) % ep_size
-    counts[torch.randint(0, num_logical, (pad,), generator=g)] += 1  # may push one past max; fine
+    counts.index_add_(0, torch.randint(0, num_logical, (pad,), generator=g), torch.ones(pad, dtype=torch.int64))
     phy2log = torch.repeat_interleave(torch.arange(num_logical), counts)
     phy2log = phy2log[torch.randperm(phy2log.numel(), generator=g)]
     return ExpertPlacement.from_phy2log(phy2log, num_logical, ep_size)
