@@ -257,9 +257,11 @@ def sec_env(ctx: Ctx, res: dict):
         res["git"] = {"commit": commit or None, "dirty": bool(dirty)}
     except (OSError, subprocess.SubprocessError) as exc:
         res["git"] = {"error": str(exc)}
-    if not res["git"].get("commit") and os.environ.get("EPKIT_COMMIT"):
-        # A copied tree without .git (a lent GPU machine): the commit the caller says it sent.
-        res["git"] = {"commit": os.environ["EPKIT_COMMIT"], "source": "EPKIT_COMMIT", "dirty": "unknown"}
+    if os.environ.get("EPKIT_COMMIT"):
+        # A copied tree (a lent GPU machine) may carry no .git, or a stale one (the H200 copy's said f3fc33b
+        # while its files were 650623a): the commit the caller says it sent wins, and git's answer is kept.
+        seen = res["git"]
+        res["git"] = {"commit": os.environ["EPKIT_COMMIT"], "source": "EPKIT_COMMIT", "git_reported": seen}
     from epkit.cli import collect_info
 
     info = collect_info()

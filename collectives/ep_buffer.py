@@ -80,7 +80,7 @@ class EPBuffer(LowLatencyMixin):
         rank's GPU for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves
         and sums are torch ops with the same rounding as the CPU's fused C++ ones (tested on CPU
         through ``ep_rows.PORTABLE``, and over nvshmem with ``epkit.testing.nvshmem_emulator``); the
-        nvshmem path has not run on a GPU yet. Normal mode
+        nvshmem path has run on one H200 with one PE (bench/results/gpu_check.json). Normal mode
         synchronizes with the host (routing copied to the CPU, counts read back, as DeepEP's normal
         mode reads its counts); the low-latency mode does not (see ``_details/ep_low_latency.py``:
         on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
