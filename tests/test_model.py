@@ -98,7 +98,7 @@ def _check_against_reference(results, fmt):
         assert diffs[-2] < THRESH[fmt], ctx + " low-latency decode"
         assert diffs[-1] < THRESH[fmt], ctx + " normal decode"
         assert calc_diff(pre.double(), bad[-2]) > 2 * THRESH[fmt], ctx + " the check must catch a 10% error"
-    assert len(seqs) == sum(len(PROMPTS[r]) for r in range(len(results)))
+        assert calc_diff(dec.double(), bad[-1]) > 2 * THRESH[fmt], ctx + " the decode check too"
     print(f"{fmt}: calc_diff {min(diffs):.2e}..{max(diffs):.2e}")
 
 
@@ -203,6 +203,9 @@ def _generate_and_rebalance(rank, world_size):
     default = [p.phy2log.clone() for p in m.placements]
     placements = m.rebalance()
     second, stats2 = generate(m, GEN_PROMPTS[rank], GEN_BUDGET[rank])
+    assert m.cache == {}, f"{rank=}: finished sequences must release their state"
+    if second == first:  # the same routing again, so the same logical load through the new placements
+        assert torch.equal(m.expert_load(), load), f"{rank=}: load after the rebalance"
     m.close()
     return {"first": first, "second": second, "stats": stats, "stats2": stats2, "load": load,
             "default": default, "placements": [(p.phy2log, p.num_local) for p in placements]}  # fmt: skip
@@ -211,15 +214,11 @@ def _generate_and_rebalance(rank, world_size):
 def _check_tokens(outputs, args, prompts=GEN_PROMPTS):
     seqs = [(p, o) for r, out in enumerate(outputs) for p, o in zip(prompts[r], out)]
     ref = forward_reference(args, [p + o[:-1] for p, o in seqs])
-    exact = total = 0
     for (p, o), lg in zip(seqs, ref):
         lg = lg[len(p) - 1 :]
         best = lg.max(-1).values
         chosen = lg.gather(1, torch.tensor(o)[:, None])[:, 0]
         assert (best - chosen).max() < TOKEN_TOL, f"prompt {p[:4]}...: {o} vs reference {lg.argmax(-1).tolist()}"
-        exact += int((lg.argmax(-1) == torch.tensor(o)).sum())
-        total += len(o)
-    assert exact >= 0.8 * total, f"only {exact} of {total} tokens are the reference's argmax"
 
 
 def test_generate_in_lockstep_with_eplb():
@@ -277,6 +276,48 @@ def test_generate_when_every_rank_is_full():
     assert all(stats["prefill_steps"] == 3 for _, stats in res), [stats for _, stats in res]
 
 
+def test_gate_against_hand_computed_choices():
+    # DeepSeek-V3's gate, computed here without the model's code: sigmoid scores; the correction bias
+    # only selects (it lifts expert 4 into the choice); groups of two are scored by the sum of their
+    # biased scores and the best two kept; weights are the unbiased scores, normalised, times 2.5.
+    import math
+
+    from epkit.model import _route
+
+    args = ModelArgs(n_routed_experts=8, n_expert_groups=4, n_limited_groups=2, n_activated_experts=2)
+    logits = [2.0, -1.0, 0.5, 0.4, -2.0, 1.5, 0.0, 0.1]
+    bias = [0.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0]
+    scores = [1 / (1 + math.exp(-v)) for v in logits]
+    biased = [a + b for a, b in zip(scores, bias)]
+    groups = sorted(range(4), key=lambda g: -(biased[2 * g] + biased[2 * g + 1]))[:2]
+    allowed = [e for g in groups for e in (2 * g, 2 * g + 1)]
+    want_idx = sorted(allowed, key=lambda e: -biased[e])[:2]
+    total = sum(scores[e] for e in want_idx)
+    want_w = [scores[e] / total * 2.5 for e in want_idx]
+    assert 4 in want_idx and 0 not in want_idx  # the case is the one described: bias and group limits matter
+    x = torch.eye(8, dtype=torch.float64)[:1]
+    gate = torch.zeros(8, 8, dtype=torch.float64)
+    gate[:, 0] = torch.tensor(logits, dtype=torch.float64)
+    idx, w = _route(args, x, gate, torch.tensor(bias, dtype=torch.float64))
+    assert idx[0].tolist() == want_idx
+    assert torch.allclose(w[0].double(), torch.tensor(want_w, dtype=torch.float64), rtol=1e-6)
+
+
+def test_rope_against_complex_rotation():
+    # each (x[k], x[k + half]) pair turns by position * theta^(-k / half), written here as a complex product
+    from epkit.model import _rope
+
+    t, h, hd, theta = 5, 3, 8, 10000.0
+    x = torch.randn(t, h, hd, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([0, 1, 2, 7, 100])
+    half = hd // 2
+    freq = torch.tensor([theta ** (-k / half) for k in range(half)], dtype=torch.float64)
+    angle = (pos[:, None].double() * freq)[:, None, :]
+    z = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)
+    want = torch.cat((z.real, z.imag), dim=-1)
+    assert torch.allclose(_rope(x, pos, theta), want, rtol=0, atol=1e-12)
+
+
 def test_args_are_checked():
     with pytest.raises(ValueError, match="multiples of 128"):
         ModelArgs(dim=200)
@@ -332,7 +373,10 @@ def test_demo_script_agrees_with_the_reference(capsys):
 
     assert _main(["--world", "2", "--requests", "2", "--seed", "1", "--timeout", "120"]) == 0
     out = capsys.readouterr().out
-    assert "greedy tokens equal to the float64 reference's argmax" in out and "2 ranks" in out
+    import re
+
+    found = re.search(r"greedy tokens equal to the float64 reference's argmax: (\d+)/(\d+)", out)
+    assert found and int(found.group(2)) > 0 and "2 ranks" in out, out
 
 
 def _gpu_model(rank, world_size):
