@@ -282,7 +282,7 @@ def test_gate_against_hand_computed_choices():
     # biased scores and the best two kept; weights are the unbiased scores, normalised, times 2.5.
     import math
 
-    from epkit.model import _route
+    from epkit._details.model_layers import _route
 
     args = ModelArgs(n_routed_experts=8, n_expert_groups=4, n_limited_groups=2, n_activated_experts=2)
     logits = [2.0, -1.0, 0.5, 0.4, -2.0, 1.5, 0.0, 0.1]
@@ -305,7 +305,7 @@ def test_gate_against_hand_computed_choices():
 
 def test_rope_against_complex_rotation():
     # each (x[k], x[k + half]) pair turns by position * theta^(-k / half), written here as a complex product
-    from epkit.model import _rope
+    from epkit._details.model_layers import _rope
 
     t, h, hd, theta = 5, 3, 8, 10000.0
     x = torch.randn(t, h, hd, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

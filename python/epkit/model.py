@@ -41,6 +41,15 @@ import torch
 import torch.distributed as dist
 
 from epkit import eplb
+from epkit._details.model_layers import (
+    Batch,
+    _attention,
+    _check_batch,
+    _logits,
+    _rms_norm,
+    _route,
+    _swiglu_mlp,
+)
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_combine, reference_dispatch
 from epkit.collectives.fused_moe import fused_moe
@@ -48,7 +57,7 @@ from epkit.engram import EngramConfig, hash_tokens
 from epkit.engram_layer import EngramLayer
 from epkit.engram_table import ShardedEngramTable
 from epkit.experts import ExpertPlacement, logical_to_physical
-from epkit.lockstep import LockstepDriver, placeholder_batch
+from epkit.lockstep import LockstepDriver
 from epkit.moe import expert_mlp
 from epkit.quant import (
     dequant_per_block_fp8,
@@ -210,155 +219,6 @@ def init_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
             w[p + "shared_w13"], w[p + "shared_w2"] = lin(2 * shared, d), lin(d, shared)
         w[p + "experts_w13"], w[p + "experts_w2"] = lin(e, 2 * inter, d), lin(e, d, inter)
     return w
-
-
-@dataclass
-class Batch:
-    """One step's tokens on one DP rank: ``S`` sequences packed back to back.
-
-    ``token_ids [T] int64``, ``positions [T] int64`` (position in its sequence; decode rows continue
-    the cached prefix), ``cu_seqlens [S+1] int64``, ``seq_ids`` (``S`` hashable ids keying the KV
-    cache; ``None`` = not cached, e.g. a placeholder), ``is_prompt``, ``is_placeholder`` (its
-    output is discarded and its tokens are not counted as expert load).
-    """
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    cu_seqlens: torch.Tensor
-    seq_ids: list
-    is_prompt: bool
-    is_placeholder: bool = False
-
-    @classmethod
-    def prefill(cls, prompts: list[list[int]], seq_ids: list) -> Batch:
-        lens = [len(p) for p in prompts]
-        return cls(
-            token_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
-            positions=torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.int64),
-            cu_seqlens=torch.tensor([0, *lens], dtype=torch.int64).cumsum(0),
-            seq_ids=list(seq_ids),
-            is_prompt=True,
-        )
-
-    @classmethod
-    def decode(cls, tokens: list[int], positions: list[int], seq_ids: list) -> Batch:
-        return cls(
-            token_ids=torch.tensor(tokens, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            cu_seqlens=torch.arange(len(tokens) + 1, dtype=torch.int64),
-            seq_ids=list(seq_ids),
-            is_prompt=False,
-        )
-
-    @classmethod
-    def placeholder(cls, is_prompt: bool) -> Batch:
-        """The one-token dummy batch of :func:`epkit.lockstep.placeholder_batch`, not cached."""
-        p = placeholder_batch(is_prompt)
-        return cls(p.token_ids.long(), p.positions.long(), p.cu_seqlens.long(), [None], is_prompt, True)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.numel())
-
-
-# The dense part: shared by the parallel model (float32) and the reference (float64). Attention never
-# communicates under DP attention, so it is not what the reference checks.
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = (x @ w13.T).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ w2.T
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE on ``x [T, H, hd]`` at integer positions ``pos [T]``."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    ang = (pos.double()[:, None] * freq[None, :]).to(x.dtype)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), dim=-1)
-
-
-def _attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, cache, layer: int) -> torch.Tensor:
-    """Causal attention of every sequence over its own keys (and its cached prefix).
-
-    ``cache``: None, or a dict ``seq_id -> _SeqCache`` whose ``kv[layer]`` this reads and extends.
-    """
-    t_num, h, hd = x.shape[0], args.n_heads, args.head_dim
-    pos = batch.positions.to(x.device)
-    q = _rope((x @ w[p + "wq"].T).view(t_num, h, hd), pos, args.rope_theta)
-    k = _rope((x @ w[p + "wk"].T).view(t_num, h, hd), pos, args.rope_theta)
-    v = (x @ w[p + "wv"].T).view(t_num, h, hd)
-    out = torch.empty_like(q)
-    cu = batch.cu_seqlens.tolist()
-    for s, sid in enumerate(batch.seq_ids):
-        lo, hi = cu[s], cu[s + 1]
-        ks, vs = k[lo:hi], v[lo:hi]
-        if cache is not None and sid is not None:
-            entry = cache[sid].kv
-            if entry[layer] is not None:
-                ks, vs = torch.cat((entry[layer][0], ks)), torch.cat((entry[layer][1], vs))
-            entry[layer] = (ks, vs)
-        att = torch.einsum("qhd,khd->hqk", q[lo:hi], ks) / math.sqrt(hd)
-        future = torch.arange(ks.shape[0], device=x.device)[None, :] > pos[lo:hi][:, None]
-        att = att.masked_fill(future[None], float("-inf")).softmax(-1)
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", att, vs)
-    return out.reshape(t_num, h * hd) @ w[p + "wo"].T
-
-
-def _route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, idx=None):
-    """DeepSeek-V3's gate: ``(topk_idx [T, K] int64 logical ids, topk_weights [T, K] float32)``.
-
-    ``idx`` given: those experts instead of the gate's choice (the weights still come from the scores).
-    """
-    t_num, e, groups = x.shape[0], args.n_routed_experts, args.n_expert_groups
-    scores = x @ gate.T
-    scores = scores.sigmoid() if args.score_func == "sigmoid" else scores.softmax(-1)
-    if idx is not None:
-        return _route_weights(args, scores, idx.to(x.device))
-    biased = scores + bias
-    if groups > 1:
-        per_group = biased.view(t_num, groups, e // groups)
-        group_score = per_group.topk(2, dim=-1).values.sum(-1)
-        keep = group_score.topk(args.n_limited_groups, dim=-1).indices
-        drop = torch.ones(t_num, groups, dtype=torch.bool, device=x.device).scatter_(1, keep, False)
-        biased = per_group.masked_fill(drop[..., None], float("-inf")).view(t_num, e)
-    return _route_weights(args, scores, biased.topk(args.n_activated_experts, dim=-1).indices)
-
-
-def _route_weights(args: ModelArgs, scores: torch.Tensor, idx: torch.Tensor):
-    weights = scores.gather(1, idx)
-    if args.score_func == "sigmoid":
-        weights = weights / weights.sum(-1, keepdim=True)
-    return idx, (weights * args.route_scale).float()
-
-
-def _logits(args: ModelArgs, w: dict, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    last = batch.cu_seqlens[1:].to(x.device) - 1
-    return _rms_norm(x[last], w["norm"], args.norm_eps) @ w["head"].T
-
-
-def _check_batch(args: ModelArgs, batch: Batch) -> None:
-    if not isinstance(batch, Batch):
-        raise ValueError(f"batch must be an epkit.model.Batch, got {type(batch).__name__}")
-    t_num = batch.num_tokens
-    if (
-        batch.positions.shape != (t_num,)
-        or batch.cu_seqlens.dim() != 1
-        or len(batch.seq_ids) + 1 != len(batch.cu_seqlens)
-    ):
-        raise ValueError("batch: positions [T], cu_seqlens [S+1] and S seq_ids must agree")
-    if int(batch.cu_seqlens[0]) != 0 or int(batch.cu_seqlens[-1]) != t_num:
-        raise ValueError(f"batch: cu_seqlens must run from 0 to {t_num}")
-    if t_num and not 0 <= int(batch.token_ids.min()) <= int(batch.token_ids.max()) < args.vocab_size:
-        raise ValueError(f"batch: token ids must be in [0, {args.vocab_size})")
-    named = [sid for sid in batch.seq_ids if sid is not None]
-    if len(set(named)) != len(named):
-        raise ValueError(f"batch: a sequence appears twice in seq_ids {batch.seq_ids}")
 
 
 @dataclass
@@ -913,83 +773,13 @@ def forward_reference(
     return outs
 
 
-# The textbook experiment (``python -m epkit.model``)
-
-
-def _demo_prompts(rank: int, num_requests: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
-    n = int(torch.randint(0, num_requests + 1, (1,), generator=g))  # uneven, possibly none
-    prompts = [
-        torch.randint(0, ModelArgs().vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n)
-    ]
-    budget = [int(torch.randint(1, 9, (1,), generator=g)) for _ in range(n)]
-    return prompts, budget
-
-
-def _demo_rank(rank: int, world_size: int, transport: str, num_requests: int, seed: int) -> dict:
-    import time
-
-    from epkit.topology import ParallelGroups
-
-    groups = ParallelGroups.create(dp_size=world_size, device="cpu")
-    model = DPEPModel(ModelArgs(), groups, transport=transport, min_num_extra_experts=world_size)
-    prompts, budget = _demo_prompts(rank, num_requests, seed)
-    t0 = time.perf_counter()
-    tokens, stats = generate(model, prompts, budget)
-    stats["seconds"] = time.perf_counter() - t0
-    stats["prefill_moe"], stats["transport"] = model.prefill_moe, model.buffer.transport
-    load = model.expert_load()
-    model.close()
-    return {"prompts": prompts, "tokens": tokens, "stats": stats, "load": load}
+# ``python -m epkit.model``: the textbook experiment (epkit._details.model_demo)
 
 
 def _main(argv=None) -> int:
-    import argparse
+    from epkit._details.model_demo import main
 
-    from epkit.testing.multiprocess import run_ranks
-
-    ap = argparse.ArgumentParser(
-        prog="python -m epkit.model",
-        description="DP attention + Wide-EP generation on CPU ranks, checked against the one-process float64 model.",
-    )
-    ap.add_argument("--world", type=int, default=4, help="ranks (DP = EP = world; default 4)")
-    ap.add_argument("--transport", default="auto", choices=["auto", "shm", "torch"])
-    ap.add_argument("--requests", type=int, default=3, help="at most this many requests per rank (default 3)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
-    a = ap.parse_args(argv)
-    res = run_ranks(_demo_rank, a.world, a.transport, a.requests, a.seed, timeout=a.timeout)
-    args = ModelArgs()
-    seqs = [(p, o) for r in res for p, o in zip(r["prompts"], r["tokens"])]
-    ref = forward_reference(args, [p + o[:-1] for p, o in seqs])
-    exact = total = 0
-    worst = 0.0
-    for (p, o), lg in zip(seqs, ref):
-        lg = lg[len(p) - 1 :]
-        chosen = lg.gather(1, torch.tensor(o)[:, None])[:, 0]
-        worst = max(worst, float((lg.max(-1).values - chosen).max()))
-        exact += int((lg.argmax(-1) == torch.tensor(o)).sum())
-        total += len(o)
-    s0 = res[0]["stats"]
-    print(
-        f"{a.world} ranks, transport {s0['transport']}, prefill MoE {s0['prefill_moe']}, decode MoE low_latency; "
-        f"{args.n_routed_experts} experts (+ redundant), top-{args.n_activated_experts}"
-    )
-    print("rank  requests  tokens out  steps  prefill  placeholder  tokens forwarded  s")
-    for r, out in enumerate(res):
-        st = out["stats"]
-        print(
-            f"{r:4d}  {len(out['prompts']):8d}  {sum(len(o) for o in out['tokens']):10d}  {st['steps']:5d}  "
-            f"{st['prefill_steps']:7d}  {st['placeholder_steps']:11d}  {st['tokens']:16d}  {st['seconds']:.2f}"
-        )
-    load = res[0]["load"].sum(0)
-    print(f"tokens per logical expert (all MoE layers): {load.tolist()}")
-    print(
-        f"greedy tokens equal to the float64 reference's argmax: {exact}/{total}; largest gap between the "
-        f"reference's best logit and the chosen token's: {worst:.4f}"
-    )
-    return 0 if worst < 0.15 else 1
+    return main(argv)
 
 
 if __name__ == "__main__":
