@@ -1,4 +1,6 @@
-"""Temporary GPU probe: FP8 per-token-group and per-block quantization, CUDA against CPU, bit for bit."""
+"""GPU probe (run on the H200 after the scale fix): FP8 per-token-group and per-block quantization, CUDA
+against CPU, bit for bit. Needs a CUDA device; prints, asserts nothing (the GPU tests assert the same equality
+through the low-latency dispatch)."""
 
 import torch
 
