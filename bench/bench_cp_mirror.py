@@ -21,7 +21,7 @@ import time
 import torch
 
 from epkit.backends import backend_info
-from epkit.cp import mirrors_equal, prepare_cp_mirror, prepare_cp_mirror_reference, random_batch
+from epkit.cp_mirror import mirrors_equal, prepare_cp_mirror, prepare_cp_mirror_reference, random_batch
 
 NUM_SEQS, TOTAL_Q, MAX_PREFIX, CP_SIZE, RATIOS = 64, 131072, 4096, 8, (1, 4, 128)
 

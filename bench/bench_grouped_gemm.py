@@ -35,8 +35,8 @@ import time
 
 import torch
 
-import epkit._details.gemm_cpu as gemm_cpu
-from epkit.gemm import build_m_indices, m_grouped_fp8_fp4_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
+import epkit._details.grouped_gemm_cpu as gemm_cpu
+from epkit.grouped_gemm import build_m_indices, m_grouped_fp8_fp4_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
 from epkit.quant import (
     cast_to_mxfp4,
     dequant_per_block_fp8,

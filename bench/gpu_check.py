@@ -505,7 +505,7 @@ def sec_logical_to_physical(ctx: Ctx, res: dict):
 
 
 def sec_prepare_cp_mirror(ctx: Ctx, res: dict):
-    from epkit.cp import mirrors_equal, prepare_cp_mirror, prepare_cp_mirror_reference, random_batch
+    from epkit.cp_mirror import mirrors_equal, prepare_cp_mirror, prepare_cp_mirror_reference, random_batch
 
     dev = ctx.device
     ratios = (1, 4, 128)
@@ -638,7 +638,7 @@ def sec_engram_hash(ctx: Ctx, res: dict):
         if ctx.cuda and backend == "triton":
             # The kernel alone, its tables prepared once as the op prepares them: the device-side figure.
             from epkit.engram import _kernel_tables
-            from epkit.kernels.triton.engram_hash import engram_hash_tokens
+            from epkit.kernels.triton.engram import engram_hash_tokens
 
             args = (ids.contiguous(), mult.contiguous(), *_kernel_tables(vocab, off))
             want = out.clone()  # the op's result from the timing above
@@ -674,7 +674,7 @@ def _group_ref(af: torch.Tensor, bf: torch.Tensor, ids: torch.Tensor) -> torch.T
 
 
 def sec_grouped_gemm(ctx: Ctx, res: dict):
-    import epkit.gemm as gemm
+    import epkit.grouped_gemm as gemm
     from epkit.testing import calc_diff
 
     dev = ctx.device

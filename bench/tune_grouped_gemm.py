@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from epkit.gemm import build_m_indices, grouped_gemm_reference, make_inputs
+from epkit.grouped_gemm import build_m_indices, grouped_gemm_reference, make_inputs
 from epkit.kernels.triton import grouped_gemm as tg
 from epkit.testing import calc_diff
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epkit._util import check_topk_idx
 from epkit.collectives._details.ep_low_latency import LowLatencyHandle, LowLatencyMixin
 from epkit.collectives._details.ep_rows import (
     _ALIGN,
@@ -39,6 +38,7 @@ from epkit.collectives._details.ep_rows import (
     reduce_indexed,
 )
 from epkit.collectives.symm_buffer import SymmBuffer, _all_on_one_host
+from epkit.utils import check_topk_idx
 
 __all__ = ["EPBuffer", "DispatchHandle", "LowLatencyHandle"]
 

@@ -1,4 +1,4 @@
-// Fused grouped GEMM for the CPU backend of epkit.gemm on CPUs with AMX (Intel AMX-BF16):
+// Fused grouped GEMM for the CPU backend of epkit.grouped_gemm on CPUs with AMX (Intel AMX-BF16):
 //
 //   d[rows of task t, n] = cast( sum_k A_bf16[row, k] * W_bf16[g_t][n, k] )    (float32 accumulation)
 //

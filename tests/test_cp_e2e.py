@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from epkit.collectives.cp import CPGroup
-from epkit.cp import from_mirror, prepare_cp_mirror, to_mirror
+from epkit.cp_mirror import from_mirror, prepare_cp_mirror, to_mirror
 from epkit.testing.multiprocess import run_ranks
 from epkit.topology import ParallelGroups
 

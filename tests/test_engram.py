@@ -386,7 +386,7 @@ def test_engram_layer_matches_plain_formula():
 
 @requires_triton
 def test_engram_hash_triton_compiles_for_sm90():
-    from epkit.kernels.triton.engram_hash import compile_signature
+    from epkit.kernels.triton.engram import compile_signature
 
     k = compile_triton(*compile_signature(3, 8))
     assert ".target sm_90" in k.ptx
@@ -398,7 +398,7 @@ def test_engram_hash_triton_compiles_for_sm90():
 @requires_tilelang
 @requires_nvcc
 def test_engram_hash_tilelang_lowers_and_nvcc_compiles_for_sm90():
-    from epkit.kernels.tilelang.engram_hash import engram_hash_func
+    from epkit.kernels.tilelang.engram import engram_hash_func
 
     k = tilelang_compile_cuda(engram_hash_func(2, 3, 8, "cuda"), "sm_90")
     assert "__global__" in k.source and "engram_hash_kernel" in k.source

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from epkit.collectives.engram_table import ShardedEngramTable, engram_table_partition
 from epkit.engram import EngramConfig, hash_params, hash_tokens
-from epkit.engram_table import ShardedEngramTable, engram_table_partition
 from epkit.testing import assert_bitwise_equal
 from epkit.testing.multiprocess import RankError, run_ranks
 

@@ -241,7 +241,7 @@ def test_selfcheck_triton():
 @requires_triton
 @pytest.mark.parametrize("topk_dtype", ["i32", "i64"])
 def test_logical_to_physical_triton_compiles_for_sm90(topk_dtype):
-    from epkit.kernels.triton.logical_to_physical import compile_signature
+    from epkit.kernels.triton.experts import compile_signature
 
     k = compile_triton(*compile_signature(topk_dtype))
     assert k.target == "sm_90"

@@ -122,7 +122,7 @@ def test_env_backend_override(monkeypatch):
 @requires_triton
 @pytest.mark.parametrize("word,index", [("i32", "i32"), ("i16", "i64"), ("i64", "i32")])
 def test_gather_triton_compiles_for_sm90(word, index):
-    from epkit.kernels.triton.gather_rows import compile_signature
+    from epkit.kernels.triton.gather import compile_signature
 
     k = compile_triton(*compile_signature(word, index, 1024))
     assert ".target sm_90" in k.ptx
@@ -136,7 +136,7 @@ def test_gather_triton_compiles_for_sm90(word, index):
 @requires_nvcc
 @pytest.mark.parametrize("word,width", [("int32", 1024), ("int16", 100)])
 def test_gather_tilelang_lowers_and_nvcc_compiles_for_sm90(word, width):
-    from epkit.kernels.tilelang.gather_rows import gather_rows_func
+    from epkit.kernels.tilelang.gather import gather_rows_func
 
     k = tilelang_compile_cuda(gather_rows_func(width, word, "cuda"), "sm_90")
     assert "__global__" in k.source and "gather_rows_kernel" in k.source

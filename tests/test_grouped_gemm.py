@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-import epkit._details.gemm_cpu as gemm_cpu
-import epkit.gemm as gemm
-from epkit.gemm import build_m_indices, get_mk_alignment_for_contiguous_layout, make_inputs
+import epkit._details.grouped_gemm_cpu as gemm_cpu
+import epkit.grouped_gemm as gemm
+from epkit.grouped_gemm import build_m_indices, get_mk_alignment_for_contiguous_layout, make_inputs
 from epkit.testing import assert_bitwise_equal, assert_diff, calc_diff, compile_triton
 from epkit.testing.markers import requires_triton
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from epkit.kernels.tilelang._build import build_c, build_cuda, language, run_rows_parallel
+from epkit.kernels.tilelang.build import build_c, build_cuda, language, run_rows_parallel
 
 
 def prepare_cp_mirror_func(dialect: str = "cpu", chunk: int = 128):
@@ -127,6 +127,6 @@ def prepare_cp_mirror_launch(
 
 
 if __name__ == "__main__":
-    from epkit.cp import _bench_main
+    from epkit.cp_mirror import _bench_main
 
     _bench_main("tilelang")

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton._launch import for_device
+from epkit.kernels.triton.launch import for_device
 
 __all__ = ["copy_rows_by_address", "compile_signature", "word_bytes_for"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton._launch import for_device
+from epkit.kernels.triton.launch import for_device
 
 BLOCK = 256
 
@@ -109,6 +109,6 @@ def compile_signature(block: int = BLOCK):
 
 
 if __name__ == "__main__":
-    from epkit.cp import _bench_main
+    from epkit.cp_mirror import _bench_main
 
     _bench_main("triton")

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton._launch import for_device
+from epkit.kernels.triton.launch import for_device
 
 _KINDS = {"bf16": 0, "fp8": 1, "fp8_fp4": 2}
 
@@ -256,7 +256,7 @@ def launched_compile_args(kind: str, masked: bool, g: int, rows: int, n: int, k:
     touches no memory), with the config the heuristic picks for CUDA, so that
     ``epkit.testing.compile_triton_as_launched`` specializes and compiles them as Triton's JIT would.
     """
-    from epkit.gemm import build_m_indices
+    from epkit.grouped_gemm import build_m_indices
 
     m = g * rows
     cfg = get_config(kind, n, k, rows, "cuda")
@@ -331,7 +331,7 @@ def masked_launcher(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: 
 
 
 def grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None) -> None:
-    """Contiguous layout on validated inputs (see epkit.gemm): ``m_indices [M]`` per-row groups, -1 padding."""
+    """Contiguous layout on validated inputs (see epkit.grouped_gemm): ``m_indices [M]`` per-row groups, -1 padding."""
     contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config)()
 
 
@@ -388,7 +388,7 @@ def compile_signature(
 
 
 if __name__ == "__main__":
-    from epkit.gemm import GROUPED_OPS, _selfcheck_for
+    from epkit.grouped_gemm import GROUPED_OPS, _selfcheck_for
 
     for op, kind, masked in GROUPED_OPS:
         _selfcheck_for(op, kind, masked)("triton")

@@ -44,16 +44,16 @@ family by family; ``epkit info`` lists what this machine can run.
 
 from epkit import backends, eplb, lockstep, model, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
+from epkit.collectives.engram_table import ShardedEngramTable
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.fused_moe import fused_moe
 from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer
-from epkit.cp import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
+from epkit.cp_mirror import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
 from epkit.engram import EngramConfig, engram_hash, hash_params, hash_tokens
 from epkit.engram_layer import EngramLayer
-from epkit.engram_table import ShardedEngramTable
 from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows
-from epkit.gemm import (
+from epkit.grouped_gemm import (
     build_m_indices,
     get_mk_alignment_for_contiguous_layout,
     m_grouped_bf16_gemm_nt_contiguous,

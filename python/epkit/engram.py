@@ -384,15 +384,15 @@ def engram_hash(
         _engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out)
         return out
     if impl == "tilelang" and ids.device.type == "cpu":
-        from epkit.kernels.tilelang.engram_hash import engram_hash_tokens_cpu
+        from epkit.kernels.tilelang.engram import engram_hash_tokens_cpu
 
         engram_hash_tokens_cpu(ids, multipliers.contiguous(), _float_mod_table(vocab_sizes, offsets), out)
         return out
     vocab64, inv, off64 = _kernel_tables(vocab_sizes, offsets)
     if impl == "triton":
-        from epkit.kernels.triton.engram_hash import engram_hash_tokens
+        from epkit.kernels.triton.engram import engram_hash_tokens
     else:
-        from epkit.kernels.tilelang.engram_hash import engram_hash_tokens
+        from epkit.kernels.tilelang.engram import engram_hash_tokens
     engram_hash_tokens(ids, multipliers.contiguous(), vocab64, inv, off64, out)
     return out
 

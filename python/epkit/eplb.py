@@ -29,8 +29,8 @@ import heapq
 
 import torch
 
-from epkit._util import check_int as _check_int
-from epkit._util import check_topk_idx
+from epkit.utils import check_int as _check_int
+from epkit.utils import check_topk_idx
 
 __all__ = [
     "balanced_packing",

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from epkit._util import check_int as _check_int
-from epkit._util import check_topk_idx, time_per_call
 from epkit.backends import OpSpec, register_op, select
+from epkit.utils import check_int as _check_int
+from epkit.utils import check_topk_idx, time_per_call
 
 __all__ = [
     "resolve_num_extra_experts",
@@ -393,7 +393,7 @@ def logical_to_physical(
         return logical_to_physical_reference(topk_idx, placement, ep_rank, token_offset)
     if impl == "cpu":
         return _cpu_impl(topk_idx, placement, ep_rank, token_offset)
-    from epkit.kernels.triton.logical_to_physical import logical_to_physical_flat
+    from epkit.kernels.triton.experts import logical_to_physical_flat
 
     device = topk_idx.device
     num_tokens, top_k = topk_idx.shape

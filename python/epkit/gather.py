@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from epkit._util import time_per_call
 from epkit.backends import OpSpec, register_op, select
+from epkit.utils import time_per_call
 
 __all__ = ["gather_rows", "gather_rows_reference"]
 
@@ -140,9 +140,9 @@ def gather_rows(
         return out
     index = index.contiguous()
     if impl == "triton":
-        from epkit.kernels.triton.gather_rows import gather_rows_words
+        from epkit.kernels.triton.gather import gather_rows_words
     else:
-        from epkit.kernels.tilelang.gather_rows import gather_rows_words
+        from epkit.kernels.tilelang.gather import gather_rows_words
     gather_rows_words(x_words, index, out_words)
     return out
 

@@ -25,7 +25,7 @@ each expert received to :func:`epkit.eplb.rebalance_experts` and moves the exper
 :func:`forward_reference` is the specification: the same model in one process, float64, a plain
 per-expert loop over every DP rank's sequences, with the parallel model's quantisation points
 (bf16 MoE input, FP8 weights and activations) simulated, and the Engram tables whole. Context
-parallelism is not part of this model (the source engine ships it disabled; ``epkit.cp`` and
+parallelism is not part of this model (the source engine ships it disabled; ``epkit.cp_mirror`` and
 ``epkit.collectives.cp`` have their own end-to-end tests).
 
 Run ``python -m epkit.model`` for the textbook experiment on CPU ranks.
@@ -50,12 +50,12 @@ from epkit._details.model_layers import (
     _route,
     _swiglu_mlp,
 )
+from epkit.collectives.engram_table import ShardedEngramTable
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_combine, reference_dispatch
 from epkit.collectives.fused_moe import fused_moe
 from epkit.engram import EngramConfig, hash_tokens
 from epkit.engram_layer import EngramLayer
-from epkit.engram_table import ShardedEngramTable
 from epkit.experts import ExpertPlacement, logical_to_physical
 from epkit.lockstep import LockstepDriver
 from epkit.moe import expert_mlp

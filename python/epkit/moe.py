@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit import gemm
+from epkit import grouped_gemm as gemm
 from epkit.quant import cast_groups_to_fp8, per_token_group_cast_to_fp8
 
 __all__ = ["expert_mlp", "expert_mlp_reference", "pack_moe_weight", "unpack_moe_weight", "fuse_gate_up"]

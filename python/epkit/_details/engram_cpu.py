@@ -1,6 +1,6 @@
 """The CPU path of ``epkit.engram.engram_hash`` (backend ``cpu``): a division-free floor-mod in vectorised torch.
 
-``_float_mod_table`` also feeds the TileLang C kernel (``kernels/tilelang/engram_hash.py``), which
+``_float_mod_table`` also feeds the TileLang C kernel (``kernels/tilelang/engram.py``), which
 uses the same split-residue scheme.
 """
 

@@ -29,7 +29,7 @@ def run_triton_interpreted(kernel, grid, *args, **kwargs):
     Equivalent to importing the kernel with ``TRITON_INTERPRET=1`` and calling
     ``kernel[grid](*args, **kwargs)``, without touching the environment.
     """
-    from epkit.kernels.triton._launch import interpreted
+    from epkit.kernels.triton.launch import interpreted
 
     return interpreted(kernel)[grid](*args, **kwargs)
 
@@ -179,14 +179,14 @@ def nvcc_compile(
 
 def tilelang_build_c(prim_func):
     """Compile a TileLang ``prim_func`` with the C target; returns a callable taking CPU tensors."""
-    from epkit.kernels.tilelang._build import build_c
+    from epkit.kernels.tilelang.build import build_c
 
     return build_c(prim_func)
 
 
 def tilelang_compile_cuda(prim_func, arch: str = "sm_90", with_cubin: bool = True) -> CompiledKernel:
     """Lower a TileLang ``prim_func`` for CUDA ``arch`` and compile the generated source with nvcc."""
-    from epkit.kernels.tilelang._build import cuda_include_dirs, lower_cuda
+    from epkit.kernels.tilelang.build import cuda_include_dirs, lower_cuda
 
     source = lower_cuda(prim_func, arch)
     cubin = nvcc_compile(source, arch, cuda_include_dirs()) if with_cubin else None

@@ -15,7 +15,7 @@ whatever the rounding of the float steps:
 * CUDA: one token per thread, ``x mod d`` by two ``q = trunc(x * (1/d))`` steps in
   float64 followed by exact corrections.
 
-Run ``python -m epkit.kernels.tilelang.engram_hash`` to check it against the
+Run ``python -m epkit.kernels.tilelang.engram`` to check it against the
 reference and time it.
 """
 
@@ -26,7 +26,7 @@ import platform
 
 import torch
 
-from epkit.kernels.tilelang._build import build_cuda, language, run_rows_parallel
+from epkit.kernels.tilelang.build import build_cuda, language, run_rows_parallel
 
 # -march=native: the kernel is JIT-compiled on the machine that runs it (int64 <-> float64
 # conversions vectorise with AVX-512DQ); on x86 the head loop is one 8-lane float64 vector.

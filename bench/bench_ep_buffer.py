@@ -13,7 +13,7 @@ and the write of each copied byte (half the above: a protocol that copies each
 moved byte once at memcpy speed scores 0.5 there). Low-latency mode: 128 tokens
 per rank, latency per dispatch+combine.
 
-Run: ``python bench/bench_dispatch_combine.py [--ranks 2 4] [--rounds 5]``; writes
+Run: ``python bench/bench_ep_buffer.py [--ranks 2 4] [--rounds 5]``; writes
 bench/results/dispatch_combine.json.
 """
 

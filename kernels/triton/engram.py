@@ -3,9 +3,9 @@
 Head ``h`` belongs to order ``k = h // K + 1``. The modulo is numpy's floor-mod
 of a wrapped int64 by ``2 <= d < 2**31`` without integer division: two
 ``q = trunc(x * (1/d))`` steps in float64 and exact corrections (the same
-scheme as the TileLang kernel; see ``epkit.kernels.tilelang.engram_hash``), so
+scheme as the TileLang kernel; see ``epkit.kernels.tilelang.engram``), so
 the result is bit-exact whatever the float rounding. One program handles
-``BLOCK_T`` tokens of one layer. Run ``python -m epkit.kernels.triton.engram_hash``
+``BLOCK_T`` tokens of one layer. Run ``python -m epkit.kernels.triton.engram``
 to check it against the reference.
 """
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton._launch import for_device
+from epkit.kernels.triton.launch import for_device
 
 
 @triton.jit

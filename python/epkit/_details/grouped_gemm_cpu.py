@@ -1,4 +1,4 @@
-"""CPU backend of the grouped GEMMs in :mod:`epkit.gemm` (see its module docstring).
+"""CPU backend of the grouped GEMMs in :mod:`epkit.grouped_gemm` (see its module docstring).
 
 With a bf16 ``d`` on a CPU with AMX-BF16, every layout runs the fused C++ kernel
 ``epkit._C.grouped_gemm_amx`` (a task per expert: row address, scale address, output address,

@@ -2,14 +2,14 @@
 
 One factory serves both dialects. Rows move as integer words (the C target has
 no bfloat16), so the copy is bit-exact for every dtype. Run
-``python -m epkit.kernels.tilelang.gather_rows`` to check and time it.
+``python -m epkit.kernels.tilelang.gather`` to check and time it.
 """
 
 import functools
 
 import torch
 
-from epkit.kernels.tilelang._build import build_c, build_cuda, language, run_rows_parallel
+from epkit.kernels.tilelang.build import build_c, build_cuda, language, run_rows_parallel
 
 _WORD = {torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.uint8: "uint8"}
 

@@ -1,4 +1,4 @@
-// Fused block-scaled dequantization for the CPU grouped GEMMs (epkit.gemm, cpu backend):
+// Fused block-scaled dequantization for the CPU grouped GEMMs (epkit.grouped_gemm, cpu backend):
 //
 //   FP8 (e4m3):  out[b, r, c] = cast( float(q[b, src, c]) * scale[b, src / row_block, c / col_block] )
 //   MXFP4:       out[b, r, c] = cast( e2m1(nibble c of packed[b, src, c / 2]) * 2**(e8m0[b, src, c / 32] - 127) )

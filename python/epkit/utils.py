@@ -1,4 +1,4 @@
-"""Small shared helpers: argument checks and a device-aware timer for the kernel scripts."""
+"""Small shared helpers: argument checks, a device-aware timer, and old module paths kept for a release."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+__all__ = ["check_int", "check_topk_idx", "moved_module", "time_per_call"]
 
 
 def check_int(name: str, value, minimum: int) -> int:
@@ -57,3 +59,20 @@ def check_topk_idx(topk_idx, num_experts: int, num_topk: int | None = None, chec
             bad = lo if lo < -1 else hi
             t, k = (int(i) for i in (topk_idx == bad).nonzero()[0])
             raise ValueError(f"topk_idx[{t}, {k}] = {bad} is outside [-1, {num_experts})")
+
+
+def moved_module(old: str, new: str) -> None:
+    """Make the module being imported as ``old`` the module ``new``, with a DeprecationWarning.
+
+    For old import paths kept for one release: ``import old`` and ``from old import name`` give
+    ``new`` itself (one module object, so monkeypatching either path patches the same names).
+    Call it as the only statement of the old module: ``moved_module(__name__, "epkit.new")``.
+    """
+    import importlib
+    import sys
+    import warnings
+
+    warnings.warn(
+        f"{old} has moved to {new}; the old import path is kept for one release", DeprecationWarning, stacklevel=3
+    )
+    sys.modules[old] = importlib.import_module(new)

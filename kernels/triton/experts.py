@@ -5,7 +5,7 @@ For ``e = topk_idx[t, k]``: ``-1`` stays ``-1``; else the first replica of ``e``
 (``phy // num_local == ep_rank``); else replica ``(t + token_offset) % logcnt[e]``.
 The replica scan is a runtime loop over ``log2phy``'s columns, so placements
 with any replica count share one compiled kernel.
-Run ``python -m epkit.kernels.triton.logical_to_physical`` to check against the
+Run ``python -m epkit.kernels.triton.experts`` to check against the
 reference.
 """
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton._launch import for_device
+from epkit.kernels.triton.launch import for_device
 
 
 @triton.jit

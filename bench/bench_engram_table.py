@@ -1,7 +1,7 @@
 """Sharded Engram lookup benchmark: 65,536 rows x 256 dims (bf16) over 4 gloo ranks.
 
 Each rank holds 1/4 of a ``--table-rows x --dim`` bf16 table
-(:class:`epkit.engram_table.ShardedEngramTable`) and fetches ``--rows`` uniformly
+(:class:`epkit.collectives.engram_table.ShardedEngramTable`) and fetches ``--rows`` uniformly
 random row ids (duplicates included, as hashed n-grams have) with ``fetch`` +
 ``hook()``. The peer, timed in the same processes on the same group, is one
 ``torch.distributed.all_to_all_single`` moving the same bytes per rank as the
@@ -18,7 +18,7 @@ gathers. Reported per rank-averaged iteration (slowest rank):
 Writes ``bench/results/engram_lookup.json``. Absolute CPU numbers are noise on a
 shared machine; the ratio to the same-run peer is the figure to compare.
 
-Run: ``python bench/bench_engram_lookup.py [--world 4] [--rows 65536] [--dim 256] [--iters 10]``.
+Run: ``python bench/bench_engram_table.py [--world 4] [--rows 65536] [--dim 256] [--iters 10]``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _worker(rank, world, table_rows, dim, rows, iters):
     import torch
     import torch.distributed as dist
 
-    from epkit.engram_table import ShardedEngramTable
+    from epkit.collectives.engram_table import ShardedEngramTable
 
     torch.manual_seed(0)
     table = ShardedEngramTable(table_rows, dim, group=None, dtype=torch.bfloat16, timeout=120)

@@ -2,7 +2,7 @@
 
 Rows are moved as integer words (the widest of 8/4/2/1 bytes that divides the
 row), so the copy is bit-exact for every dtype (bf16, fp8, NaN payloads).
-Run ``python -m epkit.kernels.triton.gather_rows`` to check against the
+Run ``python -m epkit.kernels.triton.gather`` to check against the
 reference and time it.
 """
 
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton._launch import for_device
+from epkit.kernels.triton.launch import for_device
 
 
 @triton.jit

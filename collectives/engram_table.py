@@ -1,0 +1,444 @@
+"""ENP-sharded Engram embedding table with a prefetchable row lookup.
+
+An Engram layer's hashed n-gram table has hundreds of millions of rows, too many
+to replicate on every rank. The table is split by rows over the ENP group:
+
+    alignment    = lcm(256, enp_size)
+    padded_rows  = ceil(num_rows / alignment) * alignment
+    num_per_part = padded_rows // enp_size
+    rank r owns global rows [r * num_per_part, (r + 1) * num_per_part)
+
+and every rank allocates only its own part. A lookup is split in two so that it
+can start before the model's layers run (hashes depend on token ids only):
+
+``fetch(row_ids)``
+    validates the ids, deduplicates them (``torch.unique`` with the inverse),
+    counts the unique ids per owner and posts the request-count exchange
+    (``all_to_all_single``, asynchronous); returns a hook at once.
+``hook()``
+    waits for the counts, exchanges the ids (``all_to_all_single``), serves the
+    rows this rank owns to every requester (:func:`epkit.gather_rows` on the local
+    shard), exchanges the rows back (``all_to_all_single``) and expands the unique
+    rows to the requested order.
+
+Serving is part of the collective flow: an owner gathers the rows others asked
+for inside its own ``hook()``. Hence **every rank of the group must call
+``fetch`` and then ``hook()``, in the same order** (a rank that needs no rows
+passes an empty tensor); a rank that never calls its hook makes the others raise
+``TimeoutError`` after ``timeout`` seconds. Rows travel as integer words, so a
+lookup is bit-exact for every dtype.
+
+Bad input (ids outside ``[0, num_rows)``, a wrong dtype) is detected before any
+row id is sent: the bad rank still takes part in the count exchange with an
+error flag and raises ``ValueError`` in ``fetch``; its peers see the flag and
+raise ``ValueError`` in ``hook()``. Nobody hangs and the group stays usable.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+
+from epkit.gather import gather_rows
+
+__all__ = ["ShardedEngramTable", "engram_table_partition"]
+
+INT32_MAX = 2**31 - 1
+_ROW_ALIGN = 256
+
+
+def engram_table_partition(num_rows: int, enp_size: int) -> tuple[int, int]:
+    """Padded row count and rows per rank of an ENP-sharded table.
+
+    Parameters
+    ----------
+    num_rows : int, >= 1
+        Rows of the (unpadded) table.
+    enp_size : int, >= 1
+        Ranks the table is split over.
+
+    Returns
+    -------
+    (padded_rows, num_per_part) : tuple of int
+        ``padded_rows`` is ``num_rows`` rounded up to a multiple of ``lcm(256, enp_size)``;
+        ``num_per_part = padded_rows // enp_size``.
+    """
+    for name, v in (("num_rows", num_rows), ("enp_size", enp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} = {v!r}: expected an int >= 1")
+    align = math.lcm(_ROW_ALIGN, enp_size)
+    padded = -(-num_rows // align) * align
+    return padded, padded // enp_size
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous ``[n, dim]`` tensor as ``[n, W]`` int32 words (uint8 when rows are not 4-byte multiples)."""
+    n = t.shape[0]
+    row_bytes = t.shape[1] * t.element_size()
+    flat = t.reshape(-1).view(torch.uint8)
+    if row_bytes % 4 == 0 and t.data_ptr() % 4 == 0:
+        return flat.view(torch.int32).view(n, row_bytes // 4)
+    return flat.view(n, row_bytes)
+
+
+class _FetchHook:
+    """Completes one :meth:`ShardedEngramTable.fetch`; call it to get the rows (see the module docstring)."""
+
+    def __init__(
+        self,
+        table,
+        shape,
+        counts_work=None,
+        send_hdr=None,
+        recv_hdr=None,
+        send_counts=None,
+        send_ids=None,
+        inverse=None,
+        out=None,
+    ):
+        self._table, self._shape = table, shape
+        self._counts_work, self._send_hdr, self._recv_hdr = counts_work, send_hdr, recv_hdr
+        self._send_counts, self._send_ids, self._inverse = send_counts, send_ids, inverse
+        self._out = out
+        self._result = None
+        self._error = None
+
+    def __call__(self) -> torch.Tensor:
+        """Wait for the lookup and return the rows.
+
+        Returns
+        -------
+        Tensor [*row_ids.shape, dim] of the table's dtype
+            Row ``table[row_ids[i]]`` at position ``i``; bit-exact copies (``out`` when given to ``fetch``).
+
+        Raises
+        ------
+        ValueError
+            Some rank of the group passed invalid row ids to its ``fetch``.
+        TimeoutError
+            A peer did not take part within the table's ``timeout``.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            try:
+                self._result = self._complete()
+            except (ValueError, TimeoutError) as exc:
+                self._error = exc
+                raise
+            finally:  # drop the request state: a hook completes once
+                self._counts_work = self._send_hdr = self._recv_hdr = self._send_ids = self._inverse = self._out = None
+        return self._result
+
+    def _complete(self) -> torch.Tensor:
+        t = self._table
+        if t.enp_size == 1:
+            flat = self._send_ids  # the validated ids themselves
+            return self._finish(gather_rows(t.weight, flat, self._flat_out(), check_index=False))
+        t._wait(self._counts_work, "request counts")
+        hdr = self._recv_hdr.view(t.enp_size, 2).cpu()
+        bad = [t.group_ranks[i] for i in range(t.enp_size) if int(hdr[i, 0]) != 0]
+        if bad:
+            raise ValueError(
+                f"ShardedEngramTable.fetch: rank(s) {bad} of the ENP group passed invalid row_ids "
+                "(see their ValueError); no rows were exchanged"
+            )
+        recv_counts = hdr[:, 1].tolist()
+        send_counts = self._send_counts
+        dev = t.weight.device
+        # 1. ids: each owner receives the local row offsets it must serve.
+        recv_ids = torch.empty(sum(recv_counts), dtype=torch.int32, device=dev)
+        t._wait(
+            t._a2a(recv_ids, self._send_ids, recv_counts, send_counts),
+            "row ids",
+        )
+        # 2. serve: gather the requested rows of the local shard.
+        served = gather_rows(t.weight, recv_ids)
+        # 3. rows back to the requesters, in the order they asked (sorted unique ids).
+        uniq_rows = torch.empty((self._send_ids.numel(), t.dim), dtype=t.dtype, device=dev)
+        t._wait(t._a2a(_words(uniq_rows), _words(served), send_counts, recv_counts), "rows")
+        return self._finish(gather_rows(uniq_rows, self._inverse, self._flat_out(), check_index=False))
+
+    def _flat_out(self):
+        return None if self._out is None else self._out.view(-1, self._table.dim)
+
+    def _finish(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._out if self._out is not None else rows.view(*self._shape, self._table.dim)
+
+
+class ShardedEngramTable:
+    """An Engram embedding table split by rows over an ENP process group.
+
+    Parameters
+    ----------
+    num_rows : int, >= 1
+        Rows of the full table (``sum`` of a layer's head table sizes).
+    dim : int, >= 1
+        Values per row (``engram_head_dim``).
+    group : ProcessGroup, ParallelGroups or None
+        The ENP group (gloo for CPU tables). A :class:`epkit.topology.ParallelGroups`
+        contributes its ``enp`` group (the gloo twin for CPU tables). ``None``: the
+        default group when torch.distributed is initialised, else one rank.
+    dtype : torch.dtype
+        Row dtype. Default ``torch.bfloat16``.
+    device : str or torch.device
+        Where the local shard lives. Default ``"cpu"``.
+    timeout : float
+        Seconds any wait on a peer may take before ``TimeoutError``. Default 30.
+
+    Attributes
+    ----------
+    num_rows, dim, dtype, enp_size, enp_rank
+    padded_rows : int
+        ``num_rows`` rounded up to a multiple of ``lcm(256, enp_size)``.
+    num_per_part : int
+        ``padded_rows // enp_size``: rows every rank owns.
+    row_start : int
+        First global row of this rank's part: ``enp_rank * num_per_part``.
+    weight : Tensor [num_per_part, dim]
+        The local shard (rows past ``num_rows`` are padding and stay zero).
+
+    Notes
+    -----
+    Constructing the table is collective when ``enp_size > 1``: the ranks check that
+    they agree on ``num_rows``, ``dim`` and the row size. ``fetch`` / hook are
+    collective too (see :meth:`fetch`).
+
+    Examples
+    --------
+    >>> table = ShardedEngramTable(1000, 16, group=None, dtype=torch.float32)
+    >>> table.load_rows(0, torch.arange(16000.0).view(1000, 16))
+    >>> hook = table.fetch(torch.tensor([[3, 3], [999, 0]]))
+    >>> hook().shape
+    torch.Size([2, 2, 16])
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        group=None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        timeout: float = 30.0,
+    ):
+        for name, v in (("num_rows", num_rows), ("dim", dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} = {v!r}: expected an int >= 1")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype = {dtype!r}: expected a torch.dtype")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout = {timeout!r}: expected a positive number of seconds")
+        self.device = torch.device(device)
+        self.group = self._resolve_group(group)
+        import torch.distributed as dist
+
+        if self.group is None:
+            self.enp_size, self.enp_rank, self.group_ranks = 1, 0, [0]
+        else:
+            self.enp_size, self.enp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            self.group_ranks = dist.get_process_group_ranks(self.group)
+        self.num_rows, self.dim, self.dtype, self.timeout = num_rows, dim, dtype, float(timeout)
+        self.padded_rows, self.num_per_part = engram_table_partition(num_rows, self.enp_size)
+        if self.padded_rows - 1 > INT32_MAX:
+            raise ValueError(
+                f"num_rows = {num_rows} pads to {self.padded_rows} rows; row ids must fit int32 (<= {INT32_MAX})"
+            )
+        self.row_start = self.enp_rank * self.num_per_part
+        if self.enp_size > 1:
+            self._check_agreement()
+        self.weight = torch.zeros((self.num_per_part, dim), dtype=dtype, device=self.device)
+
+    # Setup
+
+    def _resolve_group(self, group):
+        import torch.distributed as dist
+
+        if group is not None and hasattr(group, "groups") and hasattr(group, "cpu_groups"):  # ParallelGroups
+            group = group.cpu_groups["enp"] if self.device.type == "cpu" else group.groups["enp"]
+        if group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            group = dist.group.WORLD
+        elif not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("group was given but torch.distributed is not initialised")
+        if not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"group = {group!r}: expected a ProcessGroup, a ParallelGroups or None")
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the given group")
+        return group
+
+    def _check_agreement(self) -> None:
+        import torch.distributed as dist
+
+        mine = torch.tensor([self.num_rows, self.dim, self.dtype.itemsize], dtype=torch.int64, device=self.device)
+        both = torch.cat([mine, -mine])
+        self._wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "table shape check")
+        hi, lo = both[:3].tolist(), (-both[3:]).tolist()
+        if hi != lo:
+            raise ValueError(
+                f"ShardedEngramTable: the ranks of the ENP group disagree on (num_rows, dim, row itemsize): "
+                f"this rank has {mine.tolist()}, the group spans min {lo} / max {hi}"
+            )
+
+    def _a2a(self, out, inp, out_splits, in_splits):
+        import torch.distributed as dist
+
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise TimeoutError(
+                    f"ShardedEngramTable: exchange of {what} with ENP ranks {self.group_ranks} did not complete "
+                    f"within {self.timeout:.1f} s (did every rank call fetch() and the hook?)"
+                ) from exc
+            raise
+
+    # Weights
+
+    def load_rows(self, start: int, tensor: torch.Tensor) -> None:
+        """Write rows ``[start, start + len(tensor))`` of the global table; keep the part this rank owns.
+
+        Every rank may be given the same full tensor, or any slice; rows outside this
+        rank's part are ignored. Local only (no communication).
+
+        Parameters
+        ----------
+        start : int
+            First global row, ``0 <= start`` and ``start + tensor.shape[0] <= num_rows``.
+        tensor : Tensor [n, dim], floating point, any device
+            Converted to the table's dtype with ``Tensor.to`` (exact when the dtypes match).
+        """
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise ValueError(f"start = {start!r}: expected an int")
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.shape[1] != self.dim:
+            raise ValueError(
+                f"tensor must be [n, dim = {self.dim}], got {type(tensor).__name__} "
+                f"of shape {tuple(getattr(tensor, 'shape', ()))}"
+            )
+        if not (tensor.dtype.is_floating_point or tensor.dtype == self.dtype):
+            raise ValueError(f"tensor has dtype {tensor.dtype}; expected a floating dtype (table dtype {self.dtype})")
+        n = tensor.shape[0]
+        if start < 0 or start + n > self.num_rows:
+            raise ValueError(
+                f"load_rows: rows [{start}, {start + n}) are outside the table [0, num_rows = {self.num_rows})"
+            )
+        lo = max(start, self.row_start)
+        hi = min(start + n, self.row_start + self.num_per_part)
+        if lo < hi:
+            self.weight[lo - self.row_start : hi - self.row_start].copy_(tensor[lo - start : hi - start])
+
+    # Lookup
+
+    def _validate_out(self, row_ids, out) -> str | None:
+        want = (*row_ids.shape, self.dim)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != self.dtype:
+            return (
+                f"out must be a {self.dtype} tensor of shape {want}, got {getattr(out, 'dtype', type(out).__name__)} "
+                f"of shape {tuple(getattr(out, 'shape', ()))}"
+            )
+        if out.device != self.device or not out.is_contiguous():
+            return f"out must be contiguous on {self.device}, got {out.device} (contiguous={out.is_contiguous()})"
+        return None
+
+    def _validate_ids(self, row_ids) -> str | None:
+        if not isinstance(row_ids, torch.Tensor):
+            return f"row_ids must be a tensor, got {type(row_ids).__name__}"
+        if row_ids.dtype not in (torch.int32, torch.int64):
+            return f"row_ids must be int32 or int64, got {row_ids.dtype}"
+        if row_ids.device != self.device:
+            return f"row_ids is on {row_ids.device} but the table is on {self.device}"
+        if row_ids.numel():
+            lo, hi = int(row_ids.min()), int(row_ids.max())
+            if lo < 0 or hi >= self.num_rows:
+                bad = lo if lo < 0 else hi
+                pos = int((row_ids.reshape(-1) == bad).nonzero()[0])
+                return f"row_ids[flat {pos}] = {bad} is outside [0, num_rows = {self.num_rows})"
+        return None
+
+    def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> _FetchHook:
+        """Start looking up rows; returns a hook that completes the lookup.
+
+        Collective over the ENP group: every rank calls ``fetch`` and later the hook,
+        in the same order (pass an empty tensor to request nothing). ``fetch`` posts
+        the request-count exchange and returns; the hook exchanges ids, serves the
+        rows this rank owns to its peers, and receives its own rows.
+
+        Parameters
+        ----------
+        row_ids : Tensor [*], int32 or int64, on the table's device
+            Global rows in ``[0, num_rows)``; any shape, duplicates and any order allowed.
+        out : Tensor [*row_ids.shape, dim], optional
+            Preallocated contiguous result of the table's dtype and device (reusing it saves
+            the allocation and first-touch of a fresh result on every lookup); the hook returns it.
+
+        Returns
+        -------
+        hook : callable
+            ``hook() -> Tensor [*row_ids.shape, dim]`` (table dtype), ``table[row_ids]``
+            bit for bit. Calling it again returns the same tensor.
+
+        Raises
+        ------
+        ValueError
+            Invalid ``row_ids`` (message names the value). Raised before any row id is sent;
+            the peers of a bad rank raise ``ValueError`` from their hooks.
+        TimeoutError
+            (multi-rank, on a bad call) a peer did not take part within ``timeout``.
+        """
+        error = self._validate_ids(row_ids)
+        if error is None and out is not None:
+            error = self._validate_out(row_ids, out)
+        if self.enp_size == 1:
+            if error is not None:
+                raise ValueError(f"ShardedEngramTable.fetch: {error}")
+            return _FetchHook(self, tuple(row_ids.shape), send_ids=row_ids.reshape(-1), out=out)
+        import torch.distributed as dist
+
+        hdr = torch.zeros((self.enp_size, 2), dtype=torch.int64, device=self.device)
+        recv_hdr = torch.empty(self.enp_size * 2, dtype=torch.int64, device=self.device)
+        if error is not None:
+            hdr[:, 0] = 1  # error flag; no requests
+            work = dist.all_to_all_single(recv_hdr, hdr.view(-1), group=self.group, async_op=True)
+            self._wait(work, "request counts (error flag)")
+            raise ValueError(f"ShardedEngramTable.fetch: {error}")
+        uniq, inverse = torch.unique(row_ids.reshape(-1).long(), sorted=True, return_inverse=True)
+        owner = torch.div(uniq, self.num_per_part, rounding_mode="floor")
+        hdr[:, 1] = torch.bincount(owner, minlength=self.enp_size)
+        work = dist.all_to_all_single(recv_hdr, hdr.view(-1), group=self.group, async_op=True)
+        send_ids = (uniq - owner * self.num_per_part).to(torch.int32)  # owners' local offsets, grouped by owner
+        return _FetchHook(
+            self,
+            tuple(row_ids.shape),
+            counts_work=work,
+            send_hdr=hdr,
+            recv_hdr=recv_hdr,
+            send_counts=hdr[:, 1].tolist(),
+            send_ids=send_ids,
+            inverse=inverse,
+            out=out,
+        )
+
+    def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """``fetch(row_ids)()``: a blocking lookup (collective, like :meth:`fetch`).
+
+        Parameters
+        ----------
+        row_ids : Tensor [*], int32 or int64
+
+        Returns
+        -------
+        Tensor [*row_ids.shape, dim]
+        """
+        return self.fetch(row_ids)()
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedEngramTable(num_rows={self.num_rows}, dim={self.dim}, dtype={self.dtype}, "
+            f"enp={self.enp_rank}/{self.enp_size}, rows [{self.row_start}, {self.row_start + self.num_per_part}))"
+        )

@@ -1,0 +1,452 @@
+"""Grouped (per-expert) GEMMs with DeepGEMM-compatible semantics: ``d = a @ b[g].T`` per group.
+
+Layouts
+-------
+contiguous (prefill): ``a [M, K]`` holds every group's rows back to back;
+    ``m_indices [M]`` int32 gives each row's group, ``-1`` for padding rows,
+    whose outputs are written as exact zeros. With ``use_psum_layout=True``
+    ``m_indices [G]`` holds cumulative row ends instead: group ``g`` owns rows
+    ``[align(end[g-1]), end[g])`` (``end[-1] = 0``, ``align`` rounds up to
+    :func:`get_mk_alignment_for_contiguous_layout`); every other row is padding.
+masked (decode): ``a [G, M_max, K]``; only the first ``masked_m[g]`` rows of
+    group ``g`` are computed, the rest of ``d`` is left untouched.
+
+Formats
+-------
+``fp8``      a e4m3 + float32 ``sfa [M, K/128]`` (1x128 groups); b e4m3 [G, N, K] +
+             float32 ``sfb [G, ceil(N/128), K/128]`` (128x128 blocks).
+``fp8_fp4``  a as above; b MXFP4 ``uint8 [G, N, K/2]`` + e8m0 ``uint8 sfb [G, N, K/32]``.
+``bf16``     a bf16 [M, K]; b bf16 [G, N, K]; no scales.
+``d`` is bfloat16 or float32.
+
+Backends: ``cpu`` - with a bf16 ``d`` on a CPU with AMX-BF16, the fused C++ kernel
+``epkit._C.grouped_gemm_amx``: per expert it dequantizes the rows into a cache-resident bf16
+block and the weights panel by panel straight into AMX's tile layout, and multiplies on AMX
+tiles with float32 accumulation (no full-size dequantized copy is ever written). Otherwise
+every call dequantizes the live groups' weights and rows in one threaded pass (fused C++
+``epkit._C.dequant_blocks`` when built, else the ``epkit.quant`` dequantizers) and runs one
+torch matmul per group, or one batched matmul when the groups are equal and evenly spaced,
+written straight into d (bf16 operands when the CPU has fast bf16 and d is bf16, else
+float32). Both paths multiply the same operands: the dequantizers' float32 values rounded to
+bf16 (or kept in float32 for a float32 d without AMX); only the summation order differs.
+``triton`` (kernels/triton/grouped_gemm.py; the interpreter on CPU
+tensors), ``reference`` (float32 matmul of dequantized inputs, group by group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit._details.grouped_gemm_cpu import _cpu_contiguous, _cpu_masked
+from epkit.backends import OpSpec, register_op, select
+from epkit.quant import dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
+
+__all__ = [
+    "get_mk_alignment_for_contiguous_layout",
+    "build_m_indices",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "m_grouped_fp8_fp4_gemm_nt_masked",
+    "m_grouped_bf16_gemm_nt_contiguous",
+    "m_grouped_bf16_gemm_nt_masked",
+    "grouped_gemm_reference",
+]
+
+_ALIGN = 128
+_SF_K = 128  # activation / weight scale granularity along K (fp8)
+_FP4_BLOCK = 32
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """Row alignment of each group in the contiguous layout (128, as DeepGEMM)."""
+    return _ALIGN
+
+
+def build_m_indices(
+    num_tokens_per_group: torch.Tensor | list[int], alignment: int | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Per-row group ids for the contiguous layout, each group padded to ``alignment`` rows.
+
+    Parameters
+    ----------
+    num_tokens_per_group : Tensor [G] or list of G ints (>= 0)
+    alignment : int, optional
+        Defaults to :func:`get_mk_alignment_for_contiguous_layout`.
+    device : torch device of the result.
+
+    Returns
+    -------
+    Tensor [sum(align_up(count_g))], int32: ``g`` for group g's rows, ``-1`` for padding rows.
+
+    Examples
+    --------
+    >>> build_m_indices([1, 0, 2], alignment=2).tolist()
+    [0, -1, 2, 2]
+    """
+    counts = torch.as_tensor(num_tokens_per_group, dtype=torch.int64).cpu()
+    alignment = _ALIGN if alignment is None else alignment
+    if counts.dim() != 1 or (counts.numel() and int(counts.min()) < 0):
+        raise ValueError(f"num_tokens_per_group must be a 1-D list of counts >= 0, got {counts.tolist()}")
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    padded = (counts + alignment - 1) // alignment * alignment
+    g = counts.numel()
+    ids = torch.arange(g, dtype=torch.int32).repeat_interleave(padded)
+    pos = torch.arange(int(padded.sum())) - torch.repeat_interleave(torch.cumsum(padded, 0) - padded, padded)
+    ids[pos >= torch.repeat_interleave(counts, padded)] = -1
+    return ids.to(device)
+
+
+# Validation
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _want(name: str, t, dtypes: tuple, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype} of shape {_shape(t)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {_shape(t)}")
+
+
+def _unpack(x, name: str, scaled: bool):
+    if scaled:
+        if not (isinstance(x, (tuple, list)) and len(x) == 2):
+            raise ValueError(f"{name} must be a (tensor, scales) pair, got {type(x).__name__}")
+        return x[0], x[1]
+    if isinstance(x, (tuple, list)):
+        raise ValueError(f"{name} must be a single bf16 tensor for the bf16 GEMM, got a {type(x).__name__}")
+    return x, None
+
+
+def _validate(kind: str, a, b, d, masked: bool):
+    """Check dtypes/shapes of (a, sfa), (b, sfb), d; returns (a, sfa, b, sfb, G, M, N, K)."""
+    scaled = kind != "bf16"
+    a, sfa = _unpack(a, "a", scaled)
+    b, sfb = _unpack(b, "b", scaled)
+    a_dt = (torch.bfloat16,) if kind == "bf16" else (torch.float8_e4m3fn,)
+    if not isinstance(a, torch.Tensor) or a.dim() != (3 if masked else 2):
+        raise ValueError(f"a must be a {'[G, M_max, K]' if masked else '[M, K]'} tensor, got shape {_shape(a)}")
+    if not isinstance(b, torch.Tensor) or b.dim() != 3:
+        raise ValueError(f"b must be a [G, N, K{'/2' if kind == 'fp8_fp4' else ''}] tensor, got shape {_shape(b)}")
+    k = a.shape[-1]
+    g, n = b.shape[0], b.shape[1]
+    if masked and a.shape[0] != g:
+        raise ValueError(f"a has {a.shape[0]} groups but b has {g} (a {_shape(a)}, b {_shape(b)})")
+    _want("a", a, a_dt, tuple(a.shape))
+    if scaled and k % _SF_K:
+        raise ValueError(f"K = {k} (a {_shape(a)}) must be a multiple of the scale block {_SF_K}")
+    rows = tuple(a.shape[:-1])
+    if kind == "fp8":
+        _want("b", b, (torch.float8_e4m3fn,), (g, n, k))
+        _want("sfb", sfb, (torch.float32,), (g, -(-n // 128), k // _SF_K))
+    elif kind == "fp8_fp4":
+        _want("b", b, (torch.uint8,), (g, n, k // 2))
+        _want("sfb", sfb, (torch.uint8,), (g, n, k // _FP4_BLOCK))
+    else:
+        _want("b", b, (torch.bfloat16,), (g, n, k))
+    if scaled:
+        _want("sfa", sfa, (torch.float32,), (*rows, k // _SF_K))
+    _want("d", d, (torch.bfloat16, torch.float32), (*rows, n))
+    if not d.is_contiguous():
+        raise ValueError(f"d must be contiguous, got strides {d.stride()}")
+    devs = {t.device for t in (a, sfa, b, sfb, d) if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"a, b, scales and d must share one device, got {sorted(str(x) for x in devs)}")
+    return a, sfa, b, sfb, g, (a.shape[0] if not masked else a.shape[1]), n, k
+
+
+def _psum_to_m_indices(ends: torch.Tensor, m: int) -> torch.Tensor:
+    ends64 = ends.long().cpu()
+    g = ends64.numel()
+    ids = torch.full((m,), -1, dtype=torch.int32)
+    prev = 0
+    for grp, end in enumerate(ends64.tolist()):  # loop over groups, not rows
+        start = -(-prev // _ALIGN) * _ALIGN
+        if end < prev or end > m or (prev < end < start):
+            raise ValueError(
+                f"m_indices (psum layout) must be non-decreasing cumulative ends <= M = {m}, with each group "
+                f"starting at the previous end rounded up to {_ALIGN}; group {grp} of {g} has end {end} "
+                f"after previous end {prev} (aligned start {start})"
+            )
+        if end > start:
+            ids[start:end] = grp
+        prev = end
+    return ids.to(ends.device)
+
+
+def _check_m_indices(m_indices, g: int, m: int, device, use_psum_layout: bool) -> torch.Tensor:
+    want = (g,) if use_psum_layout else (m,)
+    if not isinstance(m_indices, torch.Tensor) or m_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"m_indices must be an int32 tensor of shape {want}, got {getattr(m_indices, 'dtype', None)}")
+    if tuple(m_indices.shape) != want:
+        raise ValueError(
+            f"m_indices must have shape {want} ({'[G] cumulative ends' if use_psum_layout else '[M]'}), "
+            f"got {tuple(m_indices.shape)}"
+        )
+    if m_indices.device != device:
+        raise ValueError(f"m_indices is on {m_indices.device} but a is on {device}")
+    if use_psum_layout:
+        return _psum_to_m_indices(m_indices, m)
+    if m_indices.numel():
+        lo, hi = int(m_indices.min()), int(m_indices.max())
+        if lo < -1 or hi >= g:
+            bad = lo if lo < -1 else hi
+            pos = int((m_indices == bad).nonzero()[0])
+            raise ValueError(f"m_indices[{pos}] = {bad} is outside [-1, {g}) (b has G = {g} groups)")
+    return m_indices
+
+
+def _check_masked_m(masked_m, g: int, m_max: int, device, expected_m) -> torch.Tensor:
+    if not isinstance(masked_m, torch.Tensor) or masked_m.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"masked_m must be an int32 tensor of shape ({g},), got {getattr(masked_m, 'dtype', None)}")
+    if tuple(masked_m.shape) != (g,):
+        raise ValueError(f"masked_m must have shape ({g},) (one count per group), got {tuple(masked_m.shape)}")
+    if masked_m.device != device:
+        raise ValueError(f"masked_m is on {masked_m.device} but a is on {device}")
+    if not isinstance(expected_m, int) or expected_m < 0:
+        raise ValueError(f"expected_m must be an int >= 0 (a hint for the kernel config), got {expected_m!r}")
+    if g and masked_m.device.type == "cpu":  # on a GPU the counts stay unread (no sync); the kernel clamps them
+        lo, hi = int(masked_m.min()), int(masked_m.max())
+        if lo < 0 or hi > m_max:
+            bad = lo if lo < 0 else hi
+            pos = int((masked_m == bad).nonzero()[0])
+            raise ValueError(f"masked_m[{pos}] = {bad} is outside [0, M_max = {m_max}] (a has shape [G, M_max, K])")
+    return masked_m
+
+
+# Reference
+
+
+def _deq_a(kind: str, a: torch.Tensor, sfa: torch.Tensor | None) -> torch.Tensor:
+    return a.float() if kind == "bf16" else dequant_per_token_group_fp8(a, sfa, _SF_K)
+
+
+def _deq_b(kind: str, b: torch.Tensor, sfb: torch.Tensor | None) -> torch.Tensor:
+    if kind == "fp8":
+        return dequant_per_block_fp8(b, sfb, (128, _SF_K))
+    if kind == "fp8_fp4":
+        return dequant_mxfp4(b, sfb)
+    return b.float()
+
+
+def grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=None, masked_m=None) -> torch.Tensor:
+    """Readable specification: float32 matmul of dequantized inputs, group by group.
+
+    ``kind`` is ``"fp8"``, ``"fp8_fp4"`` or ``"bf16"``; pass per-row ``m_indices [M]``
+    (contiguous; padding rows become zeros) or ``masked_m [G]`` (masked; other rows untouched).
+    """
+    for grp in range(b.shape[0]):
+        w = _deq_b(kind, b[grp], None if sfb is None else sfb[grp])  # [N, K] float32
+        if masked_m is not None:
+            rows = int(masked_m[grp])
+            x = _deq_a(kind, a[grp, :rows], None if sfa is None else sfa[grp, :rows])
+            d[grp, :rows] = (x @ w.T).to(d.dtype)
+        else:
+            sel = m_indices == grp
+            x = _deq_a(kind, a[sel], None if sfa is None else sfa[sel])
+            d[sel] = (x @ w.T).to(d.dtype)
+    if masked_m is None:
+        d[m_indices < 0] = 0
+    return d
+
+
+# Public ops
+
+
+def _contiguous(op, kind, a, b, d, m_indices, use_psum_layout, backend):
+    a, sfa, b, sfb, g, m, n, k = _validate(kind, a, b, d, masked=False)
+    rows_ids = _check_m_indices(m_indices, g, m, a.device, use_psum_layout)
+    impl = select(op, a.device, backend)
+    if m == 0 or n == 0:
+        return d
+    if impl == "reference":
+        grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=rows_ids)
+    elif impl == "cpu":
+        _cpu_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
+    else:
+        from epkit.kernels.triton.grouped_gemm import grouped_gemm_contiguous
+
+        grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
+    return d
+
+
+def _masked(op, kind, a, b, d, masked_m, expected_m, backend):
+    a, sfa, b, sfb, g, m_max, n, k = _validate(kind, a, b, d, masked=True)
+    masked_m = _check_masked_m(masked_m, g, m_max, a.device, expected_m)
+    impl = select(op, a.device, backend)
+    if g == 0 or m_max == 0 or n == 0:
+        return d
+    if impl == "reference":
+        grouped_gemm_reference(kind, a, sfa, b, sfb, d, masked_m=masked_m)
+    elif impl == "cpu":
+        _cpu_masked(kind, a, sfa, b, sfb, d, masked_m)
+    else:
+        from epkit.kernels.triton.grouped_gemm import grouped_gemm_masked
+
+        grouped_gemm_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m)
+    return d
+
+
+_CONTIG_DOC = """Contiguous-layout grouped GEMM ``d[i] = a[i] @ b[m_indices[i]].T`` ({what}).
+
+    Parameters
+    ----------
+    a : {a}
+    b : {b}
+    d : Tensor [M, N], bfloat16 or float32, contiguous
+        Written in place; rows with ``m_indices == -1`` become exact zeros.
+    m_indices : Tensor [M] int32
+        Group per row in ``[-1, G)``; or, with ``use_psum_layout=True``, Tensor [G] int32 of
+        cumulative row ends (group g owns rows ``[align(end[g-1], 128), end[g])``).
+    use_psum_layout : bool
+    backend : ``"auto"``, ``"cpu"``, ``"triton"`` or ``"reference"``.
+
+    Returns
+    -------
+    d
+    """
+
+_MASKED_DOC = """Masked-layout grouped GEMM ``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` ({what}).
+
+    Parameters
+    ----------
+    a : {a_masked}
+    b : {b}
+    d : Tensor [G, M_max, N], bfloat16 or float32, contiguous
+        Rows ``>= masked_m[g]`` of group g are left untouched.
+    masked_m : Tensor [G] int32, values in ``[0, M_max]`` (checked for CPU tensors; on a GPU they are
+        never read on the host, so the call does not synchronize, and the kernel clamps them to that range)
+    expected_m : int
+        Expected rows per group (a hint for kernel configuration).
+    backend : ``"auto"``, ``"cpu"``, ``"triton"`` or ``"reference"``.
+
+    Returns
+    -------
+    d
+    """
+
+_FMT = {
+    "fp8": dict(
+        what="FP8 x FP8",
+        a="(Tensor [M, K] float8_e4m3fn, Tensor [M, K/128] float32) - K a multiple of 128",
+        a_masked="(Tensor [G, M_max, K] float8_e4m3fn, Tensor [G, M_max, K/128] float32)",
+        b="(Tensor [G, N, K] float8_e4m3fn, Tensor [G, ceil(N/128), K/128] float32) - 128x128 block scales",
+    ),
+    "fp8_fp4": dict(
+        what="FP8 activations x MXFP4 weights",
+        a="(Tensor [M, K] float8_e4m3fn, Tensor [M, K/128] float32) - K a multiple of 128",
+        a_masked="(Tensor [G, M_max, K] float8_e4m3fn, Tensor [G, M_max, K/128] float32)",
+        b="(Tensor [G, N, K/2] uint8 e2m1 pairs (even element low nibble), Tensor [G, N, K/32] uint8 e8m0)",
+    ),
+    "bf16": dict(
+        what="BF16 x BF16",
+        a="Tensor [M, K] bfloat16",
+        a_masked="Tensor [G, M_max, K] bfloat16",
+        b="Tensor [G, N, K] bfloat16",
+    ),
+}
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, use_psum_layout=False, *, backend="auto"):
+    return _contiguous("m_grouped_fp8_gemm_nt_contiguous", "fp8", a, b, d, m_indices, use_psum_layout, backend)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, *, backend="auto"):
+    return _masked("m_grouped_fp8_gemm_nt_masked", "fp8", a, b, d, masked_m, expected_m, backend)
+
+
+def m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d, m_indices, use_psum_layout=False, *, backend="auto"):
+    return _contiguous("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", a, b, d, m_indices, use_psum_layout, backend)
+
+
+def m_grouped_fp8_fp4_gemm_nt_masked(a, b, d, masked_m, expected_m, *, backend="auto"):
+    return _masked("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", a, b, d, masked_m, expected_m, backend)
+
+
+def m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, use_psum_layout=False, *, backend="auto"):
+    return _contiguous("m_grouped_bf16_gemm_nt_contiguous", "bf16", a, b, d, m_indices, use_psum_layout, backend)
+
+
+def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, *, backend="auto"):
+    return _masked("m_grouped_bf16_gemm_nt_masked", "bf16", a, b, d, masked_m, expected_m, backend)
+
+
+for _fn, _kind, _doc in (
+    (m_grouped_fp8_gemm_nt_contiguous, "fp8", _CONTIG_DOC),
+    (m_grouped_fp8_gemm_nt_masked, "fp8", _MASKED_DOC),
+    (m_grouped_fp8_fp4_gemm_nt_contiguous, "fp8_fp4", _CONTIG_DOC),
+    (m_grouped_fp8_fp4_gemm_nt_masked, "fp8_fp4", _MASKED_DOC),
+    (m_grouped_bf16_gemm_nt_contiguous, "bf16", _CONTIG_DOC),
+    (m_grouped_bf16_gemm_nt_masked, "bf16", _MASKED_DOC),
+):
+    _fn.__doc__ = _doc.format(**_FMT[_kind])
+
+
+# Self-checks and registration
+
+
+def make_inputs(kind: str, g: int, m: int, n: int, k: int, masked: bool, seed: int = 0):
+    """Random quantized inputs ``(a, b, a_ref_f32, b_ref_f32)`` for tests and benchmarks.
+
+    ``a``/``b`` are what the op takes (pairs for scaled kinds); the float32 tensors are the
+    unquantized originals (``[M, K]`` or ``[G, M, K]``, and ``[G, N, K]``).
+    """
+    from epkit.quant import cast_to_mxfp4, per_block_cast_to_fp8, per_token_group_cast_to_fp8
+
+    gen = torch.Generator().manual_seed(seed)
+    af = torch.randn((g, m, k) if masked else (m, k), generator=gen)
+    bf = torch.randn(g, n, k, generator=gen) / k**0.5
+    if kind == "bf16":
+        af, bf = af.bfloat16(), bf.bfloat16()
+        return af, bf, af.float(), bf.float()
+    a = per_token_group_cast_to_fp8(af)
+    b = per_block_cast_to_fp8(bf) if kind == "fp8" else cast_to_mxfp4(bf)
+    return a, b, af, bf
+
+
+def _selfcheck_for(op: str, kind: str, masked: bool):
+    def check(backend: str) -> None:
+        fn = globals()[op]
+        a, b, _, _ = make_inputs(kind, 3, 40, 96, 256, masked, seed=11)
+        if masked:
+            mm = torch.tensor([0, 40, 17], dtype=torch.int32)
+            got = fn(a, b, torch.zeros(3, 40, 96, dtype=torch.bfloat16), mm, 40, backend=backend)
+            want = fn(a, b, torch.zeros(3, 40, 96, dtype=torch.bfloat16), mm, 40, backend="reference")
+        else:
+            idx = torch.tensor([-1] * 3 + [2] * 20 + [0] * 10 + [-1] * 7, dtype=torch.int32)
+            got = fn(a, b, torch.ones(40, 96, dtype=torch.bfloat16), idx, backend=backend)
+            want = fn(a, b, torch.ones(40, 96, dtype=torch.bfloat16), idx, backend="reference")
+        from epkit.testing import calc_diff
+
+        if calc_diff(got, want) > 1e-4 or not torch.isfinite(got.float()).all():
+            raise AssertionError(f"{op}[{backend}] differs from the reference: calc_diff {calc_diff(got, want):.2e}")
+
+    return check
+
+
+#: (op name, weight kind, masked layout) of every grouped GEMM.
+GROUPED_OPS = (
+    ("m_grouped_fp8_gemm_nt_contiguous", "fp8", False),
+    ("m_grouped_fp8_gemm_nt_masked", "fp8", True),
+    ("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", False),
+    ("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", True),
+    ("m_grouped_bf16_gemm_nt_contiguous", "bf16", False),
+    ("m_grouped_bf16_gemm_nt_masked", "bf16", True),
+)
+
+for _op, _kind, _masked_layout in GROUPED_OPS:
+    register_op(
+        OpSpec(
+            name=_op,
+            cpu=("cpu", "reference", "triton"),
+            cuda=("triton", "reference"),
+            doc=f"grouped GEMM ({_kind}, {'masked' if _masked_layout else 'contiguous'} layout)",
+            selfcheck=_selfcheck_for(_op, _kind, _masked_layout),
+        )
+    )
