@@ -429,7 +429,12 @@ def sec_gather_rows(ctx: Ctx, res: dict):
 
 
 def sec_logical_to_physical(ctx: Ctx, res: dict):
-    from epkit.experts import ExpertPlacement, _cpu_impl, logical_to_physical, logical_to_physical_reference
+    from epkit.experts import (
+        ExpertPlacement,
+        logical_to_physical,
+        logical_to_physical_cpu,
+        logical_to_physical_reference,
+    )
 
     dev = ctx.device
     g = torch.Generator().manual_seed(3)
@@ -477,7 +482,7 @@ def sec_logical_to_physical(ctx: Ctx, res: dict):
             ctx.check(f"latency {n}x6")
             topk = torch.randint(0, 384, (n, 6), dtype=torch.int32, device=dev)
             fn = lambda t=topk: logical_to_physical(t, placement, 5, backend=backend, check_index=False)  # noqa: E731
-            peer = lambda t=topk: _cpu_impl(t, placement, 5, 0)  # noqa: E731
+            peer = lambda t=topk: logical_to_physical_cpu(t, placement, 5, 0)  # noqa: E731
             ok = torch.equal(fn(), peer())
             _check(res, f"{backend}: {n}x6 equals the vectorised torch path on {dev.type}", ok)
             lat[f"{n}x6"] = {

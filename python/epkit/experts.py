@@ -27,6 +27,7 @@ __all__ = [
     "resolve_num_extra_experts",
     "ExpertPlacement",
     "logical_to_physical",
+    "logical_to_physical_cpu",
     "logical_to_physical_reference",
 ]
 
@@ -321,7 +322,11 @@ def _local_choice(placement: ExpertPlacement, ep_rank: int, device) -> torch.Ten
     return torch.where(on_rank.any(dim=1), log2phy.gather(1, first).squeeze(1), -1).to(torch.int32)
 
 
-def _cpu_impl(topk_idx: torch.Tensor, placement: ExpertPlacement, ep_rank: int, token_offset: int) -> torch.Tensor:
+def logical_to_physical_cpu(
+    topk_idx: torch.Tensor, placement: ExpertPlacement, ep_rank: int, token_offset: int
+) -> torch.Tensor:
+    """The ``cpu`` backend of :func:`logical_to_physical` without its checks: vectorised torch on any device
+    (the baseline the kernel benchmarks compare with)."""
     device = topk_idx.device
     log2phy = placement.log2phy.to(device)
     logcnt = placement.logcnt.to(device).long()
@@ -392,7 +397,7 @@ def logical_to_physical(
     if impl == "reference":
         return logical_to_physical_reference(topk_idx, placement, ep_rank, token_offset)
     if impl == "cpu":
-        return _cpu_impl(topk_idx, placement, ep_rank, token_offset)
+        return logical_to_physical_cpu(topk_idx, placement, ep_rank, token_offset)
     from epkit.kernels.triton.experts import logical_to_physical_flat
 
     device = topk_idx.device
@@ -447,7 +452,7 @@ def _bench_main(backend: str, num_tokens: int = 16384, top_k: int = 6) -> None:
     topk = torch.randint(0, 384, (num_tokens, top_k), dtype=torch.int32, device=device)
     for name, fn in (
         (f"epkit[{backend}]", lambda: logical_to_physical(topk, placement, 5, backend=backend, check_index=False)),
-        ("vectorised torch", lambda: _cpu_impl(topk, placement, 5, 0)),
+        ("vectorised torch", lambda: logical_to_physical_cpu(topk, placement, 5, 0)),
     ):
         dt = time_per_call(fn, device, reps=20)
         print(f"{name:>20}: {dt * 1e6:9.1f} us  ({num_tokens} x {top_k} on {device}, 384 experts, EP64)")
