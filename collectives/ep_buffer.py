@@ -23,43 +23,28 @@ rank raises the same ``ValueError`` on all ranks. Every wait has a timeout and a
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from epkit.collectives._details.ep_low_latency import LowLatencyHandle, LowLatencyMixin
+from epkit.collectives._details.ep_low_latency import LowLatencyMixin
+from epkit.collectives._details.ep_low_latency_layout import LowLatencyHandle
+from epkit.collectives._details.ep_normal import DispatchHandle, NormalModeMixin
 from epkit.collectives._details.ep_rows import (
-    _ALIGN,
-    _META_MSG,
-    _ROW_DTYPES,
-    _al,
-    _check_biases,
-    reduce_indexed,
+    FIELD_ALIGN,
+    META_MSG,
+    ROW_DTYPES,
+    align_up,
+    check_biases,
 )
-from epkit.collectives.symm_buffer import SymmBuffer, _all_on_one_host
+from epkit.collectives.symm_buffer import SymmBuffer
+from epkit.collectives.transports import all_on_one_host
 from epkit.utils import check_topk_idx
 
 __all__ = ["EPBuffer", "DispatchHandle", "LowLatencyHandle"]
 
 
-@dataclass
-class DispatchHandle:
-    """State that combine (and a cached dispatch) needs. Returned by :meth:`EPBuffer.dispatch`."""
-
-    send_tokens: list[torch.Tensor]  # per destination rank: source token indices, ascending
-    recv_counts: list[int]  # rows received from each source rank
-    num_tokens: int
-    recv_topk_idx: torch.Tensor  # [R, K] local ids
-    recv_topk_weights: torch.Tensor  # [R, K] float32
-    expand: bool
-    expert_alignment: int
-    expanded_rows: torch.Tensor | None  # [X] received row per expanded row, -1 = padding
-    expanded_slot: torch.Tensor | None  # [R, K] expanded row of (j, k), -1 if not local
-    device: torch.device = torch.device("cpu")  # where the rows live (the metadata above is on the CPU)
-
-
-class EPBuffer(LowLatencyMixin):
+class EPBuffer(NormalModeMixin, LowLatencyMixin):
     """Dispatch/combine for one EP group.
 
     Parameters
@@ -79,15 +64,23 @@ class EPBuffer(LowLatencyMixin):
         ``torch``. Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the
         rank's GPU for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves
         and sums are torch ops with the same rounding as the CPU's fused C++ ones (tested on CPU
-        through ``ep_rows.PORTABLE``, and over nvshmem with ``epkit.testing.nvshmem_emulator``); the
-        nvshmem path has run on one H200 with one PE (bench/results/gpu_check.json). Normal mode
-        synchronizes with the host (routing copied to the CPU, counts read back, as DeepEP's normal
-        mode reads its counts); the low-latency mode does not (see ``_details/ep_low_latency.py``:
+        through ``ep_rows.PORTABLE``, and over nvshmem with ``epkit.testing.nvshmem_emulator``).
+        Normal mode synchronizes with the host (routing copied to the CPU, counts read back, as DeepEP's
+        normal mode reads its counts); the low-latency mode does not (see ``_details/ep_low_latency.py``:
         on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
     num_max_dispatch_tokens_per_rank : int, optional
         Capacity of the low-latency mode (default: ``num_max_tokens_per_rank``).
     timeout : float
         Seconds any wait may take (default 30).
+
+    Attributes
+    ----------
+    buffer : SymmBuffer
+        The symmetric buffer the rows move through (``world_size`` regions of ``region_bytes``).
+    region_bytes : int
+        Bytes of one source's region in every rank's buffer: the largest message of any mode.
+    transport, device
+        The transport's name, and where rows live.
     """
 
     def __init__(
@@ -118,21 +111,21 @@ class EPBuffer(LowLatencyMixin):
         if transport == "auto" and "nccl" in backend:
             # NCCL only: CUDA ranks, whose rows move over nvshmem (BackendUnavailableError says what is missing).
             # A mixed cpu:gloo,cuda:nccl group: CPU rows over its gloo part.
-            transport = "nvshmem" if "gloo" not in backend else ("shm" if _all_on_one_host(group) else "torch")
+            transport = "nvshmem" if "gloo" not in backend else ("shm" if all_on_one_host(group) else "torch")
         self.group, self.world_size, self.rank = group, w, dist.get_rank(group)
         self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
         self.num_local_experts = num_experts // w
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank or num_max_tokens_per_rank
         self.timeout = timeout
-        h, k, n = hidden, num_topk, num_max_tokens_per_rank
+        h, k, n, L = hidden, num_topk, num_max_tokens_per_rank, self.num_local_experts
+        n_ll, sf = self.num_max_dispatch_tokens_per_rank, 4 * -(-hidden // 128)
         # Normal-mode row: x (up to 4 bytes/elem) + FP8 scales + local ids + weights + source index.
-        self._row_bytes = _al(4 * h) + _al(4 * -(-h // 128)) + _al(4 * k) + _al(4 * k) + _ALIGN
-        region = max(_al(8 * (2 + self.num_local_experts)) + _META_MSG, n * self._row_bytes, n * _al(4 * h))
-        ll = self.num_max_dispatch_tokens_per_rank * self.num_local_experts * (_al(2 * h) + _al(4 * -(-h // 128)))
-        ll += _al(4 * self.num_local_experts)
-        self._region = _al(max(region, ll, self.num_max_dispatch_tokens_per_rank * num_topk * _al(2 * h)), 4096)
-        self.buffer = SymmBuffer(group, self._region * w, transport=transport, timeout=timeout)
+        self._row_bytes = align_up(4 * h) + align_up(sf) + 2 * align_up(4 * k) + FIELD_ALIGN
+        normal = max(align_up(8 * (2 + L)) + META_MSG, n * self._row_bytes, n * align_up(4 * h))
+        low_latency = n_ll * L * (align_up(2 * h) + align_up(sf)) + align_up(4 * L)
+        self.region_bytes = align_up(max(normal, low_latency, n_ll * k * align_up(2 * h)), 4096)
+        self.buffer = SymmBuffer(group, self.region_bytes * w, transport=transport, timeout=timeout)
         self.transport = self.buffer.transport
         #: Where rows live (x, y, received rows, outputs); routing metadata is kept on the CPU.
         self.device = self.buffer.local.device
@@ -170,8 +163,10 @@ class EPBuffer(LowLatencyMixin):
         return self.buffer.is_within_domain()
 
     @contextlib.contextmanager
-    def _guard(self, what: str):
-        """Any failure while rows move leaves the ranks' exchange counters out of step: retire the buffer."""
+    def retire_on_failure(self, what: str):
+        """Context for code that moves rows after every rank agreed on the call: any exception inside leaves the
+        ranks' exchange counters out of step, so it retires the buffer and tells the peers before it propagates
+        (their waits on this rank end at once with PeerFailedError)."""
         try:
             yield
         except BaseException as exc:
@@ -234,7 +229,14 @@ class EPBuffer(LowLatencyMixin):
         if topk_idx.shape[0] != num_tokens:
             raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}, expected ({num_tokens}, {self.num_topk})")
 
-    def _validate_dispatch(self, x, scales, topk_idx, topk_weights, capacity: int) -> None:
+    def validate_dispatch(self, x, scales, topk_idx, topk_weights, capacity: int) -> None:
+        """Raise ValueError for dispatch inputs this buffer cannot take (local checks: no data moves, nothing is
+        agreed with the peers; callers carry the error into their agreement step).
+
+        ``x [T, hidden]`` on the buffer's device (bf16/fp16/fp32, or e4m3 with ``scales [T, ceil(hidden/128)]``
+        float32), at most ``capacity`` tokens; ``topk_idx [T, num_topk]`` in ``[-1, num_experts)``;
+        ``topk_weights [T, num_topk]`` or None.
+        """
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [num_tokens, {self.hidden}], got {tuple(getattr(x, 'shape', ()))}")
         if x.device != self.device:
@@ -297,7 +299,7 @@ class EPBuffer(LowLatencyMixin):
         try:
             if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
                 raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-            self._validate_dispatch(x, scales, topk_idx, topk_weights, self.num_max_tokens_per_rank)
+            self.validate_dispatch(x, scales, topk_idx, topk_weights, self.num_max_tokens_per_rank)
             if topk_weights is not None and not isinstance(topk_weights, torch.Tensor):
                 raise ValueError(f"topk_weights must be a tensor, got {type(topk_weights).__name__}")
         except Exception as exc:  # every rank must learn of it: no exception may skip the agreement
@@ -308,7 +310,7 @@ class EPBuffer(LowLatencyMixin):
             topk_idx = topk_idx.cpu()
             topk_weights = topk_weights.cpu() if topk_weights is not None else None
             # Word 0 of the layout message: the row format, which every rank must share.
-            fmt = 1 + 2 * _ROW_DTYPES.index(x.dtype) + int(scales is not None)
+            fmt = 1 + 2 * ROW_DTYPES.index(x.dtype) + int(scales is not None)
             _, _, in_rank = self.get_dispatch_layout(topk_idx)
             tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
             ids = topk_idx.long()
@@ -321,155 +323,20 @@ class EPBuffer(LowLatencyMixin):
         formats = [int(g[0]) for g in got]
         if len(set(formats)) != 1:  # every rank sees every rank's format, so every rank raises
             names = [
-                f"rank {r}: {_ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
+                f"rank {r}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
                 for r, f in enumerate(formats)
             ]
             raise ValueError("dispatch rows differ in format across ranks (" + "; ".join(names) + ")")
         recv_counts = [int(g[1]) for g in got]
         if topk_weights is None:
             topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
-        with self._guard("dispatch"):
+        with self.retire_on_failure("dispatch"):
             recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts)
         recv_x, recv_scales, recv_idx, recv_w = recv
         recv_idx = recv_idx.to(topk_idx.dtype)
         return self._finish_dispatch(
             recv_x, recv_scales, recv_idx, recv_w, tokens, recv_counts, x.shape[0], expand, expert_alignment
         )
-
-    def _agree_rows(self, error: str | None, rows: list[torch.Tensor], num_words: int) -> list[torch.Tensor]:
-        """Send each destination its int64 meta row (or this rank's error); raise if any rank failed."""
-        w = self.world_size
-        nbytes = num_words * 8 + _META_MSG
-        send = []
-        for r in range(w):
-            msg = torch.zeros(nbytes, dtype=torch.uint8)
-            if error is None:
-                msg[: num_words * 8].copy_(rows[r].view(torch.uint8))
-            else:
-                msg[:8].view(torch.int64)[0] = -1
-                raw = error.encode()[: _META_MSG - 1]
-                msg[num_words * 8 : num_words * 8 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-            send.append(msg)
-        got = self.buffer.all_to_all(send, [nbytes] * w, self._region, tag="layout")
-        errors = []
-        for src, g in enumerate(got):
-            if int(g[:8].view(torch.int64)[0]) == -1:
-                text = bytes(g[num_words * 8 :].tolist()).rstrip(b"\0").decode(errors="replace")
-                errors.append(f"rank {src}: {text}")
-        if errors:
-            raise ValueError("dispatch rejected on every rank before any data moved: " + "; ".join(errors))
-        return [g[: num_words * 8].view(torch.int64) for g in got]
-
-    def _send_rows(self, x, scales, topk_idx, topk_weights, tokens, recv_counts):
-        """Move rows; returns (recv_x, recv_scales, recv_idx int32, recv_w float32), rows by source then token."""
-        w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
-        xb, sb = x.element_size() * h, (4 * scales.shape[1] if scales is not None else 0)
-        x_bytes = x.contiguous().view(torch.uint8).view(x.shape[0], xb)
-        s_bytes = scales.contiguous().view(torch.uint8).view(x.shape[0], sb) if scales is not None else None
-        ids = topk_idx.long()
-        ex = self.buffer.exchange(self._region, tag="dispatch")
-
-        def blocks(n):  # byte offsets of the field blocks of an n-row message
-            o_x = 0
-            o_s = _al(o_x + n * xb)
-            o_i = _al(o_s + n * sb)
-            o_w = _al(o_i + n * 4 * K)
-            o_t = _al(o_w + n * 4 * K)
-            return o_x, o_s, o_i, o_w, o_t, _al(o_t + n * 4)
-
-        for step in range(w):
-            dst = (self.rank + step) % w
-            t = tokens[dst]
-            n = t.numel()
-            if n == 0:
-                ex.commit(dst, 0)
-                continue
-            o_x, o_s, o_i, o_w, o_t, end = blocks(n)
-            region = ex.send_region(dst)
-            t_dev = t.to(x_bytes.device)
-            torch.index_select(x_bytes, 0, t_dev, out=region[o_x : o_x + n * xb].view(n, xb))
-            if s_bytes is not None:
-                torch.index_select(s_bytes, 0, t_dev, out=region[o_s : o_s + n * sb].view(n, sb))
-            loc = ids[t] - dst * L
-            loc = torch.where((ids[t] >= 0) & (loc >= 0) & (loc < L), loc, -1)
-            region[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K).copy_(loc)
-            region[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K).copy_(topk_weights[t])
-            region[o_t : o_t + n * 4].view(torch.int32).copy_(t)
-            ex.commit(dst, end)
-        total = sum(recv_counts)
-        recv_x = torch.empty((total, xb), dtype=torch.uint8, device=self.device)
-        recv_s = torch.empty((total, sb), dtype=torch.uint8, device=self.device) if s_bytes is not None else None
-        recv_i = torch.empty((total, K), dtype=torch.int32)
-        recv_w = torch.empty((total, K), dtype=torch.float32)
-        views = ex.receive([blocks(n)[5] if n else 0 for n in recv_counts])
-        row = 0
-        for src, v in enumerate(views):
-            n = recv_counts[src]
-            if n:
-                o_x, o_s, o_i, o_w, _, _ = blocks(n)
-                recv_x[row : row + n].copy_(v[o_x : o_x + n * xb].view(n, xb))
-                if recv_s is not None:
-                    recv_s[row : row + n].copy_(v[o_s : o_s + n * sb].view(n, sb))
-                recv_i[row : row + n].copy_(v[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K))
-                recv_w[row : row + n].copy_(v[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K))
-            row += n
-        ex.release()
-        recv_x = recv_x.view(x.dtype).view(total, h)
-        recv_s = recv_s.view(torch.float32).view(total, sb // 4) if recv_s is not None else None
-        return recv_x, recv_s, recv_i, recv_w
-
-    def _finish_dispatch(
-        self, recv_x, recv_scales, recv_idx, recv_w, tokens, recv_counts, num_tokens, expand, alignment
-    ):
-        L = self.num_local_experts
-        valid = recv_idx >= 0
-        counts = torch.bincount(recv_idx[valid].long(), minlength=L)
-        self.recv_tokens_per_expert_total += counts
-        aligned = [int(-(-c // alignment) * alignment) for c in counts.tolist()]
-        rows = slot = None
-        out_x, out_s = recv_x, recv_scales
-        if expand:
-            rows, slot = self._expanded_layout(recv_idx, counts, alignment)
-            from epkit.gather import gather_rows
-
-            rows_dev = rows.to(self.device)
-            out_x = gather_rows(recv_x, rows_dev)
-            out_s = gather_rows(recv_scales, rows_dev) if recv_scales is not None else None
-        handle = DispatchHandle(
-            send_tokens=tokens,
-            recv_counts=recv_counts,
-            num_tokens=num_tokens,
-            recv_topk_idx=recv_idx,
-            recv_topk_weights=recv_w,
-            expand=expand,
-            expert_alignment=alignment,
-            expanded_rows=rows,
-            expanded_slot=slot,
-            device=self.device,
-        )
-        x_out = (out_x, out_s) if out_s is not None else out_x
-        return x_out, recv_idx.to(self.device), recv_w.to(self.device), aligned, handle
-
-    def _expanded_layout(self, recv_idx: torch.Tensor, counts: torch.Tensor, alignment: int):
-        """Rows per (received token, local expert), by expert then received order; groups padded with -1."""
-        r, k = recv_idx.shape
-        L = self.num_local_experts
-        flat = recv_idx.long().reshape(-1)
-        sel = (flat >= 0).nonzero().flatten()  # (j, k) pairs in (j, k) order
-        order = torch.sort(flat[sel], stable=True).indices
-        pairs = sel[order]  # grouped by expert, within by received row
-        sizes = counts.tolist()
-        padded = [-(-c // alignment) * alignment for c in sizes]
-        starts = torch.tensor([0] + padded[:-1], dtype=torch.int64).cumsum(0) if L else torch.zeros(0)
-        rows = torch.full((sum(padded),), -1, dtype=torch.int64)
-        slot = torch.full((r * k,), -1, dtype=torch.int64)
-        pos_in_group = torch.arange(pairs.numel()) - torch.repeat_interleave(
-            torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0), torch.tensor(sizes)
-        )
-        dest = starts[flat[pairs]] + pos_in_group
-        rows[dest] = pairs // k
-        slot[pairs] = dest
-        return rows, slot.view(r, k)
 
     @staticmethod
     def m_indices(handle: DispatchHandle) -> torch.Tensor:
@@ -482,42 +349,6 @@ class EPBuffer(LowLatencyMixin):
         flat_slot = handle.expanded_slot[ok]
         out[flat_slot] = handle.recv_topk_idx[ok].to(torch.int32)
         return out.to(handle.device)
-
-    def _dispatch_cached(self, x, scales, handle: DispatchHandle):
-        try:
-            if not isinstance(x, torch.Tensor) or x.dim() != 2:
-                raise ValueError(f"x must be [num_tokens, {self.hidden}]")
-            self._validate_dispatch(
-                x,
-                scales,
-                torch.zeros((x.shape[0], self.num_topk), dtype=torch.int64),
-                None,
-                self.num_max_tokens_per_rank,
-            )
-            if x.shape[0] != handle.num_tokens:
-                raise ValueError(
-                    f"cached dispatch: x has {x.shape[0]} tokens, the handle was made for {handle.num_tokens}"
-                )
-        except ValueError as exc:
-            self._reject_locally("cached dispatch", exc)
-        dummy_idx = torch.full((x.shape[0], self.num_topk), -1, dtype=torch.int64)
-        dummy_w = torch.zeros((x.shape[0], self.num_topk), dtype=torch.float32)
-        with self._guard("cached dispatch"):
-            recv_x, recv_s, _, _ = self._send_rows(
-                x, scales, dummy_idx, dummy_w, handle.send_tokens, handle.recv_counts
-            )
-        out_x, out_s = recv_x, recv_s
-        if handle.expand:
-            from epkit.gather import gather_rows
-
-            rows_dev = handle.expanded_rows.to(self.device)
-            out_x = gather_rows(recv_x, rows_dev)
-            out_s = gather_rows(recv_s, rows_dev) if recv_s is not None else None
-        x_out = (out_x, out_s) if out_s is not None else out_x
-        L, a = self.num_local_experts, handle.expert_alignment
-        counts = torch.bincount(handle.recv_topk_idx[handle.recv_topk_idx >= 0].long(), minlength=L)
-        aligned = [int(-(-c // a) * a) for c in counts.tolist()]
-        return x_out, handle.recv_topk_idx.to(self.device), handle.recv_topk_weights.to(self.device), aligned, handle
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None
@@ -540,7 +371,7 @@ class EPBuffer(LowLatencyMixin):
         """
         h = self.hidden
         try:
-            biases = _check_biases(bias, handle.num_tokens, h)
+            biases = check_biases(bias, handle.num_tokens, h)
             want_rows = handle.expanded_rows.numel() if handle.expand else sum(handle.recv_counts)
             if (
                 not isinstance(y, torch.Tensor)
@@ -562,48 +393,5 @@ class EPBuffer(LowLatencyMixin):
                     )
         except ValueError as exc:
             self._reject_locally("combine", exc)
-        with self._guard("combine"):
+        with self.retire_on_failure("combine"):
             return self._combine_rows(y, handle, weights, biases)
-
-    def _combine_rows(self, y, handle: DispatchHandle, weights, biases) -> torch.Tensor:
-        w, h = self.world_size, self.hidden
-        y = y.contiguous()
-        es = y.element_size()
-        row_bytes = h * es
-        ex = self.buffer.exchange(self._region, tag="combine")
-        offs = [0]
-        for c in handle.recv_counts:
-            offs.append(offs[-1] + c)
-        y_bytes = y.view(torch.uint8).view(-1, row_bytes)
-        for step in range(w):
-            dst = (self.rank + step) % w
-            n = handle.recv_counts[dst]
-            if n:
-                region = ex.send_region(dst)[: n * row_bytes]
-                if handle.expand:
-                    # Expert side: the weighted sum over this rank's experts, written straight into dst's region.
-                    slot = handle.expanded_slot[offs[dst] : offs[dst] + n]
-                    reduce_indexed(
-                        region.view(y.dtype).view(n, h),
-                        [y],
-                        torch.where(slot >= 0, 0, -1),
-                        slot.clamp(min=0),
-                        weights[offs[dst] : offs[dst] + n],
-                    )
-                else:
-                    region.view(n, row_bytes).copy_(y_bytes[offs[dst] : offs[dst] + n])
-            ex.commit(dst, n * row_bytes)
-        views = ex.receive([t.numel() * row_bytes for t in handle.send_tokens])
-        # Source side: sum over destination ranks ascending, reading the received rows in place.
-        src_of = torch.full((handle.num_tokens, w), -1, dtype=torch.int64)
-        row_of = torch.zeros((handle.num_tokens, w), dtype=torch.int64)
-        for r in range(w):
-            t = handle.send_tokens[r]
-            if t.numel():
-                src_of[t, r] = r
-                row_of[t, r] = torch.arange(t.numel(), dtype=torch.int64)
-        sources = [v.view(y.dtype).view(-1, h) for v in views]
-        out = torch.empty((handle.num_tokens, h), dtype=y.dtype, device=y.device)
-        reduce_indexed(out, sources, src_of, row_of, None, biases)
-        ex.release()
-        return out

@@ -18,7 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from epkit.collectives._details.ep_rows import _META_MSG, _al, _by_address, _check_biases, move_rows, reduce_indexed
+from epkit.collectives._details.ep_rows import (
+    META_MSG,
+    align_up,
+    by_address,
+    check_biases,
+    decode_error,
+    encode_error,
+    expanded_layout,
+    move_rows,
+    reduce_indexed,
+)
 from epkit.collectives.ep_buffer import EPBuffer
 
 __all__ = ["fused_moe"]
@@ -26,10 +36,10 @@ __all__ = ["fused_moe"]
 
 def _publish_layout(t_num: int, xb: int, k: int) -> tuple[int, int, int, int]:
     """Byte offsets (x, topk ids, weights, end) in a rank's publish area after the header."""
-    o_x = _al(16 + _META_MSG)
-    o_i = _al(o_x + t_num * xb)
-    o_w = _al(o_i + 4 * k * t_num)
-    return o_x, o_i, o_w, _al(o_w + 4 * k * t_num)
+    o_x = align_up(16 + META_MSG)
+    o_i = align_up(o_x + t_num * xb)
+    o_w = align_up(o_i + 4 * k * t_num)
+    return o_x, o_i, o_w, align_up(o_w + 4 * k * t_num)
 
 
 def fused_moe(
@@ -74,32 +84,44 @@ def fused_moe(
             f"fused_moe needs every EP peer directly addressable (shm on one host, or nvshmem within one NVLink "
             f"domain); this buffer ({buffer.transport!r}) is not: compose dispatch -> expert_mlp -> combine instead"
         )
-    sb = buffer.buffer
-    w, me, K, h = buffer.world_size, buffer.rank, buffer.num_topk, buffer.hidden
-    region = buffer._region
-    error = None
+    error, biases = _check_call(x, topk_idx, topk_weights, buffer, bias, expert_alignment)
+    peers = _publish(x, topk_idx, topk_weights, buffer, error)
+    with buffer.retire_on_failure("fused_moe"):  # a failure past the agreement leaves peers at a barrier
+        return _fused_rows(x, topk_idx, peers, w13, w2, buffer, biases, swiglu_limit, expert_alignment, backend)
+
+
+def _check_call(x, topk_idx, topk_weights, buffer: EPBuffer, bias, expert_alignment):
+    """This rank's validation: ``(error text or None, biases)``; no exception escapes, since every rank must
+    learn of a bad call through the publish header."""
+    h, region = buffer.hidden, buffer.region_bytes
     try:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
             raise ValueError(f"x must be bfloat16 [num_tokens, {h}], got {getattr(x, 'dtype', type(x))}")
-        buffer._validate_dispatch(x, None, topk_idx, topk_weights, buffer.num_max_tokens_per_rank)
+        buffer.validate_dispatch(x, None, topk_idx, topk_weights, buffer.num_max_tokens_per_rank)
         if topk_weights is None:
             raise ValueError("topk_weights is required")
         if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-        biases = _check_biases(bias, x.shape[0], h)
+        biases = check_biases(bias, x.shape[0], h)
         if len({b.dtype for b in biases}) > 1 or any(b.dtype not in (torch.bfloat16, torch.float32) for b in biases):
             raise ValueError(f"bias must be bfloat16 or float32 (one dtype), got {[b.dtype for b in biases]}")
-        if _publish_layout(x.shape[0], 2 * h, K)[3] > region:
+        if _publish_layout(x.shape[0], 2 * h, buffer.num_topk)[3] > region:
             raise ValueError(f"{x.shape[0]} tokens do not fit the buffer's {region}-byte publish area")
-    except Exception as exc:  # every rank must learn of it through the publish header
-        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    xb = 2 * h
+    except Exception as exc:  # noqa: BLE001 -- reported to every rank
+        return (str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"), []
+    return None, biases
+
+
+def _publish(x, topk_idx, topk_weights, buffer: EPBuffer, error: str | None) -> list[torch.Tensor]:
+    """Write this rank's tokens (or its error) into its own publish area, meet every rank, and return every
+    rank's publish area as a view; raises the same ValueError on every rank if any rank's call was bad."""
+    sb, region, K = buffer.buffer, buffer.region_bytes, buffer.num_topk
+    w, me, xb = buffer.world_size, buffer.rank, 2 * buffer.hidden
     pub = sb.local[me * region : (me + 1) * region]
     head = pub[:16].view(torch.int64)
     if error is not None:
         head[0], head[1] = -1, 0
-        raw = error.encode()[: _META_MSG - 1]
-        pub[16 : 16 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        pub[16 : 16 + META_MSG].copy_(encode_error(error).to(pub.device))
     else:
         t_num = x.shape[0]
         o_x, o_i, o_w, _ = _publish_layout(t_num, xb, K)
@@ -109,17 +131,15 @@ def fused_moe(
         pub[o_w : o_w + 4 * K * t_num].view(torch.float32).view(t_num, K).copy_(topk_weights.float())
     sb.barrier()  # every rank has published
     peers = [sb.peer(r)[r * region : (r + 1) * region] for r in range(w)]
-    errors = []
-    for r, p in enumerate(peers):
-        if int(p[:8].view(torch.int64)[0]) == -1:
-            text = bytes(p[16 : 16 + _META_MSG].tolist()).rstrip(b"\0").decode(errors="replace")
-            errors.append(f"rank {r}: {text}")
+    errors = [
+        f"rank {r}: {decode_error(p[16 : 16 + META_MSG])}"
+        for r, p in enumerate(peers)
+        if int(p[:8].view(torch.int64)[0]) == -1
+    ]
     if errors:
         sb.barrier()  # nobody rewrites a publish area while another rank still reads the error text
         raise ValueError("fused_moe rejected on every rank before any row moved: " + "; ".join(errors))
-
-    with buffer._guard("fused_moe"):  # a failure past the agreement leaves peers at a barrier
-        return _fused_rows(x, topk_idx, peers, w13, w2, buffer, biases, swiglu_limit, expert_alignment, backend)
+    return peers
 
 
 def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_limit, expert_alignment, backend):
@@ -129,7 +149,7 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
 
     sb, dev = buffer.buffer, buffer.device
     w, me, L, K, h = buffer.world_size, buffer.rank, buffer.num_local_experts, buffer.num_topk, buffer.hidden
-    region, xb = buffer._region, 2 * buffer.hidden
+    region, xb = buffer.region_bytes, 2 * buffer.hidden
     # Expert side: which (source, token) rows come here, in dispatch's received order.
     recv_src, recv_tok, recv_idx, recv_w, bases = [], [], [], [], []
     for r, p in enumerate(peers):
@@ -148,12 +168,12 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
     recv_w = torch.cat(recv_w).clone()
     counts = torch.bincount(recv_idx[recv_idx >= 0].long(), minlength=L)
     buffer.recv_tokens_per_expert_total += counts
-    rows, slot = buffer._expanded_layout(recv_idx, counts, expert_alignment)
+    rows, slot = expanded_layout(recv_idx, counts, expert_alignment)
     # Gather the GEMM's input straight from the senders' buffers (zero rows for padding).
     row_addr = torch.tensor(bases, dtype=torch.int64)[recv_src] + recv_tok * xb
     addrs = torch.where(rows >= 0, row_addr[rows.clamp(min=0)], 0) if rows.numel() else rows
     n_rows = rows.numel()
-    if _by_address(x):
+    if by_address(x):
         from epkit import _C
 
         expanded = torch.empty((n_rows, h), dtype=torch.bfloat16)

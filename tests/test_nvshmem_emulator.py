@@ -145,7 +145,7 @@ def _peer_addresses(rank, world_size, p2p):
 
     emu.install(p2p=p2p)
     buf = SymmBuffer(dist.group.WORLD, 1 << 12, transport="nvshmem", num_signals=1, timeout=10)
-    got = [buf._nv.peer_data[r] != 0 for r in range(world_size)]
+    got = [buf.impl.peer_data[r] != 0 for r in range(world_size)]
     if p2p:  # a store through peer(r) lands in rank r's local buffer
         for r in range(world_size):
             buf.peer(r)[rank] = 10 + rank

@@ -12,9 +12,9 @@ import pytest
 import torch.distributed as dist
 
 from epkit.backends import BackendUnavailableError
-from epkit.collectives import _nvshmem
-from epkit.collectives._nvshmem import plan_provider
 from epkit.collectives.symm_buffer import SymmBuffer
+from epkit.collectives.transports import nvshmem_torch
+from epkit.collectives.transports.nvshmem_torch import plan_provider
 from epkit.testing import nvshmem_emulator as emu
 from epkit.testing import torch_symm_emulator as tse
 from epkit.testing.multiprocess import run_ranks
@@ -23,7 +23,7 @@ from epkit.testing.multiprocess import run_ranks
 def test_stand_in_has_the_installed_torchs_signatures():
     import torch.distributed._symmetric_memory as sm
 
-    for name in _nvshmem._TORCH_SYMM_API:
+    for name in nvshmem_torch.TORCH_SYMM_API:
         real, fake = inspect.signature(getattr(sm, name)), inspect.signature(getattr(tse, name))
         assert [(p.name, p.kind) for p in real.parameters.values()] == [
             (p.name, p.kind) for p in fake.parameters.values()

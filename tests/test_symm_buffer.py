@@ -69,7 +69,7 @@ def _segment_mode(rank, world_size):
 
     buf = SymmBuffer(dist.group.WORLD, 64, transport="shm")
     buf.barrier()  # every rank has returned from creation, so every rank has unlinked its own name
-    gone = [not _C.shm_exists(s.name) for s in buf._segments]
+    gone = [not _C.shm_exists(s.name) for s in buf.impl.segments]
     buf.close()
     return gone
 

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from epkit.backends import BackendUnavailableError
-from epkit.collectives import _nvshmem
-from epkit.collectives._nvshmem import device_view, layout, missing_reason, plan_job
 from epkit.collectives.symm_buffer import TRANSPORTS, SymmBuffer
+from epkit.collectives.transports import nvshmem_job
+from epkit.collectives.transports.base import layout
+from epkit.collectives.transports.nvshmem_job import device_view, missing_reason, plan_job
 from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
 
@@ -149,11 +150,11 @@ def test_plan_job_finalized_or_moved_device():
 def test_local_job_state_reflects_the_extension():
     if importlib.util.find_spec("epkit._C_cuda") is None:
         with pytest.raises(ImportError):
-            _nvshmem.local_job_state()
+            nvshmem_job.local_job_state()
         return
     import epkit._C_cuda as cc
 
-    state = _nvshmem.local_job_state()
+    state = nvshmem_job.local_job_state()
     if cc.finalized():  # another test of this process (test_csrc_cuda on a GPU) ran NVSHMEM and ended it
         assert state == ("finalized",)
     elif cc.initialized():
@@ -244,7 +245,7 @@ def _gpu_loopback(rank, world_size):
     assert buf.local.numel() == 0
     with pytest.raises(RuntimeError, match="closed"):
         buf.signal(0, 0, 1)
-    _nvshmem.finalize()
+    nvshmem_job.finalize()
     with pytest.raises(RuntimeError, match="cannot be initialised twice"):
         SymmBuffer(dist.group.WORLD, 4096, transport="nvshmem")
     return True
@@ -260,8 +261,8 @@ def _gpu_staged_put(rank, world_size):
     dev = torch.device("cuda", 0)
     buf = SymmBuffer(dist.group.WORLD, 1 << 16, transport="nvshmem", timeout=10)
     # Simulate a peer outside the NVLink domain (nvshmem_ptr gave 0): the put-with-signal path.
-    buf._nv.peer_data[0] = 0
-    buf._nv.views[0] = None
+    buf.impl.peer_data[0] = 0
+    buf.impl.views[0] = None
     assert not buf.is_within_domain()
     with pytest.raises(RuntimeError, match="not directly addressable"):
         buf.peer(0)
@@ -278,7 +279,7 @@ def _gpu_staged_put(rank, world_size):
         ex.release()
     buf.barrier()
     buf.close()
-    _nvshmem.finalize()
+    nvshmem_job.finalize()
     return True
 
 

@@ -18,82 +18,35 @@ on the routing. Two ways to run it, one protocol:
   (no device-to-host memcpy), and a later call reads them once the stream has passed them.
 
 Mixed into :class:`~epkit.collectives.ep_buffer.EPBuffer`; it uses the buffer's ``buffer`` (SymmBuffer),
-sizes, ``_guard``/``_reject_locally``, ``_check_topk`` and ``_ll_cache``.
+sizes, ``region_bytes``, ``retire_on_failure``/``_reject_locally``, ``_check_topk`` and ``_ll_cache``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from epkit.collectives._details import ep_rows
-from epkit.collectives._details.ep_rows import _META_MSG, _al, move_rows, reduce_gathered, reduce_indexed
+from epkit.collectives._details.ep_low_latency_layout import (
+    BAD_IDS,
+    OK,
+    OVERFLOW,
+    REJECTED,
+    LowLatencyHandle,
+    describe_header,
+    message_spacing,
+    slot_grid,
+)
+from epkit.collectives._details.ep_rows import (
+    META_MSG,
+    align_up,
+    decode_error,
+    encode_error,
+    move_rows,
+    reduce_gathered,
+    reduce_indexed,
+)
 
-# Status word of a low-latency message header.
-_OK, _REJECTED, _BAD_IDS, _OVERFLOW = 0, -1, -2, -3
-
-
-@dataclass
-class LowLatencyHandle:
-    """State for :meth:`EPBuffer.low_latency_combine` (tensors on the buffer's device)."""
-
-    num_tokens: int
-    dst_of: torch.Tensor  # [T, K] destination rank per slot (-1: none)
-    expert_of: torch.Tensor  # [T, K] local expert id on the destination
-    pos_of: torch.Tensor  # [T, K] slot position within (source, expert) block
-    counts: torch.Tensor  # [W, L] rows received from each source per local expert
-    n_max: int = 0  # slots per (source, local expert) of the dispatch
-
-
-def _describe(src: int, code: int, n_used: int, fp8_used: int, text: str, n_max: int | None, use_fp8: bool):
-    """The error one received header reports, or None."""
-    if code == _REJECTED:
-        return f"rank {src}: {text}"
-    if code == _BAD_IDS:
-        return f"rank {src}: topk_idx holds expert ids outside [-1, num_experts)"
-    if code == _OVERFLOW:
-        return (
-            f"rank {src}: an expert gets more (token, expert) pairs than its {n_used} slots "
-            f"(duplicate expert ids within a token?)"
-        )
-    if code != _OK:
-        return f"rank {src}: corrupt low-latency header (status {code})"
-    if n_max is not None and (n_used != n_max or fp8_used != int(use_fp8)):
-        return (
-            f"rank {src} used num_max_dispatch_tokens_per_rank={n_used}, use_fp8={bool(fp8_used)}"
-            f" but this rank {n_max}, {use_fp8}"
-        )
-    return None
-
-
-def _slot_grid(counts: torch.Tensor, n_max: int):
-    """The ``[W, L, n_max]`` grid of low-latency slots (source, local expert, index), for ``counts [W, L]``.
-
-    Returns ``(src, live, slot, row)``: the source index (``[W, 1, 1]``, broadcastable), which slots hold a
-    row, each slot's position in its message (``e * n_max + i``) and its row in the masked layout (expert
-    ``e``'s rows ordered by source, then slot). Fixed shapes: no host read.
-    """
-    w, L = counts.shape
-    dev = counts.device
-    starts = torch.cumsum(counts, 0) - counts  # [W, L]: where each source's rows start per expert
-    src = torch.arange(w, device=dev).view(w, 1, 1)
-    e = torch.arange(L, device=dev).view(1, L, 1)
-    i = torch.arange(n_max, device=dev).view(1, 1, n_max)
-    return src, i < counts[:, :, None], e * n_max + i, e * (n_max * w) + starts[:, :, None] + i
-
-
-def _spacing(views: list[torch.Tensor]) -> tuple[int, int]:
-    """(address of the first received message, bytes between consecutive sources' messages).
-
-    Direct transports receive into fixed regions of the local buffer and the torch transport into
-    one tensor split evenly (every low-latency message has the same size), so the spacing is uniform.
-    """
-    ptrs = [v.data_ptr() for v in views]
-    stride = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
-    if any(b - a != stride for a, b in zip(ptrs, ptrs[1:])) or stride < 0:
-        raise RuntimeError(f"low-latency messages are not evenly spaced in memory ({ptrs})")
-    return ptrs[0], stride
+__all__ = ["LowLatencyMixin"]
 
 
 class LowLatencyMixin:
@@ -110,7 +63,7 @@ class LowLatencyMixin:
 
     def _ll_header(self) -> int:
         """Header of a low-latency message: int32 [status, n_max, use_fp8, count per local expert], error text."""
-        return _al(4 * (3 + self.num_local_experts)) + _META_MSG
+        return align_up(4 * (3 + self.num_local_experts)) + META_MSG
 
     def _ll_heads(self, views) -> torch.Tensor:
         """The received headers' int words ``[W, 3 + L]`` (a copy: the views are reused by later messages)."""
@@ -122,9 +75,9 @@ class LowLatencyMixin:
         errors = []
         for src, head in enumerate(heads.tolist()):
             text = ""
-            if head[0] == _REJECTED:
-                text = bytes(views[src][hdr - _META_MSG : hdr].tolist()).rstrip(b"\0").decode(errors="replace")
-            msg = _describe(src, head[0], head[1], head[2], text, n_max, use_fp8)
+            if head[0] == REJECTED:
+                text = decode_error(views[src][hdr - META_MSG : hdr])
+            msg = describe_header(src, head[0], head[1], head[2], text, n_max, use_fp8)
             if msg is not None:
                 errors.append(msg)
         return errors
@@ -132,16 +85,16 @@ class LowLatencyMixin:
     def _ll_defer_errors(self, heads: torch.Tensor, views, hdr: int, n_max: int, use_fp8: bool) -> torch.Tensor:
         """Stream-ordered check of the headers (``_ll_heads``): recorded for a later call; returns the ``[W]``
         rows-are-valid mask."""
-        texts = torch.stack([v[hdr - _META_MSG : hdr] for v in views])  # read on the host only if rejected
+        texts = torch.stack([v[hdr - META_MSG : hdr] for v in views])  # read on the host only if rejected
 
         def judge(values):
             errors = []
             for src in range(self.world_size):
                 code, n_used, fp8_used = values[3 * src : 3 * src + 3]
                 text = ""
-                if code == _REJECTED:  # error path only: this reads the saved text from the device
-                    text = bytes(texts[src].tolist()).rstrip(b"\0").decode(errors="replace")
-                msg = _describe(src, code, n_used, fp8_used, text, n_max, use_fp8)
+                if code == REJECTED:  # error path only: this reads the saved text from the device
+                    text = decode_error(texts[src])
+                msg = describe_header(src, code, n_used, fp8_used, text, n_max, use_fp8)
                 if msg is not None:
                     errors.append(msg)
             if errors:
@@ -149,7 +102,7 @@ class LowLatencyMixin:
             return None
 
         self.buffer.deferred.record(heads[:, :3].long().reshape(-1), judge, self.timeout, "low-latency dispatch")
-        return (heads[:, 0] == _OK) & (heads[:, 1] == n_max) & (heads[:, 2] == int(use_fp8))
+        return (heads[:, 0] == OK) & (heads[:, 1] == n_max) & (heads[:, 2] == int(use_fp8))
 
     def _ll_outputs(self, n_max: int, use_fp8: bool):
         """Persistent low-latency receive tensors (as DeepEP: valid until the next low-latency dispatch)."""
@@ -185,7 +138,7 @@ class LowLatencyMixin:
 
         Returns ``key [T*K]`` (global expert, ``num_experts`` for none), ``pos [T*K]`` (slot among this
         rank's pairs for that expert: token order, then k), ``per_expert [E]`` (pairs per expert) and
-        ``status`` (a 0-dim int32 tensor: _OK, _BAD_IDS or _OVERFLOW).
+        ``status`` (a 0-dim int32 tensor: OK, BAD_IDS or OVERFLOW).
         """
         E = self.num_experts
         ids = topk_idx.to(self.device).long().reshape(-1)
@@ -197,7 +150,7 @@ class LowLatencyMixin:
         starts = torch.cumsum(per, 0) - per
         pos = torch.empty_like(key).scatter_(0, perm, torch.arange(n, device=self.device) - starts[sorted_key])
         over = (per[:E] > n_max).any()
-        status = torch.where(bad.any(), _BAD_IDS, torch.where(over, _OVERFLOW, _OK)).to(torch.int32)
+        status = torch.where(bad.any(), BAD_IDS, torch.where(over, OVERFLOW, OK)).to(torch.int32)
         return key, pos, per[:E], status
 
     def _ll_check_host(self, x, topk_idx, n_max: int) -> None:
@@ -264,18 +217,42 @@ class LowLatencyMixin:
             before the next collective on this buffer.
         """
         n_max = num_max_dispatch_tokens_per_rank
-        w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
+        w, L, h = self.world_size, self.num_local_experts, self.hidden
         xb, sb = self._ll_row(use_fp8)
         hdr = self._ll_header()
         streamed = self._ll_stream_ordered()
         # Every message has the same size on every rank (the buffer's capacity, bf16 rows), so a rank that
         # rejects its input still takes part in the exchange, whatever it passed.
-        msg_bytes = min(self._region, _al(hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h))
-        error = route = None
+        msg_bytes = min(self.region_bytes, align_up(hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h))
+        error, route = self._ll_prepare(x, topk_idx, n_max, hdr + L * n_max * (xb + sb) > msg_bytes, streamed)
+        ex = self.buffer.exchange(self.region_bytes, tag="ll_dispatch", deferred=streamed, guarded=True)
+        if error is not None:
+            self._ll_reject(ex, error, hdr, msg_bytes, use_fp8)
+        key, pos, per_expert, status = route
+        counts = per_expert.clamp(max=n_max).view(w, L)  # what each destination expert gets from here
+        with self.retire_on_failure("low-latency dispatch"):
+            live = self._ll_send(ex, x, key, pos, counts, status, n_max, use_fp8, hdr, msg_bytes)
+        recv_x, recv_count = self._ll_outputs(n_max, use_fp8)
+        handle = self._ll_handle(x.shape[0], key, pos, live, n_max)
+        state = {"done": False}
+
+        def hook():
+            if not state["done"]:
+                self._ll_receive(ex, handle, recv_x, recv_count, msg_bytes, use_fp8)
+                state["done"] = True
+
+        if not return_recv_hook:
+            hook()
+        return recv_x, recv_count, handle, hook
+
+    def _ll_prepare(self, x, topk_idx, n_max: int, too_big: bool, streamed: bool):
+        """Validation and routing of a low-latency dispatch: ``(error or None, route)``; no exception escapes,
+        since every rank must take part in the exchange whatever this rank passed (see :meth:`_ll_route`)."""
+        route = None
         try:
             self._ll_check_host(x, topk_idx, n_max)
-            if hdr + L * n_max * (xb + sb) > msg_bytes:
-                raise ValueError(f"low-latency message exceeds the {self._region}-byte region")
+            if too_big:
+                raise ValueError(f"low-latency message exceeds the {self.region_bytes}-byte region")
             route = self._ll_route(topk_idx, n_max)
             if not streamed and route[2].numel() and int(route[2].max()) > n_max:
                 e = int(route[2].argmax())
@@ -284,117 +261,105 @@ class LowLatencyMixin:
                     f"its {n_max} slots (duplicate expert ids within a token?)"
                 )
         except Exception as exc:  # every rank must learn of it through the message header
-            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        ex = self.buffer.exchange(self._region, tag="ll_dispatch", deferred=streamed, guarded=True)
-        if error is not None:
-            self._ll_reject(ex, error, hdr, msg_bytes, use_fp8)
-        key, pos, per_expert, status = route
-        counts = per_expert.clamp(max=n_max).view(w, L)  # what each destination expert gets from here
-        t_num = x.shape[0]
-        with self._guard("low-latency dispatch"):
-            if use_fp8:
-                from epkit.quant import cast_groups_to_fp8
+            return (str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"), route
+        return None, route
 
-                xq, xs = cast_groups_to_fp8(x, 128)
-                x_src, s_src = xq.view(torch.uint8), xs.contiguous().view(torch.uint8)
-            else:
-                x_src, s_src = x.contiguous().view(torch.uint8), None
-            regions = [ex.send_region(dst) for dst in range(w)]  # waits (stream-ordered when streamed) for acks
-            heads = torch.cat(
-                [
-                    status.expand(w, 1),
-                    torch.full((w, 1), n_max, dtype=torch.int32, device=self.device),
-                    torch.full((w, 1), int(use_fp8), dtype=torch.int32, device=self.device),
-                    counts.to(torch.int32),
-                ],
-                dim=1,
-            )
-            # Every write into the regions takes the exchange's guard: none lands behind a failed wait.
-            E, guard = self.num_experts, ex.guard
-            bases = [r.data_ptr() for r in regions]
-            region_addr = self._addresses(bases)
-            head_bytes = 4 * (3 + L)
+    def _ll_send(self, ex, x, key, pos, counts, status, n_max: int, use_fp8: bool, hdr: int, msg_bytes: int):
+        """Header, rows and scales of every (token, expert) pair into its destination's region, then commit;
+        every write takes the exchange's guard (none lands behind a failed wait). Returns the ``[T*K]`` mask
+        of pairs that got a slot."""
+        w, L, K = self.world_size, self.num_local_experts, self.num_topk
+        xb, sb = self._ll_row(use_fp8)
+        if use_fp8:
+            from epkit.quant import cast_groups_to_fp8
+
+            xq, xs = cast_groups_to_fp8(x, 128)
+            x_src, s_src = xq.view(torch.uint8), xs.contiguous().view(torch.uint8)
+        else:
+            x_src, s_src = x.contiguous().view(torch.uint8), None
+        regions = [ex.send_region(dst) for dst in range(w)]  # waits (stream-ordered when streamed) for acks
+        dev = self.device
+        heads = torch.cat(
+            [
+                status.expand(w, 1),
+                torch.full((w, 1), n_max, dtype=torch.int32, device=dev),
+                torch.full((w, 1), int(use_fp8), dtype=torch.int32, device=dev),
+                counts.to(torch.int32),
+            ],
+            dim=1,
+        )
+        E, guard = self.num_experts, ex.guard
+        bases = [r.data_ptr() for r in regions]
+        region_addr = self._addresses(bases)
+        head_bytes = 4 * (3 + L)
+        head_src = heads.data_ptr() + torch.arange(w, device=dev) * head_bytes
+        move_rows(region_addr, head_src, head_bytes, [*bases, heads.data_ptr(), head_bytes], guard)
+        # One address list per field covers every destination: pair i (token i // K) goes to slot
+        # expert * n_max + pos of its destination's region, unless it has no expert or no slot.
+        base_of = region_addr[key.clamp(max=E - 1) // L]
+        live = (key < E) & (pos < n_max)
+        slot = (key % L) * n_max + pos.clamp(max=n_max - 1)
+        tok = torch.arange(key.numel(), device=dev) // K
+        fields = [(x_src, xb, hdr)] + ([(s_src, sb, hdr + L * n_max * xb)] if s_src is not None else [])
+        for src, nbytes, off in fields:
             move_rows(
-                region_addr,
-                heads.data_ptr() + torch.arange(w, device=self.device) * head_bytes,
-                head_bytes,
-                [*bases, heads.data_ptr(), head_bytes],
+                torch.where(live, base_of + off + slot * nbytes, 0),
+                torch.where(live, src.data_ptr() + tok * nbytes, 0),
+                nbytes,
+                [*bases, off, src.data_ptr()],
                 guard,
             )
-            # One address list per field covers every destination: pair i (token i // K) goes to slot
-            # expert * n_max + pos of its destination's region, unless it has no expert or no slot.
-            base_of = region_addr[key.clamp(max=E - 1) // L]
-            live = (key < E) & (pos < n_max)
-            slot = (key % L) * n_max + pos.clamp(max=n_max - 1)
-            tok = torch.arange(key.numel(), device=self.device) // K
-            move_rows(
-                torch.where(live, base_of + hdr + slot * xb, 0),
-                torch.where(live, x_src.data_ptr() + tok * xb, 0),
-                xb,
-                [*bases, hdr, x_src.data_ptr()],
-                guard,
-            )
-            if s_src is not None:
-                off = hdr + L * n_max * xb
-                move_rows(
-                    torch.where(live, base_of + off + slot * sb, 0),
-                    torch.where(live, s_src.data_ptr() + tok * sb, 0),
-                    sb,
-                    [*bases, off, s_src.data_ptr()],
-                    guard,
-                )
-            for dst in range(w):
-                ex.commit(dst, msg_bytes)
-        recv_x, recv_count = self._ll_outputs(n_max, use_fp8)
+        for dst in range(w):
+            ex.commit(dst, msg_bytes)
+        return live
+
+    def _ll_handle(self, t_num: int, key, pos, live, n_max: int) -> LowLatencyHandle:
+        """The combine's state for a dispatch of ``t_num`` tokens (counts filled by the receive)."""
+        L, K = self.num_local_experts, self.num_topk
         ids = key.view(t_num, K)
         live = live.view(t_num, K)
-        handle = LowLatencyHandle(
+        return LowLatencyHandle(
             num_tokens=t_num,
             dst_of=torch.where(live, ids // L, -1),
             expert_of=torch.where(live, ids % L, -1),
             pos_of=torch.where(live, pos.view(t_num, K), -1),
-            counts=torch.zeros((w, L), dtype=torch.int64, device=self.device),
+            counts=torch.zeros((self.world_size, L), dtype=torch.int64, device=self.device),
             n_max=n_max,
         )
-        state = {"done": False}
 
-        def hook():
-            if state["done"]:
-                return
-            with self._guard("low-latency dispatch receive"):
-                views = ex.receive([msg_bytes] * w)
-                heads = self._ll_heads(views)
-            if streamed:
-                ok = self._ll_defer_errors(heads, views, hdr, n_max, use_fp8)
-            else:
-                errors = self._ll_errors(heads, views, hdr, n_max, use_fp8)
-                if errors:
-                    ex.release()
-                    raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
-                ok = torch.ones(w, dtype=torch.bool)
-            with self._guard("low-latency dispatch receive"):
-                got = heads[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
-                got = torch.where(ok[:, None], got, 0)  # [W, L]
-                self._ll_unpack(views, recv_x, got, n_max, hdr, xb, sb)
-                recv_count.copy_(got.sum(0).to(torch.int32))
-                handle.counts = got
-                ex.release()  # after the reads above on the stream
-            self._count_load(got.sum(0))
-            state["done"] = True
-
-        if not return_recv_hook:
-            hook()
-        return recv_x, recv_count, handle, hook
+    def _ll_receive(self, ex, handle: LowLatencyHandle, recv_x, recv_count, msg_bytes: int, use_fp8: bool):
+        """The dispatch hook: wait for every message, judge the headers (now on the host, or on the stream),
+        unpack the slots into the masked layout, release the regions."""
+        w, n_max = self.world_size, handle.n_max
+        xb, sb = self._ll_row(use_fp8)
+        hdr = self._ll_header()
+        with self.retire_on_failure("low-latency dispatch receive"):
+            views = ex.receive([msg_bytes] * w)
+            heads = self._ll_heads(views)
+        if self._ll_stream_ordered():
+            ok = self._ll_defer_errors(heads, views, hdr, n_max, use_fp8)
+        else:
+            errors = self._ll_errors(heads, views, hdr, n_max, use_fp8)
+            if errors:
+                ex.release()
+                raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+            ok = torch.ones(w, dtype=torch.bool)
+        with self.retire_on_failure("low-latency dispatch receive"):
+            got = heads[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
+            got = torch.where(ok[:, None], got, 0)  # [W, L]
+            self._ll_unpack(views, recv_x, got, n_max, hdr, xb, sb)
+            recv_count.copy_(got.sum(0).to(torch.int32))
+            handle.counts = got
+            ex.release()  # after the reads above on the stream
+        self._count_load(got.sum(0))
 
     def _ll_reject(self, ex, error: str, hdr: int, msg_bytes: int, use_fp8: bool):
         """Tell every rank, finish the exchange so the counters stay in step, then raise."""
-        raw = error.encode()[: _META_MSG - 1]
-        text = torch.zeros(_META_MSG, dtype=torch.uint8)
-        text[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        status = torch.tensor([_REJECTED], dtype=torch.int32).view(torch.uint8)
+        text = encode_error(error)
+        status = torch.tensor([REJECTED], dtype=torch.int32).view(torch.uint8)
         for dst in range(self.world_size):  # guarded writes: none lands behind a failed acknowledgement wait
             ex.write(dst, status, 0)
-            ex.write(dst, text, hdr - _META_MSG)
+            ex.write(dst, text, hdr - META_MSG)
             ex.commit(dst, msg_bytes)
         views = ex.receive([msg_bytes] * self.world_size)
         self.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
@@ -408,8 +373,8 @@ class LowLatencyMixin:
     def _ll_unpack(self, views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
         """Received slots -> the masked layout: expert e's rows ordered by source, then slot (fixed-shape)."""
         L = self.num_local_experts
-        src, live, slot, row = _slot_grid(counts, n_max)
-        first, stride = _spacing(views)
+        src, live, slot, row = slot_grid(counts, n_max)
+        first, stride = message_spacing(views)
         x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
         msg = first + src * stride
         move_rows(
@@ -480,7 +445,7 @@ class LowLatencyMixin:
                 raise ValueError(f"topk_weights is on {topk_weights.device}; the low-latency path needs {self.device}")
         except ValueError as exc:
             self._reject_locally("low-latency combine", exc)
-        with self._guard("low-latency combine"):
+        with self.retire_on_failure("low-latency combine"):
             return self._ll_combine(y, topk_weights, handle, return_recv_hook)
 
     def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook):
@@ -489,9 +454,9 @@ class LowLatencyMixin:
         row = 2 * h
         msg_bytes = L * n_max * row
         streamed = self._ll_stream_ordered()
-        ex = self.buffer.exchange(self._region, tag="ll_combine", deferred=streamed, guarded=True)
+        ex = self.buffer.exchange(self.region_bytes, tag="ll_combine", deferred=streamed, guarded=True)
         y = y.contiguous()
-        src, live, slot, y_row = _slot_grid(handle.counts.to(self.device), n_max)
+        src, live, slot, y_row = slot_grid(handle.counts.to(self.device), n_max)
         bases = [ex.send_region(s).data_ptr() for s in range(w)]
         move_rows(
             torch.where(live, self._addresses(bases)[src] + slot * row, 0),
@@ -507,11 +472,11 @@ class LowLatencyMixin:
         def hook():
             if "y" in out:
                 return out["y"]
-            with self._guard("low-latency combine receive"):
+            with self.retire_on_failure("low-latency combine receive"):
                 views = ex.receive([msg_bytes] * w)
                 slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
                 if streamed:
-                    _, stride = _spacing(views)
+                    _, stride = message_spacing(views)
                     table = views[0].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
                     acc = reduce_gathered(table, handle.dst_of, slot, topk_weights.float())
                     res = acc.to(torch.bfloat16)

@@ -10,18 +10,51 @@ from __future__ import annotations
 
 import torch
 
-_META_MSG = 192  # bytes of error text carried by the layout exchange
-_ALIGN = 16
+__all__ = [
+    "FIELD_ALIGN",
+    "META_MSG",
+    "PORTABLE",
+    "ROW_DTYPES",
+    "align_up",
+    "by_address",
+    "check_biases",
+    "decode_error",
+    "encode_error",
+    "expanded_layout",
+    "move_rows",
+    "reduce_gathered",
+    "reduce_indexed",
+    "reduce_rows",
+]
+
+#: Bytes of error text a rejected call sends its peers (in the layout exchange, headers, publish areas).
+META_MSG = 192
+#: Byte alignment of the fields inside a message.
+FIELD_ALIGN = 16
+#: Row dtypes dispatch moves, in the order of the format codes its layout exchange carries.
+ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
+#: Force the torch formulations (the path CUDA tensors take) on CPU tensors too.
+PORTABLE = [False]
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _al(n: int, a: int = _ALIGN) -> int:
+def align_up(n: int, a: int = FIELD_ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
     return -(-n // a) * a
 
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
-#: Force the torch formulations (the path CUDA tensors take) on CPU tensors too.
-PORTABLE = [False]
-_ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
+def encode_error(text: str) -> torch.Tensor:
+    """``text`` as the ``[META_MSG]`` uint8 field a rejected call sends its peers (UTF-8, cut to fit, NUL-padded)."""
+    raw = text.encode()[: META_MSG - 1]
+    out = torch.zeros(META_MSG, dtype=torch.uint8)
+    if raw:
+        out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def decode_error(field: torch.Tensor) -> str:
+    """The text of an :func:`encode_error` field (any device; read on the host)."""
+    return bytes(field[:META_MSG].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def reduce_rows(
@@ -82,7 +115,7 @@ def _fused_ok(out: torch.Tensor, src_dtype: torch.dtype, biases) -> bool:
     )
 
 
-def _by_address(*tensors: torch.Tensor) -> bool:
+def by_address(*tensors: torch.Tensor) -> bool:
     return not PORTABLE[0] and all(t.device.type == "cpu" for t in tensors)
 
 
@@ -113,7 +146,7 @@ def reduce_indexed(
         return out
     src_of, row_of = src_of.long(), row_of.long()
     dtype = sources[0].dtype if sources else out.dtype
-    if _by_address(out, *sources) and _fused_ok(out, dtype, biases):
+    if by_address(out, *sources) and _fused_ok(out, dtype, biases):
         if sources:
             es = sources[0].element_size()
             bases = torch.tensor([src.data_ptr() for src in sources], dtype=torch.int64)
@@ -141,34 +174,6 @@ def reduce_indexed(
     return out.copy_(acc.to(out.dtype))
 
 
-def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` for 2-D byte tensors with contiguous rows of equal size.
-
-    One multi-threaded memcpy per row in ``epkit._C`` (torch's index_copy_ moves uint8 rows element
-    by element); indices are checked against both shapes first.
-    """
-    n = dst_rows.numel()
-    if n == 0:
-        return
-    if not _by_address(dst, src):  # device memory (or PORTABLE): the same copy in torch ops
-        dst.index_copy_(0, dst_rows.long().to(dst.device), src.index_select(0, src_rows.long().to(src.device)))
-        return
-    if dst.dtype != torch.uint8 or src.dtype != torch.uint8:
-        raise ValueError("_copy_rows: byte (uint8) tensors only")
-    if src_rows.numel() != n or dst.shape[1] != src.shape[1] or dst.stride(1) != 1 or src.stride(1) != 1:
-        raise ValueError("_copy_rows: row lists and row sizes must match, rows contiguous")
-    dst_rows, src_rows = dst_rows.long(), src_rows.long()
-    if int(dst_rows.min()) < 0 or int(dst_rows.max()) >= dst.shape[0]:
-        raise IndexError(f"_copy_rows: destination rows outside [0, {dst.shape[0]})")
-    if int(src_rows.min()) < 0 or int(src_rows.max()) >= src.shape[0]:
-        raise IndexError(f"_copy_rows: source rows outside [0, {src.shape[0]})")
-    from epkit import _C
-
-    dst_addrs = (dst.data_ptr() + dst_rows * dst.stride(0)).contiguous()
-    src_addrs = (src.data_ptr() + src_rows * src.stride(0)).contiguous()
-    _C.copy_rows_by_address(dst_addrs.data_ptr(), src_addrs.data_ptr(), n, dst.shape[1], torch.get_num_threads())
-
-
 def move_rows(
     dst_addrs: torch.Tensor,
     src_addrs: torch.Tensor,
@@ -189,7 +194,7 @@ def move_rows(
         return
     if guard is not None and guard.device != dst_addrs.device:
         raise ValueError(f"the guard word is on {guard.device}, the address lists on {dst_addrs.device}")
-    if _by_address(dst_addrs, src_addrs):
+    if by_address(dst_addrs, src_addrs):
         from epkit import _C
 
         d, s = dst_addrs.contiguous(), src_addrs.contiguous()
@@ -223,7 +228,7 @@ def reduce_gathered(
     return acc
 
 
-def _check_biases(bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:
+def check_biases(bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:
     """``bias`` as a list of at most two ``[num_tokens, hidden]`` tensors (the fused reduction reads T*H of each)."""
     biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
     if len(biases) > 2:
@@ -232,3 +237,42 @@ def _check_biases(bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:
         if not isinstance(b, torch.Tensor) or tuple(b.shape) != (num_tokens, hidden):
             raise ValueError(f"bias must be [{num_tokens}, {hidden}], got {tuple(getattr(b, 'shape', ()))}")
     return biases
+
+
+def expanded_layout(recv_idx: torch.Tensor, counts: torch.Tensor, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows per (received token, local expert), grouped by expert then received order, groups padded with -1.
+
+    Parameters
+    ----------
+    recv_idx : Tensor [R, K] int
+        Local expert id per received row and slot, -1 where the expert lives elsewhere.
+    counts : Tensor [L] int64
+        Valid entries of ``recv_idx`` per local expert.
+    alignment : int
+        Each expert's group is padded to a multiple of this.
+
+    Returns
+    -------
+    rows : Tensor [X] int64
+        The received row of each expanded row, -1 on padding.
+    slot : Tensor [R, K] int64
+        The expanded row of each (received row, k), -1 where not local.
+    """
+    r, k = recv_idx.shape
+    num_local = counts.numel()
+    flat = recv_idx.long().reshape(-1)
+    sel = (flat >= 0).nonzero().flatten()  # (j, k) pairs in (j, k) order
+    order = torch.sort(flat[sel], stable=True).indices
+    pairs = sel[order]  # grouped by expert, within by received row
+    sizes = counts.tolist()
+    padded = [-(-c // alignment) * alignment for c in sizes]
+    starts = torch.tensor([0] + padded[:-1], dtype=torch.int64).cumsum(0) if num_local else torch.zeros(0)
+    rows = torch.full((sum(padded),), -1, dtype=torch.int64)
+    slot = torch.full((r * k,), -1, dtype=torch.int64)
+    pos_in_group = torch.arange(pairs.numel()) - torch.repeat_interleave(
+        torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0), torch.tensor(sizes)
+    )
+    dest = starts[flat[pairs]] + pos_in_group
+    rows[dest] = pairs // k
+    slot[pairs] = dest
+    return rows, slot.view(r, k)

@@ -27,7 +27,7 @@ Use it in a rank process (``run_ranks``) before the first nvshmem buffer::
 
     from epkit.testing import nvshmem_emulator
     nvshmem_emulator.install(p2p=True)
-    buf = SymmBuffer(group, nbytes, transport="nvshmem")   # runs collectives/_nvshmem.py on CPU
+    buf = SymmBuffer(group, nbytes, transport="nvshmem")   # runs the nvshmem transport on CPU
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ import secrets
 import sys
 import time
 
+from epkit.collectives.transports.shm import wait_word
+
 __all__ = ["install", "uninstall", "installed", "resolve_transport", "calls", "EMULATED"]
 
-#: Marks this module as the CPU stand-in (``collectives/_nvshmem.py`` checks it: CPU device, no streams).
+#: Marks this module as the CPU stand-in (``transports/nvshmem_job.py`` checks it: CPU device, no streams).
 EMULATED = True
 
 _UID_BYTES = 128  # sizeof(nvshmemx_uniqueid_t) in the NVSHMEM 3.x headers
@@ -82,6 +84,12 @@ def _heap_size() -> int:
 def _require_init(what: str) -> None:
     if not _state["initialized"]:
         raise RuntimeError(f"{what}: call init() first")
+
+
+def _enter(what: str) -> None:
+    """An extension call begins: it needs a job this module may use; counted in :func:`calls`."""
+    _require_init(what)
+    _count(what)
 
 
 def _require_job(what: str) -> None:
@@ -299,8 +307,7 @@ def _malloc(nbytes: int, zero: bool) -> int:
 
 
 def free(ptr: int) -> None:
-    _require_init("free")
-    _count("free")
+    _enter("free")
     off = ptr - _state["heaps"][_state["me"]].addr
     if off not in _state["allocs"]:
         raise ValueError(f"free: {ptr:#x} is not a live symmetric allocation")
@@ -349,8 +356,7 @@ def _guarded(guard: int, what: str) -> bool:
 def signal_op(sig: int, value: int, op: str, pe: int, stream: int, guard: int = 0) -> None:
     """Set/add ``value`` to the 64-bit word at symmetric ``sig`` on ``pe`` (release: earlier writes first);
     nothing when the local word ``guard`` (0: none) is nonzero."""
-    _require_init("signal_op")
-    _count("signal_op")
+    _enter("signal_op")
     op = _parse_op(op)
     _require_pe(pe, "signal_op")
     if sig == 0 or sig % 8:
@@ -365,8 +371,7 @@ def put_signal(
 ) -> None:
     """Copy ``nbytes`` from local ``src`` to symmetric ``dst`` on ``pe``, then set/add its word ``sig``;
     neither when the local word ``guard`` (0: none) is nonzero."""
-    _require_init("put_signal")
-    _count("put_signal")
+    _enter("put_signal")
     op = _parse_op(op)
     _require_pe(pe, "put_signal")
     if _guarded(guard, "put_signal"):
@@ -379,18 +384,8 @@ def put_signal(
 
 def signal_wait(sig: int, cmp: str, value: int, timeout: float, result: int, stream: int) -> None:
     """Wait until the local word at ``sig`` satisfies ``cmp value``; ``result`` gets ``[last value, timed out]``."""
-    _require_init("signal_wait")
-    _count("signal_wait")
-    cmp = _parse_cmp(cmp)
-    if result == 0:
-        raise ValueError("signal_wait needs a 2-word device result buffer")
-    off = _offset(sig, 8, "signal_wait")
-    out = (ctypes.c_uint64 * 2).from_address(result)
-    heap = _state["heaps"][_state["me"]]
-    try:
-        out[0], out[1] = heap.wait_until(off, cmp, value, _seconds(timeout)), 0
-    except TimeoutError:
-        out[0], out[1] = heap.load(off), 1
+    _enter("signal_wait")
+    _wait_all("signal_wait", sig, 1, 1, cmp, value, timeout, result)
 
 
 def signal_wait_all(
@@ -416,31 +411,36 @@ def signal_wait_all(
     """
     _require_init("signal_wait_all")
     _count("signal_wait_all/deferred" if sticky else "signal_wait_all")
+    _wait_all("signal_wait_all", sig, stride, count, cmp, value, timeout, result, sticky, abort_words, skip_on_sticky)
+
+
+def _wait_all(what, sig, stride, count, cmp, value, timeout, result, sticky=0, abort_words=0, skip_on_sticky=True):
+    """The body of both waits (``signal_wait`` is the one-word form: a timeout gives ``result[1] = 1``)."""
     cmp = _parse_cmp(cmp)
     if result == 0:
-        raise ValueError("signal_wait_all needs a 2-word device result buffer")
+        raise ValueError(f"{what} needs a 2-word device result buffer")
     if sig == 0 or sig % 8:
-        raise ValueError("signal_wait_all needs an 8-byte aligned local signal address")
+        raise ValueError(f"{what} needs an 8-byte aligned local signal address")
     if count < 0 or stride == 0:
-        raise ValueError(f"signal_wait_all: count must be >= 0 and stride >= 1 (in words), got {count} and {stride}")
+        raise ValueError(f"{what}: count must be >= 0 and stride >= 1 (in words), got {count} and {stride}")
     out = (ctypes.c_uint64 * 2).from_address(result)
     flag = ctypes.c_uint64.from_address(sticky) if sticky else None
     if skip_on_sticky and flag is not None and flag.value != 0:
-        _count("signal_wait_all/skipped")
+        _count(f"{what}/skipped")
         out[0], out[1] = 0, _MASK64
         return
     heap = _state["heaps"][_state["me"]]
     deadline = time.monotonic() + _seconds(timeout)
     seen = 0
     for i in range(count):
-        off = _offset(sig + 8 * i * stride, 8, "signal_wait_all")
-        abort_off = _offset(sig + 8 * (i * stride + abort_words), 8, "signal_wait_all") if abort_words else None
-        seen, notice = _wait_word(heap, off, cmp, value, deadline, abort_off)
-        if seen is None:
-            out[0], out[1] = notice or heap.load(off), i + 1
+        off = _offset(sig + 8 * i * stride, 8, what)
+        abort_off = _offset(sig + 8 * (i * stride + abort_words), 8, what) if abort_words else None
+        status, seen = wait_word(heap, off, cmp, value, deadline, abort_off)
+        if status:  # seen: the abort word (1) or the word's last value (2)
+            out[0], out[1] = seen, i + 1
             if flag is not None:
                 flag.value = 1
-            _count("signal_wait_all/aborted" if notice else "signal_wait_all/timed_out")
+            _count(f"{what}/aborted" if status == 1 else f"{what}/timed_out")
             return
     out[0], out[1] = seen, 0
 
@@ -451,24 +451,11 @@ def _seconds(timeout: float) -> float:
     return min(max(t, 0.0), 1e6) if t == t else 0.0
 
 
-def _wait_word(heap, off: int, cmp: str, value: int, deadline: float, abort_off: int | None):
-    """``(value, 0)`` once the word satisfies ``cmp value``; ``(None, notice)`` when the abort word turned
-    nonzero first, ``(None, 0)`` at the deadline (one timed wait in epkit._C, GIL released)."""
-    left = max(0.0, deadline - time.monotonic())
-    if abort_off is None:
-        try:
-            return heap.wait_until(off, cmp, value, left), 0
-        except TimeoutError:
-            return None, 0
-    status, seen = heap.wait_until_or_abort(off, cmp, value, abort_off, left)
-    return (seen, 0) if status == 0 else (None, seen if status == 1 else 0)
-
-
 # Installation
 
 
 def install(p2p: bool = True) -> None:
-    """Make ``collectives/_nvshmem.py`` use this emulator in this process (call before any nvshmem buffer).
+    """Make the nvshmem transport use this emulator in this process (call before any nvshmem buffer).
 
     Parameters
     ----------
@@ -476,23 +463,23 @@ def install(p2p: bool = True) -> None:
         True: every PE directly addressable (one NVLink domain: ``peer()`` views, one-sided stores);
         False: only this PE (``peer_ptr`` gives 0), so puts go through staging and ``put_signal``.
     """
-    from epkit.collectives import _nvshmem
+    from epkit.collectives.transports import nvshmem_job
 
     _state["p2p"] = bool(p2p)
-    _nvshmem.use_extension(sys.modules[__name__])
+    nvshmem_job.use_extension(sys.modules[__name__])
 
 
 def uninstall() -> None:
     """Back to the real ``epkit._C_cuda``."""
-    from epkit.collectives import _nvshmem
+    from epkit.collectives.transports import nvshmem_job
 
-    _nvshmem.use_extension(None)
+    nvshmem_job.use_extension(None)
 
 
 def installed() -> bool:
-    from epkit.collectives import _nvshmem
+    from epkit.collectives.transports import nvshmem_job
 
-    return _nvshmem._emulated()
+    return nvshmem_job.emulated()
 
 
 def resolve_transport(transport: str) -> str:

@@ -1,7 +1,7 @@
 """A CPU stand-in for ``torch.distributed._symmetric_memory`` with its NVSHMEM backend.
 
 The nvshmem transport takes its memory from torch's symmetric memory where torch has NVSHMEM (the
-``torch`` provider of ``collectives/_nvshmem.py``). A CPU build of torch refuses every symmetric
+``torch`` provider of ``transports/nvshmem_torch.py``). A CPU build of torch refuses every symmetric
 allocation, so this module plays torch's part on CPU ranks, over the NVSHMEM emulator's heaps
 (``epkit.testing.nvshmem_emulator``), with the behaviour of torch's NVSHMEM allocator that the
 transport depends on:
@@ -138,18 +138,18 @@ def install(p2p: bool = True, available: bool = True, backend: str = "CUDA", poo
         Bytes between a symmetric allocation's start and the tensor ``empty`` returns (torch's memory pool
         carves tensors out of larger allocations; ``handle.offset`` says where).
     """
-    from epkit.collectives import _nvshmem
+    from epkit.collectives.transports import nvshmem_torch
 
     _emu.install(p2p=p2p)
     _state["available"] = bool(available)
     _state["pool_offset"] = int(pool_offset)
     if not _state["allocated"]:  # installing again later (a second buffer) keeps the backend torch froze
         _state["backend"] = backend
-    _nvshmem.use_torch_symm(sys.modules[__name__])
+    nvshmem_torch.use_torch_symm(sys.modules[__name__])
 
 
 def uninstall() -> None:
-    from epkit.collectives import _nvshmem
+    from epkit.collectives.transports import nvshmem_torch
 
-    _nvshmem.use_torch_symm(None)
+    nvshmem_torch.use_torch_symm(None)
     _emu.uninstall()

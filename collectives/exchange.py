@@ -1,0 +1,230 @@
+"""One all-to-all of byte payloads in flight on a :class:`~epkit.collectives.symm_buffer.SymmBuffer`.
+
+Made by :meth:`SymmBuffer.exchange`; every rank begins its exchanges in the same order, and each gets
+a number (the epoch). Source rank s owns region s (``region_bytes``) of every receiver's buffer. Two
+ways to move the payloads, chosen by the transport's capability:
+
+- :class:`OneSidedExchange` (transports with signal words, ``direct``): the sender writes straight
+  into the receiver's region (``send_region`` is a view of the peer's memory, or, for a peer out of
+  reach, a staging tensor that ``commit`` puts with a signal), after the receiver acknowledged the
+  previous epoch's message (ACK); ``commit`` raises READY; ``receive`` waits for every source's READY
+  and returns views of the local regions; ``release`` acknowledges.
+- :class:`TwoSidedExchange` (``torch``): payloads are staged and ``receive`` is one timed
+  ``all_to_all`` of the transport.
+
+Only the public protocol primitives of the buffer are used (``post``, ``wait_for_peer``,
+``wait_for_all``, ``mark_broken``, ``is_open``, ``impl``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from epkit.collectives.transports.base import ACK, READY, word
+
+__all__ = ["Exchange", "OneSidedExchange", "TwoSidedExchange", "exchange_payloads"]
+
+
+class Exchange:
+    """One all-to-all in flight (see the module docstring and :meth:`SymmBuffer.exchange`).
+
+    Attributes
+    ----------
+    buf : SymmBuffer
+    epoch : int
+        This exchange's number on the buffer (1 for the first).
+    region_bytes, tag, timeout, deferred, guarded
+        As passed to :meth:`SymmBuffer.exchange`.
+    """
+
+    def __init__(
+        self,
+        buf,
+        epoch: int,
+        region_bytes: int,
+        tag: str,
+        timeout: float,
+        deferred: bool,
+        guarded: bool,
+        on_done: Callable[[Exchange], None],
+    ):
+        self.buf, self.epoch, self.region_bytes, self.tag, self.timeout = buf, epoch, region_bytes, tag, timeout
+        self.deferred, self.guarded = deferred, guarded
+        self._on_done = on_done
+        w = buf.world_size
+        self._sizes: list[int | None] = [None] * w
+        self._staging: list[torch.Tensor | None] = [None] * w
+        self._recv = None
+
+    @property
+    def guard(self) -> torch.Tensor | None:
+        """Stream-ordered (deferred) exchanges: the buffer's sticky word (``[1]`` int64 on the device), nonzero
+        once a stream-ordered wait failed; copies that take it as their guard write nothing then. None
+        otherwise (the waits end on the host, which raises before any write)."""
+        return self.buf.impl.sticky_word if self.deferred else None
+
+    def write(self, dst: int, data: torch.Tensor, offset: int = 0) -> None:
+        """Copy ``data`` (uint8, 1-D) into :meth:`send_region` ``(dst)`` at ``offset``, guarded (see :attr:`guard`).
+
+        The same bytes as ``send_region(dst)[offset:offset + n].copy_(data)``; in a stream-ordered exchange
+        the copy is skipped on the stream when a wait before it failed.
+        """
+        n = data.numel()
+        if data.dtype != torch.uint8 or data.dim() != 1 or not 0 <= offset <= self.region_bytes - n:
+            raise ValueError(
+                f"write needs a 1-D uint8 tensor fitting the {self.region_bytes}-byte region at offset {offset}, got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        region = self.send_region(dst)
+        if n == 0:
+            return
+        guard = self.guard
+        if guard is None:
+            region[offset : offset + n].copy_(data)
+            return
+        from epkit.collectives._details.ep_rows import move_rows
+
+        src = data.contiguous()
+        if src.device != region.device:  # from pinned memory, asynchronously: the host does not wait for the stream
+            src = src.pin_memory().to(region.device, non_blocking=True)
+        dst_addr = torch.full((1,), region.data_ptr() + offset, dtype=torch.int64, device=region.device)
+        src_addr = torch.full((1,), src.data_ptr(), dtype=torch.int64, device=region.device)
+        move_rows(dst_addr, src_addr, n, [region.data_ptr(), offset, src.data_ptr()], guard=guard)
+
+    def send_region(self, dst: int) -> torch.Tensor:
+        """``[region_bytes]`` uint8 view to fill with the payload for ``dst``."""
+        raise NotImplementedError
+
+    def commit(self, dst: int, nbytes: int) -> None:
+        """The payload for ``dst`` (``nbytes`` at the start of its region) is complete."""
+        if not 0 <= nbytes <= self.region_bytes:
+            raise ValueError(f"payload of {nbytes} bytes for rank {dst} exceeds the {self.region_bytes}-byte region")
+        self._send(dst, nbytes)
+        self._sizes[dst] = nbytes
+
+    def _send(self, dst: int, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+        """Wait for every source's payload; ``recv_bytes[r]`` bytes from rank r. Views valid until release()."""
+        missing = [r for r, s in enumerate(self._sizes) if s is None]
+        if missing:
+            raise RuntimeError(f"receive() before commit() for ranks {missing}")
+        self._recv = self._receive(recv_bytes)
+        return self._recv
+
+    def _receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Done reading the received views: let every source reuse its region."""
+        self._recv = None
+        self._on_done(self)
+
+    def abandon(self, reason: str) -> None:
+        """The protocol failed mid-exchange on this rank: the buffer can no longer be trusted (peers are told)."""
+        self.buf.mark_broken(reason, culprit=self.buf.rank)
+        self._on_done(self)
+
+
+class OneSidedExchange(Exchange):
+    """Payloads written straight into the receivers' regions, READY/ACK signal words (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._acked = [False] * self.buf.world_size
+
+    def send_region(self, dst: int) -> torch.Tensor:
+        buf = self.buf
+        if self.epoch > 1 and not self._acked[dst]:
+            # dst must have consumed our previous message before we overwrite its region.
+            what = f"{self.tag} consumed"
+            buf.wait_for_peer(ACK, dst, self.epoch - 1, what, self.timeout, self.deferred, self.guarded)
+            self._acked[dst] = True
+        view = buf.impl.peer_view(dst)
+        if view is None:  # a peer out of reach: staged, put by commit()
+            if self._staging[dst] is None:
+                self._staging[dst] = buf.impl.staging(dst, self.region_bytes)
+            return self._staging[dst]
+        off = buf.rank * self.region_bytes
+        return view[off : off + self.region_bytes]
+
+    def _send(self, dst: int, nbytes: int) -> None:
+        buf = self.buf
+        if nbytes and self.epoch > 1 and not self._acked[dst]:
+            raise RuntimeError("commit() of a payload without send_region(): nothing was written for this epoch")
+        guarded = self.guard is not None
+        if buf.impl.peer_view(dst) is not None:
+            # A zero-byte message writes nothing, so it needs no acknowledgement of the previous one.
+            buf.post(READY, dst, self.epoch, guarded=guarded)
+            return
+        if nbytes and self._staging[dst] is None:
+            raise RuntimeError("commit() of a payload without send_region(): nothing was written")
+        # Data and READY in one put-with-signal: the signal lands after the bytes.
+        ready = word(READY, buf.rank, buf.world_size)
+        buf.impl.put_signal(dst, buf.rank * self.region_bytes, self._staging[dst], nbytes, ready, self.epoch, guarded)
+
+    def _receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+        buf = self.buf
+        buf.wait_for_all(READY, self.epoch, f"{self.tag} data", self.timeout, self.deferred)
+        out = []
+        for src, n in enumerate(recv_bytes):
+            if n > self.region_bytes:
+                raise ValueError(f"rank {src} is said to send {n} bytes, more than the {self.region_bytes}-byte region")
+            out.append(buf.local[src * self.region_bytes : src * self.region_bytes + n])
+        return out
+
+    def release(self) -> None:
+        buf = self.buf
+        if buf.is_open():
+            for src in range(buf.world_size):
+                buf.post(ACK, src, self.epoch)
+        super().release()
+
+
+class TwoSidedExchange(Exchange):
+    """Payloads staged on the sender and moved by the transport's timed ``all_to_all`` in :meth:`receive`."""
+
+    def send_region(self, dst: int) -> torch.Tensor:
+        if self._staging[dst] is None:
+            self._staging[dst] = torch.empty(self.region_bytes, dtype=torch.uint8)
+        return self._staging[dst]
+
+    def _send(self, dst: int, nbytes: int) -> None:
+        if nbytes and self._staging[dst] is None:
+            raise RuntimeError("commit() of a payload without send_region(): nothing was written")
+
+    def _receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+        empty = torch.empty(0, dtype=torch.uint8)
+        send = [self._staging[r][:n] if n else empty for r, n in enumerate(self._sizes)]
+        try:
+            return self.buf.impl.all_to_all(send, list(recv_bytes), self.timeout, self.tag)
+        except TimeoutError as exc:
+            self.buf.mark_broken(str(exc))
+            raise
+
+
+def exchange_payloads(buf, send, recv_bytes, region_bytes: int, tag: str, timeout: float | None):
+    """:meth:`SymmBuffer.all_to_all`: one exchange of ``send[r]`` to rank r; copies of what arrived."""
+    w = buf.world_size
+    if len(send) != w or len(recv_bytes) != w:
+        raise ValueError(f"all_to_all needs {w} send payloads and {w} receive sizes")
+    for r, part in enumerate(send):
+        if part.dtype != torch.uint8 or part.numel() > region_bytes:
+            raise ValueError(
+                f"payload for rank {r} must be uint8 of at most {region_bytes} bytes, got {part.dtype} x {part.numel()}"
+            )
+    if any(not 0 <= n <= region_bytes for n in recv_bytes):
+        raise ValueError(f"receive sizes {recv_bytes} must lie in [0, {region_bytes}]")
+    ex = buf.exchange(region_bytes, tag, timeout)
+    for k in range(w):
+        dst = (buf.rank + k) % w
+        n = send[dst].numel()
+        if n:
+            ex.send_region(dst)[:n].copy_(send[dst].reshape(-1))
+        ex.commit(dst, n)
+    out = [v.clone() for v in ex.receive(recv_bytes)]
+    ex.release()
+    return out
