@@ -282,7 +282,7 @@ def test_gate_against_hand_computed_choices():
     # biased scores and the best two kept; weights are the unbiased scores, normalised, times 2.5.
     import math
 
-    from epkit._details.model_layers import _route
+    from epkit.model.layers import route
 
     args = ModelArgs(n_routed_experts=8, n_expert_groups=4, n_limited_groups=2, n_activated_experts=2)
     logits = [2.0, -1.0, 0.5, 0.4, -2.0, 1.5, 0.0, 0.1]
@@ -298,14 +298,14 @@ def test_gate_against_hand_computed_choices():
     x = torch.eye(8, dtype=torch.float64)[:1]
     gate = torch.zeros(8, 8, dtype=torch.float64)
     gate[:, 0] = torch.tensor(logits, dtype=torch.float64)
-    idx, w = _route(args, x, gate, torch.tensor(bias, dtype=torch.float64))
+    idx, w = route(args, x, gate, torch.tensor(bias, dtype=torch.float64))
     assert idx[0].tolist() == want_idx
     assert torch.allclose(w[0].double(), torch.tensor(want_w, dtype=torch.float64), rtol=1e-6)
 
 
 def test_rope_against_complex_rotation():
     # each (x[k], x[k + half]) pair turns by position * theta^(-k / half), written here as a complex product
-    from epkit._details.model_layers import _rope
+    from epkit.model.layers import rope
 
     t, h, hd, theta = 5, 3, 8, 10000.0
     x = torch.randn(t, h, hd, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -315,7 +315,7 @@ def test_rope_against_complex_rotation():
     angle = (pos[:, None].double() * freq)[:, None, :]
     z = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)
     want = torch.cat((z.real, z.imag), dim=-1)
-    assert torch.allclose(_rope(x, pos, theta), want, rtol=0, atol=1e-12)
+    assert torch.allclose(rope(x, pos, theta), want, rtol=0, atol=1e-12)
 
 
 def test_args_are_checked():
@@ -369,9 +369,9 @@ def test_generate_rejects_a_bad_prompt_on_every_rank():
 
 
 def test_demo_script_agrees_with_the_reference(capsys):
-    from epkit.model import _main
+    from epkit.model.__main__ import main
 
-    assert _main(["--world", "2", "--requests", "2", "--seed", "1", "--timeout", "120"]) == 0
+    assert main(["--world", "2", "--requests", "2", "--seed", "1", "--timeout", "120"]) == 0
     out = capsys.readouterr().out
     import re
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from epkit.lockstep import placeholder_batch
+from epkit.model.args import ModelArgs
 
-if TYPE_CHECKING:
-    from epkit.model import ModelArgs
+__all__ = ["Batch", "attention", "check_batch", "logits", "rms_norm", "rope", "route", "swiglu_mlp"]
 
 
 @dataclass
@@ -73,16 +72,16 @@ class Batch:
 # communicates under DP attention, so it is not what the reference checks.
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     gate, up = (x @ w13.T).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up) @ w2.T
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE on ``x [T, H, hd]`` at integer positions ``pos [T]``."""
     half = x.shape[-1] // 2
     freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
@@ -91,15 +90,16 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), dim=-1)
 
 
-def _attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, cache, layer: int) -> torch.Tensor:
+def attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, cache, layer: int) -> torch.Tensor:
     """Causal attention of every sequence over its own keys (and its cached prefix).
 
-    ``cache``: None, or a dict ``seq_id -> _SeqCache`` whose ``kv[layer]`` this reads and extends.
+    ``cache``: None, or :attr:`DPEPModel.cache` (``seq_id ->`` a sequence's state) whose entries'
+    ``kv[layer]`` this reads and extends.
     """
     t_num, h, hd = x.shape[0], args.n_heads, args.head_dim
     pos = batch.positions.to(x.device)
-    q = _rope((x @ w[p + "wq"].T).view(t_num, h, hd), pos, args.rope_theta)
-    k = _rope((x @ w[p + "wk"].T).view(t_num, h, hd), pos, args.rope_theta)
+    q = rope((x @ w[p + "wq"].T).view(t_num, h, hd), pos, args.rope_theta)
+    k = rope((x @ w[p + "wk"].T).view(t_num, h, hd), pos, args.rope_theta)
     v = (x @ w[p + "wv"].T).view(t_num, h, hd)
     out = torch.empty_like(q)
     cu = batch.cu_seqlens.tolist()
@@ -118,7 +118,7 @@ def _attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, 
     return out.reshape(t_num, h * hd) @ w[p + "wo"].T
 
 
-def _route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, idx=None):
+def route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, idx=None):
     """DeepSeek-V3's gate: ``(topk_idx [T, K] int64 logical ids, topk_weights [T, K] float32)``.
 
     ``idx`` given: those experts instead of the gate's choice (the weights still come from the scores).
@@ -145,12 +145,12 @@ def _route_weights(args: ModelArgs, scores: torch.Tensor, idx: torch.Tensor):
     return idx, (weights * args.route_scale).float()
 
 
-def _logits(args: ModelArgs, w: dict, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+def logits(args: ModelArgs, w: dict, x: torch.Tensor, batch: Batch) -> torch.Tensor:
     last = batch.cu_seqlens[1:].to(x.device) - 1
-    return _rms_norm(x[last], w["norm"], args.norm_eps) @ w["head"].T
+    return rms_norm(x[last], w["norm"], args.norm_eps) @ w["head"].T
 
 
-def _check_batch(args: ModelArgs, batch: Batch) -> None:
+def check_batch(args: ModelArgs, batch: Batch) -> None:
     if not isinstance(batch, Batch):
         raise ValueError(f"batch must be an epkit.model.Batch, got {type(batch).__name__}")
     t_num = batch.num_tokens

@@ -1,0 +1,373 @@
+"""One rank of the reference model: :class:`DPEPModel`, DP attention + Wide-EP on epkit's ops.
+
+Attention and the dense layers run on this rank's own sequences (:mod:`epkit.model.layers`); each
+MoE layer is a collective over the EP group (EPBuffer's normal or low-latency dispatch/combine,
+fused_moe, or the textbook exchange of :mod:`epkit.collectives.ep_reference`); the Engram rows come
+from ENP-sharded tables (:class:`epkit.ShardedEngramTable`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epkit import eplb
+from epkit.collectives.engram_table import ShardedEngramTable
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.ep_reference import reference_combine, reference_dispatch
+from epkit.collectives.fused_moe import fused_moe
+from epkit.engram import hash_tokens
+from epkit.experts import ExpertPlacement, logical_to_physical
+from epkit.model.args import ModelArgs, engram_config, engram_layer, init_weights, quantize_experts
+from epkit.model.layers import Batch, attention, check_batch, logits, rms_norm, route, swiglu_mlp
+from epkit.moe import expert_mlp
+from epkit.quant import per_token_group_cast_to_fp8
+
+__all__ = ["DPEPModel"]
+
+
+@dataclass
+class _SeqCache:
+    """What a running sequence keeps between steps: each layer's keys and values, and for the Engram
+    layers the last ``N - 1`` token ids (the next n-grams) and the last rows of their inputs (the
+    causal convolution's window)."""
+
+    kv: list
+    tokens: list
+    engram: dict
+
+    @classmethod
+    def new(cls, num_layers: int) -> _SeqCache:
+        return cls([None] * num_layers, [], {})
+
+    def copy(self) -> _SeqCache:
+        return _SeqCache(list(self.kv), list(self.tokens), dict(self.engram))
+
+
+def _check_options(
+    groups, prefill_moe: str, decode_moe: str, max_tokens_per_rank, max_decode_tokens_per_rank, expert_alignment
+) -> None:
+    """:class:`DPEPModel`'s argument checks, before anything is built."""
+    if prefill_moe not in ("auto", "normal", "fused", "reference"):
+        raise ValueError(f"prefill_moe must be 'auto', 'normal', 'fused' or 'reference', got {prefill_moe!r}")
+    if decode_moe not in ("low_latency", "normal", "reference"):
+        raise ValueError(f"decode_moe must be 'low_latency', 'normal' or 'reference', got {decode_moe!r}")
+    for name, v in (
+        ("max_tokens_per_rank", max_tokens_per_rank),
+        ("max_decode_tokens_per_rank", max_decode_tokens_per_rank),
+        ("expert_alignment", expert_alignment),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if groups.sizes["cp"] != 1:
+        raise ValueError("the reference model runs without context parallelism (cp_size 1)")
+
+
+class DPEPModel:
+    """The model on one rank of a DP attention + Wide-EP deployment.
+
+    Parameters
+    ----------
+    args : ModelArgs
+    groups : epkit.topology.ParallelGroups
+        This rank's groups (``ParallelGroups.create(dp_size=world)``: CP 1, EP over every rank).
+        Rows live on the EP buffer's device: CPU for ``shm`` / ``torch``, the current GPU for
+        ``nvshmem`` (which also runs over gloo groups, e.g. ``device="cpu"`` groups on GPU ranks).
+    weights : dict, optional
+        :func:`init_weights` output (default: built from ``args.seed``). Each rank keeps the dense
+        weights and its own experts on the rows' device, and every expert's quantized weights in host
+        memory to reload after a rebalance.
+    transport : str
+        EPBuffer transport (``"auto"``: shm for CPU ranks on one host, nvshmem on GPUs).
+    prefill_moe : {"auto", "normal", "fused", "reference"}
+        ``auto``: ``fused`` where every EP peer is directly addressable, else ``normal``.
+        ``reference``: the textbook exchange (:mod:`epkit.collectives.ep_reference`, two
+        ``all_to_all_single`` per direction; bf16 rows on the wire, quantized at the experts), the
+        same result as ``normal`` bit for bit: the peer the benchmark measures EPBuffer against.
+    decode_moe : {"low_latency", "normal", "reference"}
+    max_tokens_per_rank : int
+        Prefill capacity: tokens one rank may bring to one forward.
+    max_decode_tokens_per_rank : int
+        Low-latency capacity: sequences one rank may decode in one step.
+    min_num_extra_experts : int
+        Redundant expert slots (padded so every rank holds as many; see
+        :func:`epkit.experts.resolve_num_extra_experts`).
+    expert_alignment : int
+        Rows per expert group in the contiguous layout are padded to this.
+    timeout : float
+        Seconds any wait on a peer may take.
+
+    Every rank must construct it with the same arguments and call :meth:`forward` with the same
+    ``is_prompt`` in the same steps (what :func:`generate` arranges): each MoE layer is a collective.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        groups,
+        *,
+        weights: dict | None = None,
+        transport: str = "auto",
+        prefill_moe: str = "auto",
+        decode_moe: str = "low_latency",
+        max_tokens_per_rank: int = 256,
+        max_decode_tokens_per_rank: int = 32,
+        min_num_extra_experts: int = 0,
+        expert_alignment: int = 128,
+        timeout: float = 30.0,
+    ):
+        _check_options(
+            groups, prefill_moe, decode_moe, max_tokens_per_rank, max_decode_tokens_per_rank, expert_alignment
+        )
+        self.args, self.groups = args, groups
+        weights = init_weights(args) if weights is None else weights
+        self.ep_size, self.ep_rank = groups.sizes["ep"], groups.ep_rank
+        self.expert_alignment = expert_alignment
+        self.max_decode_tokens_per_rank = max_decode_tokens_per_rank
+        placement = ExpertPlacement.default(args.n_routed_experts, self.ep_size, min_num_extra_experts)
+        self.placements = [placement] * args.n_moe_layers
+        self.buffer = EPBuffer(
+            groups.ep_group,
+            args.dim,
+            placement.num_physical,
+            max_tokens_per_rank,
+            args.n_activated_experts,
+            transport=transport,
+            num_max_dispatch_tokens_per_rank=max_decode_tokens_per_rank,
+            timeout=timeout,
+        )
+        #: Where activations and weights live: the EP buffer's rows' device (the GPU for nvshmem,
+        #: whatever the groups' backend; control messages always go over the gloo groups).
+        self.device = self.buffer.device
+        if "reference" in (prefill_moe, decode_moe) and self.device.type != "cpu":
+            raise ValueError("the textbook exchange (prefill_moe / decode_moe 'reference') runs on CPU rows only")
+        if prefill_moe == "auto":
+            prefill_moe = "fused" if self.buffer.is_within_domain() else "normal"
+        self.prefill_moe, self.decode_moe = prefill_moe, decode_moe
+        experts = {}
+        self.weights = {}
+        for name, t in weights.items():
+            if ".experts_" in name:
+                experts[name] = t  # every logical expert: kept on the CPU to reload after a rebalance
+            elif ".engram" not in name:
+                self.weights[name] = t.to(self.device)
+        self._init_engram(weights, timeout)
+        self._all_experts = {n: quantize_experts(t, args.expert_format) for n, t in experts.items()}
+        self._load_local_experts()
+        #: Tokens this rank routed to each physical expert, per MoE layer, since the last rebalance
+        #: (counted on the rows' device, no host sync; :meth:`expert_load` sums them over the EP group).
+        self.routed_load = torch.zeros(args.n_moe_layers, placement.num_physical, dtype=torch.int64, device=self.device)
+        #: Running sequences' state (``seq_id -> _SeqCache``); :meth:`release` drops one.
+        self.cache: dict = {}
+        #: Set True to keep each forward's gate choices in :attr:`last_routing` (logical ids, one
+        #: ``[T, K]`` tensor per MoE layer), e.g. to replay them in :func:`forward_reference`.
+        self.record_routing = False
+        self.last_routing: list = []
+
+    def _init_engram(self, weights: dict, timeout: float) -> None:
+        """Build the Engram layers and load this rank's part of each layer's table (collective over ENP)."""
+        args = self.args
+        #: Engram layers (by layer index) and their ENP-sharded tables (bf16 rows in CPU memory, as the
+        #: source engine keeps its 400M-row tables; rows are fetched before the first layer).
+        self.engram, self.engram_tables = {}, {}
+        for i in args.engram_layer_ids:
+            self.engram[i] = engram_layer(args, weights, i, torch.float32, self.device)
+            full = weights[f"layers.{i}.engram_table"]
+            table = ShardedEngramTable(full.shape[0], full.shape[1], group=self.groups, timeout=timeout)
+            lo = min(table.row_start, full.shape[0])  # a part may hold padding rows only
+            hi = min(table.row_start + table.num_per_part, full.shape[0])
+            if lo < hi:
+                table.load_rows(lo, full[lo:hi])
+            self.engram_tables[i] = table
+        self.engram_config = engram_config(args) if args.engram_layer_ids else None
+
+    # experts
+
+    def _load_local_experts(self) -> None:
+        self.local_experts = []
+        for m, placement in enumerate(self.placements):
+            p = f"layers.{m + self.args.n_dense_layers}.experts_"
+            ids = placement.local_experts(self.ep_rank).long()
+            pair = []
+            for kind in ("w13", "w2"):
+                full = self._all_experts[p + kind]
+                pair.append(
+                    tuple(t[ids].to(self.device) for t in full)
+                    if isinstance(full, tuple)
+                    else full[ids].to(self.device)
+                )
+            self.local_experts.append(tuple(pair))
+        self._placements_dev = [pl.to(self.device) for pl in self.placements]
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens routed to each logical expert since the last rebalance, ``[n_moe_layers, E]`` int64.
+
+        Collective over the EP group: every rank's routed counts, summed (what each physical expert
+        received), folded through each layer's ``phy2log``; equal on every rank.
+        """
+        physical = self.routed_load.to("cpu", copy=True)  # all_reduce works in place
+        dist.all_reduce(physical, group=self.groups.cpu_groups["ep"])
+        out = torch.zeros(self.args.n_moe_layers, self.args.n_routed_experts, dtype=torch.int64)
+        for m, placement in enumerate(self.placements):
+            out[m].index_add_(0, placement.phy2log.long(), physical[m])
+        return out
+
+    def rebalance(self) -> list[ExpertPlacement]:
+        """EPLB: place the experts (and their replicas) by the load measured since the last rebalance.
+
+        Collective over the EP group. Each layer's new placement comes from
+        :func:`epkit.eplb.rebalance_experts` (one node, the gate's expert groups); every rank then
+        holds the experts of its new slots. Returns the new placements.
+        """
+        load = self.expert_load()
+        num_physical = self.placements[0].num_physical
+        groups = self.args.n_expert_groups
+        phy2log, _, _ = eplb.rebalance_experts(load, num_physical, groups, 1, self.ep_size)
+        self.placements = [
+            ExpertPlacement.from_phy2log(phy2log[m].to(torch.int32), self.args.n_routed_experts, self.ep_size)
+            for m in range(self.args.n_moe_layers)
+        ]
+        self._load_local_experts()
+        self.routed_load.zero_()
+        return self.placements
+
+    # forward
+
+    def _moe(self, m: int, x: torch.Tensor, is_prompt: bool, count_load: bool) -> torch.Tensor:
+        args, p = self.args, f"layers.{m + self.args.n_dense_layers}."
+        w = self.weights
+        idx, weights = route(args, x, w[p + "gate"], w[p + "gate_bias"])
+        if self.record_routing:
+            self.last_routing.append(idx)
+        # the gate's ids are valid by construction: no check_index (it reads them on the host)
+        placement = self._placements_dev[m]
+        phys = logical_to_physical(idx, placement, self.ep_rank, token_offset=self.ep_rank, check_index=False)
+        if count_load:  # a placeholder's traffic is not load: EPLB would replicate experts for it
+            flat = phys.reshape(-1).long()
+            self.routed_load[m].index_add_(0, flat.clamp(min=0), (flat >= 0).long())
+        shared = swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]) if args.n_shared_experts else None
+        xb = x.to(torch.bfloat16)
+        w13, w2 = self.local_experts[m]
+        fp8 = args.expert_format == "fp8"
+        mode = self.prefill_moe if is_prompt else self.decode_moe
+        if mode == "low_latency":
+            n_max = self.max_decode_tokens_per_rank
+            recv, count, handle, _ = self.buffer.low_latency_dispatch(xb, phys, n_max, use_fp8=fp8)
+            y = expert_mlp(recv, "masked", w13, w2, masked_m=count, expected_m=max(1, n_max))
+            out = self.buffer.low_latency_combine(y, phys, weights, handle).float()
+            # the layer's output is bf16 on every path (combine adds the shared expert before rounding)
+            return out if shared is None else (out + shared.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+        bias = None if shared is None else shared.to(torch.bfloat16)
+        if mode == "fused":
+            out = fused_moe(xb, phys, weights, w13, w2, self.buffer, bias=bias, expert_alignment=self.expert_alignment)
+        elif mode == "reference":
+            group, num_physical = self.buffer.group, self.buffer.num_experts
+            st = reference_dispatch(
+                xb, phys, weights, num_physical, group, expand=True, expert_alignment=self.expert_alignment
+            )
+            y = expert_mlp(st["expanded_x"], "contiguous", w13, w2, m_indices=st["m_indices"])
+            out = reference_combine(y, st, xb.shape[0], group, bias=bias, expand=True)
+        else:
+            inp = per_token_group_cast_to_fp8(xb) if fp8 else xb
+            recv, _, _, _, handle = self.buffer.dispatch(
+                inp, phys, weights, expert_alignment=self.expert_alignment, expand=True
+            )
+            y = expert_mlp(recv, "contiguous", w13, w2, m_indices=EPBuffer.m_indices(handle))
+            out = self.buffer.combine(y, handle, bias=bias)
+        return out.float()
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """One step on this rank (collective over the EP group).
+
+        Returns
+        -------
+        Tensor [S, vocab_size] float32: the logits of every sequence's last token.
+        """
+        check_batch(self.args, batch)
+        args, w = self.args, self.weights
+        cus = batch.cu_seqlens.tolist()
+        for s, sid in enumerate(batch.seq_ids):
+            if sid is None:
+                continue
+            if batch.is_prompt:
+                self.cache[sid] = _SeqCache.new(args.n_layers)  # a prompt starts its sequence afresh
+                continue
+            st = self.cache.get(sid)
+            cached = st.kv[0][0].shape[0] if st is not None and st.kv[0] is not None else None
+            if cached is None or int(batch.positions[cus[s]]) != cached:
+                raise ValueError(
+                    f"batch: decode of sequence {sid!r} at position {int(batch.positions[cus[s]])}, but this rank "
+                    f"holds {'no prefill of it' if cached is None else f'{cached} cached tokens'}"
+                )
+        self.last_routing = []
+        hooks = self._engram_fetch(batch)  # before the first layer: hashes need only the token ids
+        x = w["embed"][batch.token_ids.to(self.device)]
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            if i in hooks:
+                x = x + self._engram_apply(i, x, hooks[i](), batch)
+            x = x + attention(args, w, p, rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, self.cache, i)
+            h = rms_norm(x, w[p + "ffn_norm"], args.norm_eps)
+            if i < args.n_dense_layers:
+                x = x + swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
+            else:
+                x = x + self._moe(i - args.n_dense_layers, h, batch.is_prompt, not batch.is_placeholder)
+        return logits(args, w, x, batch)
+
+    # Engram
+
+    def _engram_fetch(self, batch: Batch) -> dict:
+        """Hash every token's n-grams and start fetching its rows of each Engram layer's table.
+
+        Collective over the ENP group (every rank fetches once per Engram layer, in layer order).
+        Decode rows continue their sequence: their n-grams include the cached previous tokens.
+        """
+        if not self.engram:
+            return {}
+        cfg = self.engram_config
+        ids, cus = batch.token_ids.tolist(), batch.cu_seqlens.tolist()
+        toks, cu, keep = [], [0], []
+        for s, sid in enumerate(batch.seq_ids):
+            st = self.cache.get(sid) if sid is not None else None
+            ctx = st.tokens if st is not None else []
+            seq = ids[cus[s] : cus[s + 1]]
+            keep.extend(range(len(toks) + len(ctx), len(toks) + len(ctx) + len(seq)))
+            toks += ctx + seq
+            cu.append(len(toks))
+            if st is not None:
+                st.tokens = (ctx + seq)[-(cfg.max_ngram_size - 1) :]
+        rows = hash_tokens(torch.tensor(toks, dtype=torch.int32), torch.tensor(cu), cfg)[:, keep]
+        return {i: self.engram_tables[i].fetch(rows[li]) for li, i in enumerate(cfg.layer_ids)}
+
+    def _engram_apply(self, i: int, x: torch.Tensor, emb: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Layer ``i``'s Engram output for this step's rows; decode rows see their sequence's window."""
+        layer = self.engram[i]
+        span = (layer.kernel_size - 1) * layer.dilation  # earlier rows the causal convolution reads
+        emb = emb.to(self.device, torch.float32)
+        cus = batch.cu_seqlens.tolist()
+        hs, es, cu, keep = [], [], [0], []
+        for s, sid in enumerate(batch.seq_ids):
+            lo, hi = cus[s], cus[s + 1]
+            st = self.cache.get(sid) if sid is not None else None
+            hist_h, hist_e = st.engram.get(i, (x[:0], emb[:0])) if st is not None else (x[:0], emb[:0])
+            h_all, e_all = torch.cat((hist_h, x[lo:hi])), torch.cat((hist_e, emb[lo:hi]))
+            keep.extend(range(cu[-1] + hist_h.shape[0], cu[-1] + h_all.shape[0]))
+            hs.append(h_all)
+            es.append(e_all)
+            cu.append(cu[-1] + h_all.shape[0])
+            if st is not None:
+                keep_from = max(0, h_all.shape[0] - span)
+                st.engram[i] = (h_all[keep_from:], e_all[keep_from:])
+        out = layer(torch.cat(hs), embeddings=torch.cat(es), cu_seqlens=torch.tensor(cu))
+        return out[torch.tensor(keep, dtype=torch.int64, device=out.device)]
+
+    def release(self, seq_id) -> None:
+        """Drop a finished sequence's state (KV cache, Engram window)."""
+        self.cache.pop(seq_id, None)
+
+    def close(self) -> None:
+        """Free the EP buffer (collective on nvshmem)."""
+        self.buffer.close()
