@@ -148,9 +148,17 @@ def _load_script():
     return mod
 
 
-def test_child_results_survive_a_child_that_dies(tmp_path, capfd):
+def _load_section(name: str):
+    """A module of bench/gpu_sections/ (loading gpu_check.py puts bench/ on sys.path, as running it does)."""
+    import importlib
+
+    _load_script()
+    return importlib.import_module(f"gpu_sections.{name}")
+
+
+def test_child_results_survive_a_child_that_dies(tmp_path, capfd, monkeypatch):
     """NVSHMEM ends its process on failure: what a child saved before that reaches the report."""
-    mod = _load_script()
+    mod = _load_section("nvshmem")
     child = tmp_path / "child.py"
     child.write_text(
         "import json, os, sys\n"
@@ -163,15 +171,15 @@ def test_child_results_survive_a_child_that_dies(tmp_path, capfd):
         "print('log line'); print(json.dumps({'signal': 8}), flush=True)\n"
         "os._exit(0 if mode == 'line' else 5)\n"
     )
-    mod.__file__ = str(child)
-    died = mod._run_child(["file"], 60, json_file=True)
+    monkeypatch.setattr(mod, "SCRIPT", str(child))
+    died = mod.run_child(["file"], 60, json_file=True)
     assert died["exit"] == 7 and "nvshmem: fatal" in died["detail"], died
     assert died["result"] == {"checks": [{"name": "first", "ok": True}]}
     assert "progress line" in capfd.readouterr().out  # a JSON-file child's progress shows as it runs
-    ok = mod._run_child(["line"], 60)
+    ok = mod.run_child(["line"], 60)
     assert ok == {"exit": 0, "detail": "", "result": {"signal": 8}}, ok
     assert "(child) log line" in capfd.readouterr().out
-    crashed_after = mod._run_child(["other"], 60)  # the JSON line is kept even if the exit crashes
+    crashed_after = mod.run_child(["other"], 60)  # the JSON line is kept even if the exit crashes
     assert crashed_after["exit"] == 5 and crashed_after["result"] == {"signal": 8}, crashed_after
 
 
@@ -181,17 +189,17 @@ def open_text(path: str) -> str:
 
 
 def test_child_context_saves_its_results_at_every_step(tmp_path):
-    mod = _load_script()
+    mod = _load_section("nvshmem_child")
     path = str(tmp_path / "partial.json")
     res: dict = {}
-    ctx = mod._ChildCtx(path, res, quick=True)
+    ctx = mod.ChildCtx(path, res, quick=True)
     ctx.begin("nvshmem", 60.0)
     res["nbytes"] = 64
     ctx.check("put_signal")
     assert json.loads(open_text(path)) == {"nbytes": 64}
     res["checks"] = [{"name": "a", "ok": False}]
     ctx.begin("nvshmem", -1.0)  # budget spent: the step still saves, then stops the section
-    with pytest.raises(mod.BudgetExceeded):
+    with pytest.raises(_load_section("common").BudgetExceeded):
         ctx.check("bandwidth")
     assert json.loads(open_text(path))["checks"] == [{"name": "a", "ok": False}]
 
