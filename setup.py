@@ -1,12 +1,12 @@
 """Build script for epkit.
 
-Layout (see DESIGN.md): python/epkit -> epkit, kernels -> epkit.kernels,
+Layout (see ARCHITECTURE.md): python/epkit -> epkit, kernels -> epkit.kernels,
 collectives -> epkit.collectives, csrc -> the pybind11 extension epkit._C.
 
 CUDA sources in csrc/cuda/*.cu build into epkit._C_cuda with nvcc for sm_90
 when EPKIT_CUDA=1, or automatically when nvcc and an nvidia-nvshmem wheel are
 found (EPKIT_CUDA=0 turns that off). A missing CUDA toolchain never breaks the
-CPU build.
+CPU build. ``py.typed`` ships with the package (PEP 561: epkit's annotations are for type checkers).
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def _extensions():
 setup(
     package_dir=PACKAGE_DIR,
     packages=_packages(),
+    package_data={"epkit": ["py.typed"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

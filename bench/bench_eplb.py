@@ -5,8 +5,9 @@ Run: ``python bench/bench_eplb.py``. Prints
 * busiest-GPU / mean load for sequential placement vs ``rebalance_experts`` on Zipf-like
   loads at real model sizes (the quality peer is sequential placement);
 * ``rebalance_experts`` wall time at those sizes (a control-plane cost, paid once per rebalance);
-* ``logical_to_physical`` vectorised CPU path vs the Python reference (speed-up ratio), and the
-  Triton kernel on a GPU when one is present.
+* ``logical_to_physical`` vectorised CPU path vs the Python reference (speed-up ratio), and, on a
+  GPU when one is present, ``bench/kernel_check.py experts --backend triton`` (check, then the
+  kernel's latency next to the vectorised torch path).
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def bench_logical_to_physical() -> None:
         f"reference {t_ref * 1e6:10.1f} us, speed-up {t_ref / t_cpu:6.1f}x"
     )
     if torch.cuda.is_available():
-        from epkit.experts import _bench_main
+        from kernel_check import run  # bench/ is on sys.path when this file runs as a script
 
-        _bench_main("triton")
+        run("experts", "triton", "cuda")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-import epkit._details.grouped_gemm_cpu as gemm_cpu
+from epkit._details.grouped_gemm_cpu import amx_disabled, amx_kernel, compute_dtype, dequant_extension
 from epkit.grouped_gemm import build_m_indices, m_grouped_fp8_fp4_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
 from epkit.quant import (
     cast_to_mxfp4,
@@ -78,8 +78,8 @@ def interleaved(fns: dict, rounds: int) -> dict:
     return {name: statistics.median(v) for name, v in samples.items()}, samples
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--n", type=int, default=1024)
@@ -87,8 +87,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grouped_gemm.json"))
-    args = ap.parse_args()
-    g, rows, n, k = args.groups, args.rows, args.n, args.k
+    return ap.parse_args(argv)
+
+
+def make_candidates(g: int, rows: int, n: int, k: int) -> tuple[dict, dict]:
+    """The candidates (name -> callable of no arguments) and the tensors they read and write.
+
+    The second dict holds the unquantized ``x [M, K]`` and ``w [G, N, K]``, ``m_indices`` and the
+    outputs ``d`` (fp8), ``d4`` (fp8_fp4), ``d_loop`` (textbook loop), ``d_unfused`` (no AMX), for the
+    accuracy figures.
+    """
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(g * rows, k, generator=gen)
     w = torch.randn(g, n, k, generator=gen) / k**0.5
@@ -97,88 +105,94 @@ def main() -> None:
     b4, sfb4 = cast_to_mxfp4(w)
     m_indices = build_m_indices([rows] * g)
     m = m_indices.numel()
-    d = torch.empty(m, n, dtype=torch.bfloat16)
-    d4 = torch.empty(m, n, dtype=torch.bfloat16)
-    d_loop = torch.empty_like(d)
-    flops = 2.0 * m * n * k
-
-    d_unfused = torch.empty_like(d)
+    t = dict(x=x, w=w, m_indices=m_indices)
+    for name in ("d", "d4", "d_loop", "d_unfused"):
+        t[name] = torch.empty(m, n, dtype=torch.bfloat16)
 
     def unfused(fn):
         """The cpu backend without its AMX kernel (dequantize everything, then torch matmuls)."""
-        gemm_cpu._AMX_ENABLED[0] = False
-        try:
+        with amx_disabled():
             return fn()
-        finally:
-            gemm_cpu._AMX_ENABLED[0] = True
 
     dense_a32 = dequant_per_token_group_fp8(a, sfa)
     dense_b32 = dequant_per_block_fp8(b[0], sfb[0]).T.contiguous()
     dense_a16, dense_b16 = dense_a32.bfloat16(), dense_b32.bfloat16()
-
     candidates = {
-        "grouped_cpu": lambda: m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, m_indices, backend="cpu"),
+        "grouped_cpu": lambda: m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), t["d"], m_indices, backend="cpu"),
         "grouped_cpu_fp8_fp4": lambda: m_grouped_fp8_fp4_gemm_nt_contiguous(
-            (a, sfa), (b4, sfb4), d4, m_indices, backend="cpu"
+            (a, sfa), (b4, sfb4), t["d4"], m_indices, backend="cpu"
         ),
         "grouped_cpu_unfused": lambda: unfused(
-            lambda: m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d_unfused, m_indices, backend="cpu")
+            lambda: m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), t["d_unfused"], m_indices, backend="cpu")
         ),
         "dense_matmul_bf16": lambda: torch.matmul(dense_a16, dense_b16),
         "dense_matmul_fp32": lambda: torch.matmul(dense_a32, dense_b32),
-        "textbook_loop": lambda: textbook_loop(a, sfa, b, sfb, m_indices, d_loop),
+        "textbook_loop": lambda: textbook_loop(a, sfa, b, sfb, m_indices, t["d_loop"]),
+    }
+    return candidates, t
+
+
+def ratios(t: dict) -> dict:
+    """Speed ratios of one repeat's median seconds (> 1: the grouped GEMM is faster)."""
+    return {
+        "grouped_vs_dense_bf16": t["dense_matmul_bf16"] / t["grouped_cpu"],
+        "grouped_vs_dense_fp32": t["dense_matmul_fp32"] / t["grouped_cpu"],
+        "grouped_speedup_vs_textbook_loop": t["textbook_loop"] / t["grouped_cpu"],
+        "grouped_fp8_fp4_vs_dense_bf16": t["dense_matmul_bf16"] / t["grouped_cpu_fp8_fp4"],
+        "grouped_unfused_vs_dense_bf16": t["dense_matmul_bf16"] / t["grouped_cpu_unfused"],
     }
 
-    def ratios(t: dict) -> dict:
-        return {
-            "grouped_vs_dense_bf16": t["dense_matmul_bf16"] / t["grouped_cpu"],
-            "grouped_vs_dense_fp32": t["dense_matmul_fp32"] / t["grouped_cpu"],
-            "grouped_speedup_vs_textbook_loop": t["textbook_loop"] / t["grouped_cpu"],
-            "grouped_fp8_fp4_vs_dense_bf16": t["dense_matmul_bf16"] / t["grouped_cpu_fp8_fp4"],
-            "grouped_unfused_vs_dense_bf16": t["dense_matmul_bf16"] / t["grouped_cpu_unfused"],
-        }
 
+def summarize(args, repeats: list[dict], tensors: dict, loadavg: tuple) -> dict:
+    """The JSON result: shape, machine, cpu backend, every repeat, the ratios over repeats and the accuracy."""
+    x, w, m_indices, d = tensors["x"], tensors["w"], tensors["m_indices"], tensors["d"]
+    m = m_indices.numel()
+    flops = 2.0 * m * args.n * args.k
+    ref = torch.einsum("mk,mnk->mn", x, w[m_indices.long()])
+    names = repeats[0]["ratios"]
+    return {
+        "shape": dict(groups=args.groups, rows_per_group=args.rows, n=args.n, k=args.k, m=m),
+        "machine": dict(
+            cpu=platform.processor() or platform.machine(),
+            torch_threads=torch.get_num_threads(),
+            cpus=os.cpu_count(),
+            loadavg_1_5_15_before=[round(v, 2) for v in loadavg[0]],
+            loadavg_1_5_15_after=[round(v, 2) for v in loadavg[1]],
+        ),
+        "cpu_backend": dict(
+            fused_amx_kernel=amx_kernel() is not None,
+            fused_cpp_dequant=dequant_extension() is not None,
+            compute_dtype=str(compute_dtype(d)),
+        ),
+        "rounds": args.rounds,
+        "repeats_count": args.repeats,
+        "repeats": repeats,
+        "ratios_median_over_repeats": {name: statistics.median(r["ratios"][name] for r in repeats) for name in names},
+        "ratios_min_over_repeats": {name: min(r["ratios"][name] for r in repeats) for name in names},
+        "gflops_last_repeat": {name: flops / s / 1e9 for name, s in repeats[-1]["seconds_median"].items()},
+        "targets": {"vs_dense (bf16 peer)": 0.60, "vs_textbook_loop": 5.0},
+        "accuracy_calc_diff_vs_unquantized_fp32": calc_diff(d.float(), ref),
+        "accuracy_fp8_fp4_calc_diff_vs_unquantized_fp32": calc_diff(tensors["d4"].float(), ref),
+        "textbook_matches_grouped_calc_diff": calc_diff(d.float(), tensors["d_loop"].float()),
+        "unfused_matches_fused_calc_diff": calc_diff(d.float(), tensors["d_unfused"].float()),
+        "note": "grouped ops dequantize weights and activations every call; dense peers run on pre-dequantized "
+        "operands; per repeat, medians of interleaved rounds in random order; targets judged on the median "
+        "over repeats, the minimum shows the spread",
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    candidates, tensors = make_candidates(args.groups, args.rows, args.n, args.k)
     load_before = os.getloadavg()
     # Several independent repeats of the whole interleaved measurement: on a shared machine one
     # repeat can land in a slow phase for some candidates; the spread says how much that matters.
     repeats = []
     for rep in range(args.repeats):
-        t, samples = interleaved(candidates, args.rounds)
+        t, _ = interleaved(candidates, args.rounds)
         repeats.append({"seconds_median": t, "ratios": ratios(t), "loadavg_1": round(os.getloadavg()[0], 2)})
         print(f"repeat {rep}: " + ", ".join(f"{k} {v:.3f}" for k, v in repeats[-1]["ratios"].items()), flush=True)
-    load_after = os.getloadavg()
-    ref = torch.einsum("mk,mnk->mn", x, w[m_indices.long()])
-    result = {
-        "shape": dict(groups=g, rows_per_group=rows, n=n, k=k, m=m),
-        "machine": dict(
-            cpu=platform.processor() or platform.machine(),
-            torch_threads=torch.get_num_threads(),
-            cpus=os.cpu_count(),
-            loadavg_1_5_15_before=[round(v, 2) for v in load_before],
-            loadavg_1_5_15_after=[round(v, 2) for v in load_after],
-        ),
-        "cpu_backend": dict(
-            fused_amx_kernel=gemm_cpu._amx() is not None,
-            fused_cpp_dequant=gemm_cpu._ext() is not None,
-            compute_dtype=str(gemm_cpu._compute_dtype(d)),
-        ),
-        "rounds": args.rounds,
-        "repeats_count": args.repeats,
-        "repeats": repeats,
-        "ratios_median_over_repeats": {
-            name: statistics.median(r["ratios"][name] for r in repeats) for name in repeats[0]["ratios"]
-        },
-        "ratios_min_over_repeats": {name: min(r["ratios"][name] for r in repeats) for name in repeats[0]["ratios"]},
-        "gflops_last_repeat": {name: flops / s / 1e9 for name, s in t.items()},
-        "targets": {"vs_dense (bf16 peer)": 0.60, "vs_textbook_loop": 5.0},
-        "accuracy_calc_diff_vs_unquantized_fp32": calc_diff(d.float(), ref),
-        "accuracy_fp8_fp4_calc_diff_vs_unquantized_fp32": calc_diff(d4.float(), ref),
-        "textbook_matches_grouped_calc_diff": calc_diff(d.float(), d_loop.float()),
-        "unfused_matches_fused_calc_diff": calc_diff(d.float(), d_unfused.float()),
-        "note": "grouped ops dequantize weights and activations every call; dense peers run on pre-dequantized "
-        "operands; per repeat, medians of interleaved rounds in random order; targets judged on the median "
-        "over repeats, the minimum shows the spread",
-    }
+    result = summarize(args, repeats, tensors, (load_before, os.getloadavg()))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

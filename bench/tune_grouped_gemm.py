@@ -8,8 +8,10 @@ Shapes default to DeepGEMM's published ones (contiguous 4 x 8192 rows with
 (N, K) = (4096, 7168) and (7168, 2048); masked 1 x 1024, 2 x 512, 4 x 256).
 
 Use the result:
-    from epkit.kernels.triton.grouped_gemm import load_tuned_configs
+    from epkit.kernels.triton.grouped_gemm_configs import load_tuned_configs
     load_tuned_configs("bench/results/grouped_gemm_tuned.json")
+
+(``epkit.kernels.triton.grouped_gemm`` re-exports it).
 
 Run on a GPU: ``python bench/tune_grouped_gemm.py [--kinds fp8 bf16] [--budget-s 300]``.
 ``--device cpu --quick`` runs the same loop on tiny shapes through the Triton
@@ -28,6 +30,7 @@ import torch
 
 from epkit.grouped_gemm import build_m_indices, grouped_gemm_reference, make_inputs
 from epkit.kernels.triton import grouped_gemm as tg
+from epkit.kernels.triton.grouped_gemm_configs import m_bucket
 from epkit.testing import calc_diff
 
 THRESH = {"fp8": 1e-3, "fp8_fp4": 1e-2, "bf16": 1e-5}
@@ -173,7 +176,7 @@ def main() -> None:
             good = [r for r in res if r["ok"]]
             if good:
                 best = max(good, key=lambda r: r["tflops"])
-                bucket = tg.m_bucket(rows)
+                bucket = m_bucket(rows)
                 entry = dict(kind=kind, n=n, k=k, bucket=bucket, config=best["config"], tflops=best["tflops"])
                 # One entry per key: the contiguous and masked shapes of a key may both land in it; keep the faster.
                 same = [e for e in table["best"] if (e["kind"], e["n"], e["k"], e["bucket"]) == (kind, n, k, bucket)]

@@ -277,7 +277,7 @@ def test_bad_input(monkeypatch, backend, bad, match):
     for mod in ("epkit.kernels.triton.cp_mirror", "epkit.kernels.tilelang.cp_mirror"):
         with contextlib.suppress(ImportError):  # framework not installed: nothing to guard
             monkeypatch.setattr(f"{mod}.prepare_cp_mirror_launch", no_kernel)
-    monkeypatch.setattr("epkit.cp_mirror._cpu_kernel", no_kernel)
+    monkeypatch.setattr("epkit.cp_mirror.mirror_indices_cpu", no_kernel)
     args = dict(cu_seqlens_q=[0, 5, 7, 9], cu_seqlens_k=[0, 8, 12, 20], cp_size=2, cp_rank=1, compress_ratios=(1, 4))
     args.update(bad)
     for name in ("cu_seqlens_q", "cu_seqlens_k"):

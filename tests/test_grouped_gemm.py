@@ -369,7 +369,7 @@ def test_pack_moe_weight_round_trip():
 
 def _fused_dequant():
     """The C++ dequantizer is part of every build of epkit._C: its absence is a build failure, not a skip."""
-    ext = gemm_cpu._ext()
+    ext = gemm_cpu.dequant_extension()
     assert ext is not None, "epkit._C lacks dequant_blocks: rebuild the extension (pip install -e .)"
     return ext
 
@@ -448,7 +448,7 @@ def test_cpu_backend_same_bits_without_fused_dequant(kind, monkeypatch):
         a, b, _, _ = make_inputs(kind, len(counts), m, 256, 512, masked=False, seed=len(counts))
         fused = CONTIG[kind](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
         with monkeypatch.context() as mp:
-            mp.setattr(gemm_cpu, "_ext", lambda: None)
+            mp.setattr(gemm_cpu, "dequant_extension", lambda: None)
             plain = CONTIG[kind](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
         assert_bitwise_equal(fused, plain, ctx=f"{kind=} {counts=}: fused C++ vs torch dequantization")
 
@@ -482,7 +482,7 @@ def test_batched_and_per_group_paths_agree(kind, amx, monkeypatch):
 # The fused AMX kernel (cpu backend, bf16 output, CPUs with AMX-BF16)
 
 requires_amx = pytest.mark.skipif(
-    gemm_cpu._amx() is None,
+    gemm_cpu.amx_kernel() is None,
     reason="this CPU has no AMX-BF16 (or epkit._C lacks the kernel): the cpu backend uses "
     "the unfused path, which the other tests cover",
 )
@@ -492,7 +492,7 @@ def test_amx_used_wherever_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     want = {"amx_tile", "amx_bf16", "avx512_fp16", "avx512_bf16", "avx512bw", "avx512dq"} <= set(flags)
-    have = gemm_cpu._amx() is not None
+    have = gemm_cpu.amx_kernel() is not None
     assert have == want, f"AMX kernel available: {have}, cpu flags: {want}"
 
 

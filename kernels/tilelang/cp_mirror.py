@@ -5,8 +5,9 @@ query length, cached prefix, first mirror slot, first compressed key per
 ratio); every per-token index (mirror slot -> token, token -> gathered
 position, key ranges per ratio) is computed here. Sizes (sequences, slots,
 tokens, ratios) and ``cp_size`` / ``cp_rank`` are runtime values, so one
-compiled kernel serves every batch. One factory serves both dialects. Run
-``python -m epkit.kernels.tilelang.cp_mirror`` to check it against the reference.
+compiled kernel serves every batch. One factory serves both dialects.
+``python bench/kernel_check.py cp_mirror --backend tilelang`` checks it against the
+reference and times it.
 """
 
 import functools
@@ -124,9 +125,3 @@ def prepare_cp_mirror_launch(
 
     # Sequences are independent and outputs are addressed absolutely: split sequences across threads.
     run_rows_parallel(kernel, num_seqs, call, min_rows_per_thread=8)
-
-
-if __name__ == "__main__":
-    from epkit.cp_mirror import _bench_main
-
-    _bench_main("tilelang")

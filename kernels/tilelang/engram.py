@@ -5,7 +5,7 @@ order ``k = h // K + 1``. The modulo is numpy's floor-mod of a wrapped int64 by 
 positive divisor ``d < 2**31``, computed without integer division and bit-exact
 whatever the rounding of the float steps:
 
-* CPU (C target): the split-residue scheme of :func:`epkit._details.engram_cpu._float_mod_table`
+* CPU (C target): the split-residue scheme of :func:`epkit._details.engram_cpu.float_mod_table`
   (``y = a2 * (2**42 mod d) + a1 * (2**21 mod d) + a0`` exact in float64, one
   rounded quotient, one sign correction). Per block of tokens the ids are read
   once for every layer, the 21-bit chunks of each order's mix are computed over the
@@ -15,8 +15,8 @@ whatever the rounding of the float steps:
 * CUDA: one token per thread, ``x mod d`` by two ``q = trunc(x * (1/d))`` steps in
   float64 followed by exact corrections.
 
-Run ``python -m epkit.kernels.tilelang.engram`` to check it against the
-reference and time it.
+``python bench/kernel_check.py engram --backend tilelang`` checks it against the
+reference and times it.
 """
 
 import functools
@@ -89,6 +89,12 @@ def _row_store_header() -> str:
 
 
 def _cpu_func(num_layers: int, ngram: int, heads: int, block: int):
+    """The C-target prim_func (see :func:`engram_hash_func`).
+
+    One function although it runs past 80 lines: TileLang traces the kernel from this Python body,
+    and the buffers it allocates (ids, chunks, the row buffer) are shared by every step, so the
+    steps cannot be separate Python functions without passing each buffer through a macro.
+    """
     T, _ = language("cpu")
     num_tokens = T.dynamic("num_tokens")
     num_ids = T.dynamic("num_ids")
@@ -224,7 +230,7 @@ def engram_hash_func(num_layers: int, ngram: int, heads: int, dialect: str = "cp
     """The prim_func of the hash for ``dialect``; it covers tokens ``[begin, end)`` (``end <= T``).
 
     * ``"cpu"``: ``(ids [T*N] int32 (row-major [T, N] flattened), mult [L, N] int64,
-      table [L, 6, H] float64 (:func:`epkit._details.engram_cpu._float_mod_table`), out [L, T, H] int32,
+      table [L, 6, H] float64 (:func:`epkit._details.engram_cpu.float_mod_table`), out [L, T, H] int32,
       begin, end)``; ``block_tokens`` tokens per grid step (the C target runs the grid as a
       loop; :func:`engram_hash_tokens_cpu` splits ``[0, T)`` across threads).
     * ``"cuda"``: ``(ids [T, N] int32, mult [L, N] int64, vocab [L, H] int64, inv [L, H]
@@ -255,7 +261,7 @@ def _kernel(num_layers: int, ngram: int, heads: int, device_type: str):
 
 def engram_hash_tokens_cpu(ids: torch.Tensor, mult: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
     """Launch on validated, contiguous CPU tensors: ``ids [T, N] int32``, ``mult [L, N] int64``,
-    ``table [L, 6, H] float64`` (:func:`epkit._details.engram_cpu._float_mod_table`), ``out [L, T, H] int32``.
+    ``table [L, 6, H] float64`` (:func:`epkit._details.engram_cpu.float_mod_table`), ``out [L, T, H] int32``.
 
     Token ranges are split across ``torch.get_num_threads()`` threads (the call releases the GIL).
     """
@@ -286,9 +292,3 @@ def engram_hash_tokens(
         raise ValueError("engram_hash_tokens launches the CUDA kernel; use engram_hash_tokens_cpu for CPU tensors")
     kernel = _kernel(num_layers, ngram, num_heads // (ngram - 1), ids.device.type)
     kernel(ids, mult, vocab, inv, off, out, 0, num_tokens)
-
-
-if __name__ == "__main__":
-    from epkit.engram import _bench_main
-
-    _bench_main("tilelang")

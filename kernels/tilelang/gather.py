@@ -1,8 +1,8 @@
 """TileLang row gather: ``out[i] = x[index[i]]``, zero rows where ``index[i] == -1``.
 
 One factory serves both dialects. Rows move as integer words (the C target has
-no bfloat16), so the copy is bit-exact for every dtype. Run
-``python -m epkit.kernels.tilelang.gather`` to check and time it.
+no bfloat16), so the copy is bit-exact for every dtype.
+``python bench/kernel_check.py gather --backend tilelang`` checks and times it.
 """
 
 import functools
@@ -59,9 +59,3 @@ def gather_rows_words(x_words: torch.Tensor, index: torch.Tensor, out_words: tor
         run_rows_parallel(kernel, m, _call(kernel, x_words, index, out_words))
     else:
         kernel(x_words, index, out_words)
-
-
-if __name__ == "__main__":
-    from epkit.gather import _bench_main
-
-    _bench_main("tilelang")

@@ -3,8 +3,9 @@
 Inputs are per-sequence prefix sums computed on the host (first query token,
 query length, cached prefix, first mirror slot, first compressed key per
 ratio); every per-token index is computed here. All sizes are runtime
-arguments, so one compiled kernel serves every batch. Run
-``python -m epkit.kernels.triton.cp_mirror`` to check it against the reference.
+arguments, so one compiled kernel serves every batch.
+``python bench/kernel_check.py cp_mirror --backend triton`` checks it against the
+reference and times it.
 """
 
 from __future__ import annotations
@@ -106,9 +107,3 @@ def compile_signature(block: int = BLOCK):
     sig = {n: "*i32" for n in names}
     sig.update({"cp_size": "i32", "cp_rank": "i32", "mirror_len": "i32", "num_ratios": "i32", "BLOCK": "constexpr"})
     return _prepare_cp_mirror_kernel, sig, {"BLOCK": block}
-
-
-if __name__ == "__main__":
-    from epkit.cp_mirror import _bench_main
-
-    _bench_main("triton")

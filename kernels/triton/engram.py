@@ -5,8 +5,8 @@ of a wrapped int64 by ``2 <= d < 2**31`` without integer division: two
 ``q = trunc(x * (1/d))`` steps in float64 and exact corrections (the same
 scheme as the TileLang kernel; see ``epkit.kernels.tilelang.engram``), so
 the result is bit-exact whatever the float rounding. One program handles
-``BLOCK_T`` tokens of one layer. Run ``python -m epkit.kernels.triton.engram``
-to check it against the reference.
+``BLOCK_T`` tokens of one layer. ``python bench/kernel_check.py engram --backend triton``
+checks it against the reference and times it.
 """
 
 from __future__ import annotations
@@ -113,9 +113,3 @@ def compile_signature(ngram: int = 3, heads: int = 8):
     }
     consts = {"NGRAM": ngram, "HEADS": heads, "BLOCK_T": BLOCK_T, "BLOCK_K": triton.next_power_of_2(heads)}
     return _engram_hash_kernel, sig, consts
-
-
-if __name__ == "__main__":
-    from epkit.engram import _bench_main
-
-    _bench_main("triton")

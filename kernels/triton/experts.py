@@ -5,8 +5,8 @@ For ``e = topk_idx[t, k]``: ``-1`` stays ``-1``; else the first replica of ``e``
 (``phy // num_local == ep_rank``); else replica ``(t + token_offset) % logcnt[e]``.
 The replica scan is a runtime loop over ``log2phy``'s columns, so placements
 with any replica count share one compiled kernel.
-Run ``python -m epkit.kernels.triton.experts`` to check against the
-reference.
+``python bench/kernel_check.py experts --backend triton`` checks it against the
+reference and times it.
 """
 
 from __future__ import annotations
@@ -107,9 +107,3 @@ def compile_signature(topk_dtype: str = "i32"):
         "BLOCK": "constexpr",
     }
     return _logical_to_physical_kernel, sig, {"BLOCK": BLOCK}
-
-
-if __name__ == "__main__":
-    from epkit.experts import _bench_main
-
-    _bench_main("triton")

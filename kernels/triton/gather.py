@@ -2,8 +2,8 @@
 
 Rows are moved as integer words (the widest of 8/4/2/1 bytes that divides the
 row), so the copy is bit-exact for every dtype (bf16, fp8, NaN payloads).
-Run ``python -m epkit.kernels.triton.gather`` to check against the
-reference and time it.
+``python bench/kernel_check.py gather --backend triton`` checks it against the
+reference and times it.
 """
 
 from __future__ import annotations
@@ -60,9 +60,3 @@ def compile_signature(word_dtype: str = "i32", index_dtype: str = "i32", num_wor
         "BLOCK_W": "constexpr",
     }
     return _gather_rows_kernel, sig, {"BLOCK_M": block_m, "BLOCK_W": block_w}
-
-
-if __name__ == "__main__":
-    from epkit.gather import _bench_main
-
-    _bench_main("triton")

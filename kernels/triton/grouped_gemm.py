@@ -12,7 +12,7 @@ One kernel source serves every variant through constexprs:
   the contiguous layout, including ``-1`` padding runs whose rows get zeros.
 
 Row offsets are int64, so M beyond 2**31 / K elements is safe.
-Run ``python -m epkit.kernels.triton.grouped_gemm`` to check against the reference.
+``python bench/kernel_check.py grouped_gemm --backend triton`` checks it against the reference.
 """
 
 from __future__ import annotations
@@ -21,7 +21,29 @@ import torch
 import triton
 import triton.language as tl
 
+from epkit.kernels.triton.grouped_gemm_configs import (
+    check_config,
+    get_config,
+    load_tuned_configs,
+    m_bucket,
+    set_config_override,
+)
 from epkit.kernels.triton.launch import for_device
+
+# The config functions live in grouped_gemm_configs and are importable from here as well (the launch API).
+__all__ = [
+    "grouped_gemm_contiguous",
+    "grouped_gemm_masked",
+    "contiguous_launcher",
+    "masked_launcher",
+    "tile_schedule",
+    "launched_compile_args",
+    "compile_signature",
+    "get_config",
+    "set_config_override",
+    "load_tuned_configs",
+    "m_bucket",
+]
 
 _KINDS = {"bf16": 0, "fp8": 1, "fp8_fp4": 2}
 
@@ -55,6 +77,13 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``d``: program (tile, column block); see the module docstring.
+
+    Over 80 lines as one function on purpose: on CPU tensors this kernel runs as its interpreter twin
+    (``launch.for_device``), which wraps only the outer ``@triton.jit`` function, and a twin cannot call
+    nested ``@triton.jit`` helpers ("Cannot call @triton.jit'd outside of the scope of a kernel"), so
+    the variants' loads and the e2m1 decode stay inline rather than in helper functions.
+    """
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     if MASKED:
@@ -129,87 +158,9 @@ def _grouped_gemm_kernel(
     )
 
 
-# Configs: a small heuristic table with an override hook.
-
-_CONFIG_OVERRIDE = None
-
-
-def set_config_override(fn) -> None:
-    """Install ``fn(kind, n, k, m_hint, device_type) -> dict | None`` to replace the heuristic (None restores it).
-
-    The dict holds ``BLOCK_M``, ``BLOCK_N`` (<= 128, dividing 128), ``BLOCK_K`` (128 for
-    scaled kinds), ``num_warps`` and ``num_stages``; returning None falls back to the table.
-    """
-    global _CONFIG_OVERRIDE
-    _CONFIG_OVERRIDE = fn
-
-
-def get_config(kind: str, n: int, k: int, m_hint: int, device_type: str) -> dict:
-    """Kernel config for one call: tile sizes by rows-per-group bucket (``m_hint``) and kind."""
-    if _CONFIG_OVERRIDE is not None:
-        cfg = _CONFIG_OVERRIDE(kind, n, k, m_hint, device_type)
-        if cfg is not None:
-            return dict(cfg)
-    block_k = 64 if kind == "bf16" else 128
-    if device_type != "cuda":  # interpreter: big tiles mean fewer Python-level programs
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=1)
-    if m_bucket(m_hint) == "decode":  # decode-sized groups
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3 if kind != "bf16" else 4)
-
-
-def m_bucket(m_hint: int) -> str:
-    """Rows-per-group bucket that configs are chosen by: ``"decode"`` (<= 64) or ``"prefill"``."""
-    return "decode" if m_hint <= 64 else "prefill"
-
-
-_TUNED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-
-
-def load_tuned_configs(path: str, device_type: str = "cuda") -> int:
-    """Install the table written by ``bench/tune_grouped_gemm.py`` as the config override.
-
-    Entries are keyed by (kind, N, K, :func:`m_bucket`); calls with other keys, or on another
-    device type than ``device_type``, keep the heuristic. Returns the number of entries loaded.
-
-    Raises
-    ------
-    ValueError
-        The file is not such a table, or an entry's config is invalid for its kind.
-    """
-    import json
-
-    with open(path) as f:
-        table = json.load(f)
-    entries = table.get("best") if isinstance(table, dict) else None
-    if not isinstance(entries, list):
-        raise ValueError(f"{path}: not a tuning table (expected a 'best' list, see bench/tune_grouped_gemm.py)")
-    lookup = {}
-    for e in entries:
-        try:
-            key = (e["kind"], int(e["n"]), int(e["k"]), e["bucket"])
-            cfg = {name: int(e["config"][name]) for name in _TUNED_KEYS}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: malformed entry {e!r} ({exc})") from None
-        _check_config(cfg, key[0])
-        lookup[key] = cfg
-
-    def override(kind, n, k, m_hint, dev):
-        return lookup.get((kind, n, k, m_bucket(m_hint))) if dev == device_type else None
-
-    set_config_override(override)
-    return len(lookup)
-
-
-def _check_config(cfg: dict, kind: str) -> None:
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if kind != "bf16" and (bk != 128 or 128 % bn):
-        raise ValueError(f"scaled kinds need BLOCK_K == 128 and BLOCK_N dividing 128, got {cfg}")
-
-
 def _launch_args(kind, a, sfa, b, sfb, d, sched, masked_m, m_max, tiles_per_group, cfg):
     """The kernel's arguments for one launch: (positional, constexpr keywords, launch options)."""
-    _check_config(cfg, kind)
+    check_config(cfg, kind)
     n, k = b.shape[1], a.shape[-1]
     dummy = d  # any pointer for the arguments a variant does not read
     args = (
@@ -256,8 +207,6 @@ def launched_compile_args(kind: str, masked: bool, g: int, rows: int, n: int, k:
     touches no memory), with the config the heuristic picks for CUDA, so that
     ``epkit.testing.compile_triton_as_launched`` specializes and compiles them as Triton's JIT would.
     """
-    from epkit.grouped_gemm import build_m_indices
-
     m = g * rows
     cfg = get_config(kind, n, k, rows, "cuda")
     a_dt = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
@@ -274,7 +223,8 @@ def launched_compile_args(kind: str, masked: bool, g: int, rows: int, n: int, k:
         tiles = triton.cdiv(rows, cfg["BLOCK_M"])
         args, consts, _ = _launch_args(kind, a, sfa, b, sfb, d, None, masked_m, rows, tiles, cfg)
     else:
-        sched = tile_schedule(build_m_indices([rows] * g), cfg["BLOCK_M"])
+        groups = torch.arange(g, dtype=torch.int32).repeat_interleave(rows)  # m_indices of g full groups
+        sched = tile_schedule(groups, cfg["BLOCK_M"])
         args, consts, _ = _launch_args(kind, a, sfa, b, sfb, d, sched, None, 0, 1, cfg)
     consts["UPCAST_DOT"] = False  # what a CUDA tensor gets (these stand-ins are on the CPU)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -385,11 +335,3 @@ def compile_signature(
         "UPCAST_DOT": False,
     }
     return _grouped_gemm_kernel, sig, consts
-
-
-if __name__ == "__main__":
-    from epkit.grouped_gemm import GROUPED_OPS, _selfcheck_for
-
-    for op, kind, masked in GROUPED_OPS:
-        _selfcheck_for(op, kind, masked)("triton")
-        print(f"{op}[triton] matches the reference")

@@ -38,11 +38,10 @@ Topology and experts (control plane)
     lockstep             has_unfinished, PrefillVote, LockstepDriver, placeholder_batch
     plan.plan            deployment calculator (also ``epkit plan``)
 
-Everything else (topology, experts, CP, Engram, GEMM, dispatch/combine) lands
-family by family; ``epkit info`` lists what this machine can run.
+``epkit info`` lists what this machine can run.
 """
 
-from epkit import backends, eplb, lockstep, model, quant, topology
+from epkit import backends, eplb, grouped_gemm, lockstep, model, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.collectives.engram_table import ShardedEngramTable
 from epkit.collectives.ep_buffer import EPBuffer
@@ -53,17 +52,15 @@ from epkit.engram import EngramConfig, engram_hash, hash_params, hash_tokens
 from epkit.engram_layer import EngramLayer
 from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
 from epkit.gather import gather_rows
-from epkit.grouped_gemm import (
-    build_m_indices,
-    get_mk_alignment_for_contiguous_layout,
-    m_grouped_bf16_gemm_nt_contiguous,
-    m_grouped_bf16_gemm_nt_masked,
-    m_grouped_fp8_fp4_gemm_nt_contiguous,
-    m_grouped_fp8_fp4_gemm_nt_masked,
-    m_grouped_fp8_gemm_nt_contiguous,
-    m_grouped_fp8_gemm_nt_masked,
-)
+from epkit.grouped_gemm import build_m_indices, get_mk_alignment_for_contiguous_layout
 from epkit.moe import expert_mlp
+
+# The six grouped GEMMs (m_grouped_{fp8,fp8_fp4,bf16}_gemm_nt_{contiguous,masked}) are bound from
+# epkit.grouped_gemm.GROUPED_OPS, the one list of their names (it also makes that module's __all__ and op
+# table), rather than named in an import list here (a second copy of that list) or star-imported (which
+# would also bring that module's other exports, grouped_gemm_reference, make_inputs and GROUPED_OPS, to the
+# top level). Every other name stays a static import.
+globals().update((op, getattr(grouped_gemm, op)) for op, _, _ in grouped_gemm.GROUPED_OPS)
 
 __version__ = "0.1.0"
 
@@ -87,12 +84,7 @@ __all__ = [
     "hash_tokens",
     # quantization, grouped GEMM, expert MLP
     "quant",
-    "m_grouped_fp8_gemm_nt_contiguous",
-    "m_grouped_fp8_gemm_nt_masked",
-    "m_grouped_fp8_fp4_gemm_nt_contiguous",
-    "m_grouped_fp8_fp4_gemm_nt_masked",
-    "m_grouped_bf16_gemm_nt_contiguous",
-    "m_grouped_bf16_gemm_nt_masked",
+    *(op for op, _, _ in grouped_gemm.GROUPED_OPS),
     "get_mk_alignment_for_contiguous_layout",
     "build_m_indices",
     "expert_mlp",

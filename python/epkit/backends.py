@@ -149,7 +149,6 @@ class OpSpec:
     name: str
     cpu: tuple[str, ...]
     cuda: tuple[str, ...]
-    status: str = "done"
     doc: str = ""
     #: ``selfcheck(backend)`` runs the op on small CPU inputs and raises if it
     #: disagrees with the reference (used by ``epkit selfcheck``).
@@ -199,9 +198,6 @@ def select(op: str, device: torch.device | str, backend: str = "auto") -> str:
             for cand in order:
                 info = backend_info(cand)
                 if info.available_on(dtype):
-                    if cand == "cpu" and c_extension_error() and _needs_c_ext(op):
-                        reasons.append(f"cpu: {c_extension_error()}")
-                        continue
                     return cand
                 reasons.append(f"{cand}: {info.missing.get(dtype, 'unavailable')}")
             raise BackendUnavailableError(f"no backend of {op} can run on {dtype} tensors here: " + "; ".join(reasons))
@@ -219,15 +215,3 @@ def select(op: str, device: torch.device | str, backend: str = "auto") -> str:
             f"{op}: backend {backend!r} cannot run on {dtype} tensors here: {info.missing.get(dtype, 'unavailable')}"
         )
     return backend
-
-
-_C_EXT_OPS: set[str] = set()
-
-
-def _needs_c_ext(op: str) -> bool:
-    return op in _C_EXT_OPS
-
-
-def mark_needs_c_extension(op: str) -> None:
-    """Declare that ``op``'s cpu backend uses ``epkit._C`` (so auto skips it if the build is missing)."""
-    _C_EXT_OPS.add(op)

@@ -30,7 +30,7 @@ def _version(dist: str) -> str | None:
 
 def _nvshmem_transport_info(wheel_root: str | None) -> dict:
     """Readiness of the nvshmem transport (SymmBuffer and EPBuffer on CUDA ranks)."""
-    from epkit.collectives._nvshmem import missing_reason
+    from epkit.collectives.transports.nvshmem_job import missing_reason
 
     why = missing_reason()
     if why is None:
@@ -75,7 +75,7 @@ def collect_info() -> dict:
         bk[name] = {"devices": list(info.devices), "missing": info.missing}
     c_err = backends.c_extension_error()
     if c_err:
-        bk["cpu"]["note"] = f"ops whose cpu path needs the C++ extension fall back: {c_err}"
+        bk["cpu"]["note"] = f"ops whose cpu path uses the C++ extension fall back to torch: {c_err}"
     import torch.distributed as dist
 
     nvshmem = _nvshmem_root()
@@ -96,7 +96,6 @@ def collect_info() -> dict:
             "backends": list(spec.backends),
             "auto_cpu": _auto(name, "cpu"),
             "auto_cuda": _auto(name, "cuda") if gpu else None,
-            "status": spec.status,
         }
         for name, spec in backends.registered_ops().items()
     }

@@ -29,13 +29,12 @@ for ``k >= 1``, where column ``k`` of ``ids`` is the token at ``t - k`` and
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 
 import numpy as np
 import torch
 
-from epkit._details.engram_cpu import _engram_hash_cpu, _float_mod_table
+from epkit._details.engram_cpu import engram_hash_cpu, float_mod_table
+from epkit._details.engram_params import INT32_MAX, check_ids, hash_params_np, is_prime, kernel_tables
 from epkit.backends import OpSpec, register_op, select
 
 __all__ = [
@@ -47,47 +46,8 @@ __all__ = [
     "DEMO_NGRAM_VOCAB_SIZE",
 ]
 
-INT64_MAX = int(np.iinfo(np.int64).max)
-INT32_MAX = int(np.iinfo(np.int32).max)
 #: The demo's default table size per n-gram order: 5 x DeepSeek-V3's 129,280-token vocabulary.
 DEMO_NGRAM_VOCAB_SIZE = 129280 * 5
-_LAYER_SEED_STRIDE = 10007
-
-
-# Primes
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin (exact for n < 3.3e24); cached, every call validates the head sizes."""
-    if n < 2:
-        return False
-    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
-    for p in small:
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        s += 1
-    for a in small:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def _next_unused_prime(start: int, taken: set[int]) -> int:
-    cand = start + 1
-    while not (_is_prime(cand) and cand not in taken):
-        cand += 1
-    return cand
 
 
 # Configuration
@@ -177,35 +137,6 @@ class EngramConfig:
         return self.n_embed_per_ngram // self.n_head_per_ngram
 
 
-@functools.cache
-def _hash_params_np(config: EngramConfig):
-    n, k = config.max_ngram_size, config.n_head_per_ngram
-    half_bound = max(1, (INT64_MAX // config.vocab_size) // 2)
-    mult = np.empty((config.num_layers, n), dtype=np.int64)
-    for li, layer_id in enumerate(config.layer_ids):
-        rng = np.random.default_rng(config.seed + _LAYER_SEED_STRIDE * layer_id)
-        mult[li] = rng.integers(0, half_bound, n, dtype=np.int64) * 2 + 1
-    taken: set[int] = set()
-    vocab = np.empty((config.num_layers, n - 1, k), dtype=np.int64)
-    for li in range(config.num_layers):
-        for order in range(2, n + 1):
-            start = config.ngram_vocab_sizes[order - 2] - 1
-            for j in range(k):
-                start = _next_unused_prime(start, taken)
-                taken.add(start)
-                vocab[li, order - 2, j] = start
-    flat = vocab.reshape(config.num_layers, -1)
-    totals = flat.sum(axis=1)
-    if int(totals.max()) > INT32_MAX + 1:
-        li = int(totals.argmax())
-        raise ValueError(
-            f"Engram layer {config.layer_ids[li]} has {int(totals[li])} table rows, which overflows int32 row ids "
-            f"(at most {INT32_MAX + 1}); lower ngram_vocab_sizes {config.ngram_vocab_sizes} or n_head_per_ngram"
-        )
-    offsets = np.cumsum(flat, axis=1) - flat
-    return mult, vocab.astype(np.int32), offsets.astype(np.int32)
-
-
 def hash_params(config: EngramConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multipliers, per-head prime table sizes and row offsets of every Engram layer (the demo's ABI).
 
@@ -227,7 +158,7 @@ def hash_params(config: EngramConfig) -> tuple[torch.Tensor, torch.Tensor, torch
     ValueError
         A layer's total rows overflow int32 row ids.
     """
-    mult, vocab, off = _hash_params_np(config)
+    mult, vocab, off = hash_params_np(config)
     return torch.from_numpy(mult.copy()), torch.from_numpy(vocab.copy()), torch.from_numpy(off.copy())
 
 
@@ -293,7 +224,7 @@ def _validate_hash_args(ids, mult, vocab, off, out) -> None:
     sizes = vocab.reshape(-1).tolist()
     seen: dict[int, int] = {}
     for i, d in enumerate(sizes):
-        if not _is_prime(d):
+        if not is_prime(d):
             raise ValueError(f"vocab_sizes.flatten()[{i}] = {d} is not a prime (head table sizes must be primes)")
         if d in seen:
             raise ValueError(
@@ -319,13 +250,6 @@ def _validate_hash_args(ids, mult, vocab, off, out) -> None:
                 f"out must be a contiguous int32 tensor {want} on {ids.device}, got {out.dtype} "
                 f"{tuple(out.shape)} on {out.device}"
             )
-
-
-def _kernel_tables(vocab_sizes: torch.Tensor, offsets: torch.Tensor):
-    """The per-head tables the GPU kernels read, from validated ``vocab_sizes [L, N-1, K]`` and ``offsets
-    [L, H]`` int32: ``(vocab int64 [L, H], 1/vocab float64 [L, H], offsets int64 [L, H])``, contiguous."""
-    vocab64 = vocab_sizes.reshape(vocab_sizes.shape[0], -1).to(torch.int64).contiguous()
-    return vocab64, 1.0 / vocab64.to(torch.float64), offsets.to(torch.int64).contiguous()
 
 
 def engram_hash(
@@ -381,14 +305,14 @@ def engram_hash(
         return out
     ids = ngram_token_ids.contiguous()
     if impl == "cpu":
-        _engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out)
+        engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out)
         return out
     if impl == "tilelang" and ids.device.type == "cpu":
         from epkit.kernels.tilelang.engram import engram_hash_tokens_cpu
 
-        engram_hash_tokens_cpu(ids, multipliers.contiguous(), _float_mod_table(vocab_sizes, offsets), out)
+        engram_hash_tokens_cpu(ids, multipliers.contiguous(), float_mod_table(vocab_sizes, offsets), out)
         return out
-    vocab64, inv, off64 = _kernel_tables(vocab_sizes, offsets)
+    vocab64, inv, off64 = kernel_tables(vocab_sizes, offsets)
     if impl == "triton":
         from epkit.kernels.triton.engram import engram_hash_tokens
     else:
@@ -398,16 +322,6 @@ def engram_hash(
 
 
 # Token ids -> n-gram ids
-
-
-def _check_ids(name: str, t: torch.Tensor, upper: int, what: str) -> None:
-    if t.numel() == 0:
-        return
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= upper:
-        bad = lo if lo < 0 else hi
-        pos = int((t.reshape(-1) == bad).nonzero()[0])
-        raise ValueError(f"{name}[{pos}] = {bad} is outside [0, {upper}) ({what})")
 
 
 def hash_tokens(
@@ -455,7 +369,17 @@ def hash_tokens(
             f"of shape {tuple(getattr(token_ids, 'shape', ()))}"
         )
     device = token_ids.device
-    num_tokens, n = token_ids.numel(), config.max_ngram_size
+    cu = _check_cu_seqlens(cu_seqlens, token_ids.numel(), device)
+    lookup_table, raw_vocab, pad = _compression(lookup_table, config, device)
+    check_ids("token_ids", token_ids, raw_vocab, "the raw vocabulary")
+    prefix_tokens = _check_prefix(prefix_tokens, config.max_ngram_size, raw_vocab, device)
+    ngram_ids = _ngram_token_ids(token_ids, cu, config.max_ngram_size, pad, lookup_table, prefix_tokens)
+    mult, vocab, off = (t.to(device) for t in hash_params(config))
+    return engram_hash(ngram_ids, mult, vocab, off, backend=backend)
+
+
+def _check_cu_seqlens(cu_seqlens, num_tokens: int, device) -> torch.Tensor:
+    """``cu_seqlens`` as int64 on ``device`` once it is a valid ``[B+1]`` boundary list of ``num_tokens`` tokens."""
     if (
         not isinstance(cu_seqlens, torch.Tensor)
         or cu_seqlens.dim() != 1
@@ -468,40 +392,38 @@ def hash_tokens(
         raise ValueError(
             f"cu_seqlens = {cu_seqlens.tolist()[:16]}... must start at 0, never decrease and end at T = {num_tokens}"
         )
-    if lookup_table is not None:
-        if not isinstance(lookup_table, torch.Tensor) or lookup_table.dim() != 1 or lookup_table.dtype != torch.int32:
-            raise ValueError(f"lookup_table must be a 1-D int32 tensor, got {getattr(lookup_table, 'dtype', None)}")
-        raw_vocab = lookup_table.numel()
-        if raw_vocab < config.vocab_size or raw_vocab <= config.pad_id:
-            raise ValueError(
-                f"lookup_table has length {raw_vocab}; expected the raw vocabulary size, at least vocab_size = "
-                f"{config.vocab_size} and above pad_id = {config.pad_id}"
-            )
-        _check_ids("lookup_table", lookup_table, config.vocab_size, "compressed ids must be below vocab_size")
-        lookup_table = lookup_table.to(device)
-        pad = int(lookup_table[config.pad_id])
-    else:
-        raw_vocab = config.vocab_size
+    return cu
+
+
+def _compression(lookup_table, config: EngramConfig, device):
+    """``(lookup_table on device or None, raw vocabulary size, compressed pad id)`` after checking the table."""
+    if lookup_table is None:
         if config.pad_id >= config.vocab_size:
             raise ValueError(f"pad_id = {config.pad_id} is outside [0, vocab_size = {config.vocab_size})")
-        pad = config.pad_id
-    _check_ids("token_ids", token_ids, raw_vocab, "the raw vocabulary")
-    num_prefix = 0
-    if prefix_tokens is not None:
-        if (
-            not isinstance(prefix_tokens, torch.Tensor)
-            or prefix_tokens.dim() != 1
-            or prefix_tokens.dtype != torch.int32
-        ):
-            raise ValueError(f"prefix_tokens must be a 1-D int32 tensor, got {getattr(prefix_tokens, 'dtype', None)}")
-        num_prefix = prefix_tokens.numel()
-        if num_prefix > n - 1:
-            raise ValueError(f"prefix_tokens has {num_prefix} tokens; at most max_ngram_size - 1 = {n - 1}")
-        _check_ids("prefix_tokens", prefix_tokens, raw_vocab, "the raw vocabulary")
-        prefix_tokens = prefix_tokens.to(device)
-    ngram_ids = _ngram_token_ids(token_ids, cu, n, pad, lookup_table, prefix_tokens)
-    mult, vocab, off = (t.to(device) for t in hash_params(config))
-    return engram_hash(ngram_ids, mult, vocab, off, backend=backend)
+        return None, config.vocab_size, config.pad_id
+    if not isinstance(lookup_table, torch.Tensor) or lookup_table.dim() != 1 or lookup_table.dtype != torch.int32:
+        raise ValueError(f"lookup_table must be a 1-D int32 tensor, got {getattr(lookup_table, 'dtype', None)}")
+    raw_vocab = lookup_table.numel()
+    if raw_vocab < config.vocab_size or raw_vocab <= config.pad_id:
+        raise ValueError(
+            f"lookup_table has length {raw_vocab}; expected the raw vocabulary size, at least vocab_size = "
+            f"{config.vocab_size} and above pad_id = {config.pad_id}"
+        )
+    check_ids("lookup_table", lookup_table, config.vocab_size, "compressed ids must be below vocab_size")
+    lookup_table = lookup_table.to(device)
+    return lookup_table, raw_vocab, int(lookup_table[config.pad_id])
+
+
+def _check_prefix(prefix_tokens, n: int, raw_vocab: int, device) -> torch.Tensor | None:
+    """``prefix_tokens`` on ``device`` (or None) once it is at most ``n - 1`` raw ids."""
+    if prefix_tokens is None:
+        return None
+    if not isinstance(prefix_tokens, torch.Tensor) or prefix_tokens.dim() != 1 or prefix_tokens.dtype != torch.int32:
+        raise ValueError(f"prefix_tokens must be a 1-D int32 tensor, got {getattr(prefix_tokens, 'dtype', None)}")
+    if prefix_tokens.numel() > n - 1:
+        raise ValueError(f"prefix_tokens has {prefix_tokens.numel()} tokens; at most max_ngram_size - 1 = {n - 1}")
+    check_ids("prefix_tokens", prefix_tokens, raw_vocab, "the raw vocabulary")
+    return prefix_tokens.to(device)
 
 
 def _ngram_token_ids(token_ids, cu, n, pad, lookup_table, prefix_tokens) -> torch.Tensor:
@@ -544,12 +466,13 @@ def selfcheck_config() -> EngramConfig:
     )
 
 
-def _selfcheck(backend: str) -> None:
+def _selfcheck(backend: str, device: str = "cpu") -> None:
+    """``engram_hash[backend]`` on 97 tokens of :func:`selfcheck_config` on ``device`` against the reference."""
     g = torch.Generator().manual_seed(5)
     cfg = selfcheck_config()
     mult, vocab, off = hash_params(cfg)
     ids = torch.randint(0, cfg.vocab_size, (97, cfg.max_ngram_size), generator=g, dtype=torch.int32)
-    got = engram_hash(ids, mult, vocab, off, backend=backend)
+    got = engram_hash(*(t.to(device) for t in (ids, mult, vocab, off)), backend=backend).cpu()
     want = engram_hash_reference(ids, mult, vocab, off)
     if not torch.equal(got, want):
         raise AssertionError(f"engram_hash[{backend}] differs from the reference")
@@ -564,29 +487,3 @@ SPEC = register_op(
         selfcheck=_selfcheck,
     )
 )
-
-
-def _bench_main(backend: str, num_tokens: int = 1 << 20) -> None:
-    """Check one backend against the reference, then time it on the benchmark shape."""
-    device = "cuda" if torch.cuda.is_available() and backend not in ("cpu", "reference") else "cpu"
-    _selfcheck(backend)
-    print(f"engram_hash[{backend}] matches the reference")
-    if device == "cpu" and backend == "triton":
-        return  # the interpreter is for verification, not timing
-    cfg = EngramConfig(vocab_size=129280)
-    mult, vocab, off = (t.to(device) for t in hash_params(cfg))
-    ids = torch.randint(0, cfg.vocab_size, (num_tokens, cfg.max_ngram_size), dtype=torch.int32).to(device)
-    out = torch.empty((cfg.num_layers, num_tokens, cfg.num_heads), dtype=torch.int32, device=device)
-    fn = lambda: engram_hash(ids, mult, vocab, off, out, backend=backend)  # noqa: E731
-    fn()
-    reps = 5
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / reps
-    moved = ids.numel() * 4 + out.numel() * 4
-    print(f"engram_hash[{backend}]: {dt * 1e3:.2f} ms, {moved / dt / 1e9:.2f} GB/s ({num_tokens} tokens, N=3 K=8 L=2)")

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epkit.engram import EngramConfig, _check_ids, _hash_params_np
+from epkit._details.engram_params import check_ids, hash_params_np
+from epkit.engram import EngramConfig
 
 __all__ = ["EngramLayer"]
 
@@ -69,7 +70,7 @@ class EngramLayer(nn.Module):
         self.config, self.layer_id, self.hidden_size = config, layer_id, hidden_size
         self.kernel_size, self.dilation, self.conv_norm_eps = kernel_size, config.max_ngram_size, conv_norm_eps
         li = config.layer_ids.index(layer_id)
-        _, vocab, off = _hash_params_np(config)
+        _, vocab, off = hash_params_np(config)
         self.num_rows = int(off[li, -1]) + int(vocab[li].reshape(-1)[-1])
         self.embedding = nn.Embedding(self.num_rows, config.head_dim, **kw) if with_table else None
         width = config.num_heads * config.head_dim
@@ -86,7 +87,7 @@ class EngramLayer(nn.Module):
             raise ValueError("this EngramLayer has no table (with_table=False); pass embeddings to forward")
         if hash_ids.dim() != 2 or hash_ids.shape[1] != self.config.num_heads:
             raise ValueError(f"hash_ids must be [T, {self.config.num_heads}], got {tuple(hash_ids.shape)}")
-        _check_ids("hash_ids", hash_ids, self.num_rows, "the layer's table rows")
+        check_ids("hash_ids", hash_ids, self.num_rows, "the layer's table rows")
         return self.embedding(hash_ids.long())
 
     def _causal_conv(self, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from epkit.backends import OpSpec, register_op, select
 from epkit.utils import check_int as _check_int
-from epkit.utils import check_topk_idx, time_per_call
+from epkit.utils import check_topk_idx
 
 __all__ = [
     "resolve_num_extra_experts",
@@ -417,14 +417,17 @@ def logical_to_physical(
     return out
 
 
-def _selfcheck(backend: str) -> None:
+def _selfcheck(backend: str, device: str = "cpu") -> None:
+    """``logical_to_physical[backend]`` on ``device`` for every rank of a random 18-slot placement, against the
+    reference."""
     g = torch.Generator().manual_seed(3)
     phy2log = torch.cat([torch.arange(12), torch.randint(0, 12, (6,), generator=g)])
     phy2log = phy2log[torch.randperm(18, generator=g)]
     placement = ExpertPlacement.from_phy2log(phy2log, num_logical=12, ep_size=6)
     topk = torch.randint(-1, 12, (41, 4), generator=g, dtype=torch.int32)
+    dev_placement, dev_topk = placement.to(device), topk.to(device)
     for rank in range(6):
-        got = logical_to_physical(topk, placement, rank, backend=backend)
+        got = logical_to_physical(dev_topk, dev_placement, rank, backend=backend).cpu()
         want = logical_to_physical_reference(topk, placement, rank)
         if not torch.equal(got, want):
             raise AssertionError(f"logical_to_physical[{backend}] differs from the reference at ep_rank={rank}")
@@ -439,20 +442,3 @@ SPEC = register_op(
         selfcheck=_selfcheck,
     )
 )
-
-
-def _bench_main(backend: str, num_tokens: int = 16384, top_k: int = 6) -> None:
-    """Check one backend against the reference, then time it against the vectorised torch path (same device)."""
-    device = "cuda" if torch.cuda.is_available() and backend != "cpu" else "cpu"
-    _selfcheck(backend)
-    print(f"logical_to_physical[{backend}] matches the reference")
-    if device == "cpu" and backend == "triton":
-        return  # the interpreter is for verification, not for timing
-    placement = ExpertPlacement.default(384, 64, 1).to(device)
-    topk = torch.randint(0, 384, (num_tokens, top_k), dtype=torch.int32, device=device)
-    for name, fn in (
-        (f"epkit[{backend}]", lambda: logical_to_physical(topk, placement, 5, backend=backend, check_index=False)),
-        ("vectorised torch", lambda: logical_to_physical_cpu(topk, placement, 5, 0)),
-    ):
-        dt = time_per_call(fn, device, reps=20)
-        print(f"{name:>20}: {dt * 1e6:9.1f} us  ({num_tokens} x {top_k} on {device}, 384 experts, EP64)")

@@ -37,25 +37,32 @@ from __future__ import annotations
 
 import torch
 
-from epkit._details.grouped_gemm_cpu import _cpu_contiguous, _cpu_masked
+from epkit._details.grouped_gemm_cpu import cpu_contiguous, cpu_masked
 from epkit.backends import OpSpec, register_op, select
-from epkit.quant import dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
+from epkit.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
+
+#: (op name, weight kind, masked layout) of every grouped GEMM, the one list of them: ``__all__``, the
+#: docstrings, the op table (``epkit.backends``) and ``epkit``'s top level are derived from it.
+GROUPED_OPS = (
+    ("m_grouped_fp8_gemm_nt_contiguous", "fp8", False),
+    ("m_grouped_fp8_gemm_nt_masked", "fp8", True),
+    ("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", False),
+    ("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", True),
+    ("m_grouped_bf16_gemm_nt_contiguous", "bf16", False),
+    ("m_grouped_bf16_gemm_nt_masked", "bf16", True),
+)
+_OP_NAME = {(kind, masked): op for op, kind, masked in GROUPED_OPS}
 
 __all__ = [
+    "GROUPED_OPS",
     "get_mk_alignment_for_contiguous_layout",
     "build_m_indices",
-    "m_grouped_fp8_gemm_nt_contiguous",
-    "m_grouped_fp8_gemm_nt_masked",
-    "m_grouped_fp8_fp4_gemm_nt_contiguous",
-    "m_grouped_fp8_fp4_gemm_nt_masked",
-    "m_grouped_bf16_gemm_nt_contiguous",
-    "m_grouped_bf16_gemm_nt_masked",
+    *(op for op, _, _ in GROUPED_OPS),
     "grouped_gemm_reference",
+    "make_inputs",
 ]
 
 _ALIGN = 128
-_SF_K = 128  # activation / weight scale granularity along K (fp8)
-_FP4_BLOCK = 32
 
 
 def get_mk_alignment_for_contiguous_layout() -> int:
@@ -139,19 +146,19 @@ def _validate(kind: str, a, b, d, masked: bool):
     if masked and a.shape[0] != g:
         raise ValueError(f"a has {a.shape[0]} groups but b has {g} (a {_shape(a)}, b {_shape(b)})")
     _want("a", a, a_dt, tuple(a.shape))
-    if scaled and k % _SF_K:
-        raise ValueError(f"K = {k} (a {_shape(a)}) must be a multiple of the scale block {_SF_K}")
+    if scaled and k % FP8_BLOCK:
+        raise ValueError(f"K = {k} (a {_shape(a)}) must be a multiple of the scale block {FP8_BLOCK}")
     rows = tuple(a.shape[:-1])
     if kind == "fp8":
         _want("b", b, (torch.float8_e4m3fn,), (g, n, k))
-        _want("sfb", sfb, (torch.float32,), (g, -(-n // 128), k // _SF_K))
+        _want("sfb", sfb, (torch.float32,), (g, -(-n // FP8_BLOCK), k // FP8_BLOCK))
     elif kind == "fp8_fp4":
         _want("b", b, (torch.uint8,), (g, n, k // 2))
-        _want("sfb", sfb, (torch.uint8,), (g, n, k // _FP4_BLOCK))
+        _want("sfb", sfb, (torch.uint8,), (g, n, k // MXFP4_BLOCK))
     else:
         _want("b", b, (torch.bfloat16,), (g, n, k))
     if scaled:
-        _want("sfa", sfa, (torch.float32,), (*rows, k // _SF_K))
+        _want("sfa", sfa, (torch.float32,), (*rows, k // FP8_BLOCK))
     _want("d", d, (torch.bfloat16, torch.float32), (*rows, n))
     if not d.is_contiguous():
         raise ValueError(f"d must be contiguous, got strides {d.stride()}")
@@ -224,12 +231,12 @@ def _check_masked_m(masked_m, g: int, m_max: int, device, expected_m) -> torch.T
 
 
 def _deq_a(kind: str, a: torch.Tensor, sfa: torch.Tensor | None) -> torch.Tensor:
-    return a.float() if kind == "bf16" else dequant_per_token_group_fp8(a, sfa, _SF_K)
+    return a.float() if kind == "bf16" else dequant_per_token_group_fp8(a, sfa, FP8_BLOCK)
 
 
 def _deq_b(kind: str, b: torch.Tensor, sfb: torch.Tensor | None) -> torch.Tensor:
     if kind == "fp8":
-        return dequant_per_block_fp8(b, sfb, (128, _SF_K))
+        return dequant_per_block_fp8(b, sfb, (FP8_BLOCK, FP8_BLOCK))
     if kind == "fp8_fp4":
         return dequant_mxfp4(b, sfb)
     return b.float()
@@ -259,16 +266,16 @@ def grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=None, masked_m=Non
 # Public ops
 
 
-def _contiguous(op, kind, a, b, d, m_indices, use_psum_layout, backend):
+def _contiguous(kind, a, b, d, m_indices, use_psum_layout, backend):
     a, sfa, b, sfb, g, m, n, k = _validate(kind, a, b, d, masked=False)
     rows_ids = _check_m_indices(m_indices, g, m, a.device, use_psum_layout)
-    impl = select(op, a.device, backend)
+    impl = select(_OP_NAME[kind, False], a.device, backend)
     if m == 0 or n == 0:
         return d
     if impl == "reference":
         grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=rows_ids)
     elif impl == "cpu":
-        _cpu_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
+        cpu_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
     else:
         from epkit.kernels.triton.grouped_gemm import grouped_gemm_contiguous
 
@@ -276,16 +283,16 @@ def _contiguous(op, kind, a, b, d, m_indices, use_psum_layout, backend):
     return d
 
 
-def _masked(op, kind, a, b, d, masked_m, expected_m, backend):
+def _masked(kind, a, b, d, masked_m, expected_m, backend):
     a, sfa, b, sfb, g, m_max, n, k = _validate(kind, a, b, d, masked=True)
     masked_m = _check_masked_m(masked_m, g, m_max, a.device, expected_m)
-    impl = select(op, a.device, backend)
+    impl = select(_OP_NAME[kind, True], a.device, backend)
     if g == 0 or m_max == 0 or n == 0:
         return d
     if impl == "reference":
         grouped_gemm_reference(kind, a, sfa, b, sfb, d, masked_m=masked_m)
     elif impl == "cpu":
-        _cpu_masked(kind, a, sfa, b, sfb, d, masked_m)
+        cpu_masked(kind, a, sfa, b, sfb, d, masked_m)
     else:
         from epkit.kernels.triton.grouped_gemm import grouped_gemm_masked
 
@@ -353,39 +360,31 @@ _FMT = {
 }
 
 
+# One wrapper per entry of GROUPED_OPS (the import-time loop below fails on a missing one).
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, use_psum_layout=False, *, backend="auto"):
-    return _contiguous("m_grouped_fp8_gemm_nt_contiguous", "fp8", a, b, d, m_indices, use_psum_layout, backend)
+    return _contiguous("fp8", a, b, d, m_indices, use_psum_layout, backend)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, *, backend="auto"):
-    return _masked("m_grouped_fp8_gemm_nt_masked", "fp8", a, b, d, masked_m, expected_m, backend)
+    return _masked("fp8", a, b, d, masked_m, expected_m, backend)
 
 
 def m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d, m_indices, use_psum_layout=False, *, backend="auto"):
-    return _contiguous("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", a, b, d, m_indices, use_psum_layout, backend)
+    return _contiguous("fp8_fp4", a, b, d, m_indices, use_psum_layout, backend)
 
 
 def m_grouped_fp8_fp4_gemm_nt_masked(a, b, d, masked_m, expected_m, *, backend="auto"):
-    return _masked("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", a, b, d, masked_m, expected_m, backend)
+    return _masked("fp8_fp4", a, b, d, masked_m, expected_m, backend)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, use_psum_layout=False, *, backend="auto"):
-    return _contiguous("m_grouped_bf16_gemm_nt_contiguous", "bf16", a, b, d, m_indices, use_psum_layout, backend)
+    return _contiguous("bf16", a, b, d, m_indices, use_psum_layout, backend)
 
 
 def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, *, backend="auto"):
-    return _masked("m_grouped_bf16_gemm_nt_masked", "bf16", a, b, d, masked_m, expected_m, backend)
-
-
-for _fn, _kind, _doc in (
-    (m_grouped_fp8_gemm_nt_contiguous, "fp8", _CONTIG_DOC),
-    (m_grouped_fp8_gemm_nt_masked, "fp8", _MASKED_DOC),
-    (m_grouped_fp8_fp4_gemm_nt_contiguous, "fp8_fp4", _CONTIG_DOC),
-    (m_grouped_fp8_fp4_gemm_nt_masked, "fp8_fp4", _MASKED_DOC),
-    (m_grouped_bf16_gemm_nt_contiguous, "bf16", _CONTIG_DOC),
-    (m_grouped_bf16_gemm_nt_masked, "bf16", _MASKED_DOC),
-):
-    _fn.__doc__ = _doc.format(**_FMT[_kind])
+    return _masked("bf16", a, b, d, masked_m, expected_m, backend)
 
 
 # Self-checks and registration
@@ -430,17 +429,8 @@ def _selfcheck_for(op: str, kind: str, masked: bool):
     return check
 
 
-#: (op name, weight kind, masked layout) of every grouped GEMM.
-GROUPED_OPS = (
-    ("m_grouped_fp8_gemm_nt_contiguous", "fp8", False),
-    ("m_grouped_fp8_gemm_nt_masked", "fp8", True),
-    ("m_grouped_fp8_fp4_gemm_nt_contiguous", "fp8_fp4", False),
-    ("m_grouped_fp8_fp4_gemm_nt_masked", "fp8_fp4", True),
-    ("m_grouped_bf16_gemm_nt_contiguous", "bf16", False),
-    ("m_grouped_bf16_gemm_nt_masked", "bf16", True),
-)
-
 for _op, _kind, _masked_layout in GROUPED_OPS:
+    globals()[_op].__doc__ = (_MASKED_DOC if _masked_layout else _CONTIG_DOC).format(**_FMT[_kind])
     register_op(
         OpSpec(
             name=_op,

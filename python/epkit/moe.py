@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from epkit import grouped_gemm as gemm
-from epkit.quant import cast_groups_to_fp8, per_token_group_cast_to_fp8
+from epkit.quant import FP8_BLOCK, cast_groups_to_fp8, per_token_group_cast_to_fp8
 
 __all__ = ["expert_mlp", "expert_mlp_reference", "pack_moe_weight", "unpack_moe_weight", "fuse_gate_up"]
 
@@ -118,8 +118,8 @@ def expert_mlp(
         raise ValueError("the masked layout needs masked_m and expected_m")
     if not masked and m_indices is None:
         raise ValueError("the contiguous layout needs m_indices")
-    if kind != "bf16" and inter % 128:
-        raise ValueError(f"I = {inter} must be a multiple of 128 to re-quantize the intermediate to FP8")
+    if kind != "bf16" and inter % FP8_BLOCK:
+        raise ValueError(f"I = {inter} must be a multiple of {FP8_BLOCK} to re-quantize the intermediate to FP8")
     if kind == "bf16":
         xa = x.to(torch.bfloat16) if isinstance(x, torch.Tensor) else x
     else:

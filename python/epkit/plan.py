@@ -248,9 +248,29 @@ def plan(
     kv_bytes_per_element : float
         KV cache element size (default 1: FP8 KV).
     """
-    from epkit.experts import resolve_num_extra_experts
-
     m = load_model(model) if isinstance(model, str) else model
+    _check_plan_args(weight_format, tokens_per_rank, link_gbps, tp, alpha_us)
+    sizes = resolve_sizes(dp, cp, ep, enp)
+    experts, expert_bytes = _experts(m, sizes["ep"], weight_format, tokens_per_rank, min_num_extra_experts)
+    return Plan(
+        model=m.name,
+        layout={
+            **sizes,
+            "weight_format": weight_format,
+            "tokens_per_rank": tokens_per_rank,
+            "link_gbps": link_gbps,
+            "alpha_us": alpha_us,
+        },
+        experts=experts,
+        expert_bytes=expert_bytes,
+        memory=_memory(m, sizes, expert_bytes["per_rank_per_layer"], kv_bytes_per_element),
+        communication=_communication(m, sizes, tokens_per_rank, tp, link_gbps, alpha_us),
+        ledger=_ledger(m),
+    )
+
+
+def _check_plan_args(weight_format: str, tokens_per_rank, link_gbps, tp, alpha_us) -> None:
+    """ValueError for an unknown weight format or a non-positive size, bandwidth, TP degree or latency."""
     if weight_format not in BYTES_PER_WEIGHT:
         raise ValueError(f"weight_format must be one of {sorted(BYTES_PER_WEIGHT)}, got {weight_format!r}")
     for name, v in (("tokens_per_rank", tokens_per_rank), ("link_gbps", link_gbps)):
@@ -260,38 +280,69 @@ def plan(
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     if alpha_us < 0:
         raise ValueError(f"alpha_us must be >= 0, got {alpha_us!r}")
-    sizes = resolve_sizes(dp, cp, ep, enp)
-    ep_size = sizes["ep"]
+
+
+def _experts(m: ModelConfig, ep_size: int, weight_format: str, tokens_per_rank: int, min_extra: int):
+    """The plan's ``experts`` (accounting) and ``expert_bytes`` (bytes held and read per layer) sections."""
+    from epkit.experts import resolve_num_extra_experts
+
     if ep_size > m.n_routed_experts:
         raise ValueError(
             f"ep_size {ep_size} is larger than the {m.n_routed_experts} routed experts of {m.name}: "
             f"some ranks would hold only redundant copies"
         )
-    extra = resolve_num_extra_experts(m.n_routed_experts, ep_size, min_num_extra_experts)
+    extra = resolve_num_extra_experts(m.n_routed_experts, ep_size, min_extra)
     physical = m.n_routed_experts + extra
     local = physical // ep_size
-    bw = BYTES_PER_WEIGHT[weight_format]
-    per_expert = 3 * m.hidden_size * m.moe_intermediate_size * bw
-    tokens_group = tokens_per_rank * ep_size
-    p_active = 1 - (1 - m.num_experts_per_tok / physical) ** tokens_group
+    per_expert = 3 * m.hidden_size * m.moe_intermediate_size * BYTES_PER_WEIGHT[weight_format]
+    p_active = 1 - (1 - m.num_experts_per_tok / physical) ** (tokens_per_rank * ep_size)
     upper = local * per_expert
-    expected = local * p_active * per_expert
+    experts = {
+        "logical": m.n_routed_experts,
+        "extra": extra,
+        "physical": physical,
+        "local": local,
+        "shared": m.n_shared_experts,
+        "topk": m.num_experts_per_tok,
+    }
+    expert_bytes = {
+        "per_expert": per_expert,
+        "per_rank_per_layer": upper,
+        "read_per_layer_step_upper": upper,
+        "read_per_layer_step_expected": local * p_active * per_expert,
+        "p_expert_active_uniform": p_active,
+    }
+    return experts, expert_bytes
 
+
+def _memory(m: ModelConfig, sizes: dict, experts_per_layer: float, kv_bytes_per_element: float) -> dict:
+    """The plan's ``memory`` section: replicated weights (estimate), experts, Engram rows, KV per token."""
     attn = attention_params(m) * m.num_hidden_layers
     dense_layers = m.num_hidden_layers - m.num_moe_layers
     dense_mlp = 3 * m.hidden_size * m.intermediate_size * dense_layers
     shared = 3 * m.hidden_size * m.moe_intermediate_size * m.n_shared_experts * m.num_moe_layers
     embed = 2 * m.vocab_size * m.hidden_size
     replicated_bytes = (attn + dense_mlp + shared + embed) * 1.0  # FP8 weights for the replicated part
-    experts_rank_bytes = upper * m.num_moe_layers
-    kv_per_token = (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_hidden_layers * kv_bytes_per_element
+    experts_rank_bytes = experts_per_layer * m.num_moe_layers
     engram_rows = sum(m.engram_num_embeddings)
     engram_rank_bytes = 0.0
     if engram_rows:
         align = math.lcm(256, sizes["enp"])
         padded = -(-engram_rows // align) * align
         engram_rank_bytes = padded // sizes["enp"] * m.engram_head_dim * 2.0  # bf16 rows
+    return {
+        "replicated_params_estimate": attn + dense_mlp + shared + embed,
+        "replicated_bytes_fp8_estimate": replicated_bytes,
+        "experts_bytes": experts_rank_bytes,
+        "kv_bytes_per_token": (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_hidden_layers * kv_bytes_per_element,
+        "engram_bytes": engram_rank_bytes,
+        "total_weights_bytes": replicated_bytes + experts_rank_bytes + engram_rank_bytes,
+    }
 
+
+def _communication(m: ModelConfig, sizes: dict, tokens_per_rank: int, tp, link_gbps: float, alpha_us: float) -> dict:
+    """The plan's ``communication`` section: dispatch/combine bytes and the alpha-beta TP vs EP comparison."""
+    ep_size = sizes["ep"]
     dispatch = tokens_per_rank * m.num_experts_per_tok * m.hidden_size * 1
     dispatch_scales = tokens_per_rank * m.num_experts_per_tok * (m.hidden_size // 128) * 4
     combine = tokens_per_rank * m.num_experts_per_tok * m.hidden_size * 2
@@ -299,8 +350,24 @@ def plan(
     ar_bytes = tokens_per_rank * m.hidden_size * 2
     tp_ar_us = _allreduce_us(tp_size, ar_bytes, alpha_us, link_gbps)
     a2a_us = _alltoall_us(ep_size, dispatch, alpha_us, link_gbps) + _alltoall_us(ep_size, combine, alpha_us, link_gbps)
+    return {
+        "dispatch_bytes_per_layer": dispatch,
+        "dispatch_scale_bytes_per_layer": dispatch_scales,
+        "combine_bytes_per_layer": combine,
+        "dispatch_combine_bytes_per_layer": dispatch + combine,
+        "dispatch_combine_us_per_layer": (dispatch + combine) / (link_gbps * 1e9) * 1e6,
+        "ep_all_to_all_us_per_layer_alpha_beta": a2a_us,
+        "tp_all_reduce_us_alpha_beta": tp_ar_us,
+        "tp_size_compared": tp_size,
+        "tp_all_reduce_us_per_step": tp_ar_us * 2 * m.num_hidden_layers,
+        "ep_all_to_all_us_per_step": a2a_us * m.num_moe_layers,
+    }
+
+
+def _ledger(m: ModelConfig) -> dict:
+    """Collectives of one decode step under TP+EP and under DP attention + Wide-EP."""
     L, M = m.num_hidden_layers, m.num_moe_layers
-    ledger = {
+    return {
         "tp_ep": {
             "attention_all_reduce": L,
             "mlp_all_reduce": L,
@@ -316,52 +383,6 @@ def plan(
             "total": 2 * M + 1,
         },
     }
-    return Plan(
-        model=m.name,
-        layout={
-            **sizes,
-            "weight_format": weight_format,
-            "tokens_per_rank": tokens_per_rank,
-            "link_gbps": link_gbps,
-            "alpha_us": alpha_us,
-        },
-        experts={
-            "logical": m.n_routed_experts,
-            "extra": extra,
-            "physical": physical,
-            "local": local,
-            "shared": m.n_shared_experts,
-            "topk": m.num_experts_per_tok,
-        },
-        expert_bytes={
-            "per_expert": per_expert,
-            "per_rank_per_layer": upper,
-            "read_per_layer_step_upper": upper,
-            "read_per_layer_step_expected": expected,
-            "p_expert_active_uniform": p_active,
-        },
-        memory={
-            "replicated_params_estimate": attn + dense_mlp + shared + embed,
-            "replicated_bytes_fp8_estimate": replicated_bytes,
-            "experts_bytes": experts_rank_bytes,
-            "kv_bytes_per_token": kv_per_token,
-            "engram_bytes": engram_rank_bytes,
-            "total_weights_bytes": replicated_bytes + experts_rank_bytes + engram_rank_bytes,
-        },
-        communication={
-            "dispatch_bytes_per_layer": dispatch,
-            "dispatch_scale_bytes_per_layer": dispatch_scales,
-            "combine_bytes_per_layer": combine,
-            "dispatch_combine_bytes_per_layer": dispatch + combine,
-            "dispatch_combine_us_per_layer": (dispatch + combine) / (link_gbps * 1e9) * 1e6,
-            "ep_all_to_all_us_per_layer_alpha_beta": a2a_us,
-            "tp_all_reduce_us_alpha_beta": tp_ar_us,
-            "tp_size_compared": tp_size,
-            "tp_all_reduce_us_per_step": tp_ar_us * 2 * L,
-            "ep_all_to_all_us_per_step": a2a_us * M,
-        },
-        ledger=ledger,
-    )
 
 
 def _mb(x: float) -> str:

@@ -24,6 +24,9 @@ import torch
 __all__ = [
     "FP8_E4M3_MAX",
     "FP4_E2M1_MAX",
+    "FP8_BLOCK",
+    "MXFP4_BLOCK",
+    "NVFP4_BLOCK",
     "ceil_to_ue8m0",
     "per_token_group_cast_to_fp8",
     "per_block_cast_to_fp8",
@@ -38,8 +41,14 @@ __all__ = [
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
+#: Elements per FP8 scale: ``1 x FP8_BLOCK`` activation groups along K, ``FP8_BLOCK x FP8_BLOCK`` weight blocks.
+FP8_BLOCK = 128
+#: Elements per MXFP4 e8m0 scale along K.
+MXFP4_BLOCK = 32
+#: Elements per NVFP4 e4m3 scale along K.
+NVFP4_BLOCK = 16
 # Scales are amax times this, on every device: torch on CUDA divides by a Python scalar as a multiply by its
-# reciprocal, so amax / 448 gave other bits on a GPU than on the CPU (seen on an H200: 1797 of 4M e4m3 codes).
+# reciprocal, so amax / 448 gives other bits on a GPU than on the CPU.
 _INV_FP8_MAX = 1.0 / FP8_E4M3_MAX
 _AMAX_EPS = 1e-4
 # e2m1 magnitudes by 3-bit code (sign is bit 3).
@@ -84,7 +93,7 @@ def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def per_token_group_cast_to_fp8(
-    x: torch.Tensor, group_size: int = 128, ue8m0: bool = False
+    x: torch.Tensor, group_size: int = FP8_BLOCK, ue8m0: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to e4m3 with one float32 scale per ``1 x group_size`` group.
 
@@ -109,7 +118,7 @@ def per_token_group_cast_to_fp8(
     return cast_groups_to_fp8(x, group_size, ue8m0)
 
 
-def cast_groups_to_fp8(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False):
+def cast_groups_to_fp8(x: torch.Tensor, group_size: int = FP8_BLOCK, ue8m0: bool = False):
     """:func:`per_token_group_cast_to_fp8` without its checks, which read ``x`` on the host (a device sync).
 
     For stream-ordered callers (the low-latency dispatch); non-finite input gives unspecified rows.
@@ -126,7 +135,7 @@ def cast_groups_to_fp8(x: torch.Tensor, group_size: int = 128, ue8m0: bool = Fal
     return q, scale.contiguous()
 
 
-def dequant_per_token_group_fp8(q: torch.Tensor, scale: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+def dequant_per_token_group_fp8(q: torch.Tensor, scale: torch.Tensor, group_size: int = FP8_BLOCK) -> torch.Tensor:
     """Inverse of :func:`per_token_group_cast_to_fp8`.
 
     Parameters
@@ -152,7 +161,7 @@ def dequant_per_token_group_fp8(q: torch.Tensor, scale: torch.Tensor, group_size
 
 
 def per_block_cast_to_fp8(
-    w: torch.Tensor, block: tuple[int, int] = (128, 128), ue8m0: bool = False
+    w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), ue8m0: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize weights to e4m3 with one float32 scale per ``block`` of the last two dims.
 
@@ -187,7 +196,9 @@ def per_block_cast_to_fp8(
     return q, scale.contiguous()
 
 
-def dequant_per_block_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def dequant_per_block_fp8(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+) -> torch.Tensor:
     """Inverse of :func:`per_block_cast_to_fp8`.
 
     Parameters
@@ -257,9 +268,9 @@ def cast_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     _check_float(w, "w")
     k = w.shape[-1]
-    if k % 32:
-        raise ValueError(f"w's last dim K = {k} must be a multiple of 32 (the MXFP4 block)")
-    wv = w.float().reshape(*w.shape[:-1], k // 32, 32)
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"w's last dim K = {k} must be a multiple of {MXFP4_BLOCK} (the MXFP4 block)")
+    wv = w.float().reshape(*w.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = wv.abs().amax(dim=-1).clamp(min=2.0**-126)
     exp = torch.ceil(torch.log2(amax * (1.0 / FP4_E2M1_MAX))).clamp(-127, 127)  # as a GPU computes it
     codes = _e2m1_encode(wv / torch.pow(2.0, exp).unsqueeze(-1)).reshape(w.shape)
@@ -281,9 +292,11 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"packed and scale must be uint8, got {packed.dtype} and {scale.dtype}")
     k = packed.shape[-1] * 2
-    if k % 32 or tuple(scale.shape) != (*packed.shape[:-1], k // 32):
-        raise ValueError(f"scale must have shape {(*packed.shape[:-1], k // 32)} for packed {tuple(packed.shape)}")
-    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // 32, 32)
+    if k % MXFP4_BLOCK or tuple(scale.shape) != (*packed.shape[:-1], k // MXFP4_BLOCK):
+        raise ValueError(
+            f"scale must have shape {(*packed.shape[:-1], k // MXFP4_BLOCK)} for packed {tuple(packed.shape)}"
+        )
+    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
     s = torch.pow(2.0, scale.float() - 127.0)
     return (vals * s.unsqueeze(-1)).reshape(*packed.shape[:-1], k)
 
@@ -305,12 +318,12 @@ def cast_to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """
     _check_float(w, "w")
     k = w.shape[-1]
-    if k % 16:
-        raise ValueError(f"w's last dim K = {k} must be a multiple of 16 (the NVFP4 block)")
+    if k % NVFP4_BLOCK:
+        raise ValueError(f"w's last dim K = {k} must be a multiple of {NVFP4_BLOCK} (the NVFP4 block)")
     wf = w.float()
     amax = wf.abs().amax() if wf.numel() else torch.zeros((), device=w.device)
     gscale = amax.clamp(min=_AMAX_EPS) * (1.0 / (FP8_E4M3_MAX * FP4_E2M1_MAX))  # as a GPU computes it
-    wv = wf.reshape(*w.shape[:-1], k // 16, 16)
+    wv = wf.reshape(*w.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
     block = wv.abs().amax(dim=-1) / (FP4_E2M1_MAX * gscale)
     scale = block.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     eff = scale.float() * gscale
@@ -336,8 +349,10 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
     if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
         raise ValueError(f"packed must be uint8 and scale float8_e4m3fn, got {packed.dtype} and {scale.dtype}")
     k = packed.shape[-1] * 2
-    if k % 16 or tuple(scale.shape) != (*packed.shape[:-1], k // 16):
-        raise ValueError(f"scale must have shape {(*packed.shape[:-1], k // 16)} for packed {tuple(packed.shape)}")
-    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // 16, 16)
+    if k % NVFP4_BLOCK or tuple(scale.shape) != (*packed.shape[:-1], k // NVFP4_BLOCK):
+        raise ValueError(
+            f"scale must have shape {(*packed.shape[:-1], k // NVFP4_BLOCK)} for packed {tuple(packed.shape)}"
+        )
+    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
     g = float(global_scale) if not isinstance(global_scale, torch.Tensor) else global_scale.float()
     return (vals * (scale.float() * g).unsqueeze(-1)).reshape(*packed.shape[:-1], k)

@@ -1,6 +1,6 @@
 """The CPU path of ``epkit.engram.engram_hash`` (backend ``cpu``): a division-free floor-mod in vectorised torch.
 
-``_float_mod_table`` also feeds the TileLang C kernel (``kernels/tilelang/engram.py``), which
+``float_mod_table`` also feeds the TileLang C kernel (``kernels/tilelang/engram.py``), which
 uses the same split-residue scheme.
 """
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["_float_mod_table", "_engram_hash_cpu"]
+__all__ = ["float_mod_table", "engram_hash_cpu"]
 
 _CHUNK_BITS = 21
 _CHUNK_MASK = (1 << _CHUNK_BITS) - 1
@@ -19,7 +19,7 @@ _CHUNK_MASK = (1 << _CHUNK_BITS) - 1
 _ROUND_MAGIC = 1.5 * 2.0**52
 
 
-def _float_mod_table(vocab_sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def float_mod_table(vocab_sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Per-head constants of the division-free floor-mod used by the CPU kernels.
 
     For a wrapped int64 ``x`` split into 21-bit chunks ``x = a2 * 2**42 + a1 * 2**21 + a0``
@@ -62,15 +62,15 @@ def _cpu_pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epkit-engram")
 
 
-def _engram_hash_cpu(ids, mult, vocab, off, out, chunk: int = 1 << 11) -> None:
-    """Vectorised torch, the division-free floor-mod of :func:`_float_mod_table` (int64 wraps).
+def engram_hash_cpu(ids, mult, vocab, off, out, chunk: int = 1 << 11) -> None:
+    """Vectorised torch, the division-free floor-mod of :func:`float_mod_table` (int64 wraps).
 
     Work arrays are ``[N-1, K, chunk]`` (tokens innermost): long inner loops, yet below torch's
     intra-op grain size, so each op runs inline; token ranges go to ``torch.get_num_threads()``
     threads instead (torch ops release the GIL).
     """
     num_layers, orders, heads = vocab.shape
-    table = _float_mod_table(vocab, off).view(num_layers, 6, orders, heads, 1)
+    table = float_mod_table(vocab, off).view(num_layers, 6, orders, heads, 1)
     magic = torch.tensor(_ROUND_MAGIC, dtype=torch.float64)
 
     def run(begin: int, end: int) -> None:

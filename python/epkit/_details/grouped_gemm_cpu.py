@@ -10,15 +10,21 @@ padding rows and empty groups are skipped. Inputs arrive validated.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
 import torch
 
-from epkit.quant import dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
+from epkit.quant import (
+    FP8_BLOCK,
+    MXFP4_BLOCK,
+    dequant_mxfp4,
+    dequant_per_block_fp8,
+    dequant_per_token_group_fp8,
+)
 
-_SF_K = 128  # activation / weight scale granularity along K (fp8)
-_FP4_BLOCK = 32
+__all__ = ["cpu_contiguous", "cpu_masked", "dequant_extension", "amx_kernel", "amx_disabled", "compute_dtype"]
 
 
 @functools.cache
@@ -30,8 +36,8 @@ def _fast_bf16_matmul() -> bool:
 
 
 @functools.cache
-def _ext():
-    """``epkit._C`` when it has the fused dequantizer, else None (torch fallback, same bits)."""
+def dequant_extension():
+    """``epkit._C`` when it has the fused dequantizer ``dequant_blocks``, else None (torch fallback, same bits)."""
     try:
         from epkit import _C
     except ImportError:
@@ -40,9 +46,12 @@ def _ext():
 
 
 @functools.cache
-def _amx():
-    """``epkit._C`` when it has the AMX grouped GEMM and this CPU/OS allow AMX tiles, else None."""
-    ext = _ext()
+def amx_kernel():
+    """``epkit._C`` when it has the AMX grouped GEMM and this CPU/OS allow AMX tiles, else None.
+
+    Whether a call uses it also depends on :func:`amx_disabled` and the call's output dtype and K.
+    """
+    ext = dequant_extension()
     if ext is None or not hasattr(ext, "grouped_gemm_amx"):
         return None
     try:
@@ -62,11 +71,23 @@ def _amx_ok(kind: str, a, b, d) -> bool:
         and d.device.type == "cpu"
         and a.shape[-1] > 0
         and a.shape[-1] % 32 == 0
-        and _amx() is not None
+        and amx_kernel() is not None
     )
 
 
-_AMX_ENABLED = [True]  # tests switch it off to compare against the unfused path
+_AMX_ENABLED = [True]  # amx_disabled() (and tests, by monkeypatching) switch it off: the unfused path runs
+
+
+@contextlib.contextmanager
+def amx_disabled():
+    """Within the block, the cpu backend does not use the AMX kernel (the unfused path runs, as on CPUs
+    without AMX); the previous setting comes back on exit. Not thread-safe: one switch per process."""
+    before = _AMX_ENABLED[0]
+    _AMX_ENABLED[0] = False
+    try:
+        yield
+    finally:
+        _AMX_ENABLED[0] = before
 
 
 def _amx_run(kind: str, a, sfa, b, sfb, d, tasks: list) -> None:
@@ -77,7 +98,7 @@ def _amx_run(kind: str, a, sfa, b, sfb, d, tasks: list) -> None:
     a_code, b_code = _KIND_CODES[kind]
     b = _inner_contig(b)
     sfb = None if sfb is None else _inner_contig(sfb)
-    _amx().grouped_gemm_amx(
+    amx_kernel().grouped_gemm_amx(
         a_code,
         b_code,
         _OUT_CODE[d.dtype],
@@ -154,7 +175,7 @@ class _Dequant:
         self.jobs.append((kind, out, _inner_contig(q), _inner_contig(s), row_block, rows))
 
     def run(self, simd: bool = True) -> None:
-        ext = _ext()
+        ext = dequant_extension()
         if ext is None or any(j[1].device.type != "cpu" or j[1].stride(-1) != 1 for j in self.jobs):
             for kind, out, q, s, row_block, rows in self.jobs:
                 if rows is not None:
@@ -162,9 +183,9 @@ class _Dequant:
                 if kind == "fp8_fp4":
                     out.copy_(dequant_mxfp4(q, s))
                 elif row_block == 1:
-                    out.copy_(dequant_per_token_group_fp8(q, s, _SF_K))
+                    out.copy_(dequant_per_token_group_fp8(q, s, FP8_BLOCK))
                 else:
-                    out.copy_(dequant_per_block_fp8(q, s, (row_block, _SF_K)))
+                    out.copy_(dequant_per_block_fp8(q, s, (row_block, FP8_BLOCK)))
             return
         specs = []
         for kind, out, q, s, row_block, rows in self.jobs:
@@ -174,13 +195,15 @@ class _Dequant:
             specs.append(
                 (int(fp4), _OUT_CODE[out.dtype], o3.data_ptr(), o3.stride(0), o3.stride(1))
                 + (q3.data_ptr(), q3.stride(0), q3.stride(1), s3.data_ptr(), s3.stride(0), s3.stride(1))
-                + (batches, nrows, k, 1 if fp4 else row_block, _FP4_BLOCK if fp4 else _SF_K)
+                + (batches, nrows, k, 1 if fp4 else row_block, MXFP4_BLOCK if fp4 else FP8_BLOCK)
                 + (0 if rows is None else rows.data_ptr(),)
             )
         ext.dequant_blocks(specs, torch.get_num_threads(), simd)
 
 
-def _compute_dtype(d: torch.Tensor) -> torch.dtype:
+def compute_dtype(d: torch.Tensor) -> torch.dtype:
+    """Operand dtype of the unfused path's matmuls for output ``d``: bfloat16 for a bf16 ``d`` on a CPU with
+    fast bf16 matmuls, else float32."""
     return torch.bfloat16 if (d.dtype == torch.bfloat16 and _fast_bf16_matmul()) else torch.float32
 
 
@@ -194,7 +217,7 @@ def _weights(deq: _Dequant | None, kind: str, b, sfb, live: list[int], cd: torch
             return b
         return b[torch.tensor(live, dtype=torch.long, device=b.device)].to(cd)
     out = buf.view(len(live), b.shape[1], -1)
-    row_block = 128 if kind == "fp8" else 1
+    row_block = FP8_BLOCK if kind == "fp8" else 1
     if len(live) == b.shape[0]:
         deq.add(kind, out, b, sfb, row_block)  # every expert in one job
     else:
@@ -234,7 +257,9 @@ def _even_stride(starts: list[int], cnt: list[int]) -> int | None:
     return stride
 
 
-def _cpu_contiguous(kind, a, sfa, b, sfb, d, m_indices) -> None:
+def cpu_contiguous(kind, a, sfa, b, sfb, d, m_indices) -> None:
+    """Contiguous layout on validated CPU inputs: ``d[i] = a[i] @ b[m_indices[i]].T``, zeros where ``m_indices``
+    is -1 (see :mod:`epkit.grouped_gemm`; ``sfa``/``sfb`` None for bf16)."""
     counts, order = _group_rows(m_indices, b.shape[0])
     live = [grp for grp, c in enumerate(counts) if c]
     if live:
@@ -265,7 +290,7 @@ def _cpu_contiguous(kind, a, sfa, b, sfb, d, m_indices) -> None:
 
 def _cpu_contiguous_unfused(kind, a, sfa, b, sfb, d, counts, order, live, offs, firsts, lasts, is_slice) -> None:
     """Dequantize every live group in one pass, then torch matmuls (the path without AMX)."""
-    cd = _compute_dtype(d)
+    cd = compute_dtype(d)
     n, k = b.shape[1], a.shape[1]
     if kind == "bf16":
         w = _weights(None, kind, b, None, live, cd, None)
@@ -296,8 +321,10 @@ def _cpu_contiguous_unfused(kind, a, sfa, b, sfb, d, counts, order, live, offs, 
                 d.index_copy_(0, order[offs[i] : offs[i + 1]], torch.matmul(x, w[i].T).to(d.dtype))
 
 
-def _cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:
-    cd = _compute_dtype(d)
+def cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:
+    """Masked layout on validated CPU inputs: ``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T``, other rows
+    untouched."""
+    cd = compute_dtype(d)
     n, k = b.shape[1], a.shape[2]
     counts = masked_m.tolist()
     live = [grp for grp, c in enumerate(counts) if c]

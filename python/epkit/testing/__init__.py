@@ -1,4 +1,4 @@
-"""The verification ladder as shared test utilities (see DESIGN.md).
+"""The verification ladder as shared test utilities (see ARCHITECTURE.md).
 
 Rung 1-2 comparisons
     calc_diff, assert_diff, assert_bitwise_equal

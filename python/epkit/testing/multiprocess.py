@@ -123,20 +123,8 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     ctx = mp.get_context("spawn")
-    store = None
-    port = 0
-    if init_dist:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            world_size=None,
-            is_master=True,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
-        port = store.port
+    store = _host_store(timeout) if init_dist else None
+    port = store.port if store is not None else 0
     # One pipe per rank, whose write end only that rank holds: a rank that dies, even in the middle
     # of sending a large result, reads as end-of-file instead of leaving a shared queue half-written.
     readers, writers, procs = {}, [], []
@@ -157,39 +145,63 @@ def run_ranks(
             p.start()
         for wr in writers:
             wr.close()
-        deadline = time.monotonic() + timeout
-        out: dict[int, object] = {}
-        while len(out) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pending = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(
-                    f"ranks {pending} of {world_size} did not finish within {timeout:.0f} s; killed all ranks"
-                )
-            waiting = {readers[r]: r for r in range(world_size) if r not in out}
-            for conn in mp_connection.wait(list(waiting), timeout=min(left, 0.5)):
-                r = waiting[conn]
-                try:
-                    kind, rank, payload = conn.recv()
-                except (EOFError, OSError):  # exited (or was killed) without a complete report
-                    procs[r].join(1.0)
-                    if r in may_die:
-                        out[r] = None
-                        continue
-                    raise RankError(
-                        r, "ProcessDied", f"process exited with code {procs[r].exitcode} without reporting"
-                    ) from None
-                except Exception as exc:  # the report arrived but cannot be unpickled here
-                    raise RankError(r, type(exc).__name__, f"its result could not be unpickled: {exc}") from exc
-                if kind == "err":
-                    raise RankError(rank, payload[0], payload[1])
-                out[rank] = payload
-        return [out[r] for r in range(world_size)]
+        return _collect(readers, procs, timeout, may_die)
     finally:
         _kill(procs)
         for conn in [*readers.values(), *writers]:  # writers too: a failed start leaves them open
             conn.close()
         del store
+
+
+def _host_store(timeout: float):
+    """The TCP store the ranks join, hosted by this process on a port the OS picks (no port races)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size=None,
+        is_master=True,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+
+
+def _collect(readers: dict, procs: list, timeout: float, may_die: tuple[int, ...]) -> list:
+    """Every rank's result, by rank, read from its pipe within ``timeout`` seconds of now.
+
+    Raises RankError for the first rank that reports an exception or dies without reporting (unless it is
+    in ``may_die``: its result is None), TimeoutError when the deadline passes first.
+    """
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    out: dict[int, object] = {}
+    while len(out) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pending = sorted(set(range(world_size)) - set(out))
+            raise TimeoutError(
+                f"ranks {pending} of {world_size} did not finish within {timeout:.0f} s; killed all ranks"
+            )
+        waiting = {readers[r]: r for r in range(world_size) if r not in out}
+        for conn in mp_connection.wait(list(waiting), timeout=min(left, 0.5)):
+            r = waiting[conn]
+            try:
+                kind, rank, payload = conn.recv()
+            except (EOFError, OSError):  # exited (or was killed) without a complete report
+                procs[r].join(1.0)
+                if r in may_die:
+                    out[r] = None
+                    continue
+                raise RankError(
+                    r, "ProcessDied", f"process exited with code {procs[r].exitcode} without reporting"
+                ) from None
+            except Exception as exc:  # the report arrived but cannot be unpickled here
+                raise RankError(r, type(exc).__name__, f"its result could not be unpickled: {exc}") from exc
+            if kind == "err":
+                raise RankError(rank, payload[0], payload[1])
+            out[rank] = payload
+    return [out[r] for r in range(world_size)]
 
 
 def ranks(world_size: int, timeout: float | None = None):
