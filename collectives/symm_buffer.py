@@ -90,7 +90,7 @@ class SymmBuffer:
         self.num_bytes = num_bytes
         self.num_signals = num_signals
         self.timeout = timeout
-        name = transports.choose(group) if transport == "auto" else transport
+        name = transport if transport != "auto" else transports.choose(group)
         self.impl = transports.create(name, group, self.rank, self.world_size, num_bytes, num_signals)
         self.nvshmem_provider, self.nvshmem_note = self.impl.provider, self.impl.note
         self.local = self.impl.local

@@ -1,5 +1,5 @@
 // Low-precision number formats shared by the CPU kernels of epkit._C (grouped_gemm_dequant.cpp,
-// grouped_gemm_amx.cpp, reduce_rows.cpp): exact e4m3 / e2m1 / e8m0 -> float32 decoding,
+// grouped_gemm_amx.cpp, ep_rows.cpp): exact e4m3 / e2m1 / e8m0 -> float32 decoding,
 // float32 -> bfloat16 rounding (nearest even, NaN -> 0x7FC0, torch's conversion), and the
 // AVX-512 row dequantizers. Every function is inline; files that include this header keep
 // their own anonymous namespaces.

@@ -14,7 +14,6 @@ its exchanges are two-sided collectives (:meth:`Transport.all_to_all`).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 
 import torch
 
@@ -161,20 +160,9 @@ class Transport(abc.ABC):
         """
         raise NotImplementedError(f"the {self.name} transport has no signal words")
 
-    def wait_deferred(
-        self,
-        off: int,
-        count: int,
-        cmp: str,
-        value: int,
-        timeout: float,
-        checks,
-        judge: Callable,
-        what: str,
-        abort_words: int = 0,
-        skip_on_sticky: bool = True,
-    ) -> None:
-        """:meth:`wait` queued on the stream, its result judged by ``checks`` (a DeferredChecks) later."""
+    def wait_deferred(self, off, count, cmp, value, timeout, checks, judge, what, abort_words=0, skip_on_sticky=True):
+        """:meth:`wait` queued on the stream, its 2-word result judged later by ``judge`` through ``checks`` (a
+        DeferredChecks); ``what`` names the wait; ``skip_on_sticky``: return at once after a failed deferred wait."""
         raise NotImplementedError(f"the {self.name} transport has no stream-ordered waits")
 
     def put_signal(self, dst: int, dst_off: int, src: torch.Tensor, nbytes: int, sig_off: int, value: int, guarded):

@@ -148,19 +148,7 @@ class NvshmemTransport(Transport):
         seen, failed = (v & MASK64 for v in self._result.tolist())
         return seen, (None if failed == 0 else failed - 1)
 
-    def wait_deferred(
-        self,
-        off: int,
-        count: int,
-        cmp: str,
-        value: int,
-        timeout: float,
-        checks,
-        judge,
-        what: str,
-        abort_words: int = 0,
-        skip_on_sticky: bool = True,
-    ) -> None:
+    def wait_deferred(self, off, count, cmp, value, timeout, checks, judge, what, abort_words=0, skip_on_sticky=True):
         """:meth:`wait` without the host: the wait kernel writes its 2-word result into pinned host memory and
         ``checks`` judges it once the stream has passed it. Returns at once.
 

@@ -274,14 +274,7 @@ def engram_hash_tokens_cpu(ids: torch.Tensor, mult: torch.Tensor, table: torch.T
     run_rows_parallel(kernel, num_tokens, lambda k, s, e: k(flat, mult, table, out, s, e), min_rows_per_thread=4096)
 
 
-def engram_hash_tokens(
-    ids: torch.Tensor,
-    mult: torch.Tensor,
-    vocab: torch.Tensor,
-    inv: torch.Tensor,
-    off: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
+def engram_hash_tokens(ids, mult, vocab, inv, off, out) -> None:
     """Launch the CUDA kernel on validated, contiguous GPU tensors: ``ids [T, N] int32``,
     ``mult [L, N] int64``, ``vocab / off [L, H] int64``, ``inv [L, H] float64``, ``out [L, T, H] int32``."""
     num_layers, num_tokens, num_heads = out.shape

@@ -11,7 +11,6 @@ checks it against the reference and times it.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -64,14 +63,7 @@ def _engram_hash_kernel(
 BLOCK_T = 128
 
 
-def engram_hash_tokens(
-    ids: torch.Tensor,
-    mult: torch.Tensor,
-    vocab: torch.Tensor,
-    inv: torch.Tensor,
-    off: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
+def engram_hash_tokens(ids, mult, vocab, inv, off, out) -> None:
     """Launch on validated, contiguous tensors: ``ids [T, N] int32``, ``mult [L, N] int64``,
     ``vocab / off [L, H] int64``, ``inv [L, H] float64``, ``out [L, T, H] int32``."""
     num_layers, num_tokens, num_heads = out.shape

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = [
+    "ALL_BACKENDS_CPU",
+    "ALL_BACKENDS_CUDA",
     "BACKENDS",
     "BackendUnavailableError",
     "BackendInfo",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 BACKENDS = ("reference", "cpu", "tilelang", "triton")
+#: Backend preferences of an op that has every backend: CPU tensors (fastest CPU path first), CUDA tensors.
+ALL_BACKENDS_CPU = ("cpu", "tilelang", "reference", "triton")
+ALL_BACKENDS_CUDA = ("triton", "tilelang", "reference")
 
 _INSTALL_HINT = {
     "triton": "pip install 'epkit[kernels]' (triton==3.9.0)",
@@ -150,8 +155,8 @@ class OpSpec:
     cpu: tuple[str, ...]
     cuda: tuple[str, ...]
     doc: str = ""
-    #: ``selfcheck(backend)`` runs the op on small CPU inputs and raises if it
-    #: disagrees with the reference (used by ``epkit selfcheck``).
+    #: ``selfcheck(backend, device="cpu")`` runs the op on small inputs on ``device`` and raises if it
+    #: disagrees with the reference (used by ``epkit selfcheck`` and ``bench/kernel_check.py``).
     selfcheck: Callable[[str], None] | None = None
 
     @property

@@ -59,7 +59,7 @@ from epkit._details.cp_mirror_host import (
     plan_batch,
     validate_cp_args,
 )
-from epkit.backends import OpSpec, register_op, select
+from epkit.backends import ALL_BACKENDS_CPU, ALL_BACKENDS_CUDA, OpSpec, register_op, select
 from epkit.gather import gather_rows
 
 __all__ = [
@@ -414,15 +414,8 @@ def _selfcheck(backend: str, device: str = "cpu") -> None:
                 raise AssertionError(f"prepare_cp_mirror[{backend}] {cp_size=} {cp_rank=} differs: {diff}")
 
 
-SPEC = register_op(
-    OpSpec(
-        name="prepare_cp_mirror",
-        cpu=("cpu", "tilelang", "reference", "triton"),
-        cuda=("triton", "tilelang", "reference"),
-        doc="zigzag CP mirror layout: index, reverse index, per-ratio key ranges",
-        selfcheck=_selfcheck,
-    )
-)
+_DOC = "zigzag CP mirror layout: index, reverse index, per-ratio key ranges"
+SPEC = register_op(OpSpec("prepare_cp_mirror", ALL_BACKENDS_CPU, ALL_BACKENDS_CUDA, _DOC, _selfcheck))
 
 
 def random_batch(num_seqs: int, total_q: int, max_prefix: int = 0, seed: int = 0):

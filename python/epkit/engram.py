@@ -35,7 +35,7 @@ import torch
 
 from epkit._details.engram_cpu import engram_hash_cpu, float_mod_table
 from epkit._details.engram_params import INT32_MAX, check_ids, hash_params_np, is_prime, kernel_tables
-from epkit.backends import OpSpec, register_op, select
+from epkit.backends import ALL_BACKENDS_CUDA, OpSpec, register_op, select
 
 __all__ = [
     "EngramConfig",
@@ -478,12 +478,8 @@ def _selfcheck(backend: str, device: str = "cpu") -> None:
         raise AssertionError(f"engram_hash[{backend}] differs from the reference")
 
 
+_DOC = "Engram n-gram hash rows: XOR of id*multiplier, mod prime head sizes, plus offsets"
+# The TileLang C kernel is the fastest CPU path here.
 SPEC = register_op(
-    OpSpec(
-        name="engram_hash",
-        cpu=("tilelang", "cpu", "reference", "triton"),
-        cuda=("triton", "tilelang", "reference"),
-        doc="Engram n-gram hash rows: XOR of id*multiplier, mod prime head sizes, plus offsets",
-        selfcheck=_selfcheck,
-    )
+    OpSpec("engram_hash", ("tilelang", "cpu", "reference", "triton"), ALL_BACKENDS_CUDA, _DOC, _selfcheck)
 )

@@ -433,12 +433,7 @@ def _selfcheck(backend: str, device: str = "cpu") -> None:
             raise AssertionError(f"logical_to_physical[{backend}] differs from the reference at ep_rank={rank}")
 
 
+_DOC = "logical expert ids -> physical replica ids (prefer the own rank, else round-robin by token)"
 SPEC = register_op(
-    OpSpec(
-        name="logical_to_physical",
-        cpu=("cpu", "reference", "triton"),
-        cuda=("triton", "reference"),
-        doc="logical expert ids -> physical replica ids (prefer the own rank, else round-robin by token)",
-        selfcheck=_selfcheck,
-    )
+    OpSpec("logical_to_physical", ("cpu", "reference", "triton"), ("triton", "reference"), _DOC, _selfcheck)
 )

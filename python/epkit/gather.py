@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from epkit.backends import OpSpec, register_op, select
+from epkit.backends import ALL_BACKENDS_CPU, ALL_BACKENDS_CUDA, OpSpec, register_op, select
 
 __all__ = ["gather_rows", "gather_rows_reference"]
 
@@ -160,10 +160,6 @@ def _selfcheck(backend: str, device: str = "cpu") -> None:
 
 SPEC = register_op(
     OpSpec(
-        name="gather_rows",
-        cpu=("cpu", "tilelang", "reference", "triton"),
-        cuda=("triton", "tilelang", "reference"),
-        doc="out[i] = x[index[i]], zero rows at index -1",
-        selfcheck=_selfcheck,
+        "gather_rows", ALL_BACKENDS_CPU, ALL_BACKENDS_CUDA, "out[i] = x[index[i]], zero rows at index -1", _selfcheck
     )
 )

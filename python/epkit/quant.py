@@ -277,6 +277,14 @@ def cast_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _pack_nibbles(codes), (exp + 127).to(torch.uint8).contiguous()
 
 
+def _fp4_blocks(packed: torch.Tensor, scale: torch.Tensor, block: int) -> tuple[int, torch.Tensor]:
+    """``(K, values [..., K // block, block] float32)`` of packed e2m1 codes, after checking ``scale``'s shape."""
+    k = packed.shape[-1] * 2
+    if k % block or tuple(scale.shape) != (*packed.shape[:-1], k // block):
+        raise ValueError(f"scale must have shape {(*packed.shape[:-1], k // block)} for packed {tuple(packed.shape)}")
+    return k, e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // block, block)
+
+
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`cast_to_mxfp4`.
 
@@ -291,12 +299,7 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"packed and scale must be uint8, got {packed.dtype} and {scale.dtype}")
-    k = packed.shape[-1] * 2
-    if k % MXFP4_BLOCK or tuple(scale.shape) != (*packed.shape[:-1], k // MXFP4_BLOCK):
-        raise ValueError(
-            f"scale must have shape {(*packed.shape[:-1], k // MXFP4_BLOCK)} for packed {tuple(packed.shape)}"
-        )
-    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
+    k, vals = _fp4_blocks(packed, scale, MXFP4_BLOCK)
     s = torch.pow(2.0, scale.float() - 127.0)
     return (vals * s.unsqueeze(-1)).reshape(*packed.shape[:-1], k)
 
@@ -348,11 +351,6 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
     """
     if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
         raise ValueError(f"packed must be uint8 and scale float8_e4m3fn, got {packed.dtype} and {scale.dtype}")
-    k = packed.shape[-1] * 2
-    if k % NVFP4_BLOCK or tuple(scale.shape) != (*packed.shape[:-1], k // NVFP4_BLOCK):
-        raise ValueError(
-            f"scale must have shape {(*packed.shape[:-1], k // NVFP4_BLOCK)} for packed {tuple(packed.shape)}"
-        )
-    vals = e2m1_to_float(_unpack_nibbles(packed)).reshape(*packed.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
+    k, vals = _fp4_blocks(packed, scale, NVFP4_BLOCK)
     g = float(global_scale) if not isinstance(global_scale, torch.Tensor) else global_scale.float()
     return (vals * (scale.float() * g).unsqueeze(-1)).reshape(*packed.shape[:-1], k)

@@ -1,4 +1,4 @@
-// Fused row reductions for combine on CPU:
+// The row moves of collectives/_details/ep_rows.py on CPU. Fused row reductions for combine:
 //
 //   out[t, :] = cast( sum_{k < K, src[t,k] != 0} (w[t,k] *) float(src[t,k][:]) + sum_b float(bias_b[t, :]) )
 //

@@ -1,0 +1,336 @@
+"""The architecture rules (ARCHITECTURE.md) as tests: the previous public API still imports, transports are
+one interface, kernel files are leaves, leading-underscore names stay in their file, files and functions are
+short, and library code repeats no block of six lines."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: Source folder -> the package it installs as (setup.py's package_dir).
+PACKAGES = {"python/epkit": "epkit", "kernels": "epkit.kernels", "collectives": "epkit.collectives"}
+LIBRARY = tuple(PACKAGES)
+COMPILED = ("epkit._C", "epkit._C_cuda")
+
+# Every module's public names at f8953e6 (the release before the layout change): ``__all__`` where the module
+# had one, else its top-level functions and classes without a leading underscore. Written down once, by
+# reading that commit's sources; it must keep importing, from the same paths.
+PREVIOUS_API = {
+    "epkit": [
+        "BackendUnavailableError",
+        "CPMirror",
+        "EPBuffer",
+        "EngramConfig",
+        "EngramLayer",
+        "ExpertPlacement",
+        "PeerFailedError",
+        "ShardedEngramTable",
+        "SymmBuffer",
+        "__version__",
+        "backends",
+        "build_m_indices",
+        "engram_hash",
+        "eplb",
+        "expert_mlp",
+        "from_mirror",
+        "fused_moe",
+        "gather_rows",
+        "get_mk_alignment_for_contiguous_layout",
+        "hash_params",
+        "hash_tokens",
+        "lockstep",
+        "logical_to_physical",
+        "m_grouped_bf16_gemm_nt_contiguous",
+        "m_grouped_bf16_gemm_nt_masked",
+        "m_grouped_fp8_fp4_gemm_nt_contiguous",
+        "m_grouped_fp8_fp4_gemm_nt_masked",
+        "m_grouped_fp8_gemm_nt_contiguous",
+        "m_grouped_fp8_gemm_nt_masked",
+        "model",
+        "prepare_cp_mirror",
+        "quant",
+        "registered_ops",
+        "resolve_num_extra_experts",
+        "to_mirror",
+        "topology",
+    ],
+    "epkit.backends": [
+        "BACKENDS",
+        "BackendInfo",
+        "BackendUnavailableError",
+        "OpSpec",
+        "backend_info",
+        "register_op",
+        "registered_ops",
+        "select",
+    ],
+    "epkit.cli": ["build_parser", "cmd_info", "cmd_plan", "cmd_selfcheck", "collect_info", "main"],
+    "epkit.collectives": [],
+    "epkit.collectives.cp": ["CPGroup", "cp_broadcast_object", "cp_broadcast_tensor_dict"],
+    "epkit.collectives.ep_buffer": ["DispatchHandle", "EPBuffer", "LowLatencyHandle"],
+    "epkit.collectives.ep_reference": ["reference_combine", "reference_dispatch", "reference_layout"],
+    "epkit.collectives.fused_moe": ["fused_moe"],
+    "epkit.collectives.symm_buffer": ["PeerFailedError", "SymmBuffer", "TRANSPORTS"],
+    "epkit.cp": ["CPMirror", "from_mirror", "prepare_cp_mirror", "prepare_cp_mirror_reference", "to_mirror"],
+    "epkit.engram": [
+        "DEMO_NGRAM_VOCAB_SIZE",
+        "EngramConfig",
+        "engram_hash",
+        "engram_hash_reference",
+        "hash_params",
+        "hash_tokens",
+    ],
+    "epkit.engram_layer": ["EngramLayer"],
+    "epkit.engram_table": ["ShardedEngramTable", "engram_table_partition"],
+    "epkit.eplb": [
+        "ExpertLoadCounter",
+        "balanced_packing",
+        "gpu_load",
+        "imbalance",
+        "rebalance_experts",
+        "replicate_experts",
+    ],
+    "epkit.experts": [
+        "ExpertPlacement",
+        "logical_to_physical",
+        "logical_to_physical_reference",
+        "resolve_num_extra_experts",
+    ],
+    "epkit.gather": ["gather_rows", "gather_rows_reference"],
+    "epkit.gemm": [
+        "build_m_indices",
+        "get_mk_alignment_for_contiguous_layout",
+        "grouped_gemm_reference",
+        "m_grouped_bf16_gemm_nt_contiguous",
+        "m_grouped_bf16_gemm_nt_masked",
+        "m_grouped_fp8_fp4_gemm_nt_contiguous",
+        "m_grouped_fp8_fp4_gemm_nt_masked",
+        "m_grouped_fp8_gemm_nt_contiguous",
+        "m_grouped_fp8_gemm_nt_masked",
+    ],
+    "epkit.kernels": [],
+    "epkit.kernels.tilelang": [],
+    "epkit.kernels.tilelang.cp_mirror": ["prepare_cp_mirror_func", "prepare_cp_mirror_launch"],
+    "epkit.kernels.tilelang.engram_hash": ["engram_hash_func", "engram_hash_tokens", "engram_hash_tokens_cpu"],
+    "epkit.kernels.tilelang.gather_rows": ["gather_rows_func", "gather_rows_words"],
+    "epkit.kernels.triton": [],
+    "epkit.kernels.triton.copy_rows": ["compile_signature", "copy_rows_by_address", "word_bytes_for"],
+    "epkit.kernels.triton.cp_mirror": ["compile_signature", "prepare_cp_mirror_launch"],
+    "epkit.kernels.triton.engram_hash": ["compile_signature", "engram_hash_tokens"],
+    "epkit.kernels.triton.gather_rows": ["block_sizes", "compile_signature", "gather_rows_words"],
+    "epkit.kernels.triton.grouped_gemm": [
+        "compile_signature",
+        "contiguous_launcher",
+        "get_config",
+        "grouped_gemm_contiguous",
+        "grouped_gemm_masked",
+        "launched_compile_args",
+        "load_tuned_configs",
+        "m_bucket",
+        "masked_launcher",
+        "set_config_override",
+        "tile_schedule",
+    ],
+    "epkit.kernels.triton.logical_to_physical": ["compile_signature", "logical_to_physical_flat"],
+    "epkit.lockstep": [
+        "LockstepDriver",
+        "PlaceholderBatch",
+        "PrefillVote",
+        "StepPlan",
+        "has_unfinished",
+        "placeholder_batch",
+    ],
+    "epkit.model": ["Batch", "DPEPModel", "ModelArgs", "forward_reference", "generate", "init_weights"],
+    "epkit.moe": ["expert_mlp", "expert_mlp_reference", "fuse_gate_up", "pack_moe_weight", "unpack_moe_weight"],
+    "epkit.plan": ["BYTES_PER_WEIGHT", "ModelConfig", "PRESETS", "format_plan", "load_model", "plan"],
+    "epkit.quant": [
+        "FP4_E2M1_MAX",
+        "FP8_E4M3_MAX",
+        "cast_to_mxfp4",
+        "cast_to_nvfp4",
+        "ceil_to_ue8m0",
+        "dequant_mxfp4",
+        "dequant_nvfp4",
+        "dequant_per_block_fp8",
+        "dequant_per_token_group_fp8",
+        "e2m1_to_float",
+        "per_block_cast_to_fp8",
+        "per_token_group_cast_to_fp8",
+    ],
+    "epkit.testing": [
+        "CompiledKernel",
+        "RankError",
+        "assert_bitwise_equal",
+        "assert_diff",
+        "calc_diff",
+        "compile_triton",
+        "compile_triton_as_launched",
+        "nvcc_compile",
+        "run_ranks",
+        "run_triton_interpreted",
+        "tilelang_build_c",
+        "tilelang_compile_cuda",
+    ],
+    "epkit.testing.host_sync": ["HostSyncDetector"],
+    "epkit.testing.ladder": [
+        "CompiledKernel",
+        "compile_triton",
+        "compile_triton_as_launched",
+        "nvcc_compile",
+        "run_triton_interpreted",
+        "tilelang_build_c",
+        "tilelang_compile_cuda",
+    ],
+    "epkit.testing.markers": ["requires_cuda"],
+    "epkit.testing.multiprocess": ["DEFAULT_TIMEOUT", "RankError", "ranks", "run_ranks"],
+    "epkit.testing.nvshmem_emulator": ["EMULATED", "calls", "install", "installed", "resolve_transport", "uninstall"],
+    "epkit.testing.torch_symm_emulator": ["EMULATED", "calls", "install", "uninstall"],
+    "epkit.topology": ["GROUP_KINDS", "ParallelGroups", "rank_groups", "resolve_sizes"],
+}
+
+#: Old paths kept for one release: they import the new module itself, with a DeprecationWarning.
+MOVED = {
+    "epkit.gemm": "epkit.grouped_gemm",
+    "epkit.cp": "epkit.cp_mirror",
+    "epkit.engram_table": "epkit.collectives.engram_table",
+    "epkit.kernels.triton.gather_rows": "epkit.kernels.triton.gather",
+    "epkit.kernels.triton.engram_hash": "epkit.kernels.triton.engram",
+    "epkit.kernels.triton.logical_to_physical": "epkit.kernels.triton.experts",
+    "epkit.kernels.tilelang.gather_rows": "epkit.kernels.tilelang.gather",
+    "epkit.kernels.tilelang.engram_hash": "epkit.kernels.tilelang.engram",
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    for root, pkg in PACKAGES.items():
+        base = ROOT / root
+        if base in path.parents:
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            return ".".join([pkg, *parts])
+    return "bench." + ".".join(path.relative_to(ROOT / "bench").with_suffix("").parts)
+
+
+def _sources(*roots: str) -> list[pathlib.Path]:
+    return sorted(p for r in roots for p in (ROOT / r).rglob("*.py") if ".venv" not in p.parts)
+
+
+def _imports(path: pathlib.Path):
+    """``(line, module, [names])`` of every absolute import in ``path`` (names empty for ``import m``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, []
+
+
+def test_previous_public_api_imports_from_the_same_paths():
+    code = f"""
+import importlib, json, warnings
+api, moved, out = {PREVIOUS_API!r}, {MOVED!r}, {{}}
+for mod, names in api.items():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m = importlib.import_module(mod)
+    out[mod] = {{
+        "missing": [n for n in names if not hasattr(m, n)],
+        "warned": any(issubclass(w.category, DeprecationWarning) and "moved" in str(w.message) for w in seen),
+        "is_new": mod in moved and m is importlib.import_module(moved[mod]),
+    }}
+print(json.dumps(out))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert {m: r["missing"] for m, r in out.items() if r["missing"]} == {}
+    for old in MOVED:
+        assert out[old]["warned"] and out[old]["is_new"], (old, out[old])
+    assert not any(r["warned"] for m, r in out.items() if m not in MOVED)
+
+
+def test_symm_buffer_asks_capabilities_not_transport_names():
+    for name in ("symm_buffer.py", "exchange.py", "peer_failure.py"):
+        text = (ROOT / "collectives" / name).read_text()
+        assert text.count("transport ==") == 0, name
+        assert not re.search(r"\.name\s*[!=]=|\btransport\s+in\s", text), name
+
+
+def test_kernel_files_are_leaves():
+    bad = []
+    for path in _sources("kernels"):
+        for line, mod, _ in _imports(path):
+            if mod.split(".")[0] == "epkit" and not mod.startswith("epkit.kernels") and mod != "epkit.utils":
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert bad == []
+
+
+def test_leading_underscore_names_stay_in_their_file():
+    bad = []
+    for path in _sources(*LIBRARY, "bench"):
+        me = _module_name(path)
+        for line, mod, names in _imports(path):
+            if mod.split(".")[0] != "epkit" or mod in COMPILED:
+                continue
+            where = f"{path.relative_to(ROOT)}:{line}"
+            private = [c for c in mod.split(".")[1:] if c.startswith("_") and c != "_details"]
+            if private:
+                bad.append(f"{where} imports the private module {mod}")
+            same_details = "_details" in mod.split(".") and mod.rsplit(".", 1)[0] == me.rsplit(".", 1)[0]
+            for n in names:
+                if n.startswith("_") and f"{mod}.{n}" not in COMPILED and not same_details:
+                    bad.append(f"{where} imports {n} from {mod}")
+    assert bad == []
+
+
+def test_library_files_and_functions_are_short():
+    long_files, long_functions = [], []
+    for path in _sources(*LIBRARY):
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            long_files.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80 and "80 lines" not in (ast.get_docstring(node) or ""):
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert long_files == [] and long_functions == []
+
+
+def _code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of the lines a repeated block is made of: whitespace folded; blank lines,
+    comments, imports and lines of punctuation alone left out (as the duplicates scan of the tree does)."""
+    out = []
+    for i, raw in enumerate(path.read_text().splitlines(), 1):
+        line = " ".join(raw.split())
+        if not line or line.startswith("#") or re.match(r"(from \S+ )?import ", line) or not re.search(r"\w", line):
+            continue
+        out.append((i, line))
+    return out
+
+
+def test_library_repeats_no_block_of_six_lines():
+    seen: dict[tuple[str, ...], str] = {}
+    repeats = []
+    for path in _sources(*LIBRARY):
+        lines = _code_lines(path)
+        for k in range(len(lines) - 5):
+            block = tuple(t for _, t in lines[k : k + 6])
+            where = f"{path.relative_to(ROOT)}:{lines[k][0]}"
+            first = seen.setdefault(block, where)
+            if first != where:
+                repeats.append(f"{where} repeats {first}")
+    assert repeats == []
+
+
+@pytest.mark.parametrize("name", ["ARCHITECTURE.md", "python/epkit/py.typed"])
+def test_layout_files_exist(name):
+    assert (ROOT / name).is_file()
