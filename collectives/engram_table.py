@@ -41,11 +41,14 @@ from datetime import timedelta
 
 import torch
 
+from epkit.collectives._details.ep_rows import META_MSG, decode_error, encode_error
 from epkit.gather import gather_rows
 
 __all__ = ["ShardedEngramTable", "engram_table_partition"]
 
 INT32_MAX = 2**31 - 1
+# Request header per peer: int64 [error flag, unique ids requested], then the error text (ep_rows.META_MSG bytes).
+_HEADER_WORDS = 2 + META_MSG // 8
 _ROW_ALIGN = 256
 
 
@@ -138,13 +141,8 @@ class _FetchHook:
             flat = self._send_ids  # the validated ids themselves
             return self._finish(gather_rows(t.weight, flat, self._flat_out(), check_index=False))
         t._wait(self._counts_work, "request counts")
-        hdr = self._recv_hdr.view(t.enp_size, 2).cpu()
-        bad = [t.group_ranks[i] for i in range(t.enp_size) if int(hdr[i, 0]) != 0]
-        if bad:
-            raise ValueError(
-                f"ShardedEngramTable.fetch: rank(s) {bad} of the ENP group passed invalid row_ids "
-                "(see their ValueError); no rows were exchanged"
-            )
+        hdr = self._recv_hdr.view(t.enp_size, _HEADER_WORDS).cpu()
+        t._raise_rejections(hdr)
         recv_counts = hdr[:, 1].tolist()
         send_counts = self._send_counts
         dev = t.weight.device
@@ -386,8 +384,8 @@ class ShardedEngramTable:
         Raises
         ------
         ValueError
-            Invalid ``row_ids`` (message names the value). Raised before any row id is sent;
-            the peers of a bad rank raise ``ValueError`` from their hooks.
+            Invalid ``row_ids`` (message names the rank and the value). Raised before any row id is sent,
+            here on the bad rank and by the hooks of its peers, in the same words on every rank.
         TimeoutError
             (multi-rank, on a bad call) a peer did not take part within ``timeout``.
         """
@@ -400,13 +398,14 @@ class ShardedEngramTable:
             return _FetchHook(self, tuple(row_ids.shape), send_ids=row_ids.reshape(-1), out=out)
         import torch.distributed as dist
 
-        hdr = torch.zeros((self.enp_size, 2), dtype=torch.int64, device=self.device)
-        recv_hdr = torch.empty(self.enp_size * 2, dtype=torch.int64, device=self.device)
+        hdr = torch.zeros((self.enp_size, _HEADER_WORDS), dtype=torch.int64, device=self.device)
+        recv_hdr = torch.empty(self.enp_size * _HEADER_WORDS, dtype=torch.int64, device=self.device)
         if error is not None:
-            hdr[:, 0] = 1  # error flag; no requests
+            hdr[:, 0] = 1  # error flag and text; no requests
+            hdr[:, 2:] = encode_error(error).view(torch.int64).to(self.device)
             work = dist.all_to_all_single(recv_hdr, hdr.view(-1), group=self.group, async_op=True)
             self._wait(work, "request counts (error flag)")
-            raise ValueError(f"ShardedEngramTable.fetch: {error}")
+            self._raise_rejections(recv_hdr.view(self.enp_size, _HEADER_WORDS).cpu())
         uniq, inverse = torch.unique(row_ids.reshape(-1).long(), sorted=True, return_inverse=True)
         owner = torch.div(uniq, self.num_per_part, rounding_mode="floor")
         hdr[:, 1] = torch.bincount(owner, minlength=self.enp_size)
@@ -423,6 +422,18 @@ class ShardedEngramTable:
             inverse=inverse,
             out=out,
         )
+
+    def _raise_rejections(self, hdr: torch.Tensor) -> None:
+        """The same ValueError on every rank if any rank's fetch was invalid (``hdr``: the received headers)."""
+        errors = [
+            f"rank {self.group_ranks[i]}: {decode_error(hdr[i, 2:].contiguous().view(torch.uint8))}"
+            for i in range(self.enp_size)
+            if int(hdr[i, 0]) != 0
+        ]
+        if errors:
+            raise ValueError(
+                "ShardedEngramTable.fetch rejected on every rank before any row id was sent: " + "; ".join(errors)
+            )
 
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
         """``fetch(row_ids)()``: a blocking lookup (collective, like :meth:`fetch`).

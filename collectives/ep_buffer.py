@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from epkit.collectives._details.ep_low_latency import LowLatencyMixin
-from epkit.collectives._details.ep_low_latency_layout import LowLatencyHandle
+from epkit.collectives._details.ep_low_latency_layout import COMBINE_HEADER, LowLatencyHandle
 from epkit.collectives._details.ep_normal import DispatchHandle, NormalModeMixin
 from epkit.collectives._details.ep_rows import (
     FIELD_ALIGN,
@@ -41,7 +41,20 @@ from epkit.collectives.symm_buffer import SymmBuffer
 from epkit.collectives.transports import all_on_one_host
 from epkit.utils import check_topk_idx
 
-__all__ = ["EPBuffer", "DispatchHandle", "LowLatencyHandle"]
+__all__ = ["DEFAULT_LOW_LATENCY_TOKENS", "EPBuffer", "DispatchHandle", "LowLatencyHandle"]
+
+#: Default low-latency capacity (tokens per rank per dispatch): DeepEP-style engines decode 128 per rank.
+DEFAULT_LOW_LATENCY_TOKENS = 128
+
+
+def _check_formats(formats: list[int]) -> None:
+    """Every rank sees every rank's row format (word 0 of the layout messages), so every rank raises alike."""
+    if len(set(formats)) != 1:
+        names = [
+            f"rank {r}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
+            for r, f in enumerate(formats)
+        ]
+        raise ValueError("dispatch rows differ in format across ranks (" + "; ".join(names) + ")")
 
 
 class EPBuffer(NormalModeMixin, LowLatencyMixin):
@@ -69,7 +82,9 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         normal mode reads its counts); the low-latency mode does not (see ``_details/ep_low_latency.py``:
         on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
     num_max_dispatch_tokens_per_rank : int, optional
-        Capacity of the low-latency mode (default: ``num_max_tokens_per_rank``).
+        Capacity of the low-latency mode: the most tokens a rank sends in one low-latency dispatch (default
+        ``min(num_max_tokens_per_rank, 128)``, a decode batch; every local expert reserves this many slots per
+        source rank, so the memory grows with it times ``num_experts``).
     timeout : float
         Seconds any wait may take (default 30).
 
@@ -116,7 +131,15 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
         self.num_local_experts = num_experts // w
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank or num_max_tokens_per_rank
+        if num_max_dispatch_tokens_per_rank is None:
+            num_max_dispatch_tokens_per_rank = min(num_max_tokens_per_rank, DEFAULT_LOW_LATENCY_TOKENS)
+        if isinstance(num_max_dispatch_tokens_per_rank, bool) or not isinstance(num_max_dispatch_tokens_per_rank, int):
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank must be a positive integer, got {num_max_dispatch_tokens_per_rank!r}"
+            )
+        if num_max_dispatch_tokens_per_rank < 1:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be >= 1, got {num_max_dispatch_tokens_per_rank}")
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.timeout = timeout
         h, k, n, L = hidden, num_topk, num_max_tokens_per_rank, self.num_local_experts
         n_ll, sf = self.num_max_dispatch_tokens_per_rank, 4 * -(-hidden // 128)
@@ -124,8 +147,16 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         self._row_bytes = align_up(4 * h) + align_up(sf) + 2 * align_up(4 * k) + FIELD_ALIGN
         normal = max(align_up(8 * (2 + L)) + META_MSG, n * self._row_bytes, n * align_up(4 * h))
         low_latency = n_ll * L * (align_up(2 * h) + align_up(sf)) + align_up(4 * L)
-        self.region_bytes = align_up(max(normal, low_latency, n_ll * k * align_up(2 * h)), 4096)
-        self.buffer = SymmBuffer(group, self.region_bytes * w, transport=transport, timeout=timeout)
+        ll_combine = COMBINE_HEADER + n_ll * L * 2 * h
+        self.region_bytes = align_up(max(normal, low_latency, ll_combine, n_ll * k * align_up(2 * h)), 4096)
+        ll_sized = max(low_latency, ll_combine) >= normal
+        knob = "num_max_dispatch_tokens_per_rank" if ll_sized else "num_max_tokens_per_rank"
+        hint = (
+            f"EPBuffer's {w} regions of {self.region_bytes} bytes are sized by its "
+            f"{'low-latency' if ll_sized else 'normal'} mode (num_max_tokens_per_rank={n}, "
+            f"num_max_dispatch_tokens_per_rank={n_ll}, hidden={h}, num_experts={num_experts}): lower {knob}"
+        )
+        self.buffer = SymmBuffer(group, self.region_bytes * w, transport=transport, timeout=timeout, memory_hint=hint)
         self.transport = self.buffer.transport
         #: Where rows live (x, y, received rows, outputs); routing metadata is kept on the CPU.
         self.device = self.buffer.local.device
@@ -134,6 +165,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         #: included, with :meth:`take_expert_load`.
         self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
         self._ll_cache: dict = {}
+        self._dispatches = self._ll_dispatches = 0  # normal / low-latency dispatch calls (handle epochs)
 
     def close(self) -> None:
         """Release the symmetric buffer; the EPBuffer cannot be used afterwards (DeepEP's ``destroy``).
@@ -294,6 +326,8 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
             x, scales = x
         if handle is not None:
             return self._dispatch_cached(x, scales, handle)
+        # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
+        self._dispatches += 1
         w, L = self.world_size, self.num_local_experts
         error = None
         try:
@@ -320,13 +354,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
                 meta_rows.append(torch.cat([torch.tensor([fmt, tokens[r].numel()]), counts]))
         # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
         got = self._agree_rows(error, meta_rows, 2 + L)
-        formats = [int(g[0]) for g in got]
-        if len(set(formats)) != 1:  # every rank sees every rank's format, so every rank raises
-            names = [
-                f"rank {r}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
-                for r, f in enumerate(formats)
-            ]
-            raise ValueError("dispatch rows differ in format across ranks (" + "; ".join(names) + ")")
+        _check_formats([int(g[0]) for g in got])
         recv_counts = [int(g[1]) for g in got]
         if topk_weights is None:
             topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
@@ -359,7 +387,8 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         ----------
         y : Tensor [R, hidden] (normal: one row per received row, routing weights already applied)
             or [X, hidden] (``expand=True``: one row per expanded row; weighted here)
-        handle : DispatchHandle from the matching dispatch
+        handle : DispatchHandle from the matching dispatch (of this buffer; every rank passes the handle of the
+            same dispatch: checked on every rank before any row moves)
         topk_weights : Tensor [R, num_topk], optional
             Expanded mode: weights to apply (default: the weights carried in the handle).
         bias : Tensor [T, hidden] or a tuple of up to two, optional
@@ -370,7 +399,10 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order.
         """
         h = self.hidden
+        error, biases, weights = None, [], None
         try:
+            if not isinstance(handle, DispatchHandle):
+                raise ValueError(f"handle must be the DispatchHandle of a dispatch, got {type(handle).__name__}")
             biases = check_biases(bias, handle.num_tokens, h)
             want_rows = handle.expanded_rows.numel() if handle.expand else sum(handle.recv_counts)
             if (
@@ -384,14 +416,14 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
                     f"y must be bf16/fp16/fp32 [{want_rows}, {h}] on {self.device}, got {getattr(y, 'dtype', None)} "
                     f"{tuple(getattr(y, 'shape', ()))} on {getattr(y, 'device', None)}"
                 )
-            weights = None
             if handle.expand:
                 weights = handle.recv_topk_weights if topk_weights is None else topk_weights.float()
                 if tuple(weights.shape) != tuple(handle.recv_topk_idx.shape):
                     raise ValueError(
                         f"topk_weights must be {tuple(handle.recv_topk_idx.shape)}, got {tuple(weights.shape)}"
                     )
-        except ValueError as exc:
-            self._reject_locally("combine", exc)
+        except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement
+            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        self.agree_on_handle("combine", handle, error)
         with self.retire_on_failure("combine"):
             return self._combine_rows(y, handle, weights, biases)

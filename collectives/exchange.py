@@ -201,7 +201,7 @@ class TwoSidedExchange(Exchange):
         send = [self._staging[r][:n] if n else empty for r, n in enumerate(self._sizes)]
         try:
             return self.buf.impl.all_to_all(send, list(recv_bytes), self.timeout, self.tag)
-        except TimeoutError as exc:
+        except (TimeoutError, ValueError) as exc:  # a silent peer, or ranks out of step: the buffer is done
             self.buf.mark_broken(str(exc))
             raise
 

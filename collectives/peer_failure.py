@@ -13,7 +13,12 @@ bits 32-61 the rank that gave up (the reporter), bits 0-31 the culprit.
 
 from __future__ import annotations
 
+import contextlib
+
+from epkit.collectives.transports.base import NOTICE
+
 __all__ = [
+    "FailureNotices",
     "PeerFailedError",
     "decode_notice",
     "encode_notice",
@@ -109,3 +114,72 @@ def wait_judge(rank: int, first: int, what: str, timeout: float, epoch: int, on_
         return silence_error(rank, first + failed - 1, what, timeout, epoch)
 
     return judge
+
+
+class FailureNotices:
+    """The notice protocol as :class:`~epkit.collectives.symm_buffer.SymmBuffer` runs it (mixed into it): giving
+    up (``mark_broken``), telling the peers, and turning a failed wait into the error to raise. Uses the
+    buffer's ``rank``, ``world_size``, ``impl`` (the transport), ``is_open()``, ``_word()`` and ``_broken``."""
+
+    _broken: str | None = None
+
+    def mark_broken(self, reason: str, culprit: int | None = None, silent: bool = False) -> None:
+        """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree.
+
+        Parameters
+        ----------
+        reason : str
+            What went wrong (repeated by every later call on this rank).
+        culprit : int, optional
+            Tell the peers (shm, nvshmem) that this rank gave up because rank ``culprit`` failed (this rank
+            itself) or, with ``silent``, went silent: their waits on this rank end at once with
+            :class:`PeerFailedError`. None (the default) tells nobody, for failures every rank finds by
+            itself (an invalid input reported in the messages) or learned from a peer.
+        silent : bool
+            ``culprit`` stopped signalling, rather than failing itself.
+        """
+        if self._broken is not None:
+            return
+        self._broken = reason
+        if culprit is not None:
+            notice = encode_notice(self.rank, culprit, silent)
+            self._spread(notice, [self.rank] + ([culprit] if silent and culprit != self.rank else []))
+
+    def _spread(self, notice: int, sources: list[int]) -> None:
+        """Write ``notice`` into the NOTICE words of ``sources`` at every other peer. Best effort: one-sided
+        stores with no waits (urgent: on a stream of their own, not behind this rank's stuck work)."""
+        if not self.impl.direct or not self.is_open():
+            return
+        for dst in range(self.world_size):
+            for src in sources:
+                if dst in (self.rank, src):
+                    continue
+                with contextlib.suppress(Exception):  # a peer that is gone cannot be told; nothing to do
+                    self.impl.store(dst, self._word(NOTICE, src), notice, urgent=True)
+
+    def _gave_up(self, seen: int, what: str) -> PeerFailedError:
+        """The error for a wait that found the gave-up notice ``seen``; retires this buffer and
+        passes the notice on (a peer waiting on this rank, not on the reporter, learns it too)."""
+        exc = notice_error(self.rank, seen, what)
+        if self._broken is None:
+            self.mark_broken(str(exc))
+            self._spread(seen, [self.rank])
+        return exc
+
+    def _deferred_failed(self, exc: BaseException) -> None:
+        """A deferred check failed: retire the buffer, telling the peers when they cannot learn it otherwise."""
+        if isinstance(exc, PeerFailedError) or getattr(exc, "skipped", False):  # told / judged earlier
+            self.mark_broken(str(exc))
+        elif getattr(exc, "peer", None) is not None:  # a silent peer (see silence_error)
+            self.mark_broken(str(exc), culprit=exc.peer, silent=True)
+        elif isinstance(exc, TimeoutError):  # this rank's stream is stuck
+            self.mark_broken(str(exc), culprit=self.rank)
+        else:  # an input error every rank finds in the same messages
+            self.mark_broken(str(exc))
+
+    def _failed_wait(self, src: int, seen: int, what: str, t: float, value: int):
+        """A wait on ``src`` ended without its signal: the peer's gave-up notice, or silence."""
+        if is_notice(seen):
+            raise self._gave_up(seen, what)
+        self.mark_broken(f"no {what} signal from rank {src}", culprit=src, silent=True)
+        raise silence_error(self.rank, src, what, t, value)

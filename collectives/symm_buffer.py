@@ -19,15 +19,9 @@ import torch.distributed as dist
 
 from epkit.collectives import transports
 from epkit.collectives._details.deferred import DeferredChecks
+from epkit.collectives.bootstrap import Rendezvous
 from epkit.collectives.exchange import Exchange, OneSidedExchange, TwoSidedExchange, exchange_payloads
-from epkit.collectives.peer_failure import (
-    PeerFailedError,
-    encode_notice,
-    is_notice,
-    notice_error,
-    silence_error,
-    wait_judge,
-)
+from epkit.collectives.peer_failure import FailureNotices, PeerFailedError, wait_judge
 from epkit.collectives.transports.base import ACK, BARRIER, NOTICE, READY, user_word, word
 
 __all__ = ["PeerFailedError", "SymmBuffer", "TRANSPORTS"]
@@ -38,7 +32,7 @@ TRANSPORTS = tuple(transports.TRANSPORTS)
 _PROTOCOL_KINDS = (READY, ACK, BARRIER)
 
 
-class SymmBuffer:
+class SymmBuffer(FailureNotices):
     """A buffer of ``num_bytes`` on every rank of ``group``, with signal words.
 
     Parameters
@@ -57,7 +51,11 @@ class SymmBuffer:
     num_signals : int
         User signal words per rank (``signal``/``wait_until`` indices).
     timeout : float
-        Default seconds for every wait.
+        Default seconds for every wait, construction included: a rank that does not come to make the
+        buffer is named by a TimeoutError after ``timeout`` seconds on every other rank.
+    memory_hint : str
+        Appended to the ValueError raised when the buffer needs more memory than the host (or the GPU) has
+        (EPBuffer names its sizing parameters there).
 
     Attributes
     ----------
@@ -66,6 +64,8 @@ class SymmBuffer:
         the symmetric heap is freed, they must not be used); on the rank's GPU for nvshmem.
     rank, world_size : int
         Position in ``group``.
+    buffer_id : int
+        Random, agreed at construction, the same on every rank: the protocol's messages carry it.
     nvshmem_provider : {"torch", "epkit"} or None
         nvshmem transport: where the symmetric memory came from; None on other transports.
     nvshmem_note : str
@@ -77,21 +77,44 @@ class SymmBuffer:
         below is built from.
     """
 
-    def __init__(self, group, num_bytes: int, transport: str = "auto", num_signals: int = 64, timeout: float = 30.0):
+    def __init__(
+        self,
+        group,
+        num_bytes: int,
+        transport: str = "auto",
+        num_signals: int = 64,
+        timeout: float = 30.0,
+        memory_hint: str = "",
+    ):
         if not isinstance(num_bytes, int) or num_bytes < 0:
             raise ValueError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
         if not isinstance(num_signals, int) or num_signals < 0:
             raise ValueError(f"num_signals must be a non-negative int, got {num_signals!r}")
         if transport not in ("auto", *TRANSPORTS):
             raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {transport!r}")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.num_bytes = num_bytes
         self.num_signals = num_signals
         self.timeout = timeout
-        name = transport if transport != "auto" else transports.choose(group)
-        self.impl = transports.create(name, group, self.rank, self.world_size, num_bytes, num_signals)
+        backend = dist.get_backend(group)
+        self._rendezvous = rv = Rendezvous(group, timeout, "SymmBuffer")
+        rv.memory_hint = memory_hint
+        me = {**transports.hello("nccl" in str(backend)), "args": [num_bytes, num_signals, transport]}
+        hellos = rv.gather("hello", me)
+        args = [h["args"] for h in hellos]
+        if len({tuple(a) for a in args}) != 1:  # every rank sees the same list, so every rank raises
+            detail = "; ".join(
+                f"rank {r}: num_bytes={a[0]}, num_signals={a[1]}, transport={a[2]!r}" for r, a in enumerate(args)
+            )
+            raise ValueError(f"SymmBuffer arguments differ across ranks ({detail}); every rank must pass the same")
+        #: This buffer's identity: random, agreed at construction, the same on every rank.
+        self.buffer_id: int = rv.buffer_id
+        name = transport if transport != "auto" else transports.choose(hellos, backend)
+        self.impl = transports.create(name, rv, hellos, num_bytes, num_signals)
         self.nvshmem_provider, self.nvshmem_note = self.impl.provider, self.impl.note
         self.local = self.impl.local
         self._epochs = {"barrier": 0, "a2a": 0}
@@ -105,62 +128,6 @@ class SymmBuffer:
     def transport(self) -> str:
         """The transport's name: ``"shm"``, ``"torch"`` or ``"nvshmem"``."""
         return self.impl.name
-
-    # failures
-
-    def mark_broken(self, reason: str, culprit: int | None = None, silent: bool = False) -> None:
-        """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree.
-
-        Parameters
-        ----------
-        reason : str
-            What went wrong (repeated by every later call on this rank).
-        culprit : int, optional
-            Tell the peers (shm, nvshmem) that this rank gave up because rank ``culprit`` failed (this rank
-            itself) or, with ``silent``, went silent: their waits on this rank end at once with
-            :class:`PeerFailedError`. None (the default) tells nobody, for failures every rank finds by
-            itself (an invalid input reported in the messages) or learned from a peer.
-        silent : bool
-            ``culprit`` stopped signalling, rather than failing itself.
-        """
-        if self._broken is not None:
-            return
-        self._broken = reason
-        if culprit is not None:
-            notice = encode_notice(self.rank, culprit, silent)
-            self._spread(notice, [self.rank] + ([culprit] if silent and culprit != self.rank else []))
-
-    def _spread(self, notice: int, sources: list[int]) -> None:
-        """Write ``notice`` into the NOTICE words of ``sources`` at every other peer. Best effort: one-sided
-        stores with no waits (urgent: on a stream of their own, not behind this rank's stuck work)."""
-        if not self.impl.direct or not self.is_open():
-            return
-        for dst in range(self.world_size):
-            for src in sources:
-                if dst in (self.rank, src):
-                    continue
-                with contextlib.suppress(Exception):  # a peer that is gone cannot be told; nothing to do
-                    self.impl.store(dst, self._word(NOTICE, src), notice, urgent=True)
-
-    def _gave_up(self, seen: int, what: str) -> PeerFailedError:
-        """The error for a wait that found the gave-up notice ``seen``; retires this buffer and
-        passes the notice on (a peer waiting on this rank, not on the reporter, learns it too)."""
-        exc = notice_error(self.rank, seen, what)
-        if self._broken is None:
-            self.mark_broken(str(exc))
-            self._spread(seen, [self.rank])
-        return exc
-
-    def _deferred_failed(self, exc: BaseException) -> None:
-        """A deferred check failed: retire the buffer, telling the peers when they cannot learn it otherwise."""
-        if isinstance(exc, PeerFailedError) or getattr(exc, "skipped", False):  # told / judged earlier
-            self.mark_broken(str(exc))
-        elif getattr(exc, "peer", None) is not None:  # a silent peer (see silence_error)
-            self.mark_broken(str(exc), culprit=exc.peer, silent=True)
-        elif isinstance(exc, TimeoutError):  # this rank's stream is stuck
-            self.mark_broken(str(exc), culprit=self.rank)
-        else:  # an input error every rank finds in the same messages
-            self.mark_broken(str(exc))
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -311,13 +278,6 @@ class SymmBuffer:
         if kind not in _PROTOCOL_KINDS:
             raise ValueError(f"kind must be READY, ACK or BARRIER ({_PROTOCOL_KINDS}), got {kind!r}")
         return (NOTICE - kind) * self.world_size
-
-    def _failed_wait(self, src: int, seen: int, what: str, t: float, value: int):
-        """A wait on ``src`` ended without its signal: the peer's gave-up notice, or silence."""
-        if is_notice(seen):
-            raise self._gave_up(seen, what)
-        self.mark_broken(f"no {what} signal from rank {src}", culprit=src, silent=True)
-        raise silence_error(self.rank, src, what, t, value)
 
     def _wait_deferred(
         self, kind: int, first: int, count: int, value: int, what: str, t: float, guarded: bool = False
@@ -474,6 +434,7 @@ class SymmBuffer:
         self._closed = True
         self.local = torch.empty(0, dtype=torch.uint8)
         self.impl.close(collective=collective)
+        self._rendezvous.forget()
         if late is not None:
             raise late
 

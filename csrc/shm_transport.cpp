@@ -91,6 +91,21 @@ class ShmSegment {
         fd_ = -1;
     }
 
+    // Map an open descriptor of `size` bytes (an anonymous memfd passed by a peer): no name, nothing to unlink.
+    // The descriptor stays the caller's to close; the mapping keeps the memory alive after it is closed.
+    static ShmSegment *from_fd(int fd, size_t size, std::string label) {
+        if (size == 0) throw std::invalid_argument("shm segment size must be > 0");
+        struct stat st;
+        if (::fstat(fd, &st) != 0) throw_os_error("fstat(" + label + ")", errno);
+        if (static_cast<size_t>(st.st_size) < size) {
+            throw std::runtime_error("shm segment " + label + " holds " + std::to_string(st.st_size) +
+                                     " bytes, expected " + std::to_string(size));
+        }
+        void *p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) throw_os_error("mmap(" + label + ")", errno);
+        return new ShmSegment(static_cast<uint8_t *>(p), size, std::move(label));
+    }
+
     ~ShmSegment() { close(); }
     ShmSegment(const ShmSegment &) = delete;
     ShmSegment &operator=(const ShmSegment &) = delete;
@@ -128,6 +143,9 @@ class ShmSegment {
     }
 
    private:
+    ShmSegment(uint8_t *base, size_t size, std::string label)
+        : name_(std::move(label)), size_(size), base_(base), unlinked_(true) {}
+
     uint8_t *checked_base() const {
         if (base_ == nullptr) throw std::runtime_error("shm segment " + name_ + " is closed");
         return base_;
@@ -239,6 +257,9 @@ void register_shm_transport(py::module_ &m) {
     py::class_<ShmSegment>(m, "ShmSegment")
         .def(py::init<std::string, size_t, bool>(), py::arg("name"), py::arg("size"), py::arg("create"),
              "Create (O_EXCL, mode 0600) or attach a POSIX shared-memory segment and map it.")
+        .def_static("from_fd", &ShmSegment::from_fd, py::arg("fd"), py::arg("size"), py::arg("label"),
+                    "Map `size` bytes of an open descriptor (e.g. a memfd a peer passed over a Unix socket); the "
+                    "segment has no name and the descriptor stays the caller's to close.")
         .def_property_readonly("addr", &ShmSegment::addr, "Base address of the mapping.")
         .def_property_readonly("size", &ShmSegment::size)
         .def_property_readonly("name", &ShmSegment::name)

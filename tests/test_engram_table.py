@@ -206,10 +206,9 @@ def test_bad_row_ids_raise_on_every_rank():
     msgs = ["= 3001 is outside [0, num_rows = 3001)", "= -1 is outside", "int32 or int64"]
     for rank, seen in enumerate(res):
         for i, (where, msg) in enumerate(seen):
-            if rank == i % world:
-                assert where == "fetch" and msgs[i] in msg, f"{rank=} case {i}: {where} {msg}"
-            else:
-                assert where == "hook" and f"rank(s) [{i % world}]" in msg, f"{rank=} case {i}: {where} {msg}"
+            # The bad rank raises in fetch, its peers in their hooks, all in the same words naming the bad rank.
+            assert where == ("fetch" if rank == i % world else "hook"), f"{rank=} case {i}: {where} {msg}"
+            assert msgs[i] in msg and f"rank {i % world}: " in msg and msg == res[0][i][1], f"{rank=} case {i}: {msg}"
 
 
 def _mismatch_worker(rank, world):

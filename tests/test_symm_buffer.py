@@ -64,23 +64,27 @@ def test_puts_signals_exchanges(transport, world_size):
     assert _shm_names() <= before, "segments left in /dev/shm"
 
 
-def _segment_mode(rank, world_size):
-    from epkit import _C
-
+def _segment_names(rank, world_size):
     buf = SymmBuffer(dist.group.WORLD, 64, transport="shm")
-    buf.barrier()  # every rank has returned from creation, so every rank has unlinked its own name
-    gone = [not _C.shm_exists(s.name) for s in buf.impl.segments]
+    buf.barrier()
+    named = _shm_names()  # nothing of this buffer has a name anywhere
+    fds = [
+        os.readlink(f"/proc/self/fd/{fd}")
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    ]
     buf.close()
-    return gone
+    return sorted(named), [f for f in fds if "epkit" in f], _mappings() == 0
 
 
-def test_segments_unlinked_after_attach():
-    assert run_ranks(_segment_mode, 3, timeout=40) == [[True] * 3] * 3
+def test_segments_have_no_name_and_no_descriptor():
+    assert run_ranks(_segment_names, 3, timeout=40) == [([], [], True)] * 3
 
 
 def _mappings():
+    """This process's mappings of shm segments (anonymous memfds named epkit-shm-*)."""
     with open("/proc/self/maps") as f:
-        return sum("/dev/shm/epkit-" in line for line in f)
+        return sum("/memfd:epkit-shm-" in line for line in f)
 
 
 def _views_outlive_close(rank, world_size):
@@ -163,31 +167,47 @@ def test_a_rank_that_gives_up_tells_the_others(transport):
     assert "rank 1: barrier abandoned: rank 0 reports that rank 2 sent no signal within its timeout" in msg, msg
 
 
-def _killed_in_bootstrap(rank, world_size):
-    from epkit import _C
+def _killed_in_bootstrap(rank, world_size, point):
+    """Rank ``victim`` SIGKILLs itself at ``point`` of the shm construction; the others report what they saw."""
+    import time
 
-    if rank == 1:  # dies right after creating its segment, before any peer could unlink its name
-        original = _C.ShmSegment
+    from epkit.collectives import bootstrap
+    from epkit.collectives.transports import shm
 
-        def create_then_die(name, size, create):
-            seg = original(name, size, create)
-            if create:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return seg
+    victim = 0 if point == "serving" else 1
 
-        _C.ShmSegment = create_then_die
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == victim:
+        if point == "hello":
+            bootstrap.Rendezvous.gather = lambda self, step, value: die()
+        elif point == "memfd":
+            shm.share_descriptors = lambda *a, **k: die()
+        elif point == "shared":
+            original = shm.share_descriptors
+            shm.share_descriptors = lambda *a, **k: (original(*a, **k), die())
+        elif point == "serving":
+            shm._serve = lambda *a, **k: die()
+    t0 = time.monotonic()
     try:
-        SymmBuffer(dist.group.WORLD, 1 << 16, transport="shm", timeout=4)
-    except Exception as exc:  # noqa: BLE001 - gloo reports the lost peer in its own words
-        return type(exc).__name__
-    return "no error"
+        buf = SymmBuffer(dist.group.WORLD, 1 << 16, transport="shm", timeout=2)
+        buf.barrier()  # "shared": made on the survivors, who learn of the death at their first wait
+    except TimeoutError as exc:
+        return "TimeoutError", str(exc), time.monotonic() - t0, _mappings()
+    return "no error", "", time.monotonic() - t0, _mappings()
 
 
-def test_rank_killed_inside_the_bootstrap_leaves_no_segment():
+@pytest.mark.parametrize("point", ["hello", "memfd", "shared", "serving"])
+def test_rank_killed_at_each_step_of_construction_is_named_and_leaves_nothing(point):
     before = _shm_names()
-    res = run_ranks(_killed_in_bootstrap, 3, timeout=60, may_die=(1,))
-    assert res[1] is None and res[0] != "no error" and res[2] != "no error", res
-    assert _shm_names() <= before, "the survivors must remove the dead rank's name"
+    res = run_ranks(_killed_in_bootstrap, 3, point, timeout=60, may_die=(0 if point == "serving" else 1,))
+    victim = 0 if point == "serving" else 1
+    for rank in {0, 1, 2} - {victim}:
+        kind, msg, seconds, mapped = res[rank]
+        assert kind == "TimeoutError" and f"rank {victim}" in msg, (point, res)
+        assert seconds < 2 + 2.5, (point, seconds)  # the buffer's 2 s timeout, not the group's
+    assert _shm_names() <= before, "nothing of a buffer ever has a name in /dev/shm"
 
 
 def _notice_passed_on(rank, world_size, transport):
@@ -226,3 +246,56 @@ def test_a_notice_is_passed_on_to_ranks_waiting_elsewhere(transport):
         kind, peer, silent, msg = res[rank]
         assert (kind, peer, silent) == ("PeerFailedError", 2, False), res
         assert "rank 2 gave up on this buffer" in msg, msg
+
+
+_PROBER = r"""
+import array, os, socket, sys
+names = [l.split()[-1][1:] for l in open("/proc/net/unix") if "@epkit-shm-" in l]
+got = []
+for name in names:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(3)
+    try:
+        s.connect(b"\0" + name.encode())
+        fd = os.memfd_create("prober")
+        s.sendmsg([b"1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        print("connected", flush=True)
+        fds = array.array("i")
+        msg, anc, _, _ = s.recvmsg(4096, socket.CMSG_LEN(64 * fds.itemsize))
+        got += [len(data) for _, _, data in anc]
+    except OSError:
+        pass
+print("fds", sum(got), "names", len(names), "devshm", len([f for f in os.listdir("/dev/shm") if f.startswith("epkit")]))
+"""
+
+
+def _probed(rank, world_size):
+    import subprocess
+    import sys
+
+    from epkit.collectives.transports import shm
+
+    prober = []
+    if rank == 0:  # a same-uid process that finds the socket and asks for a descriptor before the ranks do
+        original = shm._listen
+
+        def listen_then_probe():
+            server, name = original()
+            prober.append(subprocess.Popen([sys.executable, "-c", _PROBER], stdout=subprocess.PIPE, text=True))
+            assert prober[0].stdout.readline().strip() == "connected"
+            return server, name
+
+        shm._listen = listen_then_probe
+    buf = SymmBuffer(dist.group.WORLD, 4096, transport="shm", timeout=10)
+    ok = run_barrier = buf.barrier() is None
+    buf.close()
+    if prober:
+        out, _ = prober[0].communicate(timeout=30)
+        return ok and run_barrier, out.strip()
+    return ok, ""
+
+
+def test_another_process_of_the_same_user_gets_no_segment():
+    res = run_ranks(_probed, 3, timeout=60)
+    assert res[0] == (True, "fds 0 names 1 devshm 0"), res
+    assert res[1][0] and res[2][0]

@@ -27,19 +27,21 @@ import torch
 
 from epkit.collectives._details import ep_rows
 from epkit.collectives._details.ep_low_latency_layout import (
-    BAD_IDS,
+    COMBINE_HEADER,
     OK,
-    OVERFLOW,
     REJECTED,
     LowLatencyHandle,
-    describe_header,
+    describe_handles,
+    judge_headers,
     message_spacing,
+    route_pairs,
     slot_grid,
 )
 from epkit.collectives._details.ep_rows import (
     META_MSG,
     align_up,
     decode_error,
+    device_table,
     encode_error,
     move_rows,
     reduce_gathered,
@@ -70,33 +72,22 @@ class LowLatencyMixin:
         n = 3 + self.num_local_experts
         return torch.stack([v[: 4 * n].view(torch.int32) for v in views])
 
-    def _ll_errors(self, heads: torch.Tensor, views, hdr: int, n_max: int | None, use_fp8: bool) -> list[str]:
-        """Rejections and parameter mismatches seen in the received headers (``_ll_heads``), read on the host."""
-        errors = []
-        for src, head in enumerate(heads.tolist()):
-            text = ""
-            if head[0] == REJECTED:
-                text = decode_error(views[src][hdr - META_MSG : hdr])
-            msg = describe_header(src, head[0], head[1], head[2], text, n_max, use_fp8)
-            if msg is not None:
-                errors.append(msg)
-        return errors
+    def _ll_errors(self, heads: torch.Tensor, views, hdr: int, check_params: bool) -> list[str]:
+        """Rejections (and, with ``check_params``, parameter mismatches) in the received headers
+        (``_ll_heads``), read on the host; worded alike on every rank."""
+        return judge_headers(
+            heads[:, :3].tolist(), lambda src: decode_error(views[src][hdr - META_MSG : hdr]), check_params
+        )
 
     def _ll_defer_errors(self, heads: torch.Tensor, views, hdr: int, n_max: int, use_fp8: bool) -> torch.Tensor:
         """Stream-ordered check of the headers (``_ll_heads``): recorded for a later call; returns the ``[W]``
         rows-are-valid mask."""
         texts = torch.stack([v[hdr - META_MSG : hdr] for v in views])  # read on the host only if rejected
+        w = self.world_size
 
         def judge(values):
-            errors = []
-            for src in range(self.world_size):
-                code, n_used, fp8_used = values[3 * src : 3 * src + 3]
-                text = ""
-                if code == REJECTED:  # error path only: this reads the saved text from the device
-                    text = decode_error(texts[src])
-                msg = describe_header(src, code, n_used, fp8_used, text, n_max, use_fp8)
-                if msg is not None:
-                    errors.append(msg)
+            heads3 = [values[3 * src : 3 * src + 3] for src in range(w)]
+            errors = judge_headers(heads3, lambda src: decode_error(texts[src]), True)
             if errors:
                 return ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
             return None
@@ -120,38 +111,8 @@ class LowLatencyMixin:
         return self._ll_cache[key]
 
     def _addresses(self, values: list[int]) -> torch.Tensor:
-        """``values`` (host addresses of regions) as an int64 tensor on the device, cached: the regions of a
-        buffer do not move, so the upload (non-blocking, from pinned memory) happens once."""
-        key = tuple(values)
-        cache = self.__dict__.setdefault("_addr_tables", {})
-        table = cache.get(key)
-        if table is None:
-            host = torch.tensor(values, dtype=torch.int64)
-            table = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-            if len(cache) >= 64:
-                cache.clear()
-            cache[key] = table
-        return table
-
-    def _ll_route(self, topk_idx: torch.Tensor, n_max: int):
-        """Fixed-shape routing on the rows' device.
-
-        Returns ``key [T*K]`` (global expert, ``num_experts`` for none), ``pos [T*K]`` (slot among this
-        rank's pairs for that expert: token order, then k), ``per_expert [E]`` (pairs per expert) and
-        ``status`` (a 0-dim int32 tensor: OK, BAD_IDS or OVERFLOW).
-        """
-        E = self.num_experts
-        ids = topk_idx.to(self.device).long().reshape(-1)
-        n = ids.numel()
-        bad = (ids < -1) | (ids >= E)
-        key = torch.where((ids >= 0) & ~bad, ids, E)
-        per = torch.zeros(E + 1, dtype=torch.int64, device=self.device).scatter_add_(0, key, torch.ones_like(key))
-        sorted_key, perm = torch.sort(key, stable=True)
-        starts = torch.cumsum(per, 0) - per
-        pos = torch.empty_like(key).scatter_(0, perm, torch.arange(n, device=self.device) - starts[sorted_key])
-        over = (per[:E] > n_max).any()
-        status = torch.where(bad.any(), BAD_IDS, torch.where(over, OVERFLOW, OK)).to(torch.int32)
-        return key, pos, per[:E], status
+        """``values`` (addresses of regions, a handle's identity) as a cached int64 table on the rows' device."""
+        return device_table(self.__dict__.setdefault("_addr_tables", {}), values, self.device)
 
     def _ll_check_host(self, x, topk_idx, n_max: int) -> None:
         """Validation needing no data (every mode), then, host-checked mode only, the data checks."""
@@ -217,6 +178,8 @@ class LowLatencyMixin:
             before the next collective on this buffer.
         """
         n_max = num_max_dispatch_tokens_per_rank
+        # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
+        self._ll_dispatches += 1
         w, L, h = self.world_size, self.num_local_experts, self.hidden
         xb, sb = self._ll_row(use_fp8)
         hdr = self._ll_header()
@@ -247,13 +210,13 @@ class LowLatencyMixin:
 
     def _ll_prepare(self, x, topk_idx, n_max: int, too_big: bool, streamed: bool):
         """Validation and routing of a low-latency dispatch: ``(error or None, route)``; no exception escapes,
-        since every rank must take part in the exchange whatever this rank passed (see :meth:`_ll_route`)."""
+        since every rank must take part in the exchange whatever this rank passed (see ``route_pairs``)."""
         route = None
         try:
             self._ll_check_host(x, topk_idx, n_max)
             if too_big:
                 raise ValueError(f"low-latency message exceeds the {self.region_bytes}-byte region")
-            route = self._ll_route(topk_idx, n_max)
+            route = route_pairs(topk_idx.to(self.device), self.num_experts, n_max)
             if not streamed and route[2].numel() and int(route[2].max()) > n_max:
                 e = int(route[2].argmax())
                 raise ValueError(
@@ -325,6 +288,8 @@ class LowLatencyMixin:
             pos_of=torch.where(live, pos.view(t_num, K), -1),
             counts=torch.zeros((self.world_size, L), dtype=torch.int64, device=self.device),
             n_max=n_max,
+            buffer_id=self.buffer.buffer_id,
+            epoch=self._ll_dispatches,
         )
 
     def _ll_receive(self, ex, handle: LowLatencyHandle, recv_x, recv_count, msg_bytes: int, use_fp8: bool):
@@ -339,7 +304,7 @@ class LowLatencyMixin:
         if self._ll_stream_ordered():
             ok = self._ll_defer_errors(heads, views, hdr, n_max, use_fp8)
         else:
-            errors = self._ll_errors(heads, views, hdr, n_max, use_fp8)
+            errors = self._ll_errors(heads, views, hdr, True)
             if errors:
                 ex.release()
                 raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
@@ -363,7 +328,7 @@ class LowLatencyMixin:
             ex.commit(dst, msg_bytes)
         views = ex.receive([msg_bytes] * self.world_size)
         self.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
-        errors = self._ll_errors(self._ll_heads(views), views, hdr, None, use_fp8)
+        errors = self._ll_errors(self._ll_heads(views), views, hdr, False)
         ex.release()
         exc = ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
         if self._ll_stream_ordered():  # the peers learn of it at a later call: the buffer is done on every rank
@@ -449,20 +414,23 @@ class LowLatencyMixin:
             return self._ll_combine(y, topk_weights, handle, return_recv_hook)
 
     def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook):
-        w, L, h = self.world_size, self.num_local_experts, self.hidden
-        t_num, n_max = handle.num_tokens, handle.n_max
-        row = 2 * h
-        msg_bytes = L * n_max * row
+        w, L, h, n_max = self.world_size, self.num_local_experts, self.hidden, handle.n_max
+        row, head = 2 * h, COMBINE_HEADER
+        msg_bytes = head + L * n_max * row
         streamed = self._ll_stream_ordered()
         ex = self.buffer.exchange(self.region_bytes, tag="ll_combine", deferred=streamed, guarded=True)
         y = y.contiguous()
         src, live, slot, y_row = slot_grid(handle.counts.to(self.device), n_max)
         bases = [ex.send_region(s).data_ptr() for s in range(w)]
+        region_addr = self._addresses(bases)
+        # The handle's identity first, so the receivers can tell rows of another dispatch from this one's.
+        ident = self._addresses([handle.buffer_id, handle.epoch])  # a cached device table: no host sync
+        move_rows(region_addr, torch.full_like(region_addr, ident.data_ptr()), 16, [*bases, ident.data_ptr()], ex.guard)
         move_rows(
-            torch.where(live, self._addresses(bases)[src] + slot * row, 0),
+            torch.where(live, region_addr[src] + head + slot * row, 0),
             torch.where(live, y.data_ptr() + y_row * row, 0),
             row,
-            [*bases, y.data_ptr()],
+            [*bases, head, y.data_ptr()],
             ex.guard,
         )
         for s in range(w):
@@ -470,24 +438,44 @@ class LowLatencyMixin:
         out = {}
 
         def hook():
-            if "y" in out:
-                return out["y"]
-            with self.retire_on_failure("low-latency combine receive"):
-                views = ex.receive([msg_bytes] * w)
-                slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
-                if streamed:
-                    _, stride = message_spacing(views)
-                    table = views[0].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
-                    acc = reduce_gathered(table, handle.dst_of, slot, topk_weights.float())
-                    res = acc.to(torch.bfloat16)
-                else:
-                    sources = [v[: L * n_max * row].view(torch.bfloat16).view(L * n_max, h) for v in views]
-                    res = torch.empty((t_num, h), dtype=torch.bfloat16, device=y.device)
-                    reduce_indexed(res, sources, handle.dst_of, slot, topk_weights.float())
-                ex.release()
-            out["y"] = res
+            if "y" not in out:
+                out["y"] = self._ll_combine_receive(ex, handle, topk_weights, msg_bytes)
             return out["y"]
 
         if return_recv_hook:
             return None, hook
         return hook()
+
+    def _ll_combine_receive(self, ex, handle: LowLatencyHandle, topk_weights, msg_bytes: int):
+        """The combine hook: wait for every message, check that every rank sent rows of the same dispatch of this
+        buffer (on the host, or on the stream), and reduce at the source in the fixed order."""
+        w, L, h, n_max = self.world_size, self.num_local_experts, self.hidden, handle.n_max
+        row, head = 2 * h, COMBINE_HEADER
+        streamed = self._ll_stream_ordered()
+        with self.retire_on_failure("low-latency combine receive"):
+            views = ex.receive([msg_bytes] * w)
+            idents = torch.stack([v[:16].view(torch.int64) for v in views])  # [W, 2] buffer id, epoch
+            slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
+            if streamed:
+                _, stride = message_spacing(views)
+                table = views[0][head:].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
+                res = reduce_gathered(table, handle.dst_of, slot, topk_weights.float()).to(torch.bfloat16)
+            else:
+                sources = [v[head : head + L * n_max * row].view(torch.bfloat16).view(L * n_max, h) for v in views]
+                res = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=self.device)
+                reduce_indexed(res, sources, handle.dst_of, slot, topk_weights.float())
+        if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
+            buffer_id = self.buffer.buffer_id
+
+            def judge(values):
+                msg = describe_handles([values[2 * r : 2 * r + 2] for r in range(w)], buffer_id, "low-latency combine")
+                return None if msg is None else ValueError(msg)
+
+            self.buffer.deferred.record(idents.reshape(-1).clone(), judge, self.timeout, "low-latency combine")
+            ex.release()
+            return res
+        error = describe_handles(idents.tolist(), self.buffer.buffer_id, "low-latency combine")
+        ex.release()
+        if error is not None:
+            raise ValueError(error)
+        return res

@@ -13,11 +13,16 @@ import torch
 
 __all__ = [
     "BAD_IDS",
+    "COMBINE_HEADER",
     "OK",
     "OVERFLOW",
     "REJECTED",
     "LowLatencyHandle",
+    "describe_handles",
     "describe_header",
+    "describe_parameters",
+    "judge_headers",
+    "route_pairs",
     "message_spacing",
     "slot_grid",
 ]
@@ -36,10 +41,31 @@ class LowLatencyHandle:
     pos_of: torch.Tensor  # [T, K] slot position within (source, expert) block
     counts: torch.Tensor  # [W, L] rows received from each source per local expert
     n_max: int = 0  # slots per (source, local expert) of the dispatch
+    buffer_id: int = 0  # the EPBuffer's SymmBuffer.buffer_id: a handle is only valid on the buffer that made it
+    epoch: int = 0  # which low-latency dispatch of that buffer made it (1 for the first)
 
 
-def describe_header(src: int, code: int, n_used: int, fp8_used: int, text: str, n_max: int | None, use_fp8: bool):
-    """The error one received header reports, or None."""
+#: Bytes before the rows of a low-latency combine message: int64 [buffer id, dispatch epoch] of the handle.
+COMBINE_HEADER = 64
+
+
+def describe_handles(heads: list[list[int]], buffer_id: int, what: str) -> str | None:
+    """The error (the same on every rank) when the ranks' ``[buffer id, epoch]`` handle headers do not all
+    name one dispatch of buffer ``buffer_id``; None when they do."""
+    if all(h == heads[0] for h in heads) and heads[0][0] == buffer_id:
+        return None
+    desc = "; ".join(
+        f"rank {r}: {'this buffer' if h[0] == buffer_id else f'another buffer ({h[0]:x})'}'s dispatch {h[1]}"
+        for r, h in enumerate(heads)
+    )
+    return (
+        f"{what} rejected on every rank: the handles do not come from one dispatch of this buffer ({desc}); give "
+        f"every rank the handle its matching dispatch returned"
+    )
+
+
+def describe_header(src: int, code: int, n_used: int, text: str) -> str | None:
+    """The error one received header's status reports, or None (``n_used``: the sender's slots per expert)."""
     if code == REJECTED:
         return f"rank {src}: {text}"
     if code == BAD_IDS:
@@ -51,12 +77,57 @@ def describe_header(src: int, code: int, n_used: int, fp8_used: int, text: str, 
         )
     if code != OK:
         return f"rank {src}: corrupt low-latency header (status {code})"
-    if n_max is not None and (n_used != n_max or fp8_used != int(use_fp8)):
-        return (
-            f"rank {src} used num_max_dispatch_tokens_per_rank={n_used}, use_fp8={bool(fp8_used)}"
-            f" but this rank {n_max}, {use_fp8}"
-        )
     return None
+
+
+def describe_parameters(heads: list[list[int]]) -> str | None:
+    """The error (the same on every rank) when the ranks' headers ``[status, n_max, use_fp8]`` name different
+    ``num_max_dispatch_tokens_per_rank`` / ``use_fp8``; None when they agree."""
+    if len({(h[1], h[2]) for h in heads}) <= 1:
+        return None
+    return (
+        "the ranks' parameters differ ("
+        + "; ".join(
+            f"rank {r}: num_max_dispatch_tokens_per_rank={h[1]}, use_fp8={bool(h[2])}" for r, h in enumerate(heads)
+        )
+        + ")"
+    )
+
+
+def judge_headers(heads: list[list[int]], text_of, check_params: bool) -> list[str]:
+    """Every error the ranks' dispatch headers ``[status, n_max, use_fp8]`` report, worded alike on every rank;
+    ``text_of(src)`` reads a rejecting rank's error text; ``check_params``: also compare the parameters."""
+    errors = [
+        describe_header(src, code, n_used, text_of(src) if code == REJECTED else "")
+        for src, (code, n_used, _) in enumerate(heads)
+    ]
+    errors = [e for e in errors if e is not None]
+    if not errors and check_params:
+        mismatch = describe_parameters(heads)
+        if mismatch is not None:
+            errors.append(mismatch)
+    return errors
+
+
+def route_pairs(topk_idx: torch.Tensor, num_experts: int, n_max: int):
+    """Fixed-shape routing of a low-latency dispatch, on ``topk_idx``'s device (no host read).
+
+    Returns ``key [T*K]`` (global expert, ``num_experts`` for none), ``pos [T*K]`` (slot among this
+    rank's pairs for that expert: token order, then k), ``per_expert [E]`` (pairs per expert) and
+    ``status`` (a 0-dim int32 tensor: OK, BAD_IDS or OVERFLOW).
+    """
+    E, dev = num_experts, topk_idx.device
+    ids = topk_idx.long().reshape(-1)
+    n = ids.numel()
+    bad = (ids < -1) | (ids >= E)
+    key = torch.where((ids >= 0) & ~bad, ids, E)
+    per = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    sorted_key, perm = torch.sort(key, stable=True)
+    starts = torch.cumsum(per, 0) - per
+    pos = torch.empty_like(key).scatter_(0, perm, torch.arange(n, device=dev) - starts[sorted_key])
+    over = (per[:E] > n_max).any()
+    status = torch.where(bad.any(), BAD_IDS, torch.where(over, OVERFLOW, OK)).to(torch.int32)
+    return key, pos, per[:E], status
 
 
 def slot_grid(counts: torch.Tensor, n_max: int):

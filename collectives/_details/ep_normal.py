@@ -43,6 +43,8 @@ class DispatchHandle:
     expanded_rows: torch.Tensor | None  # [X] received row per expanded row, -1 = padding
     expanded_slot: torch.Tensor | None  # [R, K] expanded row of (j, k), -1 if not local
     device: torch.device = torch.device("cpu")  # where the rows live (the metadata above is on the CPU)
+    buffer_id: int = 0  # the EPBuffer's SymmBuffer.buffer_id: a handle is only valid on the buffer that made it
+    epoch: int = 0  # which normal dispatch of that buffer made it (1 for the first)
 
 
 class NormalModeMixin:
@@ -156,12 +158,46 @@ class NormalModeMixin:
             expanded_rows=rows,
             expanded_slot=slot,
             device=self.device,
+            buffer_id=self.buffer.buffer_id,
+            epoch=self._dispatches,
         )
         x_out = (out_x, out_s) if out_s is not None else out_x
         return x_out, recv_idx.to(self.device), recv_w.to(self.device), aligned, handle
 
+    def agree_on_handle(self, what: str, handle, error: str | None) -> None:
+        """Before any row of a combine or cached dispatch moves: every rank tells every rank which dispatch its
+        handle comes from, or why its call is invalid (one small exchange). Raises the same ValueError on every
+        rank unless every call is valid and every handle is this buffer's, from one and the same dispatch (a
+        handle of another buffer, or a stale one on some ranks, would pair rows that do not belong together).
+        The buffer stays usable either way."""
+        w = self.world_size
+        head = torch.zeros(3, dtype=torch.int64)
+        if error is None:
+            head[:] = torch.tensor([0, handle.buffer_id, handle.epoch])
+        else:
+            head[0] = -1
+        msg = torch.cat([head.view(torch.uint8), encode_error(error or "")])
+        got = self.buffer.all_to_all([msg] * w, [msg.numel()] * w, self.region_bytes, tag=f"{what} agreement")
+        heads = [g[:24].view(torch.int64).tolist() for g in got]
+        errors = [f"rank {r}: {decode_error(g[24:])}" for r, (g, h) in enumerate(zip(got, heads)) if h[0] != 0]
+        if errors:
+            raise ValueError(f"{what} rejected on every rank before any row moved: " + "; ".join(errors))
+        if any(h[1:] != heads[0][1:] for h in heads) or heads[0][1] != self.buffer.buffer_id:
+            desc = "; ".join(
+                f"rank {r}: {'this buffer' if h[1] == self.buffer.buffer_id else f'another buffer ({h[1]:x})'}"
+                f"'s dispatch {h[2]}"
+                for r, h in enumerate(heads)
+            )
+            raise ValueError(
+                f"{what} rejected on every rank before any row moved: the handles do not come from one dispatch of "
+                f"this buffer ({desc}); give every rank the handle its matching dispatch returned"
+            )
+
     def _dispatch_cached(self, x, scales, handle: DispatchHandle):
+        error = None
         try:
+            if not isinstance(handle, DispatchHandle):
+                raise ValueError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
             if not isinstance(x, torch.Tensor) or x.dim() != 2:
                 raise ValueError(f"x must be [num_tokens, {self.hidden}]")
             self.validate_dispatch(
@@ -175,8 +211,9 @@ class NormalModeMixin:
                 raise ValueError(
                     f"cached dispatch: x has {x.shape[0]} tokens, the handle was made for {handle.num_tokens}"
                 )
-        except ValueError as exc:
-            self._reject_locally("cached dispatch", exc)
+        except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement
+            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        self.agree_on_handle("cached dispatch", handle, error)
         dummy_idx = torch.full((x.shape[0], self.num_topk), -1, dtype=torch.int64)
         dummy_w = torch.zeros((x.shape[0], self.num_topk), dtype=torch.float32)
         with self.retire_on_failure("cached dispatch"):

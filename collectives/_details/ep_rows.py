@@ -19,6 +19,7 @@ __all__ = [
     "by_address",
     "check_biases",
     "decode_error",
+    "device_table",
     "encode_error",
     "expanded_layout",
     "move_rows",
@@ -41,6 +42,20 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 def align_up(n: int, a: int = FIELD_ALIGN) -> int:
     """``n`` rounded up to a multiple of ``a``."""
     return -(-n // a) * a
+
+
+def device_table(cache: dict, values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, cached in ``cache`` by value: the regions of a buffer do
+    not move, so the upload (non-blocking, from pinned memory) happens once and no call reads the host."""
+    key = tuple(values)
+    table = cache.get(key)
+    if table is None:
+        host = torch.tensor(values, dtype=torch.int64)
+        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        if len(cache) >= 64:
+            cache.clear()
+        cache[key] = table
+    return table
 
 
 def encode_error(text: str) -> torch.Tensor:

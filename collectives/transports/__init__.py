@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from epkit.collectives.transports.base import Transport
 
-__all__ = ["TRANSPORTS", "Transport", "all_on_one_host", "choose", "create"]
+__all__ = ["TRANSPORTS", "Transport", "all_on_one_host", "choose", "create", "hello"]
 
 #: Every transport: name -> (module, class) under epkit.collectives.transports (imported on first use).
 TRANSPORTS = {
@@ -43,23 +43,33 @@ def all_on_one_host(group) -> bool:
     return len(set(hosts)) == 1
 
 
-def choose(group) -> str:
-    """The ``auto`` transport for ``group`` (collective): ``nvshmem`` for an NCCL group whose every rank can
-    run it (else ``torch``), ``shm`` for a gloo group on one host, ``torch`` otherwise."""
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend):
+def hello(nccl: bool) -> dict:
+    """What this rank tells the others first when a buffer is made (through the rendezvous): where it runs,
+    its pid, the memory it can still give, and, for an NCCL group, why it cannot run nvshmem (None: it can)."""
+    from epkit.collectives.bootstrap import host_identity, memory_available
+
+    info = {"host": host_identity(), "pid": os.getpid(), "mem": memory_available(), "nvshmem": "not an NCCL group"}
+    if nccl:
         from epkit.collectives.transports import nvshmem_job
 
-        return "nvshmem" if nvshmem_job.auto_ready(group) else "torch"
-    if backend == "gloo" and all_on_one_host(group):
+        info["nvshmem"] = nvshmem_job.missing_reason()
+    return info
+
+
+def choose(hellos: list[dict], backend: str) -> str:
+    """The ``auto`` transport from every rank's :func:`hello`: ``nvshmem`` for an NCCL group whose every rank
+    can run it (else ``torch``), ``shm`` for a gloo group on one host, ``torch`` otherwise."""
+    if "nccl" in str(backend):
+        return "nvshmem" if all(h["nvshmem"] is None for h in hellos) else "torch"
+    if backend == "gloo" and len({h["host"] for h in hellos}) == 1:
         return "shm"
     return "torch"
 
 
-def create(name: str, group, rank: int, world_size: int, num_bytes: int, num_signals: int) -> Transport:
-    """Make transport ``name``'s part of a new buffer on this rank (collective over ``group``)."""
+def create(name: str, rv, hellos: list[dict], num_bytes: int, num_signals: int) -> Transport:
+    """Make transport ``name``'s part of a new buffer on this rank (collective over the rendezvous ``rv``)."""
     if name not in TRANSPORTS:
         raise ValueError(f"transport must be 'auto' or one of {tuple(TRANSPORTS)}, got {name!r}")
     module, cls = TRANSPORTS[name]
     impl = getattr(importlib.import_module(f"epkit.collectives.transports.{module}"), cls)
-    return impl(group, rank, world_size, num_bytes, num_signals)
+    return impl(rv, hellos, num_bytes, num_signals)

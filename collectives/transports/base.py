@@ -102,11 +102,26 @@ class Transport(abc.ABC):
     provider: str | None = None
     note: str = ""
 
-    def __init__(self, group, rank: int, world_size: int, num_bytes: int, num_signals: int):
-        self.group, self.rank, self.world_size = group, rank, world_size
+    def __init__(self, rv, hello: list[dict], num_bytes: int, num_signals: int):
+        """``rv``: the buffer's :class:`~epkit.collectives.bootstrap.Rendezvous` (collective steps go through it,
+        bounded by its timeout); ``hello``: every rank's first rendezvous record (``host``, ``pid``, ``mem``)."""
+        self.group, self.rank, self.world_size = rv.group, rv.rank, rv.world_size
         self.num_bytes, self.num_signals = num_bytes, num_signals
+        self.memory_hint = getattr(rv, "memory_hint", "")
         self.local = torch.empty(0, dtype=torch.uint8)
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
+
+    def check_memory(self, hello: list[dict], need: int, what: str) -> None:
+        """ValueError (the same on every rank) if ``need`` bytes exceed the memory the ranks report available
+        (the lowest over the ranks; unknown counts as enough)."""
+        known = [h["mem"] for h in hello if h.get("mem") is not None]
+        if known and need > min(known):
+            hint = f"; {self.memory_hint}" if self.memory_hint else ""
+            raise ValueError(
+                f"SymmBuffer({self.name}) of num_bytes={self.num_bytes} per rank needs {need} bytes ({what}), more "
+                f"than the {min(known)} bytes of memory available (MemAvailable or the cgroup limit, lowest over "
+                f"the ranks){hint}"
+            )
 
     @property
     def device(self) -> torch.device:

@@ -46,10 +46,11 @@ class NvshmemTransport(Transport):
     stream_ordered = True
     collective_free = True
 
-    def __init__(self, group, rank: int, world_size: int, num_bytes: int, num_signals: int):
-        super().__init__(group, rank, world_size, num_bytes, num_signals)
-        num_words, self.data_offset, alloc = layout(world_size, num_signals, num_bytes)
-        got = nvshmem_job.allocate(group, rank, world_size, alloc)
+    def __init__(self, rv, hello: list[dict], num_bytes: int, num_signals: int):
+        super().__init__(rv, hello, num_bytes, num_signals)
+        rank = self.rank
+        num_words, self.data_offset, alloc = layout(self.world_size, num_signals, num_bytes)
+        got = nvshmem_job.allocate(self.group, rank, self.world_size, alloc)
         self.provider, self.note, self.cc = got.provider, got.note, got.cc
         self._torch_memory = got.torch_memory
         dev = got.device

@@ -1,27 +1,35 @@
-"""The ``shm`` transport: CPU ranks on one host, over POSIX shared memory (``csrc/shm_transport.cpp``).
+"""The ``shm`` transport: CPU ranks on one host, over shared memory that has no name (``csrc/shm_transport.cpp``).
 
-Each rank creates a segment (mode 0600) named from a random 128-bit token that rank 0 draws and
-broadcasts, every rank maps every peer's segment, and each segment's name is unlinked as soon as all
-ranks have attached: a killed rank leaves nothing in /dev/shm (one dying inside the bootstrap leaves a
-name the survivors remove, since every rank knows every name in advance). ``peer_view(r)`` is a direct
-view of rank r's data; puts are plain copies into it; signal words are atomics in ``epkit._C`` and waits
-are timed (the GIL released while they spin).
+Each rank creates an anonymous ``memfd`` segment (signal words, then data) and the descriptors are
+passed between the ranks over a Unix-domain socket (``SCM_RIGHTS``), through rank 0: rank 0 listens on
+an abstract socket (no file; a random name), every other rank connects, sends its descriptor and
+receives everyone's. Each side checks the other's process id (``SO_PEERCRED``) against the pids the
+ranks published in the rendezvous, so no other process, of the same user or not, is handed a
+descriptor; once mapped, the descriptors are closed. Nothing is ever created in /dev/shm, so a rank
+killed at any point leaves nothing behind: the memory goes when the last mapping does.
+
+``peer_view(r)`` is a direct view of rank r's data; puts are plain copies into it; signal words are
+atomics in ``epkit._C`` and waits are timed (the GIL released while they spin).
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import os
 import secrets
+import socket
+import struct
 import time
 
 import torch
-import torch.distributed as dist
 
 from epkit.collectives.transports.base import Transport, layout
 
-__all__ = ["ShmTransport", "host_view", "wait_word"]
+__all__ = ["ShmTransport", "host_view", "share_descriptors", "wait_word"]
+
+_MAX_FDS = 200  # descriptors per message (the kernel's SCM_MAX_FD is 253)
 
 
 def host_view(addr: int, nbytes: int, owner=None) -> torch.Tensor:
@@ -46,11 +54,129 @@ def wait_word(seg, off: int, cmp: str, value: int, deadline: float, abort_off: i
         return 2, seg.load(off)
 
 
-def _unlink_names(names: list[str]) -> None:
-    """Remove POSIX shared-memory names if they exist (the bootstrap's cleanup after a failure)."""
-    for name in names:
-        with contextlib.suppress(FileNotFoundError, OSError):
-            os.unlink(f"/dev/shm/{name.lstrip('/')}")  # where Linux keeps POSIX shm names
+def _peer_pid(sock: socket.socket) -> int:
+    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
+
+
+def _recv(sock: socket.socket, deadline: float, what: str, maxfds: int) -> tuple[bytes, list[int]]:
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    fds = array.array("i")
+    msg, anc, _, _ = sock.recvmsg(4096, socket.CMSG_LEN(maxfds * fds.itemsize))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    if not msg and not fds:
+        raise ConnectionError(f"{what}: the peer closed the connection")
+    return msg, list(fds)
+
+
+def _serve(server: socket.socket, my_fd: int, pids: list[int], deadline: float) -> list[int]:
+    """Rank 0: collect every rank's descriptor (checking who sends it), then send everyone the whole list."""
+    w = len(pids)
+    fds: list[int] = [my_fd] + [-1] * (w - 1)
+    conns: dict[int, socket.socket] = {}
+    try:
+        while len(conns) < w - 1:
+            server.settimeout(max(deadline - time.monotonic(), 1e-3))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                missing = [r for r in range(1, w) if r not in conns]
+                names = ", ".join(map(str, missing))
+                raise TimeoutError(f"rank{'s' * (len(missing) > 1)} {names} did not connect to rank 0") from None
+            r, got = -1, []
+            try:
+                msg, got = _recv(conn, deadline, "segment exchange", 1)
+                r = int(msg.decode()) if msg.isdigit() else -1
+                ok = 0 < r < w and r not in conns and len(got) == 1 and _peer_pid(conn) == pids[r]
+            except (OSError, ValueError, ConnectionError):
+                ok = False
+            if not ok:  # not a rank of this buffer (or a rank claiming another's place): nothing for it
+                for fd in got:
+                    os.close(fd)
+                conn.close()
+                continue
+            conns[r], fds[r] = conn, got[0]
+        for conn in conns.values():
+            for i in range(0, w, _MAX_FDS):
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds[i : i + _MAX_FDS]))]
+                conn.sendmsg([b"ok"], rights)
+        return fds
+    except BaseException as exc:
+        for conn in conns.values():  # tell the ranks that did come why the buffer cannot be made
+            with contextlib.suppress(OSError):
+                conn.sendall(f"error: {exc}".encode()[:4000])
+        for fd in fds[1:]:
+            if fd >= 0:
+                os.close(fd)
+        raise
+    finally:
+        for conn in conns.values():
+            conn.close()
+
+
+def _join(address: bytes, my_fd: int, rank: int, pids: list[int], deadline: float) -> list[int]:
+    """Any rank but 0: send this rank's descriptor to rank 0 and receive every rank's."""
+    w = len(pids)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        while True:
+            try:
+                sock.connect(address)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rank 0 is not listening") from None
+                time.sleep(0.005)
+        if _peer_pid(sock) != pids[0]:
+            raise ConnectionError("the process listening for the segments is not rank 0")
+        sock.sendmsg([str(rank).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [my_fd]))])
+        while len(fds) < w:
+            msg, got = _recv(sock, deadline, "segment exchange", _MAX_FDS)
+            fds += got
+            if msg.startswith(b"error"):
+                raise TimeoutError(f"rank 0 gave up: {msg[7:].decode(errors='replace')}")
+        return fds
+    except (OSError, ConnectionError) as exc:  # OSError includes a timeout: rank 0 died, or stopped
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, TimeoutError) and str(exc).startswith("rank 0"):
+            raise
+        raise TimeoutError(f"rank 0 went away or stopped while sharing the segments ({exc})") from None
+    finally:
+        sock.close()
+
+
+def _listen() -> tuple[socket.socket, bytes]:
+    """Rank 0: a listening abstract Unix socket with a random name (no file; gone when closed)."""
+    name = b"\0epkit-shm-" + secrets.token_hex(16).encode()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(name)
+    server.listen(128)
+    return server, name
+
+
+def share_descriptors(rv, pids: list[int], my_fd: int, timeout: float) -> list[int]:
+    """Every rank's segment descriptor, in rank order, passed over an abstract Unix socket through rank 0.
+
+    Collective over the rendezvous ``rv``; ``pids`` are the ranks' process ids (checked with SO_PEERCRED on
+    both ends). Raises TimeoutError naming the ranks that did not come (on rank 0, and in rank 0's words
+    on every rank that did). The caller owns (and closes) every descriptor returned.
+    """
+    deadline = time.monotonic() + timeout
+    server, name = _listen() if rv.rank == 0 else (None, b"")
+    try:
+        names = rv.gather("shm", name.hex())
+        if rv.rank == 0:
+            return _serve(server, my_fd, pids, deadline)
+        return _join(bytes.fromhex(names[0]), my_fd, rv.rank, pids, deadline)
+    except (TimeoutError, ConnectionError, OSError) as exc:
+        raise TimeoutError(f"rank {rv.rank}: the shm segments could not be shared: {exc}") from None
+    finally:
+        if server is not None:
+            server.close()
 
 
 class ShmTransport(Transport):
@@ -59,38 +185,31 @@ class ShmTransport(Transport):
     name = "shm"
     direct = True
 
-    def __init__(self, group, rank: int, world_size: int, num_bytes: int, num_signals: int):
-        super().__init__(group, rank, world_size, num_bytes, num_signals)
+    def __init__(self, rv, hello: list[dict], num_bytes: int, num_signals: int):
+        super().__init__(rv, hello, num_bytes, num_signals)
         from epkit import _C
 
-        _, self.data_offset, seg_bytes = layout(world_size, num_signals, num_bytes)
-        # One random 128-bit token per buffer, drawn by rank 0 before any segment exists: every rank knows
-        # every segment's name in advance, so if a rank dies between creating its segment and the unlink
-        # below, the survivors remove its name when the bootstrap fails.
-        token = [secrets.token_hex(16) if rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-        names = [f"/epkit-{token[0]}-{r}" for r in range(world_size)]
-        mine = _C.ShmSegment(names[rank], seg_bytes, True)
+        w = self.world_size
+        _, self.data_offset, seg_bytes = layout(w, num_signals, num_bytes)
+        hosts = {h["host"] for h in hello}
+        if len(hosts) != 1:
+            raise ValueError(f"the shm transport needs every rank on one host; the ranks are on {sorted(hosts)}")
+        self.check_memory(hello, w * seg_bytes, f"{w} segments of {seg_bytes} bytes (one per rank) on this host")
+        fd = os.memfd_create(f"epkit-shm-{rv.buffer_id:x}-{self.rank}", os.MFD_CLOEXEC)
+        fds: list[int] = []
         try:
-            sizes = [None] * world_size
-            dist.all_gather_object(sizes, seg_bytes, group=group)
-            if len(set(sizes)) != 1:  # every rank sees the same list, so every rank raises
-                raise ValueError(
-                    f"SymmBuffer sizes differ across ranks (segment bytes per rank: {sizes}); every rank "
-                    f"must pass the same num_bytes and num_signals"
-                )
-            segs = [mine if r == rank else _C.ShmSegment(names[r], seg_bytes, False) for r in range(world_size)]
-            # Every rank has attached every segment once this barrier passes: unlink the names now.
-            dist.barrier(group=group)
-        except BaseException:
-            _unlink_names(names)  # a peer may have died holding its name: remove every name of this buffer
-            raise
-        finally:
-            mine.unlink()
-        #: Every rank's mapped segment (signal words first, data at ``data_offset``).
-        self.segments = segs
-        self._views = [host_view(s.addr + self.data_offset, num_bytes, s) for s in segs]
-        self.local = self._views[rank]
+            os.ftruncate(fd, seg_bytes)  # zero-filled: the signal words start at 0
+            fds = share_descriptors(rv, [h["pid"] for h in hello], fd, rv.timeout)
+            #: Every rank's mapped segment (signal words first, data at ``data_offset``).
+            self.segments = [
+                _C.ShmSegment.from_fd(f, seg_bytes, f"shm segment of rank {r} (buffer {rv.buffer_id:x})")
+                for r, f in enumerate(fds)
+            ]
+        finally:  # the mappings keep the memory; no descriptor (and so no /proc/<pid>/fd entry) outlives them
+            for f in {fd, *fds}:
+                os.close(f)
+        self._views = [host_view(s.addr + self.data_offset, num_bytes, s) for s in self.segments]
+        self.local = self._views[self.rank]
 
     def peer_view(self, rank: int) -> torch.Tensor:
         return self._views[rank]

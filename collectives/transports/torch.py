@@ -1,12 +1,18 @@
-"""The ``torch`` transport: torch.distributed collectives, for ranks on several hosts (any gloo layout).
+"""The ``torch`` transport: torch.distributed point-to-point messages, for ranks on several hosts (any gloo layout).
 
 ``local`` exists but no peer is addressable, so the one-sided primitives are absent (``direct`` is
-False); the protocol's exchanges are one ``all_to_all_single`` each and its barriers ``dist.barrier``,
-both asynchronous requests waited on with the buffer's timeout.
+False). Each buffer has a gloo process group of its own, made over the buffer's rendezvous prefix in
+the job's store: the messages of another buffer (a retired one, whose rank was stopped and resumed)
+travel in another group and can never pair with this buffer's. An exchange is one message per peer,
+a 24-byte header (buffer id, exchange number, payload bytes) and then the payload, sent and received
+point to point with the buffer's timeout: a peer that does not send within it is named, and a header
+that is not this exchange's (another buffer, another exchange, another size) is an error naming its
+sender, never data.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -16,47 +22,97 @@ from epkit.collectives.transports.base import Transport
 
 __all__ = ["TorchTransport"]
 
+_HEADER_WORDS = 3  # buffer id, exchange number, payload bytes
+_TAGS = 1 << 20
+# Groups and tensors of buffers retired with requests still posted: gloo may still write into a receive
+# posted before a timeout, so its memory (and the group) must never be freed. Kept for the process's life.
+_RETIRED: list = []
+
 
 class TorchTransport(Transport):
-    """Host memory for ``local`` plus timed torch.distributed requests (see the module docstring)."""
+    """Host memory for ``local`` plus a gloo group of the buffer's own (see the module docstring)."""
 
     name = "torch"
 
-    def __init__(self, group, rank: int, world_size: int, num_bytes: int, num_signals: int):
-        super().__init__(group, rank, world_size, num_bytes, num_signals)
-        self.local = torch.zeros(num_bytes, dtype=torch.uint8)
-        self._open = True
-
-    def _wait(self, work, what: str, timeout: float) -> None:
-        """Wait for a torch.distributed request; gloo reports a timeout (or a dead peer) as RuntimeError."""
+    def __init__(self, rv, hello: list[dict], num_bytes: int, num_signals: int):
+        super().__init__(rv, hello, num_bytes, num_signals)
+        self.check_memory(hello, 2 * num_bytes, "the local buffer and one message's staging")
+        self.buffer_id = rv.buffer_id
+        self._exchanges = 0
         try:
-            ok = work.wait(timeout=timedelta(seconds=timeout))
+            store = dist.PrefixStore("pg/", rv.store)
+            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=rv.timeout))
         except RuntimeError as exc:
-            raise TimeoutError(f"rank {self.rank}: {what} did not complete within {timeout:g} s ({exc})") from None
-        if ok is False:
-            raise TimeoutError(f"rank {self.rank}: {what} did not complete within {timeout:g} s")
+            raise TimeoutError(
+                f"rank {self.rank}: the torch transport's own gloo group could not be made within {rv.timeout:g} s "
+                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})"
+            ) from None
+        self.local = torch.zeros(num_bytes, dtype=torch.uint8)
+        self._closed = False
+
+    def _wait(self, work, deadline: float, timeout: float, src: int, what: str) -> None:
+        left = max(deadline - time.monotonic(), 1e-3)
+        try:
+            work.wait(timedelta(seconds=left))
+        except RuntimeError as exc:  # gloo: a timeout, or the connection to a peer that died
+            cause = "timed out" if "Timed out" in str(exc) else str(exc).strip().splitlines()[0][:200]
+            raise TimeoutError(
+                f"rank {self.rank}: rank {src} sent no {what} message within {timeout:g} s ({cause}); it died "
+                f"or stopped calling"
+            ) from None
 
     def barrier(self, timeout: float) -> None:
-        self._wait(dist.barrier(group=self.group, async_op=True), "barrier", timeout)
+        self.all_to_all(
+            [torch.empty(0, dtype=torch.uint8)] * self.world_size, [0] * self.world_size, timeout, "barrier"
+        )
 
     def all_to_all(self, send: list[torch.Tensor], recv_bytes: list[int], timeout: float, what: str):
-        """``send[r]`` (uint8, 1-D) to rank r; returns views of one receive tensor, ``recv_bytes[r]`` from rank r."""
-        flat = torch.cat([s.reshape(-1) for s in send]) if send else torch.empty(0, dtype=torch.uint8)
+        """``send[r]`` (uint8, 1-D) to rank r; returns views of one receive tensor, ``recv_bytes[r]`` from rank r
+        (evenly spaced when the sizes are equal). TimeoutError names a silent peer; ValueError a peer whose
+        message was not this exchange's."""
+        deadline = time.monotonic() + timeout
+        self._exchanges += 1
+        n, me, w = self._exchanges, self.rank, self.world_size
+        tag = 2 * (n % _TAGS)
         recv = torch.empty(sum(recv_bytes), dtype=torch.uint8)
-        work = dist.all_to_all_single(
-            recv,
-            flat,
-            output_split_sizes=list(recv_bytes),
-            input_split_sizes=[s.numel() for s in send],
-            group=self.group,
-            async_op=True,
-        )
-        self._wait(work, f"{what} all-to-all", timeout)
-        return list(torch.split(recv, list(recv_bytes)))
+        views = list(torch.split(recv, list(recv_bytes)))
+        heads = [torch.zeros(_HEADER_WORDS, dtype=torch.int64) for _ in range(w)]
+        got = {src: self.pg.recv([heads[src]], src, tag) for src in range(w) if src != me}
+        sent = []
+        for k in range(1, w):
+            dst = (me + k) % w
+            head = torch.tensor([self.buffer_id, n, send[dst].numel()], dtype=torch.int64)
+            sent.append((dst, head, self.pg.send([head], dst, tag)))
+            if send[dst].numel():
+                payload = send[dst].contiguous()
+                sent.append((dst, payload, self.pg.send([payload], dst, tag + 1)))
+        if send[me].numel():
+            views[me].copy_(send[me])
+        try:
+            for src, work in got.items():
+                self._wait(work, deadline, timeout, src, what)
+                self._check_header(heads[src].tolist(), src, n, recv_bytes[src], what)
+                if recv_bytes[src]:
+                    self._wait(self.pg.recv([views[src]], src, tag + 1), deadline, timeout, src, what)
+            for dst, _, work in sent:
+                self._wait(work, deadline, timeout, dst, f"{what} (receipt of this rank's)")
+        except BaseException:
+            _RETIRED.append((self.pg, recv, heads, sent))  # requests may still be posted into these
+            raise
+        return views
+
+    def _check_header(self, head: list[int], src: int, n: int, nbytes: int, what: str) -> None:
+        buffer_id, epoch, size = head
+        if buffer_id != self.buffer_id or epoch != n or size != nbytes:
+            raise ValueError(
+                f"rank {self.rank}: rank {src}'s {what} message is not this exchange's (buffer {buffer_id:x}, exchange "
+                f"{epoch}, {size} bytes; expected buffer {self.buffer_id:x}, exchange {n}, {nbytes} bytes): the ranks' "
+                f"calls on this buffer are out of step"
+            )
 
     def is_open(self) -> bool:
-        return self._open
+        return not self._closed
 
     def close(self, collective: bool) -> None:
-        self._open = False
+        self._closed = True
         self.local = torch.empty(0, dtype=torch.uint8)

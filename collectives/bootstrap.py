@@ -1,0 +1,149 @@
+"""How the ranks of a group meet to make a new buffer: through the job's key-value store, with a deadline.
+
+Making a buffer with collectives on the user's group has two faults: a rank that never comes makes the
+others wait for the *group's* timeout and the error names nobody, and a collective left pending by a
+rank that was stopped (SIGSTOP) and resumed can pair with the next buffer's collectives. A
+:class:`Rendezvous` avoids both. The ranks publish what they bring under keys of the job's store
+(``dist.distributed_c10d._get_default_store()``: the TCPStore every rank of the job already reaches),
+each rank waits for the others' keys with the buffer's own deadline, and a missing key names its rank.
+Keys live under a prefix made of the group's global ranks and this process's count of buffers made over
+that group, so the n-th buffer of a group can only ever meet the n-th buffer of the same group, and a
+resumed rank's old bootstrap never meets a new one.
+
+Every rank draws a random 62-bit number; rank 0's is the buffer's identity (``buffer_id``), written into
+the messages of the protocol so that a handle or a message of another buffer is recognised as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["Rendezvous", "host_identity", "memory_available"]
+
+# Buffers made so far in this process, per group (by its global ranks).
+_COUNTS: dict[tuple[int, ...], int] = {}
+
+
+def host_identity() -> str:
+    """What makes two processes share a host for the ``shm`` transport: the kernel's boot id and the network
+    namespace (abstract Unix sockets, over which the segments are passed, live in one), plus the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{os.uname().nodename}/{boot}/netns:{netns}"
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this process can still be given: ``MemAvailable`` of /proc/meminfo, or less where a
+    cgroup (v2) limit leaves less (containers). None when neither is readable."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f_max, open("/sys/fs/cgroup/memory.current") as f_cur:
+            limit = f_max.read().strip()
+            if limit != "max":
+                found.append(max(int(limit) - int(f_cur.read().strip()), 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def _job_store():
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise RuntimeError("this torch has no torch.distributed.distributed_c10d._get_default_store()")
+    return get()
+
+
+class Rendezvous:
+    """The meeting of one buffer's ranks (collective: every rank of ``group`` makes one, in the same order).
+
+    Parameters
+    ----------
+    group : ProcessGroup
+    timeout : float
+        Seconds any step may wait for the other ranks.
+    what : str
+        What is being made (in error messages), e.g. ``"SymmBuffer(shm)"``.
+
+    Attributes
+    ----------
+    group : ProcessGroup
+    prefix : str
+        This meeting's key prefix in the job's store (unique to the buffer).
+    rank, world_size : int
+        Position in ``group``.
+    buffer_id : int
+        Set by :meth:`gather` at the first step: rank 0's random draw, the same on every rank.
+    """
+
+    def __init__(self, group, timeout: float, what: str):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        n = _COUNTS[ranks] = _COUNTS.get(ranks, 0) + 1
+        self.prefix = f"epkit/{'-'.join(map(str, ranks))}/{n}/"
+        self.timeout, self.what = timeout, what
+        self.buffer_id: int | None = None
+        self._store = dist.PrefixStore(self.prefix, _job_store())
+        self._mine: list[str] = []
+
+    def gather(self, step: str, value) -> list:
+        """Publish ``value`` (JSON-serialisable) under ``step`` and return every rank's, in rank order.
+
+        Raises TimeoutError naming the ranks whose value did not arrive within the timeout.
+        """
+        key = f"{step}/{self.rank}"
+        payload = {"v": value}
+        if self.buffer_id is None:
+            payload["id"] = secrets.randbits(62)
+        self._store.set(key, json.dumps(payload))
+        self._mine.append(key)
+        keys = [f"{step}/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout
+        for k in keys:
+            left = max(deadline - time.monotonic(), 1e-3)
+            try:
+                self._store.wait([k], timedelta(seconds=left))
+            except Exception:  # noqa: BLE001 -- the store reports a timeout as RuntimeError/DistStoreError
+                missing = [r for r, kk in enumerate(keys) if not self._store.check([kk])]
+                if not missing:
+                    continue
+                raise TimeoutError(
+                    f"rank {self.rank}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                    f"come to make this {self.what} within {self.timeout:g} s ({step}); it died, or stopped calling"
+                ) from None
+        got = [json.loads(v) for v in self._store.multi_get(keys)]
+        if self.buffer_id is None:
+            self.buffer_id = got[0]["id"]
+        return [g["v"] for g in got]
+
+    @property
+    def store(self):
+        """The job's store under this buffer's prefix (for what a transport builds on it)."""
+        return self._store
+
+    def forget(self) -> None:
+        """Delete this rank's keys (best effort; call once every rank has read them)."""
+        for k in self._mine:
+            try:
+                self._store.delete_key(k)
+            except Exception:  # noqa: BLE001 -- a store that is gone has nothing left to delete
+                break
+        self._mine = []
