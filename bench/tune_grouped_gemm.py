@@ -1,7 +1,8 @@
 """Tune the Triton grouped GEMM's tile configs on a GPU; writes a table that ``load_tuned_configs`` installs.
 
-For each kind (fp8, fp8_fp4, bf16), layout and shape it times every candidate config
-(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), checks each result against the
+For each kind (fp8, fp8_fp4, bf16), layout and shape it times every candidate config (the persistent
+TMA kernel's BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, and the tile-grid kernel's previous
+default as a same-run comparison), checks each result against the
 float32 reference of the dequantized inputs (``calc_diff``; a config that fails is
 recorded and never chosen), and keeps the fastest per (kind, N, K, rows bucket).
 Shapes default to DeepGEMM's published ones (contiguous 4 x 8192 rows with
@@ -46,18 +47,28 @@ QUICK_SHAPES = [("contiguous", 2, 96, 256, 256), ("masked", 2, 40, 256, 256)]
 
 
 def candidates(kind: str, device: str) -> list[dict]:
-    """Configs to try: the kernel needs BLOCK_K = 128 and BLOCK_N dividing 128 for scaled kinds."""
+    """Configs to try: the persistent kernel's (BLOCK_M divides 128; FP8 also takes BLOCK_N = 256 on
+    BLOCK_M = 64, whose accumulator and dot result fit 8 warps' registers) and, on CUDA, the tile-grid
+    kernel's previous default for comparison (scaled kinds need BLOCK_K = 128 and BLOCK_N dividing 128)."""
+    bk = 64 if kind == "bf16" else 128
     if device != "cuda":
         return [
-            dict(BLOCK_M=m, BLOCK_N=64, BLOCK_K=64 if kind == "bf16" else 128, num_warps=4, num_stages=1)
+            dict(kernel="persistent", BLOCK_M=m, BLOCK_N=64, BLOCK_K=bk, GROUP_M=2, num_warps=4, num_stages=1)
             for m in (32, 64)
         ]
-    block_ks = (64, 128) if kind == "bf16" else (128,)
     out = []
-    for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128), block_ks, (4, 8), (3, 4)):
-        if bm == 64 and warps == 8:
+    tiles = [(128, 128, 8), (64, 128, 4)] + ([(64, 256, 8)] if kind == "fp8" else [(128, 64, 8)])
+    decodes = ("plain", "prmt") if kind == "fp8_fp4" else (None,)  # FP4: per element or PTX tables
+    for (bm, bn, warps), stages, group_m, decode in itertools.product(tiles, (3, 4, 5, 6), (8, 16), decodes):
+        if (bm + bn) * bk * stages * (2 if kind == "bf16" else 1) > 200 * 1024:  # over sm_90's shared memory
             continue
-        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages))
+        cfg = dict(kernel="persistent", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps,
+                   num_stages=stages)  # fmt: skip
+        cfg = cfg if decode is None else dict(cfg, FP4_DECODE=decode)
+        out.append(cfg)
+        if warps == 4 and (bm + bn) * bk * stages * (2 if kind == "bf16" else 1) <= 100 * 1024:
+            out.append(dict(cfg, CTAS_PER_SM=2))  # two one-warpgroup programs per SM take turns
+    out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3))  # the tile-grid kernel
     return out
 
 

@@ -87,10 +87,13 @@ def test_psum_layout_and_unsorted_indices():
     gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, d2, per_row, backend="cpu")
     assert_bitwise_equal(d1, d2, ctx="psum layout vs per-row m_indices")
     assert_diff(d1.float(), _ref_contiguous(af, bf, per_row), 1e-3, "psum")
-    # rows of one expert need not be adjacent on the cpu backend
+    # the op takes DeepGEMM's layout only: shuffled rows are rejected, naming the argument ...
     perm = torch.randperm(m, generator=torch.Generator().manual_seed(0))
     d3 = torch.empty((m, n), dtype=torch.bfloat16)
-    gemm.m_grouped_fp8_gemm_nt_contiguous((a[0][perm], a[1][perm]), b, d3, per_row[perm], backend="cpu")
+    with pytest.raises(ValueError, match=r"m_indices\[\d+\] = \d+ but the 128-row block from row \d+ begins with"):
+        gemm.m_grouped_fp8_gemm_nt_contiguous((a[0][perm], a[1][perm]), b, d3, per_row[perm], backend="cpu")
+    # ... while the cpu backend's kernels themselves take rows in any order (the op validates before them)
+    gemm_cpu.cpu_contiguous("fp8", a[0][perm], a[1][perm], b[0], b[1], d3, per_row[perm])
     assert_bitwise_equal(d3, d2[perm], ctx="shuffled rows")
 
 
@@ -139,6 +142,10 @@ def test_bad_input():
         f(a, b, d, ok[:5])
     with pytest.raises(ValueError, match="psum layout"):
         f(a, b, d, torch.tensor([6, 3], dtype=torch.int32), use_psum_layout=True)
+    with pytest.raises(ValueError, match=r"m_indices\[4\] = 1 but the 128-row block from row 0 begins with"):
+        f(a, b, d, torch.tensor([0] * 4 + [1] * 4, dtype=torch.int32))  # group 1 does not start a block
+    with pytest.raises(ValueError, match=r"m_indices\[2\] = 0 but .* begins with m_indices\[0\] = -1"):
+        f(a, b, d, torch.tensor([-1, -1] + [0] * 6, dtype=torch.int32))  # padding before the group's rows
     with pytest.raises(ValueError, match="share one device"):
         f(a, b, d.to("meta"), ok)
     am, bm, _, _ = make_inputs("fp8_fp4", 2, 8, 128, 256, masked=True)
@@ -153,21 +160,40 @@ def test_bad_input():
         gemm.m_grouped_bf16_gemm_nt_masked(am, bm, dm, torch.ones(2, dtype=torch.int32), 4)
 
 
-# Rung 2: the Triton kernel source under the interpreter (small shapes).
+# Rung 2: the Triton kernel sources under the interpreter (small shapes): the persistent TMA kernel (the
+# default config) and the tile-grid kernel (an overridden config).
+
+TRITON_KERNELS = ["persistent", "tiles"]
+
+
+@pytest.fixture
+def triton_kernel(request, monkeypatch):
+    """Run the test with the named Triton kernel: the heuristic's persistent config, or a tile-grid config
+    installed as the override."""
+    from epkit.kernels.triton import grouped_gemm_configs as cfgs
+
+    if request.param == "tiles":
+
+        def tiles(kind, n, k, m_hint, device_type):
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64 if kind == "bf16" else 128, num_warps=4, num_stages=1)
+
+        monkeypatch.setattr(cfgs, "_CONFIG_OVERRIDE", tiles)
+    return request.param
 
 
 @requires_triton
+@pytest.mark.parametrize("triton_kernel", TRITON_KERNELS, indirect=True)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("g", [1, 4])
-def test_contiguous_triton_interpreter(kind, g):
+def test_contiguous_triton_interpreter(kind, g, triton_kernel):
     n, k = 128, 256
     counts = _counts(g, g + 1, hi=40)
-    m_indices = build_m_indices(counts, alignment=16)
+    m_indices = build_m_indices(counts)
     m = m_indices.numel()
     a, b, af, bf = make_inputs(kind, g, m, n, k, masked=False, seed=g)
     d = torch.full((m, n), 5.0, dtype=torch.bfloat16)
     CONTIG[kind](a, b, d, m_indices, backend="triton")
-    ctx = f"triton {kind=} {g=} counts={counts.tolist()}"
+    ctx = f"triton {triton_kernel} {kind=} {g=} counts={counts.tolist()}"
     assert (d[m_indices < 0] == 0).all(), ctx
     if m:
         assert_diff(d.float(), _ref_contiguous(af, bf, m_indices), THRESH[kind], ctx)
@@ -176,8 +202,9 @@ def test_contiguous_triton_interpreter(kind, g):
 
 
 @requires_triton
+@pytest.mark.parametrize("triton_kernel", TRITON_KERNELS, indirect=True)
 @pytest.mark.parametrize("kind", KINDS)
-def test_masked_triton_interpreter(kind):
+def test_masked_triton_interpreter(kind, triton_kernel):
     g, m_max, n, k = 3, 40, 96, 256
     a, b, af, bf = make_inputs(kind, g, m_max, n, k, masked=True, seed=9)
     masked_m = torch.tensor([m_max, 0, 17], dtype=torch.int32)
@@ -185,12 +212,13 @@ def test_masked_triton_interpreter(kind):
     MASKED[kind](a, b, d, masked_m, 20, backend="triton")
     live = torch.arange(m_max)[None, :] < masked_m[:, None].long()
     ref = torch.einsum("gmk,gnk->gmn", af.float(), bf.float())
-    assert (d[~live] == 9.0).all(), f"{kind}: rows beyond masked_m must be untouched"
-    assert_diff(d[live], ref[live], THRESH[kind], f"triton masked {kind=}")
+    assert (d[~live] == 9.0).all(), f"{kind} {triton_kernel}: rows beyond masked_m must be untouched"
+    assert_diff(d[live], ref[live], THRESH[kind], f"triton {triton_kernel} masked {kind=}")
 
 
 @requires_triton
-def test_masked_kernel_clamps_counts_it_never_reads_on_the_host():
+@pytest.mark.parametrize("triton_kernel", TRITON_KERNELS, indirect=True)
+def test_masked_kernel_clamps_counts_it_never_reads_on_the_host(triton_kernel):
     # On a GPU the op passes masked_m to the kernel unread (no sync): out-of-range counts must stay in
     # their group (a count above M_max once wrote the next group's first rows).
     from epkit.kernels.triton.grouped_gemm import grouped_gemm_masked
@@ -258,9 +286,10 @@ def test_triton_as_launched_at_benchmark_shapes_fits_sm90(kind, masked, g, rows)
 
     k = compile_triton_as_launched(*launched_compile_args(kind, masked, g, rows, 4096, 7168))
     cfg = get_config(kind, 4096, 7168, rows, "cuda")
+    assert cfg["kernel"] == "persistent", cfg
     assert 0 < k.shared <= SM90_MAX_SHARED, (k.shared, cfg)
     assert k.num_warps == cfg["num_warps"]
-    assert "cp.async" in k.ptx and "wgmma.mma_async" in k.ptx, cfg
+    assert "cp.async.bulk.tensor" in k.ptx and "wgmma.mma_async" in k.ptx, cfg  # TMA loads into wgmma
 
 
 @requires_triton
@@ -506,6 +535,14 @@ def _equal_values(got: torch.Tensor, want: torch.Tensor, ctx: str) -> None:
     assert (want != 0).float().mean() > 0.5, f"{ctx}: the check needs mostly non-zero operands"
 
 
+def _cpu_backend(kind, a, b, d, m_indices):
+    """The cpu backend's contiguous path itself, which takes rows in any order (the op takes DeepGEMM's
+    128-row-aligned layout only)."""
+    (aq, sfa), (bq, sfb) = (a, b) if kind != "bf16" else ((a, None), (b, None))
+    gemm_cpu.cpu_contiguous(kind, aq, sfa, bq, sfb, d, m_indices)
+    return d
+
+
 def _raw_fp8(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float8_e4m3fn)
 
@@ -591,7 +628,7 @@ def test_amx_matches_unfused_path(kind, monkeypatch):
             outs = []
             for amx in (True, False):
                 monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [amx])
-                outs.append(CONTIG[kind](a, b, torch.full((m, n), 9.0, dtype=torch.bfloat16), ids, backend="cpu"))
+                outs.append(_cpu_backend(kind, a, b, torch.full((m, n), 9.0, dtype=torch.bfloat16), ids))
             ctx = f"{kind=} {g=} {n=} {k=} counts={counts.tolist()}"
             assert calc_diff(outs[0].float(), outs[1].float()) < 1e-5, ctx
             assert_bitwise_equal(outs[0][ids < 0], torch.zeros_like(outs[0][ids < 0]), ctx=ctx + " padding")
@@ -620,8 +657,8 @@ def test_amx_row_order_does_not_change_bits():
     a, b, _, _ = make_inputs("fp8", 3, m, 256, 512, masked=False, seed=2)
     d = CONTIG["fp8"](a, b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices, backend="cpu")
     perm = torch.randperm(m, generator=torch.Generator().manual_seed(1))
-    d_perm = CONTIG["fp8"](
-        (a[0][perm], a[1][perm]), b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices[perm], backend="cpu"
+    d_perm = _cpu_backend(
+        "fp8", (a[0][perm], a[1][perm]), b, torch.empty(m, 256, dtype=torch.bfloat16), m_indices[perm]
     )
     assert_bitwise_equal(d_perm, d[perm], ctx="shuffled rows")
 
@@ -658,8 +695,8 @@ def test_tuning_script_dry_run_and_loading_its_table(tmp_path):
         best = {e["bucket"]: e["config"] for e in table["best"]}
         assert tg.get_config("fp8", 256, 256, 96, "cpu") == best["prefill"]
         assert tg.get_config("fp8", 256, 256, 40, "cpu") == best["decode"]
-        heuristic = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)
-        assert tg.get_config("fp8", 512, 256, 96, "cpu") == heuristic  # other shapes keep the table
+        heuristic = tg.persistent_config("fp8", 96, "cpu")
+        assert tg.get_config("fp8", 512, 256, 96, "cpu") == heuristic  # other shapes keep the heuristic
         # the tuned config drives a real call
         counts = [96, 50]
         m_indices = build_m_indices(counts)
@@ -680,13 +717,14 @@ def test_tuning_script_dry_run_and_loading_its_table(tmp_path):
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 def test_k_zero_gives_zeros_on_every_cpu_path(kind, monkeypatch):
     # An empty reduction: every live row is zero, on the AMX path and the unfused one alike.
-    m_indices = torch.tensor([0, 0, -1, 1], dtype=torch.int32)
+    m_indices = build_m_indices([2, 1])  # two live rows and padding, then one live row
+    m = m_indices.numel()
     if kind == "bf16":
-        a, b = torch.zeros(4, 0, dtype=torch.bfloat16), torch.zeros(2, 8, 0, dtype=torch.bfloat16)
+        a, b = torch.zeros(m, 0, dtype=torch.bfloat16), torch.zeros(2, 8, 0, dtype=torch.bfloat16)
     else:
-        a = (torch.zeros(4, 0, dtype=torch.float8_e4m3fn), torch.zeros(4, 0))
+        a = (torch.zeros(m, 0, dtype=torch.float8_e4m3fn), torch.zeros(m, 0))
         b = (torch.zeros(2, 8, 0, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 0))
     for amx in (True, False):
         monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [amx])
-        d = CONTIG[kind](a, b, torch.full((4, 8), 3.0, dtype=torch.bfloat16), m_indices, backend="cpu")
-        assert_bitwise_equal(d, torch.zeros(4, 8, dtype=torch.bfloat16), ctx=f"{kind=} {amx=}")
+        d = CONTIG[kind](a, b, torch.full((m, 8), 3.0, dtype=torch.bfloat16), m_indices, backend="cpu")
+        assert_bitwise_equal(d, torch.zeros(m, 8, dtype=torch.bfloat16), ctx=f"{kind=} {amx=}")

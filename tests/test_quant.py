@@ -1,3 +1,6 @@
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -168,3 +171,136 @@ def test_bad_arguments():
         dequant_per_token_group_fp8(torch.zeros(2, 256).to(torch.float8_e4m3fn), torch.ones(2, 1))
     with pytest.raises(ValueError, match="group_size"):
         per_token_group_cast_to_fp8(torch.ones(2, 128), group_size=0)
+
+
+# Quantizer conventions, each checked against values computed here from first principles (Python floats and
+# numpy float32 arithmetic), never by the functions under test.
+
+
+def _pow2_ceil(v: float) -> float:
+    """The smallest power of two >= v > 0, from the exact binary exponent of v (math.frexp: v = m * 2**e)."""
+    m, e = math.frexp(v)
+    return math.ldexp(1.0, e - 1 if m == 0.5 else e)
+
+
+def test_ceil_to_ue8m0_is_an_exact_ceiling():
+    ks = range(-126, 128)
+    powers = torch.tensor([math.ldexp(1.0, k) for k in ks], dtype=torch.float32)
+    assert torch.equal(ceil_to_ue8m0(powers), powers), "a power of two is its own ceiling"
+    # one ulp above a power of two: float32 log2 rounds these to the integer, a ceiling must not
+    above = torch.tensor([math.ldexp(1.0 + 2.0**-23, k) for k in range(-126, 127)], dtype=torch.float32)
+    want = torch.tensor([math.ldexp(1.0, k + 1) for k in range(-126, 127)], dtype=torch.float32)
+    assert torch.equal(ceil_to_ue8m0(above), want)
+    assert ceil_to_ue8m0(torch.tensor([2.0**-30 * (1 + 2.0**-23)])).item() == 2.0**-29  # the reported case
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(4000, generator=gen) * torch.pow(2.0, torch.randint(-120, 120, (4000,), generator=gen).float())
+    x = x[x >= 2.0**-126]
+    got = ceil_to_ue8m0(-x)  # the sign is dropped
+    for xv, gv in zip(x.tolist(), got.tolist()):
+        assert gv == _pow2_ceil(xv), (xv, gv)
+        assert gv >= xv and gv / 2 < xv
+
+
+def test_ceil_to_ue8m0_zero_subnormal_and_out_of_range_inputs():
+    tiny = 2.0**-126  # the smallest normal float32: the floor for zero and subnormal inputs (UE8M0 byte 1)
+    sub = torch.tensor([0.0, -0.0, 2.0**-149, 2.0**-127, 1e-40, tiny - 2.0**-149], dtype=torch.float32)
+    assert ceil_to_ue8m0(sub).tolist() == [tiny] * 6
+    big = torch.tensor([2.0**127, 2.0**127 * (1 + 2.0**-23), torch.finfo(torch.float32).max, math.inf, -math.inf])
+    assert ceil_to_ue8m0(big).tolist() == [2.0**127, math.inf, math.inf, math.inf, math.inf]
+    assert math.isnan(ceil_to_ue8m0(torch.tensor([math.nan])).item())
+    half = torch.tensor([0.75, 3.0, 1e-3], dtype=torch.bfloat16)  # read as float32
+    assert ceil_to_ue8m0(half).tolist() == [_pow2_ceil(v) for v in half.float().tolist()]
+
+
+def test_fp8_scales_are_amax_times_the_float32_reciprocal():
+    inv = np.float32(1.0) / np.float32(448.0)  # float32(1/448), rounded once
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 256, generator=gen) * torch.pow(2.0, torch.randint(-20, 20, (64, 1), generator=gen).float())
+    x[0, :128] = 0.1  # amax 0.1 and 3.0: a float32 division by 448 gives other bits (one ulp apart)
+    x[1, :128] = -3.0
+    _, s = per_token_group_cast_to_fp8(x)
+    amax = x.view(64, 2, 128).abs().amax(-1).clamp(min=1e-4).numpy().astype(np.float32)
+    assert np.array_equal(s.numpy(), (amax * inv).astype(np.float32))
+    for row in (0, 1):
+        a = np.float32(amax[row, 0])
+        assert s[row, 0].item() != float(a / np.float32(448.0)), "the documented one-ulp difference"
+        assert abs(np.float32(s[row, 0].item()) - a / np.float32(448.0)) == np.spacing(a / np.float32(448.0))
+    w = x.reshape(128, 128)
+    _, sb = per_block_cast_to_fp8(w)
+    bmax = np.float32(max(float(w.abs().max()), 1e-4))
+    assert sb.item() == float(np.float32(bmax * inv))
+    _, su = per_token_group_cast_to_fp8(x, ue8m0=True)  # rounded up, never below amax * (1/448)
+    assert su.flatten().tolist() == [_pow2_ceil(float(v)) for v in (amax * inv).astype(np.float32).flatten()]
+
+
+def _mxfp4_row(values, amax=6.0):
+    """One 32-element MXFP4 block: ``values`` after a first element ``amax`` (scale 1 when amax is 6)."""
+    row = torch.zeros(32)
+    row[0] = amax
+    row[1 : 1 + len(values)] = torch.tensor(values)
+    return row
+
+
+def test_mxfp4_ties_even_by_default_down_as_deepgemm():
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -3.5]
+    row = _mxfp4_row(ties)
+    for mode, want in (
+        ("even", [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, -4.0]),
+        ("down", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -0.5, -3.0]),
+    ):
+        p, s = cast_to_mxfp4(row, ties=mode)
+        assert int(s[0]) == 127, "amax 6: scale 2**0"
+        assert dequant_mxfp4(p, s)[1:10].tolist() == want, mode
+    with pytest.raises(ValueError, match="ties must be one of"):
+        cast_to_mxfp4(row, ties="up")
+    with pytest.raises(ValueError, match="amax_min must be a positive"):
+        cast_to_mxfp4(row, amax_min=0.0)
+
+
+def test_mxfp4_scale_is_the_smallest_power_of_two_without_clipping():
+    inv6 = np.float32(1.0) / np.float32(6.0)
+    # amax just above 6 * 2**-30, where a float32 log2 of amax / 6 still reads -30: the scale must be 2**-29
+    amax = np.float32(6 * 2.0**-30)
+    while np.float32(amax * inv6) <= np.float32(2.0**-30):
+        amax = np.nextafter(amax, np.float32(1.0), dtype=np.float32)
+    assert np.log2(np.float32(amax * inv6)) == np.float32(-30.0), "the case a log2-based ceiling gets wrong"
+    row = _mxfp4_row([float(amax) * 0.5], amax=float(amax))
+    p, s = cast_to_mxfp4(row)
+    assert int(s[0]) == 127 - 29
+    deq = dequant_mxfp4(p, s)
+    assert float(deq[0]) == 3 * 2.0**-29 and float(deq[1]) == 1.5 * 2.0**-29, "amax reads 3 scales, amax/2 1.5"
+    assert float(deq.abs().max()) <= 6 * 2.0**-29
+    # the amax floor: a block with amax 1e-5 keeps its own scale by default, DeepGEMM's 1e-4 floor raises it
+    tiny = _mxfp4_row([], amax=1e-5)
+    for floor, a in ((2.0**-126, 1e-5), (1e-4, 1e-4)):
+        want = 127 + int(math.log2(_pow2_ceil(float(np.float32(np.float32(a) * inv6)))))
+        assert int(cast_to_mxfp4(tiny, amax_min=floor)[1][0]) == want, floor
+
+
+def _deepgemm_mxfp4(x: np.ndarray):
+    """DeepGEMM's per_token_cast_to_fp4 (use_ue8m0, gran_k=32) from its definition: amax floored at 1e-4,
+    scale the UE8M0 ceiling of amax * float32(1/6), values x / scale, codes counting the midpoints strictly
+    below |v| (ties to the smaller magnitude), the sign kept on non-zero codes."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4)).astype(np.float32)
+    sf = np.vectorize(lambda a: _pow2_ceil(float(a)))((amax * (np.float32(1) / np.float32(6))).astype(np.float32))
+    v = np.minimum(np.abs(blocks / sf[..., None].astype(np.float32)), np.float32(6))
+    code = (v[..., None] > mids).sum(-1).astype(np.uint8)
+    code |= ((blocks < 0) & (code != 0)).astype(np.uint8) << 3
+    code = code.reshape(x.shape)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed, (np.log2(sf).astype(np.int64) + 127).astype(np.uint8)
+
+
+def test_mxfp4_deepgemm_convention_bit_for_bit():
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(16, 256, generator=gen) * torch.pow(2.0, torch.randint(-12, 6, (16, 1), generator=gen).float())
+    w[0, :32] = torch.tensor([6.0, 0.75, 1.75, 3.5, -1.75] + [0.0] * 27)  # exact ties
+    w[1, 32:64] = 3e-6  # below DeepGEMM's amax floor
+    w[2, :32] = 0.0
+    p, s = cast_to_mxfp4(w, ties="down", amax_min=1e-4)
+    want_p, want_s = _deepgemm_mxfp4(w.numpy())
+    assert np.array_equal(s.numpy(), want_s) and np.array_equal(p.numpy(), want_p)
+    p_even, s_even = cast_to_mxfp4(w)
+    assert not torch.equal(p_even, p) and not torch.equal(s_even, s), "the defaults differ from DeepGEMM's"

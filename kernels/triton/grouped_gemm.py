@@ -1,6 +1,10 @@
-"""Triton grouped GEMMs ``d = a @ b[g].T`` (contiguous and masked layouts; FP8, FP8 x MXFP4, BF16).
+"""Triton grouped GEMMs ``d = a @ b[g].T`` (contiguous, psum and masked layouts; FP8, FP8 x MXFP4, BF16).
 
-One kernel source serves every variant through constexprs:
+The launchers here run the persistent TMA kernel of ``grouped_gemm_persistent.py`` for a persistent config
+(the default, see ``grouped_gemm_configs.py``; the tile schedule is found on the device, nothing is read
+on the host), and the tile-grid kernel of this file for any other config (``set_config_override``).
+
+The tile-grid kernel serves every variant through constexprs:
 
 - ``B_KIND`` 0 = bf16 x bf16, 1 = FP8 x FP8 with 1x128 activation and 128x128
   weight block scales (block-scaled ``tl.dot``: per 128-wide K block, an e4m3
@@ -9,7 +13,8 @@ One kernel source serves every variant through constexprs:
   scale are exact in bf16; the e4m3 activations are exact in bf16 too).
 - ``MASKED``: program ``(g, t)`` covers rows ``[t*BLOCK_M, masked_m[g])`` of group
   g; otherwise a host-built tile schedule (group, first row, run end) covers
-  the contiguous layout, including ``-1`` padding runs whose rows get zeros.
+  the contiguous layout, including ``-1`` padding runs whose rows get zeros (building it reads
+  ``m_indices``: on CUDA tensors a synchronisation, which the persistent kernel does not need).
 
 Row offsets are int64, so M beyond 2**31 / K elements is safe.
 ``python bench/kernel_check.py grouped_gemm --backend triton`` checks it against the reference.
@@ -22,11 +27,20 @@ import triton
 import triton.language as tl
 
 from epkit.kernels.triton.grouped_gemm_configs import (
+    GROUP_ALIGN,
     check_config,
     get_config,
     load_tuned_configs,
     m_bucket,
+    persistent_config,
     set_config_override,
+)
+from epkit.kernels.triton.grouped_gemm_persistent import (
+    persistent_compile_args,
+    persistent_launcher,
+    persistent_supported,
+    stand_ins,
+    tma_operand,
 )
 from epkit.kernels.triton.launch import for_device
 
@@ -37,9 +51,11 @@ __all__ = [
     "contiguous_launcher",
     "masked_launcher",
     "tile_schedule",
+    "psum_rows",
     "launched_compile_args",
     "compile_signature",
     "get_config",
+    "persistent_config",
     "set_config_override",
     "load_tuned_configs",
     "m_bucket",
@@ -200,24 +216,21 @@ def _launch(kind, a, sfa, b, sfb, d, grid, sched, masked_m, m_max, tiles_per_gro
     for_device(_grouped_gemm_kernel, d.device)[grid](*args, **consts, **options)
 
 
-def launched_compile_args(kind: str, masked: bool, g: int, rows: int, n: int, k: int, out=torch.bfloat16):
+def launched_compile_args(
+    kind: str, masked: bool, g: int, rows: int, n: int, k: int, out=torch.bfloat16, layout: str | None = None
+):
     """What a CUDA launch at this shape compiles: ``(kernel, {arg name: value}, constexprs, options)``.
 
-    The values are those ``_launch`` passes (tensors of the real shapes, never written: ``torch.empty``
-    touches no memory), with the config the heuristic picks for CUDA, so that
+    The values are those the launchers pass (stand-in tensors of the real shapes, ``rows`` per group, all
+    groups full), with the config the heuristic picks for CUDA, so that
     ``epkit.testing.compile_triton_as_launched`` specializes and compiles them as Triton's JIT would.
+    ``layout`` (``"contiguous"``, ``"psum"``, ``"masked"``) defaults to the one ``masked`` names.
     """
-    m = g * rows
+    layout = layout or ("masked" if masked else "contiguous")
     cfg = get_config(kind, n, k, rows, "cuda")
-    a_dt = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
-    a = torch.empty((g, rows, k) if masked else (m, k), dtype=a_dt)
-    sfa = None if kind == "bf16" else torch.empty((*a.shape[:-1], k // 128), dtype=torch.float32)
-    if kind == "fp8_fp4":
-        b, sfb = torch.empty((g, n, k // 2), dtype=torch.uint8), torch.empty((g, n, k // 32), dtype=torch.uint8)
-    else:
-        b = torch.empty((g, n, k), dtype=a_dt)
-        sfb = None if kind == "bf16" else torch.empty((g, -(-n // 128), k // 128), dtype=torch.float32)
-    d = torch.empty((g, rows, n) if masked else (m, n), dtype=out)
+    if persistent_supported(kind, k, cfg):
+        return persistent_compile_args(kind, layout, g, rows, n, k, cfg, out)
+    a, sfa, b, sfb, d = stand_ins(kind, masked, g, rows, n, k, out)
     if masked:
         masked_m = torch.full((g,), rows, dtype=torch.int32)
         tiles = triton.cdiv(rows, cfg["BLOCK_M"])
@@ -230,6 +243,18 @@ def launched_compile_args(kind: str, masked: bool, g: int, rows: int, n: int, k:
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     names = _grouped_gemm_kernel.arg_names[: len(args)]
     return _grouped_gemm_kernel, dict(zip(names, args)), consts, options
+
+
+def psum_rows(ends: torch.Tensor, m: int) -> torch.Tensor:
+    """Per-row group ids ``[m]`` int32 of the psum layout (group g owns rows ``[align128(ends[g-1]), ends[g])``,
+    -1 elsewhere), computed on ``ends``' device without reading it on the host."""
+    rows = torch.arange(m, device=ends.device, dtype=torch.int64)
+    e = ends.to(torch.int64)
+    g = torch.searchsorted(e, rows, right=True)  # the first group whose end is past the row
+    prev = torch.where(g > 0, e[(g - 1).clamp(min=0, max=e.numel() - 1)], torch.zeros_like(g))
+    start = (prev + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    live = (g < e.numel()) & (rows >= start) & (rows < e[g.clamp(max=e.numel() - 1)])
+    return torch.where(live, g, torch.full_like(g, -1)).to(torch.int32)
 
 
 def tile_schedule(m_indices: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,15 +278,24 @@ def _operands(a, sfa, b, sfb):
     return tuple(t.contiguous() if t is not None else None for t in (a, sfa, b, sfb))
 
 
-def contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None):
-    """Everything a contiguous-layout launch derives from its inputs (config, tile schedule, contiguous
-    operands), done once: returns the launch, a callable of no arguments (repeatable, as a benchmark needs)."""
+def contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None, use_psum_layout=False):
+    """Everything a contiguous-layout launch derives from its inputs (config, TMA-ready operands, the tile
+    schedule of the tile-grid kernel), done once: returns the launch, a callable of no arguments (repeatable,
+    as a benchmark needs). ``m_indices`` holds per-row group ids ``[M]``, or with ``use_psum_layout`` the
+    cumulative ends ``[G]``. A persistent config reads nothing on the host."""
     m, n = d.shape
     if m == 0 or n == 0:
         return lambda: None
-    g = b.shape[0]
-    cfg = config or get_config(kind, n, a.shape[1], max(1, m // max(g, 1)), d.device.type)
-    sched = tile_schedule(m_indices, cfg["BLOCK_M"])
+    g, k = b.shape[0], a.shape[1]
+    if g == 0:  # no groups: every row is padding
+        return lambda: d.zero_()
+    cfg = config or get_config(kind, n, k, max(1, m // max(g, 1)), d.device.type)
+    if persistent_supported(kind, k, cfg):
+        ops = (tma_operand(t) for t in (a, sfa, b, sfb))
+        layout = "psum" if use_psum_layout else "contiguous"
+        return persistent_launcher(kind, layout, *ops, d, m_indices.to(torch.int32).contiguous(), cfg)
+    ids = psum_rows(m_indices, m) if use_psum_layout else m_indices
+    sched = tile_schedule(ids, cfg["BLOCK_M"])
     grid = (sched[0].numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     a, sfa, b, sfb = _operands(a, sfa, b, sfb)
     return lambda: _launch(kind, a, sfa, b, sfb, d, grid, sched, None, 0, 1, cfg)
@@ -272,17 +306,24 @@ def masked_launcher(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: 
     g, m_max, n = d.shape
     if g == 0 or m_max == 0 or n == 0:
         return lambda: None
-    cfg = config or get_config(kind, n, a.shape[-1], max(1, expected_m), d.device.type)
+    k = a.shape[-1]
+    cfg = config or get_config(kind, n, k, max(1, expected_m), d.device.type)
+    masked_m = masked_m.to(torch.int32).contiguous()
+    if persistent_supported(kind, k, cfg):
+        ops = (tma_operand(t) for t in (a, sfa, b, sfb))
+        return persistent_launcher(kind, "masked", *ops, d, masked_m, cfg, m_max=m_max)
     tiles = triton.cdiv(m_max, cfg["BLOCK_M"])
     grid = (g * tiles, triton.cdiv(n, cfg["BLOCK_N"]))
     a, sfa, b, sfb = _operands(a, sfa, b, sfb)
-    masked_m = masked_m.to(torch.int32).contiguous()
     return lambda: _launch(kind, a, sfa, b, sfb, d, grid, None, masked_m, m_max, tiles, cfg)
 
 
-def grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None) -> None:
-    """Contiguous layout on validated inputs (see epkit.grouped_gemm): ``m_indices [M]`` per-row groups, -1 padding."""
-    contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config)()
+def grouped_gemm_contiguous(
+    kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None, use_psum_layout: bool = False
+) -> None:
+    """Contiguous layout on validated inputs (see epkit.grouped_gemm): ``m_indices [M]`` per-row groups, -1
+    padding (or, with ``use_psum_layout``, ``[G]`` cumulative ends)."""
+    contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config, use_psum_layout)()
 
 
 def grouped_gemm_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: dict | None = None) -> None:

@@ -4,12 +4,22 @@ Layouts
 -------
 contiguous (prefill): ``a [M, K]`` holds every group's rows back to back;
     ``m_indices [M]`` int32 gives each row's group, ``-1`` for padding rows,
-    whose outputs are written as exact zeros. With ``use_psum_layout=True``
-    ``m_indices [G]`` holds cumulative row ends instead: group ``g`` owns rows
-    ``[align(end[g-1]), end[g])`` (``end[-1] = 0``, ``align`` rounds up to
-    :func:`get_mk_alignment_for_contiguous_layout`); every other row is padding.
+    whose outputs are written as exact zeros. Each group's rows start on a multiple of
+    :func:`get_mk_alignment_for_contiguous_layout` (128) and the rows after them up to the next
+    multiple are padding, as DeepGEMM requires (it reads a 128-row block's group from its first row, and
+    so do epkit's GPU kernels). With ``use_psum_layout=True`` ``m_indices [G]`` holds cumulative row ends
+    instead: group ``g`` owns rows ``[align(end[g-1]), end[g])`` (``end[-1] = 0``, ``align`` rounds up
+    to 128); every other row is padding.
 masked (decode): ``a [G, M_max, K]``; only the first ``masked_m[g]`` rows of
     group ``g`` are computed, the rest of ``d`` is left untouched.
+
+Checks that read the layout tensor's values (index ranges, the 128-row alignment, psum ends, counts) run
+for CPU tensors, where they cost no device synchronisation; for CUDA tensors the values are never read
+on the host, so no call synchronises (with the default, persistent-kernel configs; an overridden tile-grid
+config builds its tile schedule on the host): the kernels clamp what they read (an id outside ``[0, G)`` is a
+padding row, a count is clamped to ``[0, M_max]``, a row outside its 128-row block's group is written as
+zero) and never address memory outside the tensors. ``EPKIT_GEMM_CHECKS=1`` runs the data checks on
+CUDA tensors too (each check then synchronises: a debugging aid).
 
 Formats
 -------
@@ -29,11 +39,14 @@ torch matmul per group, or one batched matmul when the groups are equal and even
 written straight into d (bf16 operands when the CPU has fast bf16 and d is bf16, else
 float32). Both paths multiply the same operands: the dequantizers' float32 values rounded to
 bf16 (or kept in float32 for a float32 d without AMX); only the summation order differs.
-``triton`` (kernels/triton/grouped_gemm.py; the interpreter on CPU
+``triton`` (the persistent TMA kernel of kernels/triton/grouped_gemm_persistent.py by default, the
+tile-grid kernel of kernels/triton/grouped_gemm.py for an overridden config; the interpreter on CPU
 tensors), ``reference`` (float32 matmul of dequantized inputs, group by group).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -79,7 +92,8 @@ def build_m_indices(
     ----------
     num_tokens_per_group : Tensor [G] or list of G ints (>= 0)
     alignment : int, optional
-        Defaults to :func:`get_mk_alignment_for_contiguous_layout`.
+        Defaults to :func:`get_mk_alignment_for_contiguous_layout` (128), the layout the contiguous GEMMs take
+        (a multiple of 128 works too; other alignments make layouts they reject).
     device : torch device of the result.
 
     Returns
@@ -168,6 +182,12 @@ def _validate(kind: str, a, b, d, masked: bool):
     return a, sfa, b, sfb, g, (a.shape[0] if not masked else a.shape[1]), n, k
 
 
+def _data_checks(device: torch.device) -> bool:
+    """Whether the checks that read a layout tensor's values run: always for CPU tensors, for CUDA tensors
+    only with ``EPKIT_GEMM_CHECKS=1`` (they synchronise)."""
+    return device.type == "cpu" or os.environ.get("EPKIT_GEMM_CHECKS", "") == "1"
+
+
 def _psum_to_m_indices(ends: torch.Tensor, m: int) -> torch.Tensor:
     ends64 = ends.long().cpu()
     g = ends64.numel()
@@ -187,7 +207,32 @@ def _psum_to_m_indices(ends: torch.Tensor, m: int) -> torch.Tensor:
     return ids.to(ends.device)
 
 
-def _check_m_indices(m_indices, g: int, m: int, device, use_psum_layout: bool) -> torch.Tensor:
+def _check_row_ids(m_indices: torch.Tensor, g: int) -> None:
+    """Per-row ids in ``[-1, G)``, each group's rows starting a 128-row block (they read the host's copy)."""
+    if not m_indices.numel():
+        return
+    lo, hi = int(m_indices.min()), int(m_indices.max())
+    if lo < -1 or hi >= g:
+        bad = lo if lo < -1 else hi
+        pos = int((m_indices == bad).nonzero()[0])
+        raise ValueError(f"m_indices[{pos}] = {bad} is outside [-1, {g}) (b has G = {g} groups)")
+    rows = torch.arange(m_indices.numel(), device=m_indices.device)
+    first = m_indices[rows // _ALIGN * _ALIGN]
+    wrong = ((m_indices >= 0) & (m_indices != first)).nonzero()
+    if wrong.numel():
+        pos = int(wrong[0])
+        blk = pos // _ALIGN * _ALIGN
+        raise ValueError(
+            f"m_indices[{pos}] = {int(m_indices[pos])} but the {_ALIGN}-row block from row {blk} begins with "
+            f"m_indices[{blk}] = {int(first[pos])}: each group's rows must start at a multiple of {_ALIGN} "
+            f"(get_mk_alignment_for_contiguous_layout()), followed by -1 padding up to the next one, as DeepGEMM "
+            "and the GPU kernels read a block's group from its first row (build_m_indices makes such a layout)"
+        )
+
+
+def _check_m_indices(m_indices, g: int, m: int, device, use_psum_layout: bool) -> torch.Tensor | None:
+    """Check the layout tensor; returns the per-row ids when its values were checked (CPU tensors, or
+    ``EPKIT_GEMM_CHECKS=1``), else None (nothing read on the host)."""
     want = (g,) if use_psum_layout else (m,)
     if not isinstance(m_indices, torch.Tensor) or m_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"m_indices must be an int32 tensor of shape {want}, got {getattr(m_indices, 'dtype', None)}")
@@ -198,14 +243,11 @@ def _check_m_indices(m_indices, g: int, m: int, device, use_psum_layout: bool) -
         )
     if m_indices.device != device:
         raise ValueError(f"m_indices is on {m_indices.device} but a is on {device}")
+    if not _data_checks(m_indices.device):
+        return None
     if use_psum_layout:
         return _psum_to_m_indices(m_indices, m)
-    if m_indices.numel():
-        lo, hi = int(m_indices.min()), int(m_indices.max())
-        if lo < -1 or hi >= g:
-            bad = lo if lo < -1 else hi
-            pos = int((m_indices == bad).nonzero()[0])
-            raise ValueError(f"m_indices[{pos}] = {bad} is outside [-1, {g}) (b has G = {g} groups)")
+    _check_row_ids(m_indices, g)
     return m_indices
 
 
@@ -218,7 +260,7 @@ def _check_masked_m(masked_m, g: int, m_max: int, device, expected_m) -> torch.T
         raise ValueError(f"masked_m is on {masked_m.device} but a is on {device}")
     if not isinstance(expected_m, int) or expected_m < 0:
         raise ValueError(f"expected_m must be an int >= 0 (a hint for the kernel config), got {expected_m!r}")
-    if g and masked_m.device.type == "cpu":  # on a GPU the counts stay unread (no sync); the kernel clamps them
+    if g and _data_checks(masked_m.device):  # on a GPU the counts stay unread (no sync); the kernel clamps them
         lo, hi = int(masked_m.min()), int(masked_m.max())
         if lo < 0 or hi > m_max:
             bad = lo if lo < 0 else hi
@@ -272,14 +314,17 @@ def _contiguous(kind, a, b, d, m_indices, use_psum_layout, backend):
     impl = select(_OP_NAME[kind, False], a.device, backend)
     if m == 0 or n == 0:
         return d
-    if impl == "reference":
-        grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=rows_ids)
-    elif impl == "cpu":
-        cpu_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
-    else:
+    if impl == "triton":
         from epkit.kernels.triton.grouped_gemm import grouped_gemm_contiguous
 
-        grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
+        grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, use_psum_layout=use_psum_layout)
+        return d
+    if rows_ids is None:  # the reference on CUDA tensors: it reads them anyway
+        rows_ids = _psum_to_m_indices(m_indices, m) if use_psum_layout else m_indices
+    if impl == "reference":
+        grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=rows_ids)
+    else:
+        cpu_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
     return d
 
 
@@ -309,8 +354,9 @@ _CONTIG_DOC = """Contiguous-layout grouped GEMM ``d[i] = a[i] @ b[m_indices[i]].
     d : Tensor [M, N], bfloat16 or float32, contiguous
         Written in place; rows with ``m_indices == -1`` become exact zeros.
     m_indices : Tensor [M] int32
-        Group per row in ``[-1, G)``; or, with ``use_psum_layout=True``, Tensor [G] int32 of
-        cumulative row ends (group g owns rows ``[align(end[g-1], 128), end[g])``).
+        Group per row in ``[-1, G)``, each group's rows starting a 128-row block (as
+        :func:`build_m_indices` lays them out; checked for CPU tensors); or, with ``use_psum_layout=True``,
+        Tensor [G] int32 of cumulative row ends (group g owns rows ``[align(end[g-1], 128), end[g])``).
     use_psum_layout : bool
     backend : ``"auto"``, ``"cpu"``, ``"triton"`` or ``"reference"``.
 
@@ -412,15 +458,15 @@ def make_inputs(kind: str, g: int, m: int, n: int, k: int, masked: bool, seed: i
 def _selfcheck_for(op: str, kind: str, masked: bool):
     def check(backend: str) -> None:
         fn = globals()[op]
-        a, b, _, _ = make_inputs(kind, 3, 40, 96, 256, masked, seed=11)
+        a, b, _, _ = make_inputs(kind, 3, 40 if masked else 272, 96, 256, masked, seed=11)
         if masked:
             mm = torch.tensor([0, 40, 17], dtype=torch.int32)
             got = fn(a, b, torch.zeros(3, 40, 96, dtype=torch.bfloat16), mm, 40, backend=backend)
             want = fn(a, b, torch.zeros(3, 40, 96, dtype=torch.bfloat16), mm, 40, backend="reference")
-        else:
-            idx = torch.tensor([-1] * 3 + [2] * 20 + [0] * 10 + [-1] * 7, dtype=torch.int32)
-            got = fn(a, b, torch.ones(40, 96, dtype=torch.bfloat16), idx, backend=backend)
-            want = fn(a, b, torch.ones(40, 96, dtype=torch.bfloat16), idx, backend="reference")
+        else:  # group 2's 20 rows, a padding block, group 0's 10 rows (each group starts a 128-row block)
+            idx = torch.tensor([2] * 20 + [-1] * 236 + [0] * 10 + [-1] * 6, dtype=torch.int32)
+            got = fn(a, b, torch.ones(272, 96, dtype=torch.bfloat16), idx, backend=backend)
+            want = fn(a, b, torch.ones(272, 96, dtype=torch.bfloat16), idx, backend="reference")
         from epkit.testing import calc_diff
 
         if calc_diff(got, want) > 1e-4 or not torch.isfinite(got.float()).all():

@@ -3,12 +3,19 @@
 Conventions (DeepGEMM / OCP MX / NVIDIA NVFP4); every scale here is the
 *decode* factor, ``x ~= q * scale``:
 
-- FP8 per token group: ``scale = max(amax(|x|), 1e-4) / 448`` per ``1 x group_size``
-  group (optionally rounded up to a power of two, "UE8M0"), ``q = e4m3(x / scale)``.
+- FP8 per token group: ``scale = max(amax(|x|), 1e-4) * (1 / 448)`` per ``1 x group_size``
+  group (optionally rounded up to a power of two, "UE8M0", by :func:`ceil_to_ue8m0`),
+  ``q = e4m3(x / scale)``. The scale is the float32 product with the float32 reciprocal of 448 on every
+  device, on purpose: that is what CUDA torch computes for ``amax / 448`` (it divides by a scalar as a
+  multiply by the reciprocal), so the scales are the same bits on a CPU and a GPU and equal DeepGEMM's
+  helpers run on a GPU; a true float32 division, as a CPU computes ``amax / 448``, differs from it by
+  one ulp for some amax (for example 0.1, or 3.0).
 - FP8 per block: the same over ``128 x 128`` blocks of a weight ``[.., N, K]``.
 - MXFP4: e2m1 codes, two per byte (even element in the low nibble), one
-  e8m0 scale byte ``2**(byte - 127)`` per 32 elements along K, chosen as the
-  smallest power of two with ``amax / scale <= 6`` (no clipping).
+  e8m0 scale byte ``2**(byte - 127)`` per 32 elements along K: the smallest power of two
+  ``>= max(amax, amax_min) * (1 / 6)`` (so ``amax / scale <= 6``, nothing clips), the codes rounded to
+  the nearest e2m1 value with ties to the even code (the OCP MX convention; ``ties="down"`` and
+  ``amax_min=1e-4`` give DeepGEMM's ``per_token_cast_to_fp4(x, use_ue8m0=True, gran_k=32)`` instead).
 - NVFP4: e2m1 codes, one e4m3 scale per 16 elements and one float32 global
   scale: ``x ~= e2m1 * float(block_scale) * global_scale`` with
   ``global_scale = amax(|x|) / (448 * 6)``.
@@ -37,6 +44,7 @@ __all__ = [
     "cast_to_nvfp4",
     "dequant_nvfp4",
     "e2m1_to_float",
+    "E2M1_TIES",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -53,9 +61,12 @@ _INV_FP8_MAX = 1.0 / FP8_E4M3_MAX
 _AMAX_EPS = 1e-4
 # e2m1 magnitudes by 3-bit code (sign is bit 3).
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Midpoints between neighbouring magnitudes; ties go to the even code.
+# Midpoints between neighbouring magnitudes.
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose upper neighbour has the even code
+#: Tie rules of the e2m1 rounding: to the even code (OCP MX), or down to the smaller magnitude (DeepGEMM).
+E2M1_TIES = ("even", "down")
+_F32_MANTISSA = (1 << 23) - 1
 
 
 def _check_float(x: torch.Tensor, name: str, min_dim: int = 1) -> None:
@@ -71,20 +82,31 @@ def _check_float(x: torch.Tensor, name: str, min_dim: int = 1) -> None:
 
 
 def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
-    """Round positive scales up to the next power of two (``2**ceil(log2(|x|))``).
+    """Round scales up to a power of two, the UE8M0 scale format: the smallest power of two ``>= |x|``.
+
+    Computed on the float32 bits (the exponent, plus one when any mantissa bit is set), so it is exact:
+    never below its input (``log2`` in float32 rounds ``2**-30 * (1 + 2**-23)`` to -30, which would give
+    ``2**-30``; the result is ``2**-29``). The same bits as DeepGEMM's ``ceil_to_ue8m0`` wherever
+    ``2**-126 <= |x| <= 2**127``.
 
     Parameters
     ----------
-    x : Tensor, float32 (any shape)
-        Positive scales; zero maps to zero.
+    x : Tensor, floating point (any shape); read as float32.
 
     Returns
     -------
-    Tensor of the same shape, float32: a power of two ``>= |x|``.
+    Tensor of the same shape, float32. Zero and subnormal inputs give ``2**-126``, the smallest normal
+    float32 and UE8M0 byte 1 (DeepGEMM's floor; a scale is never zero); finite inputs above ``2**127``
+    and infinities give ``inf`` (no finite power of two is above them; DeepGEMM clamps them to
+    ``2**127``); NaN gives NaN.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    return torch.pow(2.0, torch.ceil(torch.log2(x.float().abs())))
+    xf = x.float().abs()
+    bits = xf.view(torch.int32)
+    exp = (bits >> 23) + ((bits & _F32_MANTISSA) != 0).to(torch.int32)  # sign bit cleared by abs
+    out = (exp.clamp(min=1, max=255) << 23).view(torch.float32)
+    return torch.where(torch.isnan(xf), xf, out)
 
 
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -110,7 +132,9 @@ def per_token_group_cast_to_fp8(
     -------
     q : Tensor [..., K], float8_e4m3fn
     scale : Tensor [..., ceil(K / group_size)], float32
-        ``x ~= q * scale`` per group; all-zero groups get ``1e-4 / 448``.
+        ``x ~= q * scale`` per group: ``max(amax, 1e-4) * (1 / 448)`` as float32 on every device (what a
+        GPU computes for ``amax / 448``; a CPU division can differ by one ulp, see the module docstring),
+        all-zero groups ``1e-4 * (1 / 448)``; with ``ue8m0`` that rounded up by :func:`ceil_to_ue8m0`.
     """
     _check_float(x, "x")
     if not isinstance(group_size, int) or group_size <= 0:
@@ -178,6 +202,7 @@ def per_block_cast_to_fp8(
     -------
     q : Tensor [..., N, K], float8_e4m3fn
     scale : Tensor [..., ceil(N / block[0]), ceil(K / block[1])], float32
+        ``max(amax, 1e-4) * (1 / 448)`` per block, as :func:`per_token_group_cast_to_fp8` computes it.
     """
     _check_float(w, "w", min_dim=2)
     bn, bk = block
@@ -224,13 +249,15 @@ def dequant_per_block_fp8(
 # FP4 (e2m1) codes
 
 
-def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
-    """Round float32 values (already scaled into [-6, 6]) to 4-bit e2m1 codes (uint8), ties to even."""
+def _e2m1_encode(v: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """Round float32 values (already scaled into [-6, 6]) to 4-bit e2m1 codes (uint8); ``ties`` "even" or "down"."""
     mag = v.abs().clamp(max=FP4_E2M1_MAX)
     mids = torch.tensor(_E2M1_MIDS, dtype=torch.float32, device=v.device)
     code = torch.bucketize(mag, mids, right=False)  # exact midpoints go to the lower code
-    ties_up = torch.isin(mag, torch.tensor(_E2M1_TIES_UP, dtype=torch.float32, device=v.device))
-    code = (code + ties_up.to(code.dtype)).to(torch.uint8)
+    if ties == "even":
+        ties_up = torch.isin(mag, torch.tensor(_E2M1_TIES_UP, dtype=torch.float32, device=v.device))
+        code = code + ties_up.to(code.dtype)
+    code = code.to(torch.uint8)
     sign = (v < 0) & (code > 0)  # no negative zero
     return code | (sign.to(torch.uint8) << 3)
 
@@ -250,31 +277,47 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def cast_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_to_mxfp4(
+    w: torch.Tensor, *, ties: str = "even", amax_min: float = 2.0**-126
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to MXFP4: e2m1 codes with one e8m0 scale per 32 elements along the last dim.
 
     Parameters
     ----------
     w : Tensor [..., K], float32 / bfloat16 / float16, K a multiple of 32
         Finite values.
+    ties : ``"even"`` (default) or ``"down"``
+        How a value exactly between two e2m1 magnitudes rounds: to the even code (the OCP MX convention:
+        0.75 -> 1, 1.75 -> 2, 3.5 -> 4 in units of the scale) or to the smaller magnitude (DeepGEMM's
+        ``per_token_cast_to_fp4``: 0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3). Only those three ties differ.
+    amax_min : float
+        Floor of each block's amax before its scale is chosen (default ``2**-126``, i.e. the block's own
+        amax; DeepGEMM floors it at ``1e-4``, which changes the scales and codes of blocks below it).
 
     Returns
     -------
     packed : Tensor [..., K // 2], uint8
         Two codes per byte, the even element in the low nibble.
     scale : Tensor [..., K // 32], uint8
-        e8m0 exponents: the block scale is ``2 ** (scale - 127)``, the smallest
-        power of two with ``amax / scale <= 6``.
+        e8m0 exponents: the block scale is ``2 ** (scale - 127)``, :func:`ceil_to_ue8m0` of
+        ``max(amax, amax_min) * (1 / 6)`` (so ``amax / scale <= 6``; nothing clips).
+
+    ``cast_to_mxfp4(w, ties="down", amax_min=1e-4)`` gives the codes and scales of DeepGEMM's
+    ``per_token_cast_to_fp4(w, use_ue8m0=True, gran_k=32)`` on a GPU, bit for bit.
     """
     _check_float(w, "w")
+    if ties not in E2M1_TIES:
+        raise ValueError(f"ties must be one of {E2M1_TIES}, got {ties!r}")
+    if not isinstance(amax_min, (int, float)) or not amax_min > 0:
+        raise ValueError(f"amax_min must be a positive number, got {amax_min!r}")
     k = w.shape[-1]
     if k % MXFP4_BLOCK:
         raise ValueError(f"w's last dim K = {k} must be a multiple of {MXFP4_BLOCK} (the MXFP4 block)")
     wv = w.float().reshape(*w.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
-    amax = wv.abs().amax(dim=-1).clamp(min=2.0**-126)
-    exp = torch.ceil(torch.log2(amax * (1.0 / FP4_E2M1_MAX))).clamp(-127, 127)  # as a GPU computes it
-    codes = _e2m1_encode(wv / torch.pow(2.0, exp).unsqueeze(-1)).reshape(w.shape)
-    return _pack_nibbles(codes), (exp + 127).to(torch.uint8).contiguous()
+    amax = wv.abs().amax(dim=-1).clamp(min=amax_min)
+    scale = ceil_to_ue8m0(amax * (1.0 / FP4_E2M1_MAX))  # as a GPU computes amax / 6; a power of two >= it
+    codes = _e2m1_encode(wv / scale.unsqueeze(-1), ties).reshape(w.shape)
+    return _pack_nibbles(codes), (scale.view(torch.int32) >> 23).to(torch.uint8).contiguous()
 
 
 def _fp4_blocks(packed: torch.Tensor, scale: torch.Tensor, block: int) -> tuple[int, torch.Tensor]:
