@@ -5,8 +5,10 @@ collectives -> epkit.collectives, csrc -> the pybind11 extension epkit._C.
 
 CUDA sources in csrc/cuda/*.cu build into epkit._C_cuda with nvcc for sm_90
 when EPKIT_CUDA=1, or automatically when nvcc and an nvidia-nvshmem wheel are
-found (EPKIT_CUDA=0 turns that off). A missing CUDA toolchain never breaks the
-CPU build. ``py.typed`` ships with the package (PEP 561: epkit's annotations are for type checkers).
+found (EPKIT_CUDA=0 turns that off; EPKIT_CUDA=only builds epkit._C_cuda alone, which
+``scripts/setup.sh`` uses to build and time it as a step of its own with ``setup.py build_ext --inplace``).
+A missing CUDA toolchain never breaks the CPU build. ``py.typed`` ships with the package (PEP 561:
+epkit's annotations are for type checkers).
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ def _cuda_wanted() -> tuple[bool, str]:
     if flag in ("0", "off", "false", "no"):
         return False, "EPKIT_CUDA=0"
     missing = [what for what, ok in (("nvcc", nvcc), ("nvidia-nvshmem wheel", nvshmem)) if not ok]
-    if flag in ("1", "on", "true", "yes"):
+    if flag in ("1", "on", "true", "yes", "only"):
         if missing:
             raise RuntimeError(
-                f"EPKIT_CUDA=1 but no {' and no '.join(missing)} found; "
+                f"EPKIT_CUDA={'only' if flag == 'only' else 1} but no {' and no '.join(missing)} found; "
                 "install CUDA and `pip install -e .[cuda12]` (or cuda13)"
             )
-        return True, "EPKIT_CUDA=1"
+        return True, "EPKIT_CUDA=only" if flag == "only" else "EPKIT_CUDA=1"
     return (not missing), ("auto: found nvcc and nvshmem" if not missing else f"auto: no {', '.join(missing)}")
 
 
@@ -149,16 +151,18 @@ class build_ext(_pybind_build_ext):
 
 
 def _extensions():
-    exts = [
-        Pybind11Extension(
-            "epkit._C",
-            sorted(glob.glob("csrc/*.cpp")),
-            depends=sorted(glob.glob("csrc/*.h")),
-            cxx_std=17,
-            # No FMA contraction: the fused reductions must round like their torch formulation.
-            extra_compile_args=["-O3", "-ffp-contract=off"],
+    exts = []
+    if os.environ.get("EPKIT_CUDA", "").lower() != "only":
+        exts.append(
+            Pybind11Extension(
+                "epkit._C",
+                sorted(glob.glob("csrc/*.cpp")),
+                depends=sorted(glob.glob("csrc/*.h")),
+                cxx_std=17,
+                # No FMA contraction: the fused reductions must round like their torch formulation.
+                extra_compile_args=["-O3", "-ffp-contract=off"],
+            )
         )
-    ]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     want, why = _cuda_wanted()
     print(f"epkit: CUDA extension {'enabled' if want and cuda_sources else 'skipped'} ({why})", file=sys.stderr)

@@ -2,11 +2,16 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+
+import epkit
+from epkit.backends import registered_ops
+from epkit.cli import EXIT_BROKEN_PIPE, build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,12 +40,79 @@ def test_info_json():
     assert info["c_extension"] == "ok"
 
 
-def test_selfcheck_runs_every_cpu_backend():
+def test_selfcheck_runs_every_cpu_backend_in_aligned_columns():
     res = _epkit("selfcheck")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "gather_rows" in res.stdout and "0 failed" in res.stdout
+    rows = [line for line in res.stdout.splitlines() if line.startswith("  ")]
     for backend in ("reference", "cpu", "tilelang", "triton"):
-        assert f"gather_rows          {backend:<10} ok" in res.stdout, res.stdout
+        assert any(re.fullmatch(rf"  gather_rows +{backend} +ok \(.*\)", r) for r in rows), res.stdout
+    # the backend and status columns start at the same offset on every row, long op names included
+    longest = max(registered_ops(), key=len)
+    assert any(r.split()[0] == longest for r in rows)
+    starts = {re.match(r"  \S+ +", r).end() for r in rows}
+    assert len(starts) == 1, rows
+    assert len({r.index(" ok (") for r in rows if " ok (" in r}) == 1, rows
+
+
+def test_version():
+    res = _epkit("--version")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"epkit {epkit.__version__}"
+
+
+@pytest.mark.parametrize(
+    "args", [("info", "--json"), ("selfcheck", "--backend", "reference", "--json"), ("plan", "--dp", "8", "--json")]
+)
+def test_every_subcommand_prints_one_json_document(args, capsys):
+    commands = next(a.choices for a in build_parser()._actions if isinstance(a.choices, dict))
+    assert set(commands) == {"info", "selfcheck", "plan"}, "a new subcommand needs its --json case here"
+    assert main(list(args)) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # the whole of stdout is the document
+    if args[0] == "selfcheck":
+        assert doc["failed"] == 0 and doc["passed"] == len(doc["checks"]) > 0
+        assert {c["backend"] for c in doc["checks"]} == {"reference"}
+        assert {"op", "backend", "status", "seconds", "detail"} <= set(doc["checks"][0])
+
+
+def test_help_shows_examples(capsys):
+    for argv in ([], ["info"], ["selfcheck"], ["plan"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert "examples:" in out and "epkit " in out.split("examples:")[1], argv
+
+
+def test_closed_pipe_ends_quietly():
+    """``epkit plan --json | head -1``: the reader goes away before the writer is done."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epkit", "plan", "--dp", "8", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    proc.stdout.close()  # before the interpreter has even imported epkit: its first write finds no reader
+    try:
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_BROKEN_PIPE, err
+    assert err == "", err
+
+
+@pytest.mark.parametrize("module,args", [("epkit", ["--version"]), ("epkit.model", ["--help"])])
+def test_no_runpy_warning(module, args):
+    res = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0 and res.stderr == "", res.stderr
 
 
 def test_bad_usage_exits_2_without_traceback():
@@ -92,3 +164,16 @@ assert main(["selfcheck"]) == 0
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("clear error:") == len(blocked)
     assert "is not installed" in res.stdout
+
+
+def test_an_old_kernel_path_run_as_a_script_points_to_kernel_check():
+    res = subprocess.run(
+        [sys.executable, "-m", "epkit.kernels.triton.gather_rows"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert res.returncode == 2 and res.stdout == "", res.stdout
+    assert "epkit.kernels.triton.gather_rows is an old import path of epkit.kernels.triton.gather" in res.stderr
+    assert "python bench/kernel_check.py FAMILY --backend BACKEND" in res.stderr

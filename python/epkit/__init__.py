@@ -38,10 +38,11 @@ Topology and experts (control plane)
     lockstep             has_unfinished, PrefillVote, LockstepDriver, placeholder_batch
     plan.plan            deployment calculator (also ``epkit plan``)
 
-``epkit info`` lists what this machine can run.
+``epkit info`` lists what this machine can run. ``EPKIT_LOG=info|debug`` prints what epkit decides on
+stderr (``epkit.log``; silent by default).
 """
 
-from epkit import backends, eplb, grouped_gemm, lockstep, model, quant, topology
+from epkit import backends, eplb, grouped_gemm, lockstep, log, model, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.collectives.engram_table import ShardedEngramTable
 from epkit.collectives.ep_buffer import EPBuffer
@@ -67,6 +68,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "backends",
+    "log",
     "BackendUnavailableError",
     "registered_ops",
     # layout and gathers

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "ALL_BACKENDS_CPU",
@@ -100,6 +103,7 @@ def c_extension_error() -> str | None:
     try:
         from epkit import _C  # noqa: F401
     except ImportError as exc:
+        _log.warning("epkit._C failed to import (%s): ops whose cpu path uses it fall back to torch", exc)
         return f"epkit._C failed to import ({exc})"
     return None
 
@@ -184,28 +188,55 @@ def registered_ops() -> dict[str, OpSpec]:
 def select(op: str, device: torch.device | str, backend: str = "auto") -> str:
     """Resolve the backend that runs ``op`` on tensors of ``device``.
 
+    ``backend="auto"`` takes the first available backend of the op's preference list for the device, unless
+    ``EPKIT_BACKEND`` names one: then that one, checked like an explicit choice (errors name the variable).
+
     Raises
     ------
     ValueError
-        ``backend`` is not a known name, or the op does not implement it.
+        ``backend`` (or ``EPKIT_BACKEND``) is not a known name, or the op does not implement it.
     BackendUnavailableError
         ``backend`` is implemented but cannot run here (message says why).
     """
     spec = _OPS[op]
     dtype = torch.device(device).type
     order = spec.cuda if dtype == "cuda" else spec.cpu
-    if backend == "auto":
-        env = os.environ.get("EPKIT_BACKEND")
-        if env and env != "auto":
-            backend = env
-        else:
-            reasons = []
-            for cand in order:
-                info = backend_info(cand)
-                if info.available_on(dtype):
-                    return cand
-                reasons.append(f"{cand}: {info.missing.get(dtype, 'unavailable')}")
-            raise BackendUnavailableError(f"no backend of {op} can run on {dtype} tensors here: " + "; ".join(reasons))
+    if backend != "auto":
+        return _logged(op, dtype, backend, _explicit(spec, dtype, order, backend))
+    env = os.environ.get("EPKIT_BACKEND", "").strip()
+    if env and env != "auto":
+        try:
+            chosen = _explicit(spec, dtype, order, env)
+        except (ValueError, BackendUnavailableError) as exc:
+            raise type(exc)(
+                f"EPKIT_BACKEND={env}: {exc}. EPKIT_BACKEND forces a backend wherever backend='auto' is passed; "
+                "unset it (or set it to auto) to let each op choose"
+            ) from None
+        if (op, dtype) not in _FORCED_LOGGED:
+            _FORCED_LOGGED.add((op, dtype))
+            _log.info("EPKIT_BACKEND=%s forces %s on %s tensors to the %s backend", env, op, dtype, chosen)
+        return _logged(op, dtype, "auto", chosen)
+    reasons = []
+    for cand in order:
+        info = backend_info(cand)
+        if info.available_on(dtype):
+            return _logged(op, dtype, "auto", cand)
+        reasons.append(f"{cand}: {info.missing.get(dtype, 'unavailable')}")
+    raise BackendUnavailableError(f"no backend of {op} can run on {dtype} tensors here: " + "; ".join(reasons))
+
+
+_FORCED_LOGGED: set[tuple[str, str]] = set()
+
+
+def _logged(op: str, dtype: str, asked: str, chosen: str) -> str:
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("%s on %s tensors: backend %s -> %s", op, dtype, asked, chosen)
+    return chosen
+
+
+def _explicit(spec: OpSpec, dtype: str, order: tuple[str, ...], backend: str) -> str:
+    """``backend`` itself when ``spec`` has it and it runs on ``dtype`` tensors here; raises otherwise."""
+    op = spec.name
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} for {op}; expected 'auto' or one of {BACKENDS}")
     if backend not in spec.backends:

@@ -4,13 +4,16 @@
 ``epkit selfcheck``  runs every op on every backend this machine has against its reference
 ``epkit plan``       deployment calculator: experts per rank, bytes, memory, communication, collective ledger
 
-Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are
-one line on stderr, never a traceback.
+Every subcommand takes ``--json`` (one JSON document on stdout, nothing else there); ``epkit --version``
+prints the version. Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are one line
+on stderr, never a traceback. A reader that closes the pipe early (``epkit plan --json | head -1``) ends
+the command quietly with status 141, as a shell reports a writer stopped by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -19,6 +22,18 @@ import shutil
 import sys
 import time
 import traceback
+
+#: Exit status after the reader closed stdout: 128 + SIGPIPE, what a shell reports for a writer killed by it.
+EXIT_BROKEN_PIPE = 141
+
+EXAMPLES = """examples:
+  epkit info                          what this machine runs (backends, transports, each op's auto choice)
+  epkit info --json | python -m json.tool
+  epkit selfcheck                     every op on every CPU backend here, against its reference
+  epkit selfcheck --backend triton --json
+  epkit plan --model v4.1-flash --dp 64 --ep 64
+  epkit plan --model path/to/config.json --dp 8 --weight-format fp8 --json
+"""
 
 
 def _version(dist: str) -> str | None:
@@ -161,44 +176,76 @@ def _print_info(info: dict) -> None:
 def cmd_info(args) -> int:
     info = collect_info()
     if args.json:
-        json.dump(info, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _dump(info)
     else:
         _print_info(info)
     return 0
 
 
-def cmd_selfcheck(args) -> int:
+def _run_selfchecks(backend: str | None = None, verbose: bool = False, report=None) -> list[dict]:
+    """Every registered op's self-check on each CPU backend (only ``backend`` when given).
+
+    Returns one dict per (op, backend): ``op``, ``backend``, ``status`` (``ok``, ``failed``, ``skipped``),
+    ``seconds`` and ``detail`` (why it failed or was skipped). ``report(row)`` is called as each one ends.
+    """
     from epkit import backends
 
-    failures = 0
-    ran = 0
+    rows = []
     for name, spec in backends.registered_ops().items():
         if spec.selfcheck is None:
             continue
         for b in spec.cpu:
-            if args.backend and b != args.backend:
+            if backend and b != backend:
                 continue
+            row = {"op": name, "backend": b, "status": "ok", "seconds": 0.0, "detail": None}
             info = backends.backend_info(b)
-            if not info.available_on("cpu"):
-                print(f"  {name:<20} {b:<10} skipped: {info.missing.get('cpu')}")
-                continue
             t0 = time.perf_counter()
-            try:
-                spec.selfcheck(b)
-            except Exception as exc:  # report every failure, keep checking the rest
-                failures += 1
-                print(f"  {name:<20} {b:<10} FAILED: {type(exc).__name__}: {exc}")
-                if args.verbose:
-                    traceback.print_exc()
-                continue
-            ran += 1
-            print(f"  {name:<20} {b:<10} ok ({time.perf_counter() - t0:.2f} s, matches the reference)")
-    print(f"selfcheck: {ran} passed, {failures} failed")
-    if ran == 0 and failures == 0:
+            if not info.available_on("cpu"):
+                row.update(status="skipped", detail=info.missing.get("cpu"))
+            else:
+                try:
+                    spec.selfcheck(b)
+                except Exception as exc:  # report every failure, keep checking the rest
+                    row.update(status="failed", detail=f"{type(exc).__name__}: {exc}")
+                    if verbose:
+                        traceback.print_exc()
+            row["seconds"] = round(time.perf_counter() - t0, 4)
+            rows.append(row)
+            if report is not None:
+                report(row)
+    return rows
+
+
+def cmd_selfcheck(args) -> int:
+    from epkit import backends
+
+    if args.backend and args.backend not in backends.BACKENDS:
+        raise ValueError(f"unknown backend {args.backend!r}; expected one of {', '.join(backends.BACKENDS)}")
+    width = max((len(n) for n in backends.registered_ops()), default=0)
+
+    def line(row: dict) -> None:
+        what = {
+            "ok": f"ok ({row['seconds']:.2f} s, matches the reference)",
+            "failed": f"FAILED: {row['detail']}",
+            "skipped": f"skipped: {row['detail']}",
+        }[row["status"]]
+        print(f"  {row['op']:<{width}} {row['backend']:<10} {what}", flush=True)
+
+    rows = _run_selfchecks(args.backend, args.verbose, report=None if args.json else line)
+    counts = {k: sum(r["status"] == k for r in rows) for k in ("ok", "failed", "skipped")}
+    if args.json:
+        _dump({"passed": counts["ok"], "failed": counts["failed"], "skipped": counts["skipped"], "checks": rows})
+    else:
+        print(f"selfcheck: {counts['ok']} passed, {counts['failed']} failed")
+    if counts["ok"] == 0 and counts["failed"] == 0:
         print("selfcheck: nothing ran (no backend available?)", file=sys.stderr)
         return 1
-    return 1 if failures else 0
+    return 1 if counts["failed"] else 0
+
+
+def _dump(obj) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 def cmd_plan(args) -> int:
@@ -218,24 +265,41 @@ def cmd_plan(args) -> int:
         tp=args.tp,
     )
     if args.json:
-        json.dump(p.to_dict(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _dump(p.to_dict())
     else:
         print(format_plan(p))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="epkit", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="epkit", description=__doc__.replace("``", ""), epilog=EXAMPLES, formatter_class=raw
+    )
+    p.add_argument("--version", action="version", version=f"epkit {_version('epkit') or '(not installed)'}")
     sub = p.add_subparsers(dest="command", required=True)
-    pi = sub.add_parser("info", help="what this machine can run")
-    pi.add_argument("--json", action="store_true", help="machine-readable output")
-    pi.set_defaults(func=cmd_info)
-    ps = sub.add_parser("selfcheck", help="run every op on every available CPU backend against its reference")
-    ps.add_argument("--backend", help="only this backend")
+
+    def command(name: str, func, help: str, examples: str):
+        sp = sub.add_parser(name, help=help, description=help, epilog=f"examples:\n{examples}", formatter_class=raw)
+        sp.add_argument("--json", action="store_true", help="one JSON document on stdout instead of text")
+        sp.set_defaults(func=func)
+        return sp
+
+    command("info", cmd_info, "what this machine can run", "  epkit info\n  epkit info --json\n")
+    ps = command(
+        "selfcheck",
+        cmd_selfcheck,
+        "run every op on every available CPU backend against its reference",
+        "  epkit selfcheck\n  epkit selfcheck --backend tilelang\n  epkit selfcheck --json\n",
+    )
+    ps.add_argument("--backend", help="only this backend (reference, cpu, tilelang, triton)")
     ps.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
-    ps.set_defaults(func=cmd_selfcheck)
-    pp = sub.add_parser("plan", help="deployment calculator for DP attention + Wide-EP")
+    pp = command(
+        "plan",
+        cmd_plan,
+        "deployment calculator for DP attention + Wide-EP",
+        "  epkit plan --model v4.1-flash --dp 64 --ep 64\n  epkit plan --dp 8 --cp 2 --weight-format fp8 --json\n",
+    )
     pp.add_argument("--model", default="v4.1-flash", help="preset (v4.1-flash, deepseek-v3) or config.json path")
     pp.add_argument("--dp", type=int, required=True, help="data-parallel size (engines)")
     pp.add_argument("--ep", type=int, help="expert-parallel size (default: world size)")
@@ -247,15 +311,20 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--link-gbps", type=float, default=450.0, help="link bandwidth, GB/s (default 450: NVLink)")
     pp.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency, us (default 10)")
     pp.add_argument("--tp", type=int, help="TP degree for the comparison (default 8)")
-    pp.add_argument("--json", action="store_true", help="machine-readable output")
-    pp.set_defaults(func=cmd_plan)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader is gone: point stdout at /dev/null so the flush at exit cannot fail again, and stop quietly.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"epkit {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -195,10 +195,15 @@ def _validate_hash_args(ids, mult, vocab, off, out) -> None:
             f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}"
         )
     n = ids.shape[1]
-    if not isinstance(mult, torch.Tensor) or mult.dtype != torch.int64 or mult.dim() != 2 or mult.shape[1] != n:
+    if not isinstance(mult, torch.Tensor) or mult.dtype != torch.int64 or mult.dim() != 2:
         raise ValueError(
-            f"multipliers must be int64 [L, {n}], got "
-            f"{getattr(mult, 'dtype', None)} {tuple(getattr(mult, 'shape', ()))}"
+            f"multipliers must be int64 [L, N], got {getattr(mult, 'dtype', None)} {tuple(getattr(mult, 'shape', ()))}"
+        )
+    if mult.shape[1] != n:  # the parameters fix N (max_ngram_size); the ids are what the caller built
+        raise ValueError(
+            f"ngram_token_ids has N = {n} columns, but the hash parameters are for N = {mult.shape[1]} "
+            f"(multipliers {tuple(mult.shape)}, max_ngram_size of the EngramConfig): ngram_token_ids must be "
+            f"[T, {mult.shape[1]}], got {tuple(ids.shape)}"
         )
     num_layers = mult.shape[0]
     if (

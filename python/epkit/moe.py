@@ -6,9 +6,17 @@ Weight layout (NT: every GEMM computes ``x @ w[g].T``):
 ``(E * K, N)`` parameter of a routed linear into the expert-major ``[E, K, N]``
 view whose ``.mT`` is the contiguous ``[E, N, K]`` that the GEMMs read
 (the source engine's ``view(E, -1, N).mT.contiguous().mT`` repack).
+
+Errors name :func:`expert_mlp`'s own arguments (``x``, ``w13``, ``w2``, ``m_indices``, ...): the shapes of
+``x``, ``w13`` and ``w2`` are checked against each other first, and what a GEMM rejects is re-raised with
+the argument its operand came from. NaN/Inf are not looked for (a device synchronisation per call): a
+non-finite token stays in its row, except that the FP8/FP4 path quantizes a bf16/float32 ``x`` with
+:func:`~epkit.quant.per_token_group_cast_to_fp8`, which raises on it (README, "Using an op").
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -108,10 +116,7 @@ def expert_mlp(
     kind = _kind_of(w13)
     if _kind_of(w2) != kind:
         raise ValueError(f"w13 and w2 must use one format, got {kind} and {_kind_of(w2)}")
-    b13 = w13[0] if kind != "bf16" else w13
-    two_i = b13.shape[1]
-    if two_i % 2:
-        raise ValueError(f"w13 must have 2*I rows per expert, got {two_i}")
+    two_i, hidden = _check_weight_shapes(kind, x, w13, w2)
     inter = two_i // 2
     masked = layout == "masked"
     if masked and (masked_m is None or expected_m is None):
@@ -127,21 +132,58 @@ def expert_mlp(
     x0 = xa[0] if isinstance(xa, tuple) else xa
     rows = tuple(x0.shape[:-1])
     h = torch.zeros((*rows, two_i), dtype=torch.float32, device=x0.device)
-    out = torch.zeros((*rows, (w2[0] if kind != "bf16" else w2).shape[1]), dtype=torch.bfloat16, device=x0.device)
-    first = getattr(gemm, f"m_grouped_{kind}_gemm_nt_{layout}")
-    if masked:
-        first(xa, w13, h, masked_m, expected_m, backend=backend)
-    else:
-        first(xa, w13, h, m_indices, backend=backend)
+    out = torch.zeros((*rows, hidden), dtype=torch.bfloat16, device=x0.device)
+    gemm_op = getattr(gemm, f"m_grouped_{kind}_gemm_nt_{layout}")
+    layout_args = (masked_m, expected_m) if masked else (m_indices,)
+    with _naming("the gate/up GEMM x @ w13.T (its a = x, b = w13, d = [..., 2*I])"):
+        gemm_op(xa, w13, h, *layout_args, backend=backend)
     act = _swiglu(h, swiglu_limit)
     # the intermediate is this op's own: quantized without per_token_group_cast_to_fp8's finiteness check,
     # which reads it on the host (a device sync on every masked-layout decode call)
     act_q = act.to(torch.bfloat16) if kind == "bf16" else cast_groups_to_fp8(act)
-    if masked:
-        first(act_q, w2, out, masked_m, expected_m, backend=backend)
-    else:
-        first(act_q, w2, out, m_indices, backend=backend)
+    with _naming("the down GEMM act @ w2.T (its a = the SwiGLU output [..., I], b = w2, d = the result)"):
+        gemm_op(act_q, w2, out, *layout_args, backend=backend)
     return out
+
+
+def _body(w):
+    return w[0] if isinstance(w, (tuple, list)) else w
+
+
+def _check_weight_shapes(kind: str, x, w13, w2) -> tuple[int, int]:
+    """``(2*I, H)`` from ``w13 [G, 2*I, H]`` once ``x [..., H]`` and ``w2 [G, H, I]`` agree with it.
+
+    The GEMMs check their own operands, but name them ``a``/``b`` and cannot tell a ``w2`` whose rows are
+    not ``H`` (the output would silently take w2's width) or whose ``G`` differs from ``w13``'s.
+    Packed MXFP4 bodies hold two values per byte along their last dim.
+    """
+    pack = 2 if kind == "fp8_fp4" else 1
+    packed = " (MXFP4: two values per byte along the last dim)" if pack == 2 else ""
+    b13, b2, x0 = _body(w13), _body(w2), _body(x)
+    if b13.dim() != 3 or b13.shape[1] % 2:
+        raise ValueError(f"w13 must be [G, 2*I, H] (gate rows, then up rows){packed}, got {tuple(b13.shape)}")
+    g, two_i, hidden = b13.shape[0], b13.shape[1], b13.shape[2] * pack
+    if not isinstance(x0, torch.Tensor) or x0.dim() < 1 or x0.shape[-1] != hidden:
+        raise ValueError(
+            f"x must have hidden size H = {hidden} (its last dim; w13 is [G, 2*I, H] = {tuple(b13.shape)}"
+            f"{packed}), got {tuple(getattr(x0, 'shape', ())) or type(x0).__name__}"
+        )
+    want = (g, hidden, two_i // 2 // pack)
+    if tuple(b2.shape) != want:
+        raise ValueError(
+            f"w2 must be [G, H, I] = {want}{packed} to match w13 {tuple(b13.shape)} (G = {g}, 2*I = {two_i}) and "
+            f"x [..., H = {hidden}], got {tuple(b2.shape)}"
+        )
+    return two_i, hidden
+
+
+@contextlib.contextmanager
+def _naming(what: str):
+    """Re-raise a GEMM's ValueError with the expert_mlp arguments its operands came from."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"expert_mlp: {what}: {exc}") from exc
 
 
 # Reference

@@ -67,10 +67,25 @@ def moved_module(old: str, new: str) -> None:
     For old import paths kept for one release: ``import old`` and ``from old import name`` give
     ``new`` itself (one module object, so monkeypatching either path patches the same names).
     Call it as the only statement of the old module: ``moved_module(__name__, "epkit.new")``.
+
+    Run as a script (``python -m epkit.kernels.triton.gather_rows``) an old path does nothing but say so and
+    exit with status 2, naming the script that checks and times kernels (the old kernel files' ``__main__``
+    blocks moved there).
     """
     import importlib
     import sys
     import warnings
+
+    if old == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        where = spec.name if spec is not None else "this module"
+        print(
+            f"{where} is an old import path of {new}, kept for one release; it is not a script. "
+            "`python bench/kernel_check.py FAMILY --backend BACKEND` checks a kernel family against its "
+            "reference and times it; `epkit selfcheck` checks every op.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
     warnings.warn(
         f"{old} has moved to {new}; the old import path is kept for one release", DeprecationWarning, stacklevel=3
