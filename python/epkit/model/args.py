@@ -10,9 +10,20 @@ import torch
 
 from epkit.engram import EngramConfig
 from epkit.engram_layer import EngramLayer
-from epkit.quant import per_block_cast_to_fp8
+from epkit.quant import cast_to_mxfp4, dequant_mxfp4, dequant_per_block_fp8, per_block_cast_to_fp8
 
-__all__ = ["ModelArgs", "engram_config", "engram_layer", "init_weights", "quantize_experts"]
+__all__ = [
+    "EXPERT_FORMATS",
+    "ModelArgs",
+    "dequantize_experts",
+    "engram_config",
+    "engram_layer",
+    "init_weights",
+    "quantize_experts",
+]
+
+#: Expert weight formats the model runs (``ModelArgs.expert_format``).
+EXPERT_FORMATS = ("fp8", "fp4", "bf16")
 
 
 @dataclass(frozen=True)
@@ -21,7 +32,9 @@ class ModelArgs:
 
     ``dim`` and ``moe_inter_dim`` are multiples of 128 (the FP8 groups); ``n_routed_experts`` is
     divisible by ``n_expert_groups``, of which the gate keeps the best ``n_limited_groups``.
-    ``expert_format``: ``"fp8"`` (e4m3 weights, 128x128 block scales, FP8 dispatch) or ``"bf16"``.
+    ``expert_format``: ``"fp8"`` (e4m3 weights, 128x128 block scales, FP8 dispatch), ``"fp4"`` (MXFP4
+    weights: e2m1 codes with an e8m0 scale per 32, through the FP8 x FP4 grouped GEMM, FP8 dispatch) or
+    ``"bf16"``.
     """
 
     vocab_size: int = 256
@@ -77,8 +90,8 @@ class ModelArgs:
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.score_func not in ("sigmoid", "softmax"):
             raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {self.score_func!r}")
-        if self.expert_format not in ("fp8", "bf16"):
-            raise ValueError(f"expert_format must be 'fp8' or 'bf16', got {self.expert_format!r}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
         ids = tuple(self.engram_layer_ids)
         if len(set(ids)) != len(ids) or any(not 0 <= i < self.n_layers for i in ids):
             raise ValueError(f"engram_layer_ids must be distinct layers in [0, {self.n_layers}), got {ids}")
@@ -168,5 +181,19 @@ def init_weights(args: ModelArgs) -> dict[str, torch.Tensor]:
 
 
 def quantize_experts(w: torch.Tensor, fmt: str):
-    """Expert weights as the grouped GEMM takes them: ``(e4m3, 128x128 block scales)`` for ``"fp8"``, else bf16."""
-    return per_block_cast_to_fp8(w) if fmt == "fp8" else w.to(torch.bfloat16)
+    """Expert weights as the grouped GEMM takes them: ``(e4m3, 128x128 block scales)`` for ``"fp8"``,
+    ``(packed e2m1 codes, e8m0 scales per 32 along K)`` for ``"fp4"``, else bf16."""
+    if fmt == "fp8":
+        return per_block_cast_to_fp8(w)
+    if fmt == "fp4":
+        return cast_to_mxfp4(w)
+    return w.to(torch.bfloat16)
+
+
+def dequantize_experts(q, fmt: str) -> torch.Tensor:
+    """The float32 values of :func:`quantize_experts`' output (what the reference multiplies by)."""
+    if fmt == "fp8":
+        return dequant_per_block_fp8(*q)
+    if fmt == "fp4":
+        return dequant_mxfp4(*q)
+    return q.float()

@@ -4,6 +4,7 @@ the prefill vote; placeholder steps for idle ranks, so every rank enters every d
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch.distributed as dist
@@ -62,6 +63,21 @@ def _next_batch(is_prefill: bool, prompts, out, pending: deque, running: list, c
     return Batch.decode([out[i][-1] for i in active], positions, active), active
 
 
+def _step(model: DPEPModel, is_prefill: bool, batch, stats: dict, on_step) -> list[int]:
+    """One forward (a placeholder when ``batch`` is None: its output is discarded); the next token ids."""
+    t0 = time.perf_counter()
+    if batch is None:
+        stats["placeholder_steps"] += 1
+        model.forward(Batch.placeholder(is_prefill))
+        ids = []
+    else:
+        stats["tokens"] += batch.num_tokens
+        ids = model.forward(batch).argmax(-1).tolist()
+    if on_step is not None:
+        on_step(is_prefill, batch, time.perf_counter() - t0)
+    return ids
+
+
 def generate(
     model: DPEPModel,
     prompts: list[list[int]],
@@ -70,6 +86,7 @@ def generate(
     prefill_attempt_interval: int = 1,
     prefill_any_attempt_interval: int = 16,
     max_steps: int = 100_000,
+    on_step=None,
 ) -> tuple[list[list[int]], dict]:
     """Greedy generation for this rank's prompts, in lockstep with every DP rank (collective).
 
@@ -89,6 +106,9 @@ def generate(
         The prefill vote's intervals (see :class:`epkit.lockstep.PrefillVote`).
     max_steps : int
         Safety bound on the number of steps.
+    on_step : callable, optional
+        ``on_step(is_prefill, batch, seconds)`` after every step (``batch`` None for a placeholder step):
+        what ``epkit run`` times.
 
     Returns
     -------
@@ -113,28 +133,22 @@ def generate(
     stats = {"steps": 0, "prefill_steps": 0, "placeholder_steps": 0, "tokens": 0}
     decode_cap = model.max_decode_tokens_per_rank if model.decode_moe == "low_latency" else cap
     while True:
-        plan = driver.next_step(
-            has_unfinished=bool(pending or running),
-            # only a prompt this rank could admit now counts: a full rank that voted for prefill could
-            # hold every rank in prefill steps it cannot use while its own sequences never decode
-            has_pending_prefill=bool(pending) and len(running) < decode_cap,
-            has_running_decode=bool(running),
-        )
+        with model.timer("lockstep"):
+            plan = driver.next_step(
+                has_unfinished=bool(pending or running),
+                # only a prompt this rank could admit now counts: a full rank that voted for prefill could
+                # hold every rank in prefill steps it cannot use while its own sequences never decode
+                has_pending_prefill=bool(pending) and len(running) < decode_cap,
+                has_running_decode=bool(running),
+            )
         if plan is None:
             return out, stats
         stats["steps"] += 1
+        stats["prefill_steps"] += int(plan.is_prefill)
         if stats["steps"] > max_steps:
             raise RuntimeError(f"generate: more than max_steps={max_steps} steps")
-        if plan.is_prefill:
-            stats["prefill_steps"] += 1
         batch, active = _next_batch(plan.is_prefill, prompts, out, pending, running, cap, decode_cap)
-        if batch is None:
-            stats["placeholder_steps"] += 1
-            model.forward(Batch.placeholder(plan.is_prefill))  # its output is discarded
-            continue
-        stats["tokens"] += batch.num_tokens
-        next_ids = model.forward(batch).argmax(-1).tolist()
-        for i, t in zip(active, next_ids):
+        for i, t in zip(active, _step(model, plan.is_prefill, batch, stats, on_step)):  # none for a placeholder
             out[i].append(int(t))
             if plan.is_prefill:
                 running.append(i)

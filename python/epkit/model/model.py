@@ -22,6 +22,7 @@ from epkit.engram import hash_tokens
 from epkit.experts import ExpertPlacement, logical_to_physical
 from epkit.model.args import ModelArgs, engram_config, engram_layer, init_weights, quantize_experts
 from epkit.model.layers import Batch, attention, check_batch, logits, rms_norm, route, swiglu_mlp
+from epkit.model.profile import NULL_TIMER
 from epkit.moe import expert_mlp
 from epkit.quant import per_token_group_cast_to_fp8
 
@@ -165,6 +166,9 @@ class DPEPModel:
         #: ``[T, K]`` tensor per MoE layer), e.g. to replay them in :func:`forward_reference`.
         self.record_routing = False
         self.last_routing: list = []
+        #: Where each forward reports its stages' time (:class:`epkit.model.profile.StepTimer`); by default
+        #: nothing is timed.
+        self.timer = NULL_TIMER
 
     def _init_engram(self, weights: dict, timeout: float) -> None:
         """Build the Engram layers and load this rank's part of each layer's table (collective over ENP)."""
@@ -238,44 +242,59 @@ class DPEPModel:
     def _moe(self, m: int, x: torch.Tensor, is_prompt: bool, count_load: bool) -> torch.Tensor:
         args, p = self.args, f"layers.{m + self.args.n_dense_layers}."
         w = self.weights
-        idx, weights = route(args, x, w[p + "gate"], w[p + "gate_bias"])
+        timer = self.timer
+        with timer("gate"):
+            idx, weights = route(args, x, w[p + "gate"], w[p + "gate_bias"])
         if self.record_routing:
             self.last_routing.append(idx)
         # the gate's ids are valid by construction: no check_index (it reads them on the host)
         placement = self._placements_dev[m]
-        phys = logical_to_physical(idx, placement, self.ep_rank, token_offset=self.ep_rank, check_index=False)
+        with timer("logical_to_physical"):
+            phys = logical_to_physical(idx, placement, self.ep_rank, token_offset=self.ep_rank, check_index=False)
         if count_load:  # a placeholder's traffic is not load: EPLB would replicate experts for it
             flat = phys.reshape(-1).long()
             self.routed_load[m].index_add_(0, flat.clamp(min=0), (flat >= 0).long())
-        shared = swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]) if args.n_shared_experts else None
+        with timer("shared_expert"):
+            shared = swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]) if args.n_shared_experts else None
         xb = x.to(torch.bfloat16)
         w13, w2 = self.local_experts[m]
-        fp8 = args.expert_format == "fp8"
+        fp8 = args.expert_format in ("fp8", "fp4")  # FP4 experts take FP8 activations (the FP8 x FP4 GEMM)
         mode = self.prefill_moe if is_prompt else self.decode_moe
         if mode == "low_latency":
             n_max = self.max_decode_tokens_per_rank
-            recv, count, handle, _ = self.buffer.low_latency_dispatch(xb, phys, n_max, use_fp8=fp8)
-            y = expert_mlp(recv, "masked", w13, w2, masked_m=count, expected_m=max(1, n_max))
-            out = self.buffer.low_latency_combine(y, phys, weights, handle).float()
+            with timer("dispatch"):
+                recv, count, handle, _ = self.buffer.low_latency_dispatch(xb, phys, n_max, use_fp8=fp8)
+            with timer("experts"):
+                y = expert_mlp(recv, "masked", w13, w2, masked_m=count, expected_m=max(1, n_max))
+            with timer("combine"):
+                out = self.buffer.low_latency_combine(y, phys, weights, handle).float()
             # the layer's output is bf16 on every path (combine adds the shared expert before rounding)
             return out if shared is None else (out + shared.to(torch.bfloat16).float()).to(torch.bfloat16).float()
         bias = None if shared is None else shared.to(torch.bfloat16)
         if mode == "fused":
-            out = fused_moe(xb, phys, weights, w13, w2, self.buffer, bias=bias, expert_alignment=self.expert_alignment)
+            with timer("fused_moe"):
+                a = self.expert_alignment
+                out = fused_moe(xb, phys, weights, w13, w2, self.buffer, bias=bias, expert_alignment=a)
         elif mode == "reference":
             group, num_physical = self.buffer.group, self.buffer.num_experts
-            st = reference_dispatch(
-                xb, phys, weights, num_physical, group, expand=True, expert_alignment=self.expert_alignment
-            )
-            y = expert_mlp(st["expanded_x"], "contiguous", w13, w2, m_indices=st["m_indices"])
-            out = reference_combine(y, st, xb.shape[0], group, bias=bias, expand=True)
+            with timer("dispatch"):
+                st = reference_dispatch(
+                    xb, phys, weights, num_physical, group, expand=True, expert_alignment=self.expert_alignment
+                )
+            with timer("experts"):
+                y = expert_mlp(st["expanded_x"], "contiguous", w13, w2, m_indices=st["m_indices"])
+            with timer("combine"):
+                out = reference_combine(y, st, xb.shape[0], group, bias=bias, expand=True)
         else:
-            inp = per_token_group_cast_to_fp8(xb) if fp8 else xb
-            recv, _, _, _, handle = self.buffer.dispatch(
-                inp, phys, weights, expert_alignment=self.expert_alignment, expand=True
-            )
-            y = expert_mlp(recv, "contiguous", w13, w2, m_indices=EPBuffer.m_indices(handle))
-            out = self.buffer.combine(y, handle, bias=bias)
+            with timer("dispatch"):
+                inp = per_token_group_cast_to_fp8(xb) if fp8 else xb
+                recv, _, _, _, handle = self.buffer.dispatch(
+                    inp, phys, weights, expert_alignment=self.expert_alignment, expand=True
+                )
+            with timer("experts"):
+                y = expert_mlp(recv, "contiguous", w13, w2, m_indices=EPBuffer.m_indices(handle))
+            with timer("combine"):
+                out = self.buffer.combine(y, handle, bias=bias)
         return out.float()
 
     @torch.no_grad()
@@ -303,19 +322,27 @@ class DPEPModel:
                     f"holds {'no prefill of it' if cached is None else f'{cached} cached tokens'}"
                 )
         self.last_routing = []
-        hooks = self._engram_fetch(batch)  # before the first layer: hashes need only the token ids
+        timer = self.timer
+        with timer("engram_fetch"):
+            hooks = self._engram_fetch(batch)  # before the first layer: hashes need only the token ids
         x = w["embed"][batch.token_ids.to(self.device)]
         for i in range(args.n_layers):
             p = f"layers.{i}."
             if i in hooks:
-                x = x + self._engram_apply(i, x, hooks[i](), batch)
-            x = x + attention(args, w, p, rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, self.cache, i)
+                with timer("engram_fetch"):
+                    rows = hooks[i]()
+                with timer("engram_layer"):
+                    x = x + self._engram_apply(i, x, rows, batch)
+            with timer("attention"):
+                x = x + attention(args, w, p, rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, self.cache, i)
             h = rms_norm(x, w[p + "ffn_norm"], args.norm_eps)
             if i < args.n_dense_layers:
-                x = x + swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
+                with timer("dense_mlp"):
+                    x = x + swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
             else:
                 x = x + self._moe(i - args.n_dense_layers, h, batch.is_prompt, not batch.is_placeholder)
-        return logits(args, w, x, batch)
+        with timer("head"):
+            return logits(args, w, x, batch)
 
     # Engram
 

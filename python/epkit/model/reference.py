@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from epkit.engram import hash_tokens
-from epkit.model.args import ModelArgs, engram_config, engram_layer, init_weights, quantize_experts
+from epkit.model.args import ModelArgs, dequantize_experts, engram_config, engram_layer, init_weights, quantize_experts
 from epkit.model.layers import Batch, attention, check_batch, rms_norm, route, swiglu_mlp
-from epkit.quant import dequant_per_block_fp8, dequant_per_token_group_fp8, per_token_group_cast_to_fp8
+from epkit.quant import dequant_per_token_group_fp8, per_token_group_cast_to_fp8
 
 __all__ = ["forward_reference"]
 
@@ -24,7 +24,7 @@ def _fake_fp8_rows(x: torch.Tensor) -> torch.Tensor:
 def _moe_reference(args: ModelArgs, w: dict, experts: dict, p: str, x: torch.Tensor, idx=None) -> torch.Tensor:
     idx, weights = route(args, x, w[p + "gate"], w[p + "gate_bias"], idx)
     xe = x.to(torch.bfloat16).to(x.dtype)
-    if args.expert_format == "fp8":
+    if args.expert_format != "bf16":  # FP8 and FP4 experts both take FP8 activations
         xe = _fake_fp8_rows(xe)
     w13, w2 = experts[p + "experts_w13"], experts[p + "experts_w2"]
     out = torch.zeros_like(x)
@@ -34,7 +34,7 @@ def _moe_reference(args: ModelArgs, w: dict, experts: dict, p: str, x: torch.Ten
             continue
         gate, up = (xe[tok] @ w13[e].T).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
-        act = _fake_fp8_rows(act) if args.expert_format == "fp8" else _bf16(act)  # expert_mlp's intermediate
+        act = _fake_fp8_rows(act) if args.expert_format != "bf16" else _bf16(act)  # expert_mlp's intermediate
         y = _bf16(act @ w2[e].T)  # expert_mlp's output rows are bf16
         out[tok] += weights[tok, slot].to(x.dtype)[:, None] * y  # a token picks an expert at most once
     if args.n_shared_experts:
@@ -78,8 +78,7 @@ def forward_reference(
     engram = {i: engram_layer(args, weights, i, dtype) for i in args.engram_layer_ids}
     for name, t in weights.items():
         if ".experts_" in name:
-            q = quantize_experts(t, args.expert_format)
-            experts[name] = (dequant_per_block_fp8(*q) if isinstance(q, tuple) else q.float()).to(dtype)
+            experts[name] = dequantize_experts(quantize_experts(t, args.expert_format), args.expert_format).to(dtype)
         else:
             w[name] = t.to(dtype)
     if routing is not None and len(routing) != len(sequences):
