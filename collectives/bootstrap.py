@@ -5,7 +5,9 @@ others wait for the *group's* timeout and the error names nobody, and a collecti
 rank that was stopped (SIGSTOP) and resumed can pair with the next buffer's collectives. A
 :class:`Rendezvous` avoids both. The ranks publish what they bring under keys of the job's store
 (``dist.distributed_c10d._get_default_store()``: the TCPStore every rank of the job already reaches),
-each rank waits for the others' keys with the buffer's own deadline, and a missing key names its rank.
+each rank waits for the others' keys with the buffer's own deadline, and a missing key names its rank. A rank
+that gives up says so under the prefix (with its reason), and the ranks still waiting stop at once with
+that reason, instead of each timing out in a later step that the quitter will never come to.
 Keys live under a prefix made of the group's global ranks and this process's count of buffers made over
 that group, so the n-th buffer of a group can only ever meet the n-th buffer of the same group, and a
 resumed rank's old bootstrap never meets a new one.
@@ -20,7 +22,6 @@ import json
 import os
 import secrets
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -117,22 +118,45 @@ class Rendezvous:
         self._mine.append(key)
         keys = [f"{step}/{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + self.timeout
-        for k in keys:
-            left = max(deadline - time.monotonic(), 1e-3)
-            try:
-                self._store.wait([k], timedelta(seconds=left))
-            except Exception:  # noqa: BLE001 -- the store reports a timeout as RuntimeError/DistStoreError
-                missing = [r for r, kk in enumerate(keys) if not self._store.check([kk])]
-                if not missing:
-                    continue
-                raise TimeoutError(
+        pause = 1e-3
+        while not self._store.check(keys):
+            quit_msg = self.abandoned()
+            if quit_msg is not None:  # another rank gave up on this buffer: waiting on can only end in a timeout
+                raise TimeoutError(f"rank {self.rank}: another rank gave up making this {self.what} ({quit_msg})")
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                msg = (
                     f"rank {self.rank}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
                     f"come to make this {self.what} within {self.timeout:g} s ({step}); it died, or stopped calling"
-                ) from None
+                )
+                self._give_up(msg)
+                raise TimeoutError(msg)
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(2 * pause, 0.02)
         got = [json.loads(v) for v in self._store.multi_get(keys)]
         if self.buffer_id is None:
             self.buffer_id = got[0]["id"]
         return [g["v"] for g in got]
+
+    def _give_up(self, msg: str) -> None:
+        """Tell the other ranks that this one stopped making the buffer, and why (best effort)."""
+        try:
+            self._store.set(f"gave_up/{self.rank}", msg)
+            self._store.add("gave_up", 1)
+        except Exception:  # noqa: BLE001 -- a store that is gone: the others time out on their own
+            pass
+
+    def abandoned(self) -> str | None:
+        """The reason of a rank that gave up making this buffer (its error message), or None."""
+        try:
+            if self._store.add("gave_up", 0) == 0:
+                return None
+            for r in range(self.world_size):
+                if self._store.check([f"gave_up/{r}"]):
+                    return self._store.get(f"gave_up/{r}").decode()
+        except Exception:  # noqa: BLE001 -- no store, nothing known
+            return None
+        return None
 
     @property
     def store(self):

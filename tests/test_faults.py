@@ -148,6 +148,10 @@ def _frozen_in_construction(rank, world_size):
     dist.all_gather_object(pids, os.getpid())
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen before it comes to the construction; rank 0 wakes it
+    if rank == 2:
+        # late by a third of the timeout: rank 1 (woken by rank 0 when rank 0 gives up) comes while rank 2 still
+        # waits, so rank 2 must learn from rank 0's notice, not from a later step that rank 0 never reaches
+        time.sleep(0.5)
     t0 = time.monotonic()
     kind, msg = _raised(lambda: _buffer("torch", timeout=1.5))
     seconds = time.monotonic() - t0

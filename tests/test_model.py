@@ -331,7 +331,7 @@ def test_args_are_checked():
     with pytest.raises(ValueError, match="n_activated_experts"):
         ModelArgs(n_activated_experts=9, n_expert_groups=4, n_limited_groups=2)
     with pytest.raises(ValueError, match="expert_format"):
-        ModelArgs(expert_format="fp4")
+        ModelArgs(expert_format="int4")
     w = init_weights(ModelArgs(n_layers=2))
     assert w["layers.1.experts_w13"].shape == (16, 256, 256) and "layers.0.w13" in w
     assert torch.equal(init_weights(ModelArgs(n_layers=2))["embed"], w["embed"])  # same seed, same weights
@@ -375,15 +375,16 @@ def test_generate_rejects_a_bad_prompt_on_every_rank():
     assert res[0] == res[1] and len(res[0][0]) == 2
 
 
-def test_demo_script_agrees_with_the_reference(capsys):
+def test_python_m_epkit_model_is_epkit_run(capsys):
+    # the old command stays as an alias: its --world is epkit run's --ranks (the run itself: tests/test_run.py)
     from epkit.model.__main__ import main
 
-    assert main(["--world", "2", "--requests", "2", "--seed", "1", "--timeout", "120"]) == 0
-    out = capsys.readouterr().out
-    import re
-
-    found = re.search(r"greedy tokens equal to the float64 reference's argmax: (\d+)/(\d+)", out)
-    assert found and int(found.group(2)) > 0 and "2 ranks" in out, out
+    assert main(["--world", "64", "--dry-run", "--preset", "v4.1-flash"]) == 0
+    assert "dp 64" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "usage: python -m epkit.model" in capsys.readouterr().out
+    assert main(["--world", "0"]) == 2 and "--ranks must be >= 1" in capsys.readouterr().err
 
 
 def _gpu_model(rank, world_size):

@@ -43,9 +43,11 @@ class TorchTransport(Transport):
             store = dist.PrefixStore("pg/", rv.store)
             self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=rv.timeout))
         except RuntimeError as exc:
+            why = rv.abandoned()  # a rank that gave up on the buffer after the hello says why
+            why = why or (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
             raise TimeoutError(
                 f"rank {self.rank}: the torch transport's own gloo group could not be made within {rv.timeout:g} s "
-                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})"
+                f"({why})"
             ) from None
         self.local = torch.zeros(num_bytes, dtype=torch.uint8)
         self._closed = False

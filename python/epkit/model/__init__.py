@@ -28,13 +28,13 @@ per-expert loop over every DP rank's sequences, with the parallel model's quanti
 parallelism is not part of this model (the source engine ships it disabled; ``epkit.cp_mirror`` and
 ``epkit.collectives.cp`` have their own end-to-end tests).
 
-Run ``python -m epkit.model`` for the textbook experiment on CPU ranks.
+Run ``epkit run`` (or its alias ``python -m epkit.model``) for the experiment on CPU ranks (:mod:`~epkit.model.run`).
 
 The package's modules, each importing only those above it: :mod:`~epkit.model.args` (sizes,
 weights), :mod:`~epkit.model.layers` (the step batch, the dense building blocks, the gate),
 :mod:`~epkit.model.model` (:class:`DPEPModel`), :mod:`~epkit.model.engine` (:func:`generate`),
-:mod:`~epkit.model.reference` (:func:`forward_reference`), :mod:`~epkit.model.demo` and
-``__main__`` (the experiment).
+:mod:`~epkit.model.reference` (:func:`forward_reference`), :mod:`~epkit.model.profile` (step timer, collective
+ledger) and :mod:`~epkit.model.run` (the command; ``__main__`` is its alias).
 """
 
 from epkit.model.args import ModelArgs, init_weights

@@ -45,16 +45,17 @@ CLAIM = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "epkit run") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="epkit run",
+        prog=prog,
         description="Run the reference model (DP attention + Wide-EP) on CPU ranks and report where a step goes.",
         epilog="examples:\n  epkit run --ranks 2 --steps 3\n  epkit run --ranks 4 --weights fp4 --json run.json\n"
         "  epkit run --dry-run --preset v4.1-flash --ranks 64\n"
         "  torchrun --nproc-per-node 2 -m epkit.run --steps 3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--ranks", type=int, default=None, help="ranks to launch (under torchrun: its world size)")
+    ap.add_argument("--ranks", "--world", dest="ranks", type=int, default=None,
+                    help="ranks to launch (under torchrun: its world size; --world is the old spelling)")  # fmt: skip
     ap.add_argument("--dp", type=int, default=None, help="DP size (must equal the ranks: DP attention)")
     ap.add_argument("--ep", type=int, default=None, help="EP size (must equal the ranks: Wide-EP)")
     ap.add_argument("--steps", type=int, default=3, help="decode steps per request (default 3)")
@@ -237,9 +238,10 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv=None) -> int:
-    """``epkit run`` (and ``python -m epkit.run``); returns the exit status (0: verdict and ledger agree)."""
-    a = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "epkit run") -> int:
+    """``epkit run`` (and ``python -m epkit.run``, ``python -m epkit.model``); returns the exit status (0: verdict
+    and ledger agree)."""
+    a = build_parser(prog).parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (a.ranks if a.ranks is not None else 2)
     error = _config_error(a, world)
