@@ -352,3 +352,72 @@ def test_load_counter_bad_input():
         c.add_topk(0, torch.tensor([[4]]))
     with pytest.raises(ValueError, match="2-D \\[num_tokens, top_k\\] int32 or int64"):
         c.add_topk(0, torch.tensor([1, 2]))
+
+
+# Minimal movement: the previous placement in, as few expert weights moved as the load allows.
+
+
+def _shuffled(phy2log, num_nodes, num_gpus, g):
+    """The same placement with its nodes, the GPUs of each node and the slots of each GPU permuted at random:
+    the same load on every GPU, every slot possibly elsewhere."""
+    num_layers, num_physical = phy2log.shape
+    per_gpu, gpus_per_node = num_physical // num_gpus, num_gpus // num_nodes
+    out = []
+    for layer in phy2log.view(num_layers, num_nodes, gpus_per_node, per_gpu):
+        layer = layer[torch.randperm(num_nodes, generator=g)]
+        layer = torch.stack([node[torch.randperm(gpus_per_node, generator=g)] for node in layer])
+        layer = torch.stack(
+            [torch.stack([gpu[torch.randperm(per_gpu, generator=g)] for gpu in node]) for node in layer]
+        )
+        out.append(layer.reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_minimal_movement_against_a_rebalance_without_it(case):
+    num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus = case
+    g = torch.Generator().manual_seed(7 + sum(case))
+    before = torch.randint(0, 1000, (num_layers, num_logical), generator=g)
+    after = before + torch.randint(0, 300, (num_layers, num_logical), generator=g)  # the load drifted
+    old = rebalance_experts(before, num_replicas, num_groups, num_nodes, num_gpus)[0]
+    *plain, plain_moved = rebalance_experts(after, num_replicas, num_groups, num_nodes, num_gpus, return_num_moved=True)
+    *kept, moved = rebalance_experts(after, num_replicas, num_groups, num_nodes, num_gpus, old, return_num_moved=True)
+    _check_invariants(after, kept, num_replicas, num_groups, num_nodes, num_gpus, f"{case=}")
+    assert torch.equal(plain_moved, torch.full((num_layers,), num_replicas))  # no previous placement: all slots
+    assert torch.equal(moved, (kept[0] != old).sum(1))
+    without = (plain[0] != old).sum(1)  # what the placement without the option would move
+    assert bool((moved <= without).all()), (moved, without)
+    # the same load on every GPU, up to the order of the GPUs: the same maximum, the same replica counts
+    assert torch.equal(kept[2], plain[2])
+    ours, theirs = gpu_load(after, kept[0], num_gpus), gpu_load(after, plain[0], num_gpus)
+    assert torch.allclose(ours.sort(1).values, theirs.sort(1).values, rtol=0, atol=1e-9)
+    assert torch.equal(ours.max(1).values, theirs.max(1).values)
+    # a previous placement that is this one shuffled: nothing needs to move, though every slot may differ
+    if num_groups % num_nodes:
+        num_nodes = 1  # the global policy packs onto one node of every GPU
+    shuffled = _shuffled(plain[0], num_nodes, num_gpus, g)
+    *_, none = rebalance_experts(after, num_replicas, case[3], case[4], num_gpus, shuffled, return_num_moved=True)
+    assert torch.equal(none, torch.zeros(num_layers, dtype=torch.int64)), none
+    assert int((plain[0] != shuffled).sum()) > 0 or num_replicas == num_gpus
+
+
+def test_minimal_movement_moves_fewer_weights_on_a_realistic_drift():
+    # DeepSeek-V3-like prefill layout, loads drifting by up to 30%: a measured figure, not a bound
+    g = torch.Generator().manual_seed(3)
+    before = (torch.rand(4, 256, generator=g) ** 4 * 1000).round()
+    after = (before * (1 + 0.3 * torch.rand(4, 256, generator=g))).round()
+    old = rebalance_experts(before, 288, 8, 4, 32)[0]
+    *_, plain = rebalance_experts(after, 288, 8, 4, 32, return_num_moved=True)
+    without = (rebalance_experts(after, 288, 8, 4, 32)[0] != old).sum(1)
+    *_, moved = rebalance_experts(after, 288, 8, 4, 32, old, return_num_moved=True)
+    assert bool((moved <= without).all()) and int(moved.sum()) < int(without.sum()), (moved, without)
+
+
+def test_minimal_movement_bad_previous_placement():
+    w = torch.ones(2, 8)
+    with pytest.raises(ValueError, match=r"old_global_expert_indices .*shape \[num_layers, num_replicas\] = \(2, 12\)"):
+        rebalance_experts(w, 12, 2, 1, 4, torch.zeros(2, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"old_global_expert_indices values must be logical experts in \[0, 8\)"):
+        rebalance_experts(w, 12, 2, 1, 4, torch.full((2, 12), 8))
+    with pytest.raises(ValueError, match="must be an integer tensor"):
+        rebalance_experts(w, 12, 2, 1, 4, torch.zeros(2, 12))

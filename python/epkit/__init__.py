@@ -38,11 +38,15 @@ Topology and experts (control plane)
     lockstep             has_unfinished, PrefillVote, LockstepDriver, placeholder_batch
     plan.plan            deployment calculator (also ``epkit plan``)
 
+Custom ops and drop-in interfaces
+    ops                  the ops above as torch.ops.epkit.* (torch.compile and CUDA graphs hold them)
+    compat.deep_ep / compat.deep_gemm / compat.eplb   DeepEP's, DeepGEMM's, DeepSeek EPLB's interfaces (import them)
+
 ``epkit info`` lists what this machine can run. ``EPKIT_LOG=info|debug`` prints what epkit decides on
 stderr (``epkit.log``; silent by default).
 """
 
-from epkit import backends, eplb, grouped_gemm, lockstep, log, model, quant, topology
+from epkit import backends, eplb, grouped_gemm, lockstep, log, model, ops, quant, topology
 from epkit.backends import BackendUnavailableError, registered_ops
 from epkit.collectives.engram_table import ShardedEngramTable
 from epkit.collectives.ep_buffer import EPBuffer
@@ -69,6 +73,7 @@ __all__ = [
     "__version__",
     "backends",
     "log",
+    "ops",
     "BackendUnavailableError",
     "registered_ops",
     # layout and gathers

@@ -11,7 +11,8 @@ for one rank; :func:`to_mirror` moves a rank's rows into it and
 Backends of ``prepare_cp_mirror``: ``reference`` (per-token Python loops, the
 specification), ``cpu`` (vectorised numpy on the host), ``tilelang`` (C target on CPU,
 CUDA on GPU) and ``triton`` (CUDA, or the interpreter on CPU). Every backend is
-bit-exact against the reference.
+bit-exact against the reference. The op is ``torch.ops.epkit.prepare_cp_mirror`` (``epkit.ops``): host
+planning whose output sizes depend on the values (it compiles; it is not for CUDA graphs).
 
 Example
 -------
@@ -58,9 +59,11 @@ from epkit._details.cp_mirror_host import (
     mirror_indices_cpu,
     plan_batch,
     validate_cp_args,
+    validate_cp_static,
 )
 from epkit.backends import ALL_BACKENDS_CPU, ALL_BACKENDS_CUDA, OpSpec, register_op, select
 from epkit.gather import gather_rows
+from epkit.ops import custom_op
 
 __all__ = [
     "CPMirror",
@@ -227,7 +230,7 @@ def prepare_cp_mirror_reference(
 
 
 def _mirror_indices_kernel(impl: str, plan: MirrorPlan, cp_size: int, cp_rank: int, ratios: tuple[int, ...], dev):
-    """``(index, reverse, ks, ke)`` from the ``triton`` or ``tilelang`` kernel, int32 on ``dev``."""
+    """``(index, reverse, ks [R, L], ke [R, L])`` from the ``triton`` or ``tilelang`` kernel, int32 on ``dev``."""
     L, T, R = plan.mirror_len, plan.total_q, len(ratios)
     index = torch.empty(L, dtype=torch.int32, device=dev)
     reverse = torch.empty(T, dtype=torch.int32, device=dev)
@@ -241,9 +244,7 @@ def _mirror_indices_kernel(impl: str, plan: MirrorPlan, cp_size: int, cp_rank: i
         per_seq = int32_tensor(np.stack((plan.q_start, plan.q_len, plan.prefix, plan.mirror_off)), dev)
         key_start, ratio_t = int32_tensor(plan.key_start, dev), int32_tensor(np.asarray(ratios), dev)
         prepare_cp_mirror_launch(*per_seq, key_start, ratio_t, cp_size, cp_rank, index, reverse, ks_all, ke_all)
-    ks = {c: ks_all[r] for r, c in enumerate(ratios)}
-    ke = {c: ke_all[r] for r, c in enumerate(ratios)}
-    return index, reverse, ks, ke
+    return index, reverse, ks_all, ke_all
 
 
 def prepare_cp_mirror(
@@ -296,32 +297,68 @@ def prepare_cp_mirror(
 
     See the module docstring for a worked example.
     """
-    hq, hk, ratios = validate_cp_args(cu_seqlens_q, cu_seqlens_k, cp_size, cp_rank, compress_ratios)
-    dev = cu_seqlens_q.device
-    impl = select("prepare_cp_mirror", dev, backend)
-    if impl == "reference":
-        return prepare_cp_mirror_reference(cu_seqlens_q, cu_seqlens_k, cp_size, cp_rank, ratios)
-    plan = plan_batch(hq, hk, cp_size, ratios)
-    if impl == "cpu":
-        index, reverse, ks, ke = mirror_indices_cpu(plan, cp_size, cp_rank, ratios)
-    else:
-        index, reverse, ks, ke = _mirror_indices_kernel(impl, plan, cp_size, cp_rank, ratios, dev)
-    cu_local, cu_half, q_half, k_half = half_metadata(plan, cp_size, cp_rank, dev)
+    ratios = validate_cp_static(cu_seqlens_q, cu_seqlens_k, cp_size, cp_rank, compress_ratios)
+    index, reverse, ks_all, ke_all, cu_local, cu_half, q_half, k_half = _prepare_op(
+        cu_seqlens_q, cu_seqlens_k, cp_size, cp_rank, list(ratios), backend
+    )
     return CPMirror(
         cp_size=cp_size,
         cp_rank=cp_rank,
         compress_ratios=ratios,
-        cp_mirror_len=plan.mirror_len,
-        total_q=plan.total_q,
+        cp_mirror_len=index.shape[0],
+        total_q=reverse.shape[0],
         mirror_cp_index=index,
         mirror_cp_reverse_index=reverse,
-        ks=ks,
-        ke=ke,
+        ks={c: ks_all[r] for r, c in enumerate(ratios)},
+        ke={c: ke_all[r] for r, c in enumerate(ratios)},
         cu_seqlens_q=cu_local,
         cu_seqlens_q_half=cu_half,
         seqlens_q_half=q_half,
         seqlens_k_half=k_half,
     )
+
+
+def _fake_prepare(cu_seqlens_q, cu_seqlens_k, cp_size, cp_rank, ratios, backend):
+    ctx = torch.library.get_ctx()
+    slots, tokens, b = ctx.new_dynamic_size(), ctx.new_dynamic_size(), cu_seqlens_q.shape[0] - 1
+    shapes = (
+        (slots,),
+        (tokens,),
+        (len(ratios), slots),
+        (len(ratios), slots),
+        (b + 1,),
+        (2 * b + 1,),
+        (2 * b,),
+        (2 * b,),
+    )
+    return tuple(cu_seqlens_q.new_empty(shape, dtype=torch.int32) for shape in shapes)
+
+
+@custom_op("prepare_cp_mirror", _fake_prepare)
+def _prepare_op(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, cp_size: int, cp_rank: int, ratios: list[int], backend: str
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """``torch.ops.epkit.prepare_cp_mirror``: the CPMirror tensors (``ks`` and ``ke`` as ``[R, L]``, one row per
+    ratio), after the checks that read the cu_seqlens on the host (all of this op is host planning: it
+    synchronizes, and its output sizes depend on the values, so it is not for CUDA graphs)."""
+    hq, hk, ratios = validate_cp_args(cu_seqlens_q, cu_seqlens_k, cp_size, cp_rank, ratios)
+    dev = cu_seqlens_q.device
+    impl = select("prepare_cp_mirror", dev, backend)
+    if impl == "reference":
+        m = prepare_cp_mirror_reference(cu_seqlens_q, cu_seqlens_k, cp_size, cp_rank, ratios)
+        ks_all, ke_all = (torch.stack([getattr(m, n)[c] for c in ratios]) for n in ("ks", "ke"))
+        rest = (m.cu_seqlens_q, m.cu_seqlens_q_half, m.seqlens_q_half, m.seqlens_k_half)
+        return m.mirror_cp_index, m.mirror_cp_reverse_index, ks_all, ke_all, *rest
+    plan = plan_batch(hq, hk, cp_size, ratios)
+    if impl == "cpu":
+        index, reverse, ks, ke = mirror_indices_cpu(plan, cp_size, cp_rank, ratios)
+        ks_all = torch.stack([ks[c] for c in ratios])
+        ke_all = torch.stack([ke[c] for c in ratios])
+    else:
+        index, reverse, ks_all, ke_all = _mirror_indices_kernel(impl, plan, cp_size, cp_rank, ratios, dev)
+    return index, reverse, ks_all, ke_all, *half_metadata(plan, cp_size, cp_rank, dev)
 
 
 # Mirror gathers

@@ -24,6 +24,10 @@ Hash ABI (``hash_params``), per the public demo ``engram_demo_v1.py``:
 
 for ``k >= 1``, where column ``k`` of ``ids`` is the token at ``t - k`` and
 ``mod`` is numpy's int64 ``%`` (floor-mod: the result is in ``[0, d)``).
+
+The ops (``epkit.ops``): ``torch.ops.epkit.engram_hash`` / ``engram_hash_out`` (the value checks of the head
+sizes and offsets run inside, not during CUDA stream capture) and ``engram_ngram_ids``, the n-gram ids of
+:func:`hash_tokens` (host preparation: it compiles, it is not for CUDA graphs).
 """
 
 from __future__ import annotations
@@ -34,8 +38,22 @@ import numpy as np
 import torch
 
 from epkit._details.engram_cpu import engram_hash_cpu, float_mod_table
-from epkit._details.engram_params import INT32_MAX, check_ids, hash_params_np, is_prime, kernel_tables
+from epkit._details.engram_ids import (
+    check_compression,
+    check_cu_seqlens,
+    check_cu_seqlens_static,
+    check_prefix,
+    ngram_token_ids,
+)
+from epkit._details.engram_params import (
+    check_hash_values,
+    check_ids,
+    hash_params_np,
+    kernel_tables,
+    validate_hash_args,
+)
 from epkit.backends import ALL_BACKENDS_CUDA, OpSpec, register_op, select
+from epkit.ops import custom_op, host_checks
 
 __all__ = [
     "EngramConfig",
@@ -188,75 +206,6 @@ def engram_hash_reference(
 # Implementation
 
 
-def _validate_hash_args(ids, mult, vocab, off, out) -> None:
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int32 or ids.shape[1] < 2:
-        raise ValueError(
-            f"ngram_token_ids must be an int32 tensor [T, N] with N >= 2, got "
-            f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {tuple(getattr(ids, 'shape', ()))}"
-        )
-    n = ids.shape[1]
-    if not isinstance(mult, torch.Tensor) or mult.dtype != torch.int64 or mult.dim() != 2:
-        raise ValueError(
-            f"multipliers must be int64 [L, N], got {getattr(mult, 'dtype', None)} {tuple(getattr(mult, 'shape', ()))}"
-        )
-    if mult.shape[1] != n:  # the parameters fix N (max_ngram_size); the ids are what the caller built
-        raise ValueError(
-            f"ngram_token_ids has N = {n} columns, but the hash parameters are for N = {mult.shape[1]} "
-            f"(multipliers {tuple(mult.shape)}, max_ngram_size of the EngramConfig): ngram_token_ids must be "
-            f"[T, {mult.shape[1]}], got {tuple(ids.shape)}"
-        )
-    num_layers = mult.shape[0]
-    if (
-        not isinstance(vocab, torch.Tensor)
-        or vocab.dtype != torch.int32
-        or vocab.dim() != 3
-        or tuple(vocab.shape[:2]) != (num_layers, n - 1)
-        or vocab.shape[2] < 1
-    ):
-        raise ValueError(
-            f"vocab_sizes must be int32 [{num_layers}, {n - 1}, K>=1], got "
-            f"{getattr(vocab, 'dtype', None)} {tuple(getattr(vocab, 'shape', ()))}"
-        )
-    num_heads = (n - 1) * vocab.shape[2]
-    if not isinstance(off, torch.Tensor) or off.dtype != torch.int32 or tuple(off.shape) != (num_layers, num_heads):
-        raise ValueError(
-            f"offsets must be int32 [{num_layers}, {num_heads}], got "
-            f"{getattr(off, 'dtype', None)} {tuple(getattr(off, 'shape', ()))}"
-        )
-    for name, t in (("multipliers", mult), ("vocab_sizes", vocab), ("offsets", off)):
-        if t.device != ids.device:
-            raise ValueError(f"{name} is on {t.device} but ngram_token_ids is on {ids.device}")
-    sizes = vocab.reshape(-1).tolist()
-    seen: dict[int, int] = {}
-    for i, d in enumerate(sizes):
-        if not is_prime(d):
-            raise ValueError(f"vocab_sizes.flatten()[{i}] = {d} is not a prime (head table sizes must be primes)")
-        if d in seen:
-            raise ValueError(
-                f"vocab_sizes.flatten()[{i}] = {d} repeats vocab_sizes.flatten()[{seen[d]}] "
-                "(head sizes must be distinct)"
-            )
-        seen[d] = i
-    last = off.to(torch.int64) + vocab.reshape(num_layers, num_heads).to(torch.int64)
-    if num_layers and num_heads:
-        if int(off.min()) < 0:
-            i = int((off.reshape(-1) < 0).nonzero()[0])
-            raise ValueError(f"offsets.flatten()[{i}] = {int(off.reshape(-1)[i])} is negative")
-        if int(last.max()) > INT32_MAX + 1:
-            i = int(last.reshape(-1).argmax())
-            raise ValueError(
-                f"offsets.flatten()[{i}] + vocab size = {int(last.reshape(-1)[i])} rows overflows int32 row ids "
-                f"(at most {INT32_MAX + 1})"
-            )
-    if out is not None:
-        want = (num_layers, ids.shape[0], num_heads)
-        if tuple(out.shape) != want or out.dtype != torch.int32 or out.device != ids.device or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous int32 tensor {want} on {ids.device}, got {out.dtype} "
-                f"{tuple(out.shape)} on {out.device}"
-            )
-
-
 def engram_hash(
     ngram_token_ids: torch.Tensor,
     multipliers: torch.Tensor,
@@ -296,34 +245,77 @@ def engram_hash(
     >>> engram_hash(ids, *hash_params(cfg)).shape
     torch.Size([1, 2, 4])
     """
-    _validate_hash_args(ngram_token_ids, multipliers, vocab_sizes, offsets, out)
-    impl = select("engram_hash", ngram_token_ids.device, backend)
-    num_layers, orders, heads = vocab_sizes.shape
-    if impl == "reference":
-        res = engram_hash_reference(ngram_token_ids, multipliers, vocab_sizes, offsets)
-        return res if out is None else out.copy_(res)
+    validate_hash_args(ngram_token_ids, multipliers, vocab_sizes, offsets, out)
     if out is None:
-        out = torch.empty(
-            (num_layers, ngram_token_ids.shape[0], orders * heads), dtype=torch.int32, device=ngram_token_ids.device
-        )
+        return _hash_op(ngram_token_ids, multipliers, vocab_sizes, offsets, backend)
+    _hash_out_op(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend)
+    return out
+
+
+def _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend: str) -> None:
+    """Both ops' implementation: the value checks (outside CUDA stream capture), then the selected backend."""
+    if host_checks(ngram_token_ids.device):
+        check_hash_values(vocab_sizes, offsets)
+    impl = select("engram_hash", ngram_token_ids.device, backend)
+    if impl == "reference":
+        out.copy_(engram_hash_reference(ngram_token_ids, multipliers, vocab_sizes, offsets))
+        return
     if out.numel() == 0:
-        return out
+        return
     ids = ngram_token_ids.contiguous()
     if impl == "cpu":
         engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out)
-        return out
+        return
     if impl == "tilelang" and ids.device.type == "cpu":
         from epkit.kernels.tilelang.engram import engram_hash_tokens_cpu
 
         engram_hash_tokens_cpu(ids, multipliers.contiguous(), float_mod_table(vocab_sizes, offsets), out)
-        return out
+        return
     vocab64, inv, off64 = kernel_tables(vocab_sizes, offsets)
     if impl == "triton":
         from epkit.kernels.triton.engram import engram_hash_tokens
     else:
         from epkit.kernels.tilelang.engram import engram_hash_tokens
     engram_hash_tokens(ids, multipliers.contiguous(), vocab64, inv, off64, out)
+
+
+def _fake_hash(ngram_token_ids, multipliers, vocab_sizes, offsets, backend):
+    num_layers, orders, heads = vocab_sizes.shape
+    return ngram_token_ids.new_empty((num_layers, ngram_token_ids.shape[0], orders * heads))
+
+
+@custom_op("engram_hash", _fake_hash)
+def _hash_op(
+    ngram_token_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    """``torch.ops.epkit.engram_hash``: :func:`engram_hash` into a new tensor."""
+    num_layers, orders, heads = vocab_sizes.shape
+    out = torch.empty(
+        (num_layers, ngram_token_ids.shape[0], orders * heads), dtype=torch.int32, device=ngram_token_ids.device
+    )
+    _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend)
     return out
+
+
+def _fake_hash_out(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend):
+    return None
+
+
+@custom_op("engram_hash_out", _fake_hash_out, mutates_args=("out",))
+def _hash_out_op(
+    ngram_token_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    backend: str,
+) -> None:
+    """``torch.ops.epkit.engram_hash_out``: :func:`engram_hash` into ``out`` (written in place)."""
+    _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend)
 
 
 # Token ids -> n-gram ids
@@ -373,87 +365,54 @@ def hash_tokens(
             f"token_ids must be a 1-D int32 tensor, got {getattr(token_ids, 'dtype', type(token_ids).__name__)} "
             f"of shape {tuple(getattr(token_ids, 'shape', ()))}"
         )
-    device = token_ids.device
-    cu = _check_cu_seqlens(cu_seqlens, token_ids.numel(), device)
-    lookup_table, raw_vocab, pad = _compression(lookup_table, config, device)
-    check_ids("token_ids", token_ids, raw_vocab, "the raw vocabulary")
-    prefix_tokens = _check_prefix(prefix_tokens, config.max_ngram_size, raw_vocab, device)
-    ngram_ids = _ngram_token_ids(token_ids, cu, config.max_ngram_size, pad, lookup_table, prefix_tokens)
-    mult, vocab, off = (t.to(device) for t in hash_params(config))
+    check_cu_seqlens_static(cu_seqlens)
+    check_compression(lookup_table, config.vocab_size, config.pad_id)
+    check_prefix(prefix_tokens, config.max_ngram_size)
+    n, pad = config.max_ngram_size, config.pad_id
+    ngram_ids = _ngram_op(token_ids, cu_seqlens, n, pad, config.vocab_size, lookup_table, prefix_tokens)
+    mult, vocab, off = (t.to(token_ids.device) for t in _constant_params(config))
     return engram_hash(ngram_ids, mult, vocab, off, backend=backend)
 
 
-def _check_cu_seqlens(cu_seqlens, num_tokens: int, device) -> torch.Tensor:
-    """``cu_seqlens`` as int64 on ``device`` once it is a valid ``[B+1]`` boundary list of ``num_tokens`` tokens."""
-    if (
-        not isinstance(cu_seqlens, torch.Tensor)
-        or cu_seqlens.dim() != 1
-        or cu_seqlens.numel() < 1
-        or cu_seqlens.dtype not in (torch.int32, torch.int64)
-    ):
-        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [B+1], got {cu_seqlens!r}")
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    if int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(
-            f"cu_seqlens = {cu_seqlens.tolist()[:16]}... must start at 0, never decrease and end at T = {num_tokens}"
-        )
-    return cu
+def _constant_params(config: EngramConfig):
+    """:func:`hash_params`, which a compiler takes as a constant of the config (it guards on the config)."""
+    return hash_params(config)
 
 
-def _compression(lookup_table, config: EngramConfig, device):
-    """``(lookup_table on device or None, raw vocabulary size, compressed pad id)`` after checking the table."""
-    if lookup_table is None:
-        if config.pad_id >= config.vocab_size:
-            raise ValueError(f"pad_id = {config.pad_id} is outside [0, vocab_size = {config.vocab_size})")
-        return None, config.vocab_size, config.pad_id
-    if not isinstance(lookup_table, torch.Tensor) or lookup_table.dim() != 1 or lookup_table.dtype != torch.int32:
-        raise ValueError(f"lookup_table must be a 1-D int32 tensor, got {getattr(lookup_table, 'dtype', None)}")
-    raw_vocab = lookup_table.numel()
-    if raw_vocab < config.vocab_size or raw_vocab <= config.pad_id:
-        raise ValueError(
-            f"lookup_table has length {raw_vocab}; expected the raw vocabulary size, at least vocab_size = "
-            f"{config.vocab_size} and above pad_id = {config.pad_id}"
-        )
-    check_ids("lookup_table", lookup_table, config.vocab_size, "compressed ids must be below vocab_size")
-    lookup_table = lookup_table.to(device)
-    return lookup_table, raw_vocab, int(lookup_table[config.pad_id])
+# What ``torch.compiler.assume_constant_result`` sets, set without it: the decorator imports torch._dynamo, 1.5 s
+# at every ``import epkit`` (every spawned rank). tests/test_custom_ops.py compiles hash_tokens with fullgraph=True.
+_constant_params._dynamo_marked_constant = True
 
 
-def _check_prefix(prefix_tokens, n: int, raw_vocab: int, device) -> torch.Tensor | None:
-    """``prefix_tokens`` on ``device`` (or None) once it is at most ``n - 1`` raw ids."""
-    if prefix_tokens is None:
-        return None
-    if not isinstance(prefix_tokens, torch.Tensor) or prefix_tokens.dim() != 1 or prefix_tokens.dtype != torch.int32:
-        raise ValueError(f"prefix_tokens must be a 1-D int32 tensor, got {getattr(prefix_tokens, 'dtype', None)}")
-    if prefix_tokens.numel() > n - 1:
-        raise ValueError(f"prefix_tokens has {prefix_tokens.numel()} tokens; at most max_ngram_size - 1 = {n - 1}")
-    check_ids("prefix_tokens", prefix_tokens, raw_vocab, "the raw vocabulary")
-    return prefix_tokens.to(device)
+def _fake_ngram(token_ids, cu_seqlens, n, pad_id, vocab_size, lookup_table, prefix_tokens):
+    return token_ids.new_empty((token_ids.shape[0], n))
 
 
-def _ngram_token_ids(token_ids, cu, n, pad, lookup_table, prefix_tokens) -> torch.Tensor:
-    """``[T, N]`` int32: column k = compressed token at t-k in t's sequence, else the pad id."""
-    device, num_tokens = token_ids.device, token_ids.numel()
-    ids = token_ids.long()
+@custom_op("engram_ngram_ids", _fake_ngram)
+def _ngram_op(
+    token_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    n: int,
+    pad_id: int,
+    vocab_size: int,
+    lookup_table: torch.Tensor | None,
+    prefix_tokens: torch.Tensor | None,
+) -> torch.Tensor:
+    """``torch.ops.epkit.engram_ngram_ids``: the ``[T, N]`` n-gram ids of :func:`hash_tokens`, after the checks that
+    read the boundaries and ids on the host (host-side preparation: it synchronizes, not for CUDA graphs)."""
+    device = token_ids.device
+    cu = check_cu_seqlens(cu_seqlens, token_ids.numel(), device)
+    raw_vocab, pad = vocab_size, pad_id
     if lookup_table is not None:
-        ids = lookup_table.long()[ids]
-    head = torch.full((n - 1,), pad, dtype=torch.int64, device=device)
-    if prefix_tokens is not None and prefix_tokens.numel():
-        pre = prefix_tokens.long()
-        if lookup_table is not None:
-            pre = lookup_table.long()[pre]
-        head[n - 1 - pre.numel() :] = pre
-    ext = torch.cat([head, ids])  # ext[t + n - 1] = token t
-    lengths = cu[1:] - cu[:-1]
-    starts = torch.repeat_interleave(cu[:-1], lengths)
+        raw_vocab = lookup_table.numel()
+        check_ids("lookup_table", lookup_table, vocab_size, "compressed ids must be below vocab_size")
+        lookup_table = lookup_table.to(device)
+        pad = int(lookup_table[pad_id])
+    check_ids("token_ids", token_ids, raw_vocab, "the raw vocabulary")
     if prefix_tokens is not None:
-        starts = torch.where(starts == 0, torch.full_like(starts, -(n - 1)), starts)
-    t = torch.arange(num_tokens, device=device)
-    k = torch.arange(n, device=device)
-    src = t[:, None] - k[None, :]
-    vals = ext[src + (n - 1)] if num_tokens else torch.empty((0, n), dtype=torch.int64, device=device)
-    vals = torch.where(src >= starts[:, None], vals, torch.full_like(vals, pad))
-    return vals.to(torch.int32).contiguous()
+        check_ids("prefix_tokens", prefix_tokens, raw_vocab, "the raw vocabulary")
+        prefix_tokens = prefix_tokens.to(device)
+    return ngram_token_ids(token_ids, cu, n, pad, lookup_table, prefix_tokens)
 
 
 # Op table

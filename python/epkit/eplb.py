@@ -29,6 +29,7 @@ import heapq
 
 import torch
 
+from epkit._details.eplb_movement import check_old_placement, keep_in_place, num_moved_experts
 from epkit.utils import check_int as _check_int
 from epkit.utils import check_topk_idx
 
@@ -36,6 +37,8 @@ __all__ = [
     "balanced_packing",
     "replicate_experts",
     "rebalance_experts",
+    "rebalance_experts_hierarchical",
+    "num_moved_experts",
     "gpu_load",
     "imbalance",
     "ExpertLoadCounter",
@@ -183,14 +186,51 @@ def _hierarchical(w: torch.Tensor, num_physical: int, num_groups: int, num_nodes
     return phy2log, replica_rank, logcnt
 
 
-def rebalance_experts(
-    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+def rebalance_experts_hierarchical(
+    weight: torch.Tensor, num_physical_experts: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hierarchical policy alone (DeepSeek's function of this name): ``(phy2log, replica_rank, logcnt)``, each
+    int64 on the CPU, ``[num_layers, num_physical_experts]`` twice and ``[num_layers, num_logical]``.
+    ``replica_rank`` says which replica of its expert each slot is. The arguments are checked as in
+    :func:`rebalance_experts` (here ``num_groups`` must divide the experts and ``num_nodes`` the groups and GPUs)."""
+    w = _check_weight(weight)
+    num_physical_experts = _check_int("num_physical_experts", num_physical_experts, 1)
+    num_groups = _check_int("num_groups", num_groups, 1)
+    num_nodes = _check_int("num_nodes", num_nodes, 1)
+    num_gpus = _check_int("num_gpus", num_gpus, 1)
+    num_logical = w.shape[1]
+    if num_physical_experts < num_logical or num_physical_experts % num_gpus:
+        raise ValueError(
+            f"num_physical_experts ({num_physical_experts}) must be >= the logical experts ({num_logical}) and a "
+            f"multiple of num_gpus ({num_gpus})"
+        )
+    if num_logical % num_groups or num_groups % num_nodes or num_gpus % num_nodes:
+        raise ValueError(
+            f"num_groups ({num_groups}) must divide the logical experts ({num_logical}), and num_nodes ({num_nodes}) "
+            f"num_groups and num_gpus ({num_gpus})"
+        )
+    return _hierarchical(w, num_physical_experts, num_groups, num_nodes, num_gpus)
+
+
+def rebalance_experts(
+    weight: torch.Tensor,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    old_global_expert_indices: torch.Tensor | None = None,
+    *,
+    return_num_moved: bool = False,
+):
     """Choose replica counts and physical placement of experts from their measured loads.
 
     Hierarchical policy when ``num_groups % num_nodes == 0`` (groups -> nodes by balanced
     packing, replication within each node, physical experts -> the node's GPUs by balanced
     packing); global policy otherwise (the same with one group and one node).
+
+    With the previous placement (``old_global_expert_indices``, vLLM's name), nodes, the GPUs of a node and the
+    slots of a GPU are permuted (no GPU's load changes) so that as many slots as possible keep their expert
+    (``epkit._details.eplb_movement``): never more weights move than without it, at the same maximum load.
 
     Parameters
     ----------
@@ -205,6 +245,8 @@ def rebalance_experts(
         Server nodes (fast intra-node links); must divide ``num_gpus`` under the hierarchical policy.
     num_gpus : int
         GPUs (EP ranks); physical expert ``p`` lives on GPU ``p // (num_replicas // num_gpus)``.
+    old_global_expert_indices : Tensor [num_layers, num_replicas], integer, optional
+        The previous ``phy2log`` (same layers, replicas and GPUs). ``return_num_moved``: also return ``num_moved``.
 
     Returns
     -------
@@ -215,6 +257,9 @@ def rebalance_experts(
         ``max_replicas`` is the largest count over all layers.
     logcnt : Tensor [num_layers, num_logical], int64
         Replica count of each logical expert (>= 1).
+    num_moved : Tensor [num_layers], int64, only with ``return_num_moved=True``
+        Physical slots whose logical expert differs from ``old_global_expert_indices`` (each an expert's
+        weights to copy in); every slot when there is no previous placement.
 
     Examples
     --------
@@ -224,28 +269,54 @@ def rebalance_experts(
     """
     w = _check_weight(weight)
     num_layers, num_logical = w.shape
-    num_replicas = _check_int("num_replicas", num_replicas, 1)
-    num_groups = _check_int("num_groups", num_groups, 1)
-    num_nodes = _check_int("num_nodes", num_nodes, 1)
-    num_gpus = _check_int("num_gpus", num_gpus, 1)
+    num_replicas, num_groups, num_nodes, num_gpus = _check_counts(
+        num_logical, num_replicas, num_groups, num_nodes, num_gpus
+    )
+    old = check_old_placement(old_global_expert_indices, num_layers, num_logical, num_replicas)
+    if num_groups % num_nodes == 0:
+        if num_logical % num_groups or num_gpus % num_nodes:
+            raise ValueError(
+                f"the number of logical experts ({num_logical}) is not divisible by num_groups ({num_groups})"
+                if num_logical % num_groups
+                else f"num_gpus ({num_gpus}) is not divisible by num_nodes ({num_nodes})"
+            )
+        phy2log, replica_rank, logcnt = _hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus)
+    else:
+        num_nodes = 1  # the global policy: one node of every GPU
+        phy2log, replica_rank, logcnt = _hierarchical(w, num_replicas, 1, 1, num_gpus)
+    if old is not None:
+        phy2log, replica_rank = keep_in_place(phy2log, replica_rank, old, num_nodes, num_gpus)
+    out = (phy2log, _log2phy(phy2log, replica_rank, logcnt), logcnt)
+    if not return_num_moved:
+        return out
+    return (*out, num_moved_experts(old, phy2log) if old is not None else torch.full((num_layers,), num_replicas))
+
+
+def _check_counts(num_logical: int, num_replicas, num_groups, num_nodes, num_gpus) -> tuple[int, int, int, int]:
+    """:func:`rebalance_experts`'s counts as ints, once each is >= 1 and the replicas fit the experts and GPUs."""
+    num_replicas, num_groups, num_nodes, num_gpus = (
+        _check_int(n, v, 1)
+        for n, v in (
+            ("num_replicas", num_replicas),
+            ("num_groups", num_groups),
+            ("num_nodes", num_nodes),
+            ("num_gpus", num_gpus),
+        )
+    )
     if num_replicas < num_logical:
         raise ValueError(f"num_replicas ({num_replicas}) must be >= the number of logical experts ({num_logical})")
     if num_replicas % num_gpus:
         raise ValueError(f"num_replicas ({num_replicas}) is not divisible by num_gpus ({num_gpus})")
-    if num_groups % num_nodes == 0:
-        if num_logical % num_groups:
-            raise ValueError(
-                f"the number of logical experts ({num_logical}) is not divisible by num_groups ({num_groups})"
-            )
-        if num_gpus % num_nodes:
-            raise ValueError(f"num_gpus ({num_gpus}) is not divisible by num_nodes ({num_nodes})")
-        phy2log, replica_rank, logcnt = _hierarchical(w, num_replicas, num_groups, num_nodes, num_gpus)
-    else:
-        phy2log, replica_rank, logcnt = _hierarchical(w, num_replicas, 1, 1, num_gpus)
+    return num_replicas, num_groups, num_nodes, num_gpus
+
+
+def _log2phy(phy2log: torch.Tensor, replica_rank: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:
+    """``[num_layers, num_logical, max_replicas]`` physical slot of each (expert, replica rank), -1 padded."""
+    (num_layers, num_replicas), num_logical = phy2log.shape, logcnt.shape[1]
     max_replicas = int(logcnt.max())
     log2phy = torch.full((num_layers, num_logical * max_replicas), -1, dtype=torch.int64)
     log2phy.scatter_(1, phy2log * max_replicas + replica_rank, torch.arange(num_replicas).expand(num_layers, -1))
-    return phy2log, log2phy.view(num_layers, num_logical, max_replicas), logcnt
+    return log2phy.view(num_layers, num_logical, max_replicas)
 
 
 def gpu_load(weight: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> torch.Tensor:

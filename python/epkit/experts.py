@@ -10,16 +10,18 @@ Four counts, as the production engine's MoE container names them:
 Physical expert ``p`` lives on EP rank ``p // num_local``, in slot ``p % num_local``
 of that rank's grouped-GEMM weights. The gate produces logical ids; engines call
 :func:`logical_to_physical` right after it so that dispatch sends each token to
-one concrete replica.
+one concrete replica. :func:`logical_to_physical` is ``torch.ops.epkit.logical_to_physical`` (``epkit.ops``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from epkit.backends import OpSpec, register_op, select
+from epkit.ops import custom_op, host_checks
 from epkit.utils import check_int as _check_int
 from epkit.utils import check_topk_idx
 
@@ -305,13 +307,22 @@ def logical_to_physical_reference(
 # Implementation
 
 
-def _validate(topk_idx, placement, ep_rank, token_offset, check_index: bool) -> tuple[int, int]:
+def _validate(topk_idx, placement, ep_rank, token_offset) -> tuple[int, int]:
+    """Static checks (nothing read from the tensors); the id range is checked in the op (``_check_ids``)."""
     if not isinstance(placement, ExpertPlacement):
         raise ValueError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
     ep_rank = placement._check_rank(ep_rank)
     token_offset = _check_int("token_offset", token_offset, 0)
-    check_topk_idx(topk_idx, placement.num_logical, check_values=check_index)
+    check_topk_idx(topk_idx, placement.num_logical, check_values=False)
     return ep_rank, token_offset
+
+
+class _Tables(NamedTuple):
+    """What the backends read of an ExpertPlacement (the op receives its tensors, not the placement)."""
+
+    log2phy: torch.Tensor
+    logcnt: torch.Tensor
+    num_local: int
 
 
 def _local_choice(placement: ExpertPlacement, ep_rank: int, device) -> torch.Tensor:
@@ -377,7 +388,8 @@ def logical_to_physical(
     backend : str
         ``"auto"`` (default), ``"cpu"`` (vectorised torch), ``"triton"`` or ``"reference"``.
     check_index : bool
-        Validate the ids (one device->host sync on GPU). Default True.
+        Validate the ids (one device->host sync on GPU). Default True. During CUDA stream capture (where
+        nothing can be read on the host) an id outside ``[-1, num_logical)`` maps to ``-1`` instead.
 
     Returns
     -------
@@ -392,12 +404,40 @@ def logical_to_physical(
             [ 4, -1],
             [ 5,  1]], dtype=torch.int32)
     """
-    ep_rank, token_offset = _validate(topk_idx, placement, ep_rank, token_offset, check_index)
+    ep_rank, token_offset = _validate(topk_idx, placement, ep_rank, token_offset)
+    return _l2p_op(
+        topk_idx, placement.log2phy, placement.logcnt, placement.num_local, ep_rank, token_offset, backend, check_index
+    )
+
+
+def _fake_l2p(topk_idx, log2phy, logcnt, num_local, ep_rank, token_offset, backend, check_index):
+    return topk_idx.new_empty(topk_idx.shape, dtype=torch.int32)
+
+
+@custom_op("logical_to_physical", _fake_l2p)
+def _l2p_op(
+    topk_idx: torch.Tensor,
+    log2phy: torch.Tensor,
+    logcnt: torch.Tensor,
+    num_local: int,
+    ep_rank: int,
+    token_offset: int,
+    backend: str,
+    check_index: bool,
+) -> torch.Tensor:
+    """``torch.ops.epkit.logical_to_physical``: the ids checked on the host (outside CUDA stream capture: ids
+    outside ``[-1, num_logical)`` map to -1 there), then the selected backend."""
+    if check_index and host_checks(topk_idx.device):
+        check_topk_idx(topk_idx, log2phy.shape[0])
+    elif check_index:
+        valid = (topk_idx >= -1) & (topk_idx < log2phy.shape[0])
+        topk_idx = torch.where(valid, topk_idx, torch.full_like(topk_idx, -1))
+    tables = _Tables(log2phy, logcnt, num_local)
     impl = select("logical_to_physical", topk_idx.device, backend)
     if impl == "reference":
-        return logical_to_physical_reference(topk_idx, placement, ep_rank, token_offset)
+        return logical_to_physical_reference(topk_idx, tables, ep_rank, token_offset)
     if impl == "cpu":
-        return logical_to_physical_cpu(topk_idx, placement, ep_rank, token_offset)
+        return logical_to_physical_cpu(topk_idx, tables, ep_rank, token_offset)
     from epkit.kernels.triton.experts import logical_to_physical_flat
 
     device = topk_idx.device
@@ -405,12 +445,12 @@ def logical_to_physical(
     out = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
     logical_to_physical_flat(
         topk_idx.contiguous().view(-1),
-        placement.log2phy.to(device).contiguous(),
-        placement.logcnt.to(device).contiguous(),
+        log2phy.to(device).contiguous(),
+        logcnt.to(device).contiguous(),
         out.view(-1),
         num_tokens,
         top_k,
-        placement.num_local,
+        num_local,
         ep_rank,
         token_offset,
     )

@@ -2,7 +2,9 @@
 
 The index gather that several layers share: CP mirror layouts (``to_mirror``),
 dispatch staging (tokens into send order), Engram row lookup. Bit-exact on
-every backend for every dtype: rows move as integer words.
+every backend for every dtype: rows move as integer words. ``torch.ops.epkit.gather_rows`` /
+``gather_rows_out`` (``epkit.ops``) are the op; the index check runs inside it (not during CUDA stream
+capture, where an index outside ``[-1, N)`` gives a zero row).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import torch
 
 from epkit.backends import ALL_BACKENDS_CPU, ALL_BACKENDS_CUDA, OpSpec, register_op, select
+from epkit.ops import custom_op, host_checks
 
 __all__ = ["gather_rows", "gather_rows_reference"]
 
@@ -30,8 +33,8 @@ def gather_rows_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 # Implementation
 
 
-def _validate(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None, check_index: bool) -> int | None:
-    """Raise on bad input; returns ``index.min()`` when it was computed (else None)."""
+def _validate(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raise on bad types, dtypes, shapes or devices (static facts: nothing is read from the tensors)."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(
             f"x must be a tensor with at least 1 dimension (rows first), got {type(x).__name__} "
@@ -50,14 +53,19 @@ def _validate(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None, ch
             )
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
-    if check_index and index.numel() > 0:
-        lo, hi = int(index.min()), int(index.max())
-        if lo < -1 or hi >= x.shape[0]:
-            bad = lo if lo < -1 else hi
-            pos = int((index == bad).nonzero()[0])
-            raise ValueError(f"index[{pos}] = {bad} is outside [-1, {x.shape[0]}) (x has {x.shape[0]} rows)")
-        return lo
-    return None
+
+
+def _check_index_values(x: torch.Tensor, index: torch.Tensor) -> int | None:
+    """Raise when an index is outside ``[-1, N)`` (reads ``index`` on the host); returns ``index.min()``, or None
+    for an empty index."""
+    if index.numel() == 0:
+        return None
+    lo, hi = int(index.min()), int(index.max())
+    if lo < -1 or hi >= x.shape[0]:
+        bad = lo if lo < -1 else hi
+        pos = int((index == bad).nonzero()[0])
+        raise ValueError(f"index[{pos}] = {bad} is outside [-1, {x.shape[0]}) (x has {x.shape[0]} rows)")
+    return lo
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -94,7 +102,8 @@ def gather_rows(
     backend : str
         ``"auto"`` (default), ``"cpu"``, ``"tilelang"``, ``"triton"`` or ``"reference"``.
     check_index : bool
-        Validate index values (one device->host sync on GPU). Default True.
+        Validate index values (one device->host sync on GPU). Default True. During CUDA stream capture
+        (where nothing can be read on the host) an index outside ``[-1, N)`` gives a zero row instead.
 
     Returns
     -------
@@ -108,18 +117,27 @@ def gather_rows(
             [0., 0.],
             [0., 1.]])
     """
-    lo = _validate(x, index, out, check_index)
+    _validate(x, index, out)
+    if out is None:
+        return _gather_rows_op(x, index, backend, check_index)
+    _gather_rows_out_op(x, index, out, backend, check_index)
+    return out
+
+
+def _gather_into(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backend: str, check_index: bool) -> None:
+    """The implementation of both ops: ``out[i] = x[index[i]]`` (zeros at -1) on the selected backend."""
+    lo = None
+    if check_index and host_checks(x.device):
+        lo = _check_index_values(x, index)
+    elif check_index:  # capturing: no host read; ids outside [-1, N) become padding on the device
+        index = torch.where((index >= -1) & (index < x.shape[0]), index, torch.full_like(index, -1))
     impl = select("gather_rows", x.device, backend)
     if impl == "reference":
-        res = gather_rows_reference(x, index)
-        if out is None:
-            return res
-        return out.copy_(res)
-    if out is None:
-        out = torch.empty((index.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        out.copy_(gather_rows_reference(x, index))
+        return
     m, n = index.numel(), x.shape[0]
     if m == 0 or out.numel() == 0:
-        return out
+        return
     xc = x.contiguous()
     x_words, out_words = _as_words(xc, n), _as_words(out, m)
     if x_words.dtype != out_words.dtype:  # alignment differs: fall back to the common word
@@ -128,22 +146,46 @@ def gather_rows(
         out_words = out.reshape(-1).view(torch.uint8).view(_WORDS[size]).view(m, -1)
     if impl == "cpu":
         if n == 0:  # every index is -1
-            return out.zero_()
+            out.zero_()
+            return
         if lo is not None and lo >= 0:  # no padding: one pass, no extra index passes
             torch.index_select(x_words, 0, index, out=out_words)
-            return out
+            return
         torch.index_select(x_words, 0, index.clamp(min=0), out=out_words)
         pad = index < 0
         if bool(pad.any()):
             out_words[pad] = 0
-        return out
+        return
     index = index.contiguous()
     if impl == "triton":
         from epkit.kernels.triton.gather import gather_rows_words
     else:
         from epkit.kernels.tilelang.gather import gather_rows_words
     gather_rows_words(x_words, index, out_words)
+
+
+def _fake_gather(x, index, backend, check_index):
+    return x.new_empty((index.shape[0], *x.shape[1:]))
+
+
+@custom_op("gather_rows", _fake_gather)
+def _gather_rows_op(x: torch.Tensor, index: torch.Tensor, backend: str, check_index: bool) -> torch.Tensor:
+    """``torch.ops.epkit.gather_rows``: :func:`gather_rows` into a new tensor."""
+    out = torch.empty((index.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _gather_into(x, index, out, backend, check_index)
     return out
+
+
+def _fake_gather_out(x, index, out, backend, check_index):
+    return None
+
+
+@custom_op("gather_rows_out", _fake_gather_out, mutates_args=("out",))
+def _gather_rows_out_op(
+    x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backend: str, check_index: bool
+) -> None:
+    """``torch.ops.epkit.gather_rows_out``: :func:`gather_rows` into ``out`` (written in place)."""
+    _gather_into(x, index, out, backend, check_index)
 
 
 def _selfcheck(backend: str, device: str = "cpu") -> None:

@@ -19,7 +19,8 @@ on the host, so no call synchronises (with the default, persistent-kernel config
 config builds its tile schedule on the host): the kernels clamp what they read (an id outside ``[0, G)`` is a
 padding row, a count is clamped to ``[0, M_max]``, a row outside its 128-row block's group is written as
 zero) and never address memory outside the tensors. ``EPKIT_GEMM_CHECKS=1`` runs the data checks on
-CUDA tensors too (each check then synchronises: a debugging aid).
+CUDA tensors too (each check then synchronises: a debugging aid; never during CUDA stream capture). Each GEMM
+is ``torch.ops.epkit.<name>`` (``epkit.ops``), writing ``d`` in place; the data checks run inside it.
 
 Formats
 -------
@@ -50,9 +51,19 @@ import os
 
 import torch
 
+from epkit._details.grouped_gemm_checks import (
+    ALIGN,
+    check_layout_tensor,
+    check_masked_m,
+    check_masked_m_values,
+    layout_row_ids,
+    psum_to_m_indices,
+    validate_operands,
+)
 from epkit._details.grouped_gemm_cpu import cpu_contiguous, cpu_masked
 from epkit.backends import OpSpec, register_op, select
-from epkit.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
+from epkit.ops import custom_op, host_checks
+from epkit.quant import FP8_BLOCK, dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
 
 #: (op name, weight kind, masked layout) of every grouped GEMM, the one list of them: ``__all__``, the
 #: docstrings, the op table (``epkit.backends``) and ``epkit``'s top level are derived from it.
@@ -75,12 +86,10 @@ __all__ = [
     "make_inputs",
 ]
 
-_ALIGN = 128
-
 
 def get_mk_alignment_for_contiguous_layout() -> int:
     """Row alignment of each group in the contiguous layout (128, as DeepGEMM)."""
-    return _ALIGN
+    return ALIGN
 
 
 def build_m_indices(
@@ -106,7 +115,7 @@ def build_m_indices(
     [0, -1, 2, 2]
     """
     counts = torch.as_tensor(num_tokens_per_group, dtype=torch.int64).cpu()
-    alignment = _ALIGN if alignment is None else alignment
+    alignment = ALIGN if alignment is None else alignment
     if counts.dim() != 1 or (counts.numel() and int(counts.min()) < 0):
         raise ValueError(f"num_tokens_per_group must be a 1-D list of counts >= 0, got {counts.tolist()}")
     if not isinstance(alignment, int) or alignment <= 0:
@@ -119,154 +128,13 @@ def build_m_indices(
     return ids.to(device)
 
 
-# Validation
-
-
-def _shape(t) -> tuple:
-    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-def _want(name: str, t, dtypes: tuple, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype} of shape {_shape(t)}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {_shape(t)}")
-
-
-def _unpack(x, name: str, scaled: bool):
-    if scaled:
-        if not (isinstance(x, (tuple, list)) and len(x) == 2):
-            raise ValueError(f"{name} must be a (tensor, scales) pair, got {type(x).__name__}")
-        return x[0], x[1]
-    if isinstance(x, (tuple, list)):
-        raise ValueError(f"{name} must be a single bf16 tensor for the bf16 GEMM, got a {type(x).__name__}")
-    return x, None
-
-
-def _validate(kind: str, a, b, d, masked: bool):
-    """Check dtypes/shapes of (a, sfa), (b, sfb), d; returns (a, sfa, b, sfb, G, M, N, K)."""
-    scaled = kind != "bf16"
-    a, sfa = _unpack(a, "a", scaled)
-    b, sfb = _unpack(b, "b", scaled)
-    a_dt = (torch.bfloat16,) if kind == "bf16" else (torch.float8_e4m3fn,)
-    if not isinstance(a, torch.Tensor) or a.dim() != (3 if masked else 2):
-        raise ValueError(f"a must be a {'[G, M_max, K]' if masked else '[M, K]'} tensor, got shape {_shape(a)}")
-    if not isinstance(b, torch.Tensor) or b.dim() != 3:
-        raise ValueError(f"b must be a [G, N, K{'/2' if kind == 'fp8_fp4' else ''}] tensor, got shape {_shape(b)}")
-    k = a.shape[-1]
-    g, n = b.shape[0], b.shape[1]
-    if masked and a.shape[0] != g:
-        raise ValueError(f"a has {a.shape[0]} groups but b has {g} (a {_shape(a)}, b {_shape(b)})")
-    _want("a", a, a_dt, tuple(a.shape))
-    if scaled and k % FP8_BLOCK:
-        raise ValueError(f"K = {k} (a {_shape(a)}) must be a multiple of the scale block {FP8_BLOCK}")
-    rows = tuple(a.shape[:-1])
-    if kind == "fp8":
-        _want("b", b, (torch.float8_e4m3fn,), (g, n, k))
-        _want("sfb", sfb, (torch.float32,), (g, -(-n // FP8_BLOCK), k // FP8_BLOCK))
-    elif kind == "fp8_fp4":
-        _want("b", b, (torch.uint8,), (g, n, k // 2))
-        _want("sfb", sfb, (torch.uint8,), (g, n, k // MXFP4_BLOCK))
-    else:
-        _want("b", b, (torch.bfloat16,), (g, n, k))
-    if scaled:
-        _want("sfa", sfa, (torch.float32,), (*rows, k // FP8_BLOCK))
-    _want("d", d, (torch.bfloat16, torch.float32), (*rows, n))
-    if not d.is_contiguous():
-        raise ValueError(f"d must be contiguous, got strides {d.stride()}")
-    devs = {t.device for t in (a, sfa, b, sfb, d) if t is not None}
-    if len(devs) > 1:
-        raise ValueError(f"a, b, scales and d must share one device, got {sorted(str(x) for x in devs)}")
-    return a, sfa, b, sfb, g, (a.shape[0] if not masked else a.shape[1]), n, k
+# Validation (the checks themselves: epkit._details.grouped_gemm_checks)
 
 
 def _data_checks(device: torch.device) -> bool:
     """Whether the checks that read a layout tensor's values run: always for CPU tensors, for CUDA tensors
-    only with ``EPKIT_GEMM_CHECKS=1`` (they synchronise)."""
-    return device.type == "cpu" or os.environ.get("EPKIT_GEMM_CHECKS", "") == "1"
-
-
-def _psum_to_m_indices(ends: torch.Tensor, m: int) -> torch.Tensor:
-    ends64 = ends.long().cpu()
-    g = ends64.numel()
-    ids = torch.full((m,), -1, dtype=torch.int32)
-    prev = 0
-    for grp, end in enumerate(ends64.tolist()):  # loop over groups, not rows
-        start = -(-prev // _ALIGN) * _ALIGN
-        if end < prev or end > m or (prev < end < start):
-            raise ValueError(
-                f"m_indices (psum layout) must be non-decreasing cumulative ends <= M = {m}, with each group "
-                f"starting at the previous end rounded up to {_ALIGN}; group {grp} of {g} has end {end} "
-                f"after previous end {prev} (aligned start {start})"
-            )
-        if end > start:
-            ids[start:end] = grp
-        prev = end
-    return ids.to(ends.device)
-
-
-def _check_row_ids(m_indices: torch.Tensor, g: int) -> None:
-    """Per-row ids in ``[-1, G)``, each group's rows starting a 128-row block (they read the host's copy)."""
-    if not m_indices.numel():
-        return
-    lo, hi = int(m_indices.min()), int(m_indices.max())
-    if lo < -1 or hi >= g:
-        bad = lo if lo < -1 else hi
-        pos = int((m_indices == bad).nonzero()[0])
-        raise ValueError(f"m_indices[{pos}] = {bad} is outside [-1, {g}) (b has G = {g} groups)")
-    rows = torch.arange(m_indices.numel(), device=m_indices.device)
-    first = m_indices[rows // _ALIGN * _ALIGN]
-    wrong = ((m_indices >= 0) & (m_indices != first)).nonzero()
-    if wrong.numel():
-        pos = int(wrong[0])
-        blk = pos // _ALIGN * _ALIGN
-        raise ValueError(
-            f"m_indices[{pos}] = {int(m_indices[pos])} but the {_ALIGN}-row block from row {blk} begins with "
-            f"m_indices[{blk}] = {int(first[pos])}: each group's rows must start at a multiple of {_ALIGN} "
-            f"(get_mk_alignment_for_contiguous_layout()), followed by -1 padding up to the next one, as DeepGEMM "
-            "and the GPU kernels read a block's group from its first row (build_m_indices makes such a layout)"
-        )
-
-
-def _check_m_indices(m_indices, g: int, m: int, device, use_psum_layout: bool) -> torch.Tensor | None:
-    """Check the layout tensor; returns the per-row ids when its values were checked (CPU tensors, or
-    ``EPKIT_GEMM_CHECKS=1``), else None (nothing read on the host)."""
-    want = (g,) if use_psum_layout else (m,)
-    if not isinstance(m_indices, torch.Tensor) or m_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"m_indices must be an int32 tensor of shape {want}, got {getattr(m_indices, 'dtype', None)}")
-    if tuple(m_indices.shape) != want:
-        raise ValueError(
-            f"m_indices must have shape {want} ({'[G] cumulative ends' if use_psum_layout else '[M]'}), "
-            f"got {tuple(m_indices.shape)}"
-        )
-    if m_indices.device != device:
-        raise ValueError(f"m_indices is on {m_indices.device} but a is on {device}")
-    if not _data_checks(m_indices.device):
-        return None
-    if use_psum_layout:
-        return _psum_to_m_indices(m_indices, m)
-    _check_row_ids(m_indices, g)
-    return m_indices
-
-
-def _check_masked_m(masked_m, g: int, m_max: int, device, expected_m) -> torch.Tensor:
-    if not isinstance(masked_m, torch.Tensor) or masked_m.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"masked_m must be an int32 tensor of shape ({g},), got {getattr(masked_m, 'dtype', None)}")
-    if tuple(masked_m.shape) != (g,):
-        raise ValueError(f"masked_m must have shape ({g},) (one count per group), got {tuple(masked_m.shape)}")
-    if masked_m.device != device:
-        raise ValueError(f"masked_m is on {masked_m.device} but a is on {device}")
-    if not isinstance(expected_m, int) or expected_m < 0:
-        raise ValueError(f"expected_m must be an int >= 0 (a hint for the kernel config), got {expected_m!r}")
-    if g and _data_checks(masked_m.device):  # on a GPU the counts stay unread (no sync); the kernel clamps them
-        lo, hi = int(masked_m.min()), int(masked_m.max())
-        if lo < 0 or hi > m_max:
-            bad = lo if lo < 0 else hi
-            pos = int((masked_m == bad).nonzero()[0])
-            raise ValueError(f"masked_m[{pos}] = {bad} is outside [0, M_max = {m_max}] (a has shape [G, M_max, K])")
-    return masked_m
+    only with ``EPKIT_GEMM_CHECKS=1`` (they synchronise), and never during CUDA stream capture."""
+    return (device.type == "cpu" or os.environ.get("EPKIT_GEMM_CHECKS", "") == "1") and host_checks(device)
 
 
 # Reference
@@ -309,31 +177,47 @@ def grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=None, masked_m=Non
 
 
 def _contiguous(kind, a, b, d, m_indices, use_psum_layout, backend):
-    a, sfa, b, sfb, g, m, n, k = _validate(kind, a, b, d, masked=False)
-    rows_ids = _check_m_indices(m_indices, g, m, a.device, use_psum_layout)
-    impl = select(_OP_NAME[kind, False], a.device, backend)
-    if m == 0 or n == 0:
-        return d
-    if impl == "triton":
-        from epkit.kernels.triton.grouped_gemm import grouped_gemm_contiguous
-
-        grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, use_psum_layout=use_psum_layout)
-        return d
-    if rows_ids is None:  # the reference on CUDA tensors: it reads them anyway
-        rows_ids = _psum_to_m_indices(m_indices, m) if use_psum_layout else m_indices
-    if impl == "reference":
-        grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=rows_ids)
-    else:
-        cpu_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
+    a, sfa, b, sfb, g, m, n, k = validate_operands(kind, a, b, d, masked=False)
+    check_layout_tensor(m_indices, g, m, a.device, use_psum_layout)
+    _OPS[kind, False](a, sfa, b, sfb, d, m_indices, bool(use_psum_layout), 0, backend)
     return d
 
 
 def _masked(kind, a, b, d, masked_m, expected_m, backend):
-    a, sfa, b, sfb, g, m_max, n, k = _validate(kind, a, b, d, masked=True)
-    masked_m = _check_masked_m(masked_m, g, m_max, a.device, expected_m)
+    a, sfa, b, sfb, g, m_max, n, k = validate_operands(kind, a, b, d, masked=True)
+    check_masked_m(masked_m, g, a.device, expected_m)
+    _OPS[kind, True](a, sfa, b, sfb, d, masked_m, False, expected_m, backend)
+    return d
+
+
+def _run_contiguous(kind, a, sfa, b, sfb, d, m_indices, use_psum_layout, backend) -> None:
+    """The contiguous op's body: the layout's value checks (see :func:`_data_checks`), then the backend."""
+    g, m, n = b.shape[0], a.shape[0], b.shape[1]
+    rows_ids = layout_row_ids(m_indices, g, m, use_psum_layout) if _data_checks(a.device) else None
+    impl = select(_OP_NAME[kind, False], a.device, backend)
+    if m == 0 or n == 0:
+        return
+    if impl == "triton":
+        from epkit.kernels.triton.grouped_gemm import grouped_gemm_contiguous
+
+        grouped_gemm_contiguous(kind, a, sfa, b, sfb, d, m_indices, use_psum_layout=use_psum_layout)
+        return
+    if rows_ids is None:  # the reference on CUDA tensors: it reads them anyway
+        rows_ids = psum_to_m_indices(m_indices, m) if use_psum_layout else m_indices
+    if impl == "reference":
+        grouped_gemm_reference(kind, a, sfa, b, sfb, d, m_indices=rows_ids)
+    else:
+        cpu_contiguous(kind, a, sfa, b, sfb, d, rows_ids)
+
+
+def _run_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m, backend) -> None:
+    """The masked op's body: the counts' value checks (see :func:`_data_checks`), then the backend."""
+    g, m_max, n = b.shape[0], a.shape[1], b.shape[1]
+    if _data_checks(masked_m.device):  # on a GPU the counts stay unread (no sync); the kernel clamps them
+        check_masked_m_values(masked_m, m_max)
     impl = select(_OP_NAME[kind, True], a.device, backend)
     if g == 0 or m_max == 0 or n == 0:
-        return d
+        return
     if impl == "reference":
         grouped_gemm_reference(kind, a, sfa, b, sfb, d, masked_m=masked_m)
     elif impl == "cpu":
@@ -342,7 +226,39 @@ def _masked(kind, a, b, d, masked_m, expected_m, backend):
         from epkit.kernels.triton.grouped_gemm import grouped_gemm_masked
 
         grouped_gemm_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m)
-    return d
+
+
+def _no_output(*args):
+    return None
+
+
+def _register(op: str, kind: str, masked: bool):
+    """``torch.ops.epkit.<op>``: one schema for both layouts, ``layout`` being ``m_indices`` (contiguous; with
+    ``use_psum_layout``) or ``masked_m`` (masked; with ``expected_m``), the other layout's setting unused."""
+
+    @custom_op(op, _no_output, mutates_args=("d",))
+    def run(
+        a: torch.Tensor,
+        sfa: torch.Tensor | None,
+        b: torch.Tensor,
+        sfb: torch.Tensor | None,
+        d: torch.Tensor,
+        layout: torch.Tensor,
+        use_psum_layout: bool,
+        expected_m: int,
+        backend: str,
+    ) -> None:
+        if masked:
+            _run_masked(kind, a, sfa, b, sfb, d, layout, expected_m, backend)
+        else:
+            _run_contiguous(kind, a, sfa, b, sfb, d, layout, use_psum_layout, backend)
+
+    return run
+
+
+#: ``torch.ops.epkit.<op>`` of every entry of GROUPED_OPS, by (kind, masked): ``d`` is written in place
+#: (``Tensor(a!) d``), ``sfa``/``sfb`` are None for bf16.
+_OPS = {(kind, masked): _register(op, kind, masked) for op, kind, masked in GROUPED_OPS}
 
 
 _CONTIG_DOC = """Contiguous-layout grouped GEMM ``d[i] = a[i] @ b[m_indices[i]].T`` ({what}).

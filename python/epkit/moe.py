@@ -9,7 +9,8 @@ view whose ``.mT`` is the contiguous ``[E, N, K]`` that the GEMMs read
 
 Errors name :func:`expert_mlp`'s own arguments (``x``, ``w13``, ``w2``, ``m_indices``, ...): the shapes of
 ``x``, ``w13`` and ``w2`` are checked against each other first, and what a GEMM rejects is re-raised with
-the argument its operand came from. NaN/Inf are not looked for (a device synchronisation per call): a
+the argument its operand came from. :func:`expert_mlp` is ``torch.ops.epkit.expert_mlp`` (``epkit.ops``),
+its two GEMMs their own ops. NaN/Inf are not looked for (a device synchronisation per call): a
 non-finite token stays in its row, except that the FP8/FP4 path quantizes a bf16/float32 ``x`` with
 :func:`~epkit.quant.per_token_group_cast_to_fp8`, which raises on it (README, "Using an op").
 """
@@ -21,6 +22,7 @@ import contextlib
 import torch
 
 from epkit import grouped_gemm as gemm
+from epkit.ops import custom_op
 from epkit.quant import FP8_BLOCK, cast_groups_to_fp8, per_token_group_cast_to_fp8
 
 __all__ = ["expert_mlp", "expert_mlp_reference", "pack_moe_weight", "unpack_moe_weight", "fuse_gate_up"]
@@ -125,16 +127,57 @@ def expert_mlp(
         raise ValueError("the contiguous layout needs m_indices")
     if kind != "bf16" and inter % FP8_BLOCK:
         raise ValueError(f"I = {inter} must be a multiple of {FP8_BLOCK} to re-quantize the intermediate to FP8")
-    if kind == "bf16":
-        xa = x.to(torch.bfloat16) if isinstance(x, torch.Tensor) else x
+    (x0, xs), (b13, s13), (b2, s2) = (_split(v, name) for v, name in ((x, "x"), (w13, "w13"), (w2, "w2")))
+    return _expert_mlp_op(x0, xs, b13, s13, b2, s2, layout, m_indices, masked_m, expected_m, swiglu_limit, backend)
+
+
+def _split(v, name: str):
+    """``(tensor, scales or None)`` of an argument given as a tensor or a (tensor, scales) pair."""
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2 or not all(isinstance(t, torch.Tensor) for t in v):
+            raise ValueError(
+                f"{name} must be a tensor or a (tensor, scales) pair, got a {type(v).__name__} of {len(v)}"
+            )
+        return v[0], v[1]
+    return v, None
+
+
+def _fake_expert_mlp(x, x_scales, w13, w13_scales, w2, w2_scales, layout, m_indices, masked_m, expected_m, *rest):
+    hidden = w13.shape[2] * (2 if w13.dtype == torch.uint8 else 1)
+    return x.new_empty((*x.shape[:-1], hidden), dtype=torch.bfloat16)
+
+
+@custom_op("expert_mlp", _fake_expert_mlp)
+def _expert_mlp_op(
+    x: torch.Tensor,
+    x_scales: torch.Tensor | None,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor | None,
+    layout: str,
+    m_indices: torch.Tensor | None,
+    masked_m: torch.Tensor | None,
+    expected_m: int | None,
+    swiglu_limit: float | None,
+    backend: str,
+) -> torch.Tensor:
+    """``torch.ops.epkit.expert_mlp``: :func:`expert_mlp` on its arguments' tensors (pairs given as a tensor and
+    its scales, None for a bare tensor); the two GEMMs are their own ops."""
+    kind = _kind_of(w13)
+    two_i, hidden = w13.shape[1], w13.shape[2] * (2 if kind == "fp8_fp4" else 1)
+    w13 = w13 if w13_scales is None else (w13, w13_scales)
+    w2 = w2 if w2_scales is None else (w2, w2_scales)
+    if x_scales is not None:
+        xa = (x, x_scales)
     else:
-        xa = per_token_group_cast_to_fp8(x) if isinstance(x, torch.Tensor) else x
+        xa = x.to(torch.bfloat16) if kind == "bf16" else per_token_group_cast_to_fp8(x)
     x0 = xa[0] if isinstance(xa, tuple) else xa
     rows = tuple(x0.shape[:-1])
     h = torch.zeros((*rows, two_i), dtype=torch.float32, device=x0.device)
     out = torch.zeros((*rows, hidden), dtype=torch.bfloat16, device=x0.device)
     gemm_op = getattr(gemm, f"m_grouped_{kind}_gemm_nt_{layout}")
-    layout_args = (masked_m, expected_m) if masked else (m_indices,)
+    layout_args = (masked_m, expected_m) if layout == "masked" else (m_indices,)
     with _naming("the gate/up GEMM x @ w13.T (its a = x, b = w13, d = [..., 2*I])"):
         gemm_op(xa, w13, h, *layout_args, backend=backend)
     act = _swiglu(h, swiglu_limit)

@@ -21,12 +21,16 @@ Conventions (DeepGEMM / OCP MX / NVIDIA NVFP4); every scale here is the
   ``global_scale = amax(|x|) / (448 * 6)``.
 
 All-zero groups get finite, positive scales (the amax is clamped). NaN or Inf
-input raises ``ValueError``.
+input raises ``ValueError`` (except during CUDA stream capture, where nothing can be read on the host: there
+NaN/Inf pass into the codes and scales). The four quantizers are ``torch.ops.epkit`` custom ops
+(``epkit.ops``); the dequantizers and :func:`ceil_to_ue8m0` are plain torch, which compiles as it is.
 """
 
 from __future__ import annotations
 
 import torch
+
+from epkit.ops import custom_op, host_checks
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -76,7 +80,11 @@ def _check_float(x: torch.Tensor, name: str, min_dim: int = 1) -> None:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
+
+
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    """Raise on NaN/Inf (reads ``x`` on the host: the quantizer ops run it outside CUDA stream capture only)."""
+    if x.numel() and host_checks(x.device) and not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} holds {bad} NaN/Inf value(s); quantization needs finite input")
 
@@ -139,6 +147,19 @@ def per_token_group_cast_to_fp8(
     _check_float(x, "x")
     if not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    return _per_token_group_op(x, group_size, bool(ue8m0))
+
+
+def _fake_per_token_group(x, group_size, ue8m0):
+    scale = x.new_empty((*x.shape[:-1], -(-x.shape[-1] // group_size)), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), scale
+
+
+@custom_op("per_token_group_cast_to_fp8", _fake_per_token_group)
+def _per_token_group_op(x: torch.Tensor, group_size: int, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.epkit.per_token_group_cast_to_fp8``: the finiteness check (not during CUDA stream capture,
+    where NaN/Inf pass into the codes and scales), then :func:`cast_groups_to_fp8`."""
+    _check_finite(x, "x")
     return cast_groups_to_fp8(x, group_size, ue8m0)
 
 
@@ -208,6 +229,20 @@ def per_block_cast_to_fp8(
     bn, bk = block
     if bn <= 0 or bk <= 0:
         raise ValueError(f"block must be two positive ints, got {block!r}")
+    return _per_block_op(w, bn, bk, bool(ue8m0))
+
+
+def _fake_per_block(w, bn, bk, ue8m0):
+    *lead, n, k = w.shape
+    scale = w.new_empty((*lead, -(-n // bn), -(-k // bk)), dtype=torch.float32)
+    return w.new_empty(w.shape, dtype=torch.float8_e4m3fn), scale
+
+
+@custom_op("per_block_cast_to_fp8", _fake_per_block)
+def _per_block_op(w: torch.Tensor, bn: int, bk: int, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.epkit.per_block_cast_to_fp8``: the finiteness check (not during CUDA stream capture), then the
+    block quantization of :func:`per_block_cast_to_fp8`."""
+    _check_finite(w, "w")
     *lead, n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
     wp = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
@@ -313,6 +348,22 @@ def cast_to_mxfp4(
     k = w.shape[-1]
     if k % MXFP4_BLOCK:
         raise ValueError(f"w's last dim K = {k} must be a multiple of {MXFP4_BLOCK} (the MXFP4 block)")
+    return _mxfp4_op(w, ties, float(amax_min))
+
+
+def _fake_mxfp4(w, ties, amax_min):
+    k = w.shape[-1]
+    return w.new_empty((*w.shape[:-1], k // 2), dtype=torch.uint8), w.new_empty(
+        (*w.shape[:-1], k // MXFP4_BLOCK), dtype=torch.uint8
+    )
+
+
+@custom_op("cast_to_mxfp4", _fake_mxfp4)
+def _mxfp4_op(w: torch.Tensor, ties: str, amax_min: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.epkit.cast_to_mxfp4``: the finiteness check (not during CUDA stream capture), then the MXFP4
+    quantization of :func:`cast_to_mxfp4`."""
+    _check_finite(w, "w")
+    k = w.shape[-1]
     wv = w.float().reshape(*w.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = wv.abs().amax(dim=-1).clamp(min=amax_min)
     scale = ceil_to_ue8m0(amax * (1.0 / FP4_E2M1_MAX))  # as a GPU computes amax / 6; a power of two >= it
@@ -366,6 +417,22 @@ def cast_to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     k = w.shape[-1]
     if k % NVFP4_BLOCK:
         raise ValueError(f"w's last dim K = {k} must be a multiple of {NVFP4_BLOCK} (the NVFP4 block)")
+    return _nvfp4_op(w)
+
+
+def _fake_nvfp4(w):
+    k = w.shape[-1]
+    packed = w.new_empty((*w.shape[:-1], k // 2), dtype=torch.uint8)
+    scale = w.new_empty((*w.shape[:-1], k // NVFP4_BLOCK), dtype=torch.float8_e4m3fn)
+    return packed, scale, w.new_empty((), dtype=torch.float32)
+
+
+@custom_op("cast_to_nvfp4", _fake_nvfp4)
+def _nvfp4_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.epkit.cast_to_nvfp4``: the finiteness check (not during CUDA stream capture), then the NVFP4
+    quantization of :func:`cast_to_nvfp4`."""
+    _check_finite(w, "w")
+    k = w.shape[-1]
     wf = w.float()
     amax = wf.abs().amax() if wf.numel() else torch.zeros((), device=w.device)
     gscale = amax.clamp(min=_AMAX_EPS) * (1.0 / (FP8_E4M3_MAX * FP4_E2M1_MAX))  # as a GPU computes it
@@ -376,7 +443,7 @@ def cast_to_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     safe = torch.where(eff > 0, eff, torch.ones_like(eff))
     v = torch.where((eff > 0).unsqueeze(-1), wv / safe.unsqueeze(-1), torch.zeros_like(wv))
     codes = _e2m1_encode(v).reshape(w.shape)
-    return _pack_nibbles(codes), scale.contiguous(), gscale.float()
+    return _pack_nibbles(codes), scale.contiguous(), gscale.float().clone()
 
 
 def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The host side of ``epkit.cp_mirror.prepare_cp_mirror``: argument checks, per-sequence sums, the ``cpu`` backend.
 
-:func:`validate_cp_args` checks the arguments (for every backend, the reference included);
+:func:`validate_cp_static` checks what the arguments are without reading their values (the public function
+runs it) and :func:`validate_cp_args` the rest (the op runs it, for every backend, the reference included);
 :func:`plan_batch` turns validated ``cu_seqlens`` into per-sequence prefix sums (what every
 backend's kernel reads); :func:`mirror_indices_cpu` expands them into the per-slot and
 per-token indices with ``np.repeat`` (the ``cpu`` backend); :func:`half_metadata` gives the
@@ -15,7 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["validate_cp_args", "MirrorPlan", "plan_batch", "int32_tensor", "half_metadata", "mirror_indices_cpu"]
+__all__ = [
+    "validate_cp_static",
+    "validate_cp_args",
+    "MirrorPlan",
+    "plan_batch",
+    "int32_tensor",
+    "half_metadata",
+    "mirror_indices_cpu",
+]
 
 _INT32_MAX = 2**31 - 1
 
@@ -29,9 +38,9 @@ def _check_int(name: str, value, lo: int, hi: int | None = None, what: str = "")
     return value
 
 
-def validate_cp_args(cu_q, cu_k, cp_size, cp_rank, compress_ratios) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    """Check every argument of ``prepare_cp_mirror`` (ValueError naming the field and the sequence);
-    returns int64 host (numpy) copies of both cu_seqlens and the ratios as a tuple of ints."""
+def validate_cp_static(cu_q, cu_k, cp_size, cp_rank, compress_ratios) -> tuple[int, ...]:
+    """The checks of ``prepare_cp_mirror``'s arguments that read no tensor value: sizes, ranks and ratios,
+    and the cu_seqlens' types, dtypes, shapes and devices (ValueError naming the field); returns the ratios."""
     _check_int("cp_size", cp_size, 1)
     _check_int("cp_rank", cp_rank, 0, cp_size, f" (cp_size = {cp_size})")
     if isinstance(compress_ratios, (int, torch.Tensor)) or not isinstance(compress_ratios, Sequence):
@@ -42,7 +51,6 @@ def validate_cp_args(cu_q, cu_k, cp_size, cp_rank, compress_ratios) -> tuple[np.
     for i, c in enumerate(ratios):
         if c in ratios[:i]:
             raise ValueError(f"compress_ratios[{i}] = {c} repeats compress_ratios[{ratios.index(c)}]")
-    host = []
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -50,6 +58,25 @@ def validate_cp_args(cu_q, cu_k, cp_size, cp_rank, compress_ratios) -> tuple[np.
             raise ValueError(f"{name} must have dtype int32 or int64, got {t.dtype}")
         if t.dim() != 1 or t.numel() < 1:
             raise ValueError(f"{name} must be 1-D of shape [B + 1] (B >= 0), got shape {tuple(t.shape)}")
+    if cu_q.device != cu_k.device:
+        raise ValueError(f"cu_seqlens_q is on {cu_q.device} but cu_seqlens_k is on {cu_k.device}")
+    if cu_q.numel() != cu_k.numel():
+        bq, bk = cu_q.numel() - 1, cu_k.numel() - 1
+        missing, where = (min(bq, bk), "cu_seqlens_k" if bk < bq else "cu_seqlens_q")
+        raise ValueError(
+            f"batch sizes differ: cu_seqlens_q has {bq} sequences, cu_seqlens_k has {bk} sequences; "
+            f"sequence {missing} is missing from {where}"
+        )
+    return ratios
+
+
+def validate_cp_args(cu_q, cu_k, cp_size, cp_rank, compress_ratios) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """Check every argument of ``prepare_cp_mirror`` (ValueError naming the field and the sequence): those of
+    :func:`validate_cp_static`, then the cu_seqlens' values, read on the host; returns int64 host (numpy) copies
+    of both cu_seqlens and the ratios as a tuple of ints."""
+    ratios = validate_cp_static(cu_q, cu_k, cp_size, cp_rank, compress_ratios)
+    host = []
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         h = t.detach().cpu().numpy().astype(np.int64)
         if h[0] != 0:
             raise ValueError(f"{name}[0] must be 0, got {int(h[0])}")
@@ -61,15 +88,6 @@ def validate_cp_args(cu_q, cu_k, cp_size, cp_rank, compress_ratios) -> tuple[np.
             )
         host.append(h)
     hq, hk = host
-    if cu_q.device != cu_k.device:
-        raise ValueError(f"cu_seqlens_q is on {cu_q.device} but cu_seqlens_k is on {cu_k.device}")
-    if hq.size != hk.size:
-        bq, bk = hq.size - 1, hk.size - 1
-        missing, where = (min(bq, bk), "cu_seqlens_k" if bk < bq else "cu_seqlens_q")
-        raise ValueError(
-            f"batch sizes differ: cu_seqlens_q has {bq} sequences, cu_seqlens_k has {bk} sequences; "
-            f"sequence {missing} is missing from {where}"
-        )
     short = np.diff(hk) < np.diff(hq)
     if short.any():
         b = int(np.argmax(short))

@@ -1,0 +1,2 @@
+"""What the drop-in modules of ``epkit.compat`` need but engines do not: scale-layout conversions, DeepEP's
+configuration and event classes, byte counts."""

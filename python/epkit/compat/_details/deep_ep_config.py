@@ -1,0 +1,175 @@
+"""DeepEP's ``Config`` and ``EventOverlap`` / ``EventHandle`` for ``epkit.compat.deep_ep``, and the byte counts its
+size hints return.
+
+``Config`` takes DeepEP's constructor (names, order, defaults, the same checks, raised as ``ValueError``
+naming the parameter). epkit's dispatch has no chunked ring of NVLink/RDMA channels, so the chunk sizes tune
+nothing here; a Config is still checked where a call takes one, and its size hints are the bytes epkit's
+buffer takes for DeepEP's in-flight window of ``num_sms // 2 * num_max_nvl_chunked_recv_tokens`` tokens per
+rank.
+
+Events: epkit's calls are done (on the host, or queued on the caller's current stream) when they return, so
+an ``EventHandle`` records a CUDA event on the current stream (nothing on a machine without CUDA) and
+``current_stream_wait`` makes the current stream wait for it: with ``async_finish=True`` the results are
+ready once that is done, as DeepEP promises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["Config", "EventHandle", "EventOverlap", "epbuffer_bytes", "HINT_TOPK"]
+
+#: The top-k the size hints assume (DeepEP's hints take no top-k; DeepSeek-V3 routes each token to 8 experts).
+HINT_TOPK = 8
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Config: {name} must be a positive int, got {value!r}")
+    return value
+
+
+class Config:
+    """DeepEP's performance configuration of the normal mode (checked; see the module docstring)."""
+
+    def __init__(
+        self,
+        num_sms: int = 20,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ):
+        if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0:
+            raise ValueError(f"Config: num_sms must be an int >= 0, got {num_sms!r}")
+        nvl_send = _positive("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens)
+        nvl_recv = _positive("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens)
+        rdma_send = _positive("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens)
+        rdma_recv = _positive("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens)
+        if nvl_send >= nvl_recv:
+            raise ValueError(
+                f"Config: num_max_nvl_chunked_send_tokens ({nvl_send}) must be below "
+                f"num_max_nvl_chunked_recv_tokens ({nvl_recv})"
+            )
+        rdma_recv = -(-rdma_recv // rdma_send) * rdma_send  # DeepEP rounds it up to a multiple of the send chunk
+        if rdma_send > rdma_recv // 2:
+            raise ValueError(
+                f"Config: num_max_rdma_chunked_send_tokens ({rdma_send}) must be at most half of "
+                f"num_max_rdma_chunked_recv_tokens ({rdma_recv}, rounded up to a multiple of it)"
+            )
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens = nvl_send, nvl_recv
+        self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens = rdma_send, rdma_recv
+
+    def _window(self) -> int:
+        return max(1, self.num_sms // 2) * self.num_max_nvl_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of epkit's buffer on each rank for normal dispatches of up to this config's in-flight window of
+        tokens per rank, rows of ``hidden_bytes`` (bf16: ``hidden = hidden_bytes // 2``) over ``num_ranks``."""
+        hidden = max(1, hidden_bytes // 2)
+        return epbuffer_bytes(hidden, num_ranks, num_ranks, self._window(), HINT_TOPK, 1)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: epkit has one buffer for both modes, which :meth:`get_nvl_buffer_size_hint` counts."""
+        if hidden_bytes <= 0 or num_ranks <= 0:
+            raise ValueError(f"hidden_bytes and num_ranks must be positive, got {hidden_bytes}, {num_ranks}")
+        return 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+            f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+            f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+            f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})"
+        )
+
+
+def _align(n: int, a: int = 16) -> int:
+    return -(-n // a) * a
+
+
+def epbuffer_bytes(hidden: int, num_experts: int, num_ranks: int, tokens: int, num_topk: int, ll_tokens: int) -> int:
+    """Bytes an :class:`~epkit.collectives.ep_buffer.EPBuffer` allocates on each rank (``num_ranks`` regions) for
+    these capacities: the same sizing as its constructor's (``tests/test_compat_deep_ep.py`` compares the two
+    on 2 and 4 ranks; the formula belongs in ``EPBuffer``, which does not export it)."""
+    for name, v in (("hidden", hidden), ("num_experts", num_experts), ("num_ranks", num_ranks), ("tokens", tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
+    h, k, n, local, n_ll = hidden, num_topk, tokens, num_experts // num_ranks, ll_tokens
+    sf = 4 * -(-h // 128)
+    row = _align(4 * h) + _align(sf) + 2 * _align(4 * k) + 16
+    normal = max(_align(8 * (2 + local)) + 192, n * row, n * _align(4 * h))
+    low_latency = n_ll * local * (_align(2 * h) + _align(sf)) + _align(4 * local)
+    ll_combine = 64 + n_ll * local * 2 * h
+    return _align(max(normal, low_latency, ll_combine, n_ll * k * _align(2 * h)), 4096) * num_ranks
+
+
+class EventHandle:
+    """A CUDA event recorded on the current stream at construction (None where CUDA is not initialized: the work
+    it would mark is already done)."""
+
+    def __init__(self):
+        self.event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for the recorded event."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+class EventOverlap:
+    """DeepEP's event wrapper: ``event`` (an :class:`EventHandle` or None), ``extra_tensors`` (kept alive with it),
+    ``current_stream_wait`` / ``wait``, a hook run after the wait (``register_hook_after_wait``), and ``with``
+    (the wait on leaving the block; ``with event(release_handle=True)`` drops the event after it)."""
+
+    def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self._release_on_exit = False
+        self.hook_after_wait: Callable | None = None
+
+    def current_stream_wait(self, release_handle: bool = False):
+        """The current stream waits for the event (which must exist: a call made with ``async_finish=True``), then
+        the registered hook runs; returns the hook's result (None without one). ``release_handle`` drops the
+        event afterwards."""
+        if self.event is None:
+            raise RuntimeError(
+                "EventOverlap.current_stream_wait: there is no event (the call that returned it did not have "
+                "async_finish=True)"
+            )
+        self.event.current_stream_wait()
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        result = hook() if hook is not None else None
+        if release_handle:
+            self.event = None
+        return result
+
+    def wait(self):
+        """:meth:`current_stream_wait`, returning the hook's result."""
+        return self.current_stream_wait()
+
+    def register_hook_after_wait(self, hook_after_wait: Callable) -> None:
+        """Run ``hook_after_wait`` once, right after the next :meth:`current_stream_wait`."""
+        if self.hook_after_wait is not None:
+            raise RuntimeError("EventOverlap: a hook is already registered")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        self._release_on_exit = release_handle
+        return self
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        if self.event is not None:
+            self.current_stream_wait(release_handle=self._release_on_exit)
+        self._release_on_exit = False

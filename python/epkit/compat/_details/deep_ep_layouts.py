@@ -1,0 +1,125 @@
+"""DeepEP's tensor layouts for ``epkit.compat.deep_ep``, converted from and to EPBuffer's, and its opaque handles.
+
+- Normal-mode FP8 scales: DeepEP moves any ``[T, S]`` float32 or int32 (packed UE8M0) scales, in any strides,
+  and returns them ``[R, S]`` row-major in the same dtype; EPBuffer moves float32 ``[T, ceil(hidden / 128)]``.
+  Scales of ``S <= ceil(hidden / 128)`` 4-byte words travel as bytes in those columns (padded with zeros),
+  bit for bit.
+- Low-latency FP8 scales: ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden // 128]``
+  float32, or with ``use_ue8m0`` packed UE8M0 int32 ``[..., hidden // 512]`` (byte ``j`` of an int32 is the
+  ``j``-th of four consecutive groups); both column-major in the last two dims (stride 1 along the tokens),
+  for TMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from epkit.quant import FP8_BLOCK, cast_groups_to_fp8
+
+__all__ = [
+    "NormalHandle",
+    "LowLatencyHandle",
+    "carry_scales",
+    "restore_scales",
+    "column_major",
+    "LowLatencyOutputs",
+]
+
+
+@dataclass
+class NormalHandle:
+    """What DeepEP's normal-mode handle stands for: the EPBuffer that dispatched, its handle, the received rows."""
+
+    buffer: object  # epkit.collectives.ep_buffer.EPBuffer
+    handle: object  # its DispatchHandle
+    num_recv: int  # rows received (the outputs may be padded to num_worst_tokens)
+    num_topk: int
+
+
+@dataclass
+class LowLatencyHandle:
+    """What DeepEP's low-latency handle stands for (``src_info, layout_range, n, hidden, num_experts``)."""
+
+    buffer: object  # the EPBuffer
+    handle: object  # its LowLatencyHandle
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    staging: dict = field(default_factory=dict)  # the zero-copy combine buffer, once asked for
+
+
+def carry_scales(x_scales: torch.Tensor, num_tokens: int, hidden: int) -> tuple[torch.Tensor, int, torch.dtype]:
+    """``(float32 [T, ceil(hidden / 128)] words to send, S, dtype)`` of DeepEP-style dispatch scales ``[T, S]``."""
+    slots = -(-hidden // FP8_BLOCK)
+    if (
+        not isinstance(x_scales, torch.Tensor)
+        or x_scales.dim() != 2
+        or x_scales.shape[0] != num_tokens
+        or x_scales.dtype not in (torch.float32, torch.int32)
+    ):
+        raise ValueError(
+            f"dispatch: x must be (x_fp8 [T, hidden], scales [T, S]) with float32 or int32 scales, T = {num_tokens}; "
+            f"got scales {getattr(x_scales, 'dtype', type(x_scales).__name__)} {tuple(getattr(x_scales, 'shape', ()))}"
+        )
+    s = x_scales.shape[1]
+    if s > slots:
+        raise ValueError(
+            f"dispatch: x's scales have {s} columns; epkit carries at most ceil(hidden / 128) = {slots} 4-byte "
+            "scales per token (per-128 float32, or packed UE8M0 int32)"
+        )
+    words = x_scales.contiguous().view(torch.float32)
+    return torch.nn.functional.pad(words, (0, slots - s)) if s < slots else words, s, x_scales.dtype
+
+
+def restore_scales(recv: torch.Tensor, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """The received ``[R, S]`` scales in their dtype, row-major (DeepEP's recv_x_scales)."""
+    return recv[:, :s].contiguous().view(dtype)
+
+
+def column_major(rows_first: tuple[int, int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    """An empty ``[L, N, C]`` tensor stored as ``[L, C, N]`` (column-major in its last two dims)."""
+    num_local, n, c = rows_first
+    return torch.empty((num_local, c, n), dtype=dtype, device=device).transpose(1, 2)
+
+
+class LowLatencyOutputs:
+    """DeepEP's low-latency receive tensors, filled from EPBuffer's by :meth:`fill` (which the receive hook calls):
+    fresh tensors per call (DeepEP's are; EPBuffer's are reused by its next dispatch).
+
+    ``mode``: ``"bf16"`` (bf16 rows), ``"fp8"`` (EPBuffer sent FP8 rows and per-128 scales), or ``"round"``
+    (``round_scale``: EPBuffer sent bf16 rows, quantized here with power-of-two scales, as DeepEP quantizes each
+    token before sending; the scales are the same, the codes the same bits).
+    """
+
+    def __init__(self, mode: str, use_ue8m0: bool, num_local: int, slots: int, hidden: int, device):
+        self.mode, self.use_ue8m0 = mode, use_ue8m0
+        fp8 = mode != "bf16"
+        self.x = torch.empty(
+            (num_local, slots, hidden), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device
+        )
+        self.scales = None
+        if fp8:
+            groups = hidden // FP8_BLOCK
+            shape = (num_local, slots, groups // 4 if use_ue8m0 else groups)
+            self.scales = column_major(shape, torch.int32 if use_ue8m0 else torch.float32, device)
+        self.count = torch.empty((num_local,), dtype=torch.int32, device=device)
+
+    def fill(self, recv_x, recv_count: torch.Tensor) -> None:
+        """Copy (and for ``round``, quantize) EPBuffer's received rows and counts into these tensors."""
+        self.count.copy_(recv_count)
+        if self.mode == "bf16":
+            self.x.copy_(recv_x)
+            return
+        if self.mode == "fp8":
+            q, s = recv_x
+        else:
+            q, s = cast_groups_to_fp8(recv_x, FP8_BLOCK, ue8m0=True)
+        self.x.copy_(q)
+        if self.use_ue8m0:  # the exponent bytes of the power-of-two scales, four to an int32
+            s = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).contiguous().view(torch.int32)
+        self.scales.copy_(s)
+
+    def result(self):
+        return (self.x, self.scales) if self.scales is not None else self.x

@@ -1,0 +1,194 @@
+"""The low-latency half of ``epkit.compat.deep_ep.Buffer``: DeepEP's ``low_latency_dispatch`` /
+``low_latency_combine`` / ``clean_low_latency_buffer`` / ``get_next_low_latency_combine_buffer`` over
+EPBuffer's low-latency mode.
+
+Mixed into the Buffer, whose ``_epbuffer``, ``low_latency_mode`` and ``group_size`` it uses. Nothing here reads
+device data on the host: a CUDA call stays stream-ordered as EPBuffer's is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
+from epkit.compat._details.deep_ep_layouts import LowLatencyHandle, LowLatencyOutputs
+from epkit.quant import FP8_BLOCK
+
+__all__ = ["LowLatencyMixin"]
+
+
+def _flags(fn: str, **flags) -> None:
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{fn}: {name} must be a bool, got {v!r}")
+    if flags.get("async_finish") and flags.get("return_recv_hook"):
+        raise ValueError(f"{fn}: async_finish and return_recv_hook cannot both be True (as in DeepEP)")
+
+
+def _positive(fn: str, name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}")
+    return v
+
+
+class LowLatencyMixin:
+    """DeepEP's low-latency calls (see the module docstring).
+
+    DeepEP lets two low-latency results wait for their receive hooks at once (two-batch overlap); an EPBuffer
+    takes one exchange at a time. So every call on the Buffer first runs the receive hooks still pending
+    (:meth:`_settle`, the same calls in the same order on every rank); a hook called later finds its data there.
+    """
+
+    def _settle(self) -> None:
+        """Run the receive hooks not yet called (they fill their own tensors, so their results stay valid)."""
+        pending, self._pending = getattr(self, "_pending", []), []
+        for receive in pending:
+            receive()
+
+    def _deferred(self, run, return_recv_hook: bool):
+        """``run`` as a hook that runs once; run now without ``return_recv_hook`` (and None returned)."""
+        state = {"done": False}
+
+        def receive():
+            if not state["done"]:
+                state["done"] = True
+                run()
+
+        if not return_recv_hook:
+            receive()
+            return None
+        self._pending = [*getattr(self, "_pending", []), receive]
+        return receive
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: each of epkit's low-latency messages carries its own header (the arguments are
+        checked), so a low-latency call may follow a normal one directly."""
+        fn = "clean_low_latency_buffer"
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden)):
+            _positive(fn, name, v)
+        if _positive(fn, "num_experts", num_experts) % self.group_size:
+            raise ValueError(f"{fn}: num_experts ({num_experts}) must be a multiple of the group size")
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """``(recv_x, recv_count, handle, event, hook)``: each (token, expert) pair into the expert's rank's slots.
+
+        ``recv_x``: ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` bf16, or with
+        ``use_fp8`` ``(e4m3, scales)`` with the scales column-major (float32 ``[..., hidden / 128]``, or packed
+        UE8M0 int32 ``[..., hidden / 512]`` with ``use_ue8m0``; ``round_scale`` rounds them to powers of two).
+        Rows of expert ``e`` past ``recv_count[e]`` are unspecified. ``cumulative_local_expert_recv_stats``
+        (``[num_local_experts]`` int32) is added the counts. ``hook`` (with ``return_recv_hook``) receives the
+        data; else None.
+        """
+        fn = "low_latency_dispatch"
+        _flags(fn, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+               return_recv_hook=return_recv_hook)  # fmt: skip
+        if not self.low_latency_mode:
+            raise ValueError(f"{fn}: the Buffer was made with low_latency_mode=False (as DeepEP, it needs True)")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise ValueError(f"{fn}: dispatch_wait_recv_cost_stats (per-rank wait times) is not supported; pass None")
+        if use_ue8m0 and not round_scale:
+            raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (as in DeepEP)")
+        n_max = _positive(fn, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        self._settle()
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise ValueError(f"{fn}: x must be a bf16 [num_tokens, hidden] tensor, got {x!r:.60}")
+        hidden = x.shape[1]
+        if use_fp8 and hidden % (4 * FP8_BLOCK if use_ue8m0 else FP8_BLOCK):
+            raise ValueError(f"{fn}: use_fp8 needs hidden % 128 == 0 (% 512 with use_ue8m0), got hidden = {hidden}")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+            raise ValueError(f"{fn}: topk_idx must be a [num_tokens, num_topk] tensor, got {topk_idx!r:.60}")
+        local = _positive(fn, "num_experts", num_experts) // self.group_size
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None and (not isinstance(stats, torch.Tensor) or stats.shape != (local,)):
+            raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be [{local}] int32 (num_local_experts)")
+        buf = self._epbuffer(hidden, num_experts, topk_idx.shape[1], x.device, 0, n_max)
+        mode = "bf16" if not use_fp8 else ("round" if round_scale else "fp8")
+        out = LowLatencyOutputs(mode, use_ue8m0, buf.num_local_experts, n_max * self.group_size, hidden, x.device)
+        recv_x, recv_count, h, ll_hook = buf.low_latency_dispatch(
+            x, topk_idx, n_max, use_fp8=mode == "fp8", return_recv_hook=return_recv_hook
+        )
+
+        def receive():
+            ll_hook()
+            out.fill(recv_x, recv_count)
+            if stats is not None:
+                stats.add_(out.count.to(stats.dtype))
+
+        hook = self._deferred(receive, return_recv_hook)
+        handle = LowLatencyHandle(buf, h, n_max, hidden, num_experts)
+        event = EventOverlap(EventHandle() if async_finish else None, (x, topk_idx) if async_finish else None)
+        return out.result(), out.count, handle, event, hook
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ):
+        """``(combined_x [num_tokens, hidden] bf16, event, hook)``: every pair's row back to its token, summed with
+        ``topk_weights`` in float32 (k ascending). ``x`` is the dispatch's layout ``[num_local_experts, N * W,
+        hidden]`` bf16; with ``zero_copy`` the rows are taken from :meth:`get_next_low_latency_combine_buffer`'s
+        tensor instead. ``out`` receives the result."""
+        fn = "low_latency_combine"
+        _flags(fn, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+               return_recv_hook=return_recv_hook)  # fmt: skip
+        if use_logfmt:
+            raise ValueError(f"{fn}: use_logfmt=True (DeepEP's 10-bit LogFMT) is not supported; rows go back as bf16")
+        if combine_wait_recv_cost_stats is not None:
+            raise ValueError(f"{fn}: combine_wait_recv_cost_stats (per-rank wait times) is not supported; pass None")
+        if not isinstance(handle, LowLatencyHandle):
+            raise ValueError(f"{fn}: handle must be the handle a low_latency_dispatch of this Buffer returned")
+        if zero_copy:
+            if "y" not in handle.staging:
+                raise ValueError(f"{fn}: zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
+            x = handle.staging["y"]
+        self._settle()
+        buf = handle.buffer
+        t_num = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else -1
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != (t_num, handle.hidden)):
+            raise ValueError(f"{fn}: out must be [{t_num}, {handle.hidden}] bf16, got {out!r:.60}")
+        if out is None:
+            out = torch.empty((max(t_num, 0), handle.hidden), dtype=torch.bfloat16, device=x.device)
+        weights = topk_weights.float() if isinstance(topk_weights, torch.Tensor) else topk_weights
+        res = buf.low_latency_combine(x, topk_idx, weights, handle.handle, return_recv_hook=return_recv_hook)
+
+        def receive():
+            out.copy_(res[1]() if return_recv_hook else res)
+
+        hook = self._deferred(receive, return_recv_hook)
+        keep = (x, topk_idx, topk_weights) if async_finish else None
+        return out, EventOverlap(EventHandle() if async_finish else None, keep), hook
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """A bf16 ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` tensor to write the
+        expert outputs into, for ``low_latency_combine(..., zero_copy=True)`` (one per handle)."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise ValueError("get_next_low_latency_combine_buffer: handle must be a low_latency_dispatch handle")
+        if "y" not in handle.staging:
+            shape = (
+                handle.buffer.num_local_experts,
+                self.group_size * handle.num_max_dispatch_tokens_per_rank,
+                handle.hidden,
+            )
+            handle.staging["y"] = torch.empty(shape, dtype=torch.bfloat16, device=handle.buffer.device)
+        return handle.staging["y"]

@@ -1,0 +1,456 @@
+"""DeepEP's legacy ``Buffer`` interface (deepseek-ai/DeepEP, ``deep_ep.Buffer``) on
+:class:`~epkit.collectives.ep_buffer.EPBuffer`: ``import epkit.compat.deep_ep as deep_ep`` where an engine had
+``import deep_ep``.
+
+Every public method of DeepEP's legacy ``Buffer`` but the internode and rank-masking ones, with DeepEP's names,
+parameter names and order, defaults, return arity and tensor layouts (the low-latency FP8 scales column-major,
+packed UE8M0 with ``use_ue8m0``); ``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` too.
+Semantics follow DeepEP where the two differ: received top-k weights are 0 where the expert lives on another
+rank, the low-latency receive tensors are fresh per call.
+
+How it maps:
+
+- DeepEP sizes its buffer in bytes and takes any shape; an EPBuffer has a hidden size, top-k and token
+  capacities. The shim makes one EPBuffer per ``(hidden, num_experts, num_topk)`` at the first call that needs
+  it (every rank makes the same calls, as DeepEP requires) and a larger one when a call needs more room: a
+  normal dispatch agrees on the largest token count with one small all-gather over the group (which also
+  makes a rejected call a ``ValueError`` on every rank); a low-latency call needs ``num_max_dispatch_tokens_per
+  _rank`` slots. ``num_nvl_bytes`` / ``num_rdma_bytes`` are recorded, not a cap; the size hints return the bytes
+  such a buffer takes (``Config.get_nvl_buffer_size_hint``, ``get_low_latency_rdma_size_hint``).
+- Rows live on the tensors' device: CPU tensors over shared memory (or torch.distributed), CUDA tensors over
+  NVSHMEM, whatever backend ``group`` has.
+- The work is done (or queued on the current stream) when a call returns: ``async_finish=True`` returns an
+  event on the current stream, ``previous_event`` is waited for first, ``return_recv_hook=True`` defers the
+  receive to the hook. ``config``, ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` tune DeepEP's
+  kernels and are checked, with no effect here; ``clean_low_latency_buffer`` has nothing to clean (each
+  message carries its own header).
+
+Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py communicator), ``enable_shrink``,
+``num_tokens_per_rdma_rank`` (internode), a dispatch without ``topk_idx``/``topk_weights`` or with a layout
+that does not match ``topk_idx``, ``use_logfmt``, ``dispatch_wait_recv_cost_stats`` /
+``combine_wait_recv_cost_stats``, more scale columns than ``ceil(hidden / 128)``. :class:`Buffer` lists every
+argument accepted with no effect; README ("In an engine: custom ops and drop-in interfaces") has the table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.ep_reference import reference_layout
+from epkit.compat._details.deep_ep_config import HINT_TOPK, Config, EventHandle, EventOverlap, epbuffer_bytes
+from epkit.compat._details.deep_ep_layouts import (
+    NormalHandle,
+    carry_scales,
+    restore_scales,
+)
+from epkit.compat._details.deep_ep_low_latency import LowLatencyMixin
+from epkit.utils import check_topk_idx
+
+__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t"]
+
+#: DeepEP's dtype of expert ids (int32 ids are taken too).
+topk_idx_t = torch.int64
+
+
+def _events(fn: str, previous_event, async_finish, allocate_on_comm_stream) -> None:
+    """Check the stream arguments DeepEP's calls take, and wait for ``previous_event``."""
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise ValueError(f"{fn}: previous_event must be an EventOverlap (Buffer.capture()) or None")
+    for name, v in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{fn}: {name} must be a bool, got {v!r}")
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise ValueError(
+            f"{fn}: allocate_on_comm_stream=True needs previous_event and async_finish=True (as in DeepEP)"
+        )
+    if previous_event is not None and previous_event.event is not None:
+        previous_event.event.current_stream_wait()
+
+
+def _rows(x, num_worst_tokens):
+    """``(x, scales or None)`` of a dispatch's ``x`` once it and ``num_worst_tokens`` are DeepEP's kinds."""
+    x0, scales = x if isinstance(x, tuple) else (x, None)
+    if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
+        raise ValueError(f"dispatch: x must be a [num_tokens, hidden] tensor or an (x, scales) pair, got {x!r:.60}")
+    if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+        raise ValueError(f"dispatch: num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+    return x0, scales
+
+
+def _event(async_finish: bool, extra=None) -> EventOverlap:
+    return EventOverlap(EventHandle() if async_finish else None, extra if async_finish else None)
+
+
+def _check_config(fn: str, config) -> None:
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"{fn}: config must be a deep_ep Config (epkit.compat.deep_ep.Config) or None, got {config!r}")
+
+
+class Buffer(LowLatencyMixin):
+    """DeepEP's expert-parallel communication buffer (intranode and low-latency modes) over EPBuffer.
+
+    Parameters are DeepEP's (see the module docstring for how the calls map). What each DeepEP argument does
+    here, where it is not DeepEP's own effect:
+
+    - accepted with no effect (checked for type): ``num_nvl_bytes`` / ``num_rdma_bytes`` (recorded, not a
+      cap), ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl`` (epkit's transport
+      picks the path), ``config`` (no channels to tune), ``allocate_on_comm_stream`` (no communication stream:
+      tensors are made on the current one; DeepEP's condition, ``previous_event`` and ``async_finish``, is
+      checked);
+    - honoured in epkit's terms: ``previous_event`` is waited for on the current stream before the call;
+      ``async_finish=True`` returns an event recorded on the current stream (on CPU ranks there is nothing
+      to wait for: the work is done when the call returns); ``return_recv_hook=True`` defers the receive to
+      the hook; ``num_worst_tokens`` pads the outputs to that many rows, but a normal dispatch still
+      synchronizes with the host (epkit's normal mode reads its counts), so it is not for CUDA graphs;
+      ``round_scale`` quantizes the received bf16 rows at the receiver (epkit's per-128 cast with the scales
+      rounded up to powers of two, as DeepEP's sender-side cast rounds them; twice the bytes on the wire);
+    - refused with a ``ValueError`` naming the parameter: ``comm``, ``enable_shrink=True``,
+      ``num_tokens_per_rdma_rank`` (not None), ``dispatch_wait_recv_cost_stats`` /
+      ``combine_wait_recv_cost_stats``, ``use_logfmt=True``; and what DeepEP asserts against
+      (``async_finish`` with ``return_recv_hook``, ``use_ue8m0`` without ``round_scale``, a low-latency call
+      on a Buffer made without ``low_latency_mode``).
+    """
+
+    #: SMs of DeepEP's normal-mode kernels: what :meth:`get_dispatch_config` / :meth:`get_combine_config` put in
+    #: their Configs (set with :meth:`set_num_sms`).
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm=None,
+    ) -> None:
+        if comm is not None:
+            raise ValueError("Buffer: comm (an mpi4py communicator) is not supported; pass a torch.distributed group")
+        if group is None:
+            raise ValueError("Buffer: group must be a torch.distributed process group (comm is not supported)")
+        if enable_shrink:
+            raise ValueError("Buffer: enable_shrink=True (masking failed ranks) is not supported; pass False")
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Buffer: {name} must be an int >= 0, got {v!r}")
+        if low_latency_mode and (not isinstance(num_qps_per_rank, int) or num_qps_per_rank <= 0):
+            raise ValueError(
+                f"Buffer: num_qps_per_rank must be a positive int in low-latency mode, got {num_qps_per_rank!r}"
+            )
+        for name, v in (("low_latency_mode", low_latency_mode), ("explicitly_destroy", explicitly_destroy)):
+            if not isinstance(v, bool):
+                raise ValueError(f"Buffer: {name} must be a bool, got {v!r}")
+        self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy, self.enable_shrink = low_latency_mode, explicitly_destroy, False
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl = allow_nvlink_for_low_latency_mode, allow_mnnvl
+        self._current: dict[tuple, EPBuffer] = {}  # (hidden, num_experts, num_topk) -> the buffer calls use
+        self._made: list[EPBuffer] = []  # every buffer made, in order (outstanding handles keep using theirs)
+        self._destroyed = False
+
+    # buffers
+
+    def _epbuffer(self, hidden: int, num_experts: int, num_topk: int, device, tokens: int, ll_tokens: int = 0):
+        """The EPBuffer for these shapes, made (collectively: every rank gets here with the same arguments) when
+        there is none yet or the current one is too small."""
+        if self._destroyed:
+            raise RuntimeError("Buffer: destroy() was called; make a new Buffer")
+        key = (hidden, num_experts, num_topk)
+        buf = self._current.get(key)
+        if (
+            buf is not None
+            and buf.num_max_tokens_per_rank >= tokens
+            and buf.num_max_dispatch_tokens_per_rank >= ll_tokens
+        ):
+            return buf
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({self.group_size})")
+        cap = max(tokens, ll_tokens, 1)
+        cap = 1 << (cap - 1).bit_length()  # grow by powers of two: few buffers however the batches vary
+        if buf is not None:
+            cap = max(cap, buf.num_max_tokens_per_rank)
+            ll_tokens = max(ll_tokens, buf.num_max_dispatch_tokens_per_rank)
+        transport = "nvshmem" if torch.device(device).type == "cuda" else "auto"
+        ll = ll_tokens or None
+        buf = EPBuffer(self.group, hidden, num_experts, cap, num_topk, transport, num_max_dispatch_tokens_per_rank=ll)
+        self._current[key] = buf
+        self._made.append(buf)
+        return buf
+
+    def destroy(self) -> None:
+        """Release every buffer (collective, as DeepEP's); needs ``explicitly_destroy=True``, as DeepEP's."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("Buffer.destroy() needs Buffer(..., explicitly_destroy=True), as in DeepEP")
+        self._settle()
+        for buf in self._made:
+            buf.close()
+        self._made, self._current, self._destroyed = [], {}, True
+
+    # static settings
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: epkit's GPU kernels target SM90 (compiled for it on first use)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set :attr:`num_sms` (an even count, as DeepEP requires): the SMs the Configs of this class name."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"Buffer.set_num_sms: new_num_sms must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream (for ``previous_event``)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of the buffer a low-latency :class:`Buffer` makes on each rank for these sizes (top-k up to 8)."""
+        n = num_max_dispatch_tokens_per_rank
+        return epbuffer_bytes(hidden, num_experts, num_ranks, n, HINT_TOPK, n)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A Config for ``num_ranks`` ranks (``Config(Buffer.num_sms)``: epkit does not tune by rank count)."""
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+            raise ValueError(f"get_dispatch_config: num_ranks must be a positive int, got {num_ranks!r}")
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A Config for ``num_ranks`` ranks (as :meth:`get_dispatch_config`)."""
+        return Buffer.get_dispatch_config(num_ranks)
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The stream the communication runs on: the current one (epkit has no stream of its own)."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("Buffer.get_comm_stream: no CUDA device (CPU ranks have no stream)")
+        return torch.cuda.current_stream()
+
+    def get_local_buffer_tensor(
+        self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0, use_rdma_buffer: bool = False
+    ) -> torch.Tensor:
+        """The raw bytes of this rank's (most recent) buffer as ``dtype`` from element ``offset`` (epkit has one buffer
+        for both modes: ``use_rdma_buffer`` names the same memory); its layout is epkit's, not DeepEP's."""
+        if not self._made:
+            raise RuntimeError("Buffer.get_local_buffer_tensor: no buffer yet (epkit makes it at the first dispatch)")
+        raw = self._made[-1].buffer.local.reshape(-1).view(torch.uint8)
+        flat = raw[: raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)[offset:]
+        if size is None:
+            return flat
+        if flat.numel() < torch.Size(size).numel():
+            raise ValueError(f"get_local_buffer_tensor: size {tuple(size)} exceeds the buffer from offset {offset}")
+        return flat[: torch.Size(size).numel()].view(size)
+
+    # normal mode
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """``(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool,
+        event)``, on ``topk_idx``'s device; ``-1`` ids are skipped. The second value, DeepEP's per-RDMA-rank
+        counts, is None: epkit's group is one domain (DeepEP's intranode answer)."""
+        _events("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream)
+        if (
+            not isinstance(topk_idx, torch.Tensor)
+            or topk_idx.dim() != 2
+            or topk_idx.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                f"get_dispatch_layout: topk_idx must be an int64 [num_tokens, num_topk] tensor, got {topk_idx!r:.60}"
+            )
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts % self.group_size:
+            raise ValueError(
+                f"get_dispatch_layout: num_experts must be a multiple of {self.group_size}, got {num_experts!r}"
+            )
+        per_rank, per_expert, in_rank = reference_layout(topk_idx.cpu(), num_experts, self.group_size)
+        dev = topk_idx.device
+        return per_rank.to(dev), None, per_expert.to(dev), in_rank.to(dev), _event(async_finish)
+
+    def _agree(self, fn: str, error: str | None, tokens: int) -> int:
+        """One all-gather of ``[tokens, rejected]``: the largest token count, or the same ValueError on every rank."""
+        dev = "cuda" if "nccl" in str(dist.get_backend(self.group)) else "cpu"
+        mine = torch.tensor([tokens, int(error is not None)], dtype=torch.int64, device=dev)
+        got = [torch.empty_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(got, mine, group=self.group)
+        rows = torch.stack(got).cpu().tolist()
+        bad = [r for r, (_, flag) in enumerate(rows) if flag]
+        if bad:
+            raise ValueError(f"{fn} rejected on every rank (by rank {bad}): " + (error or "see that rank's error"))
+        return max(t for t, _ in rows)
+
+    def dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``.
+
+        ``x``: bf16 ``[T, hidden]``, or ``(e4m3 [T, hidden], scales [T, S])`` (float32 or int32, ``S <=
+        ceil(hidden/128)``, any strides; returned ``[R, S]`` row-major). Rows come ordered by source rank, then
+        token; ``recv_topk_idx`` holds local expert ids (-1 elsewhere) and ``recv_topk_weights`` 0 there. The
+        per-expert counts are aligned to ``expert_alignment``; with ``num_worst_tokens > 0`` the outputs have that
+        many rows (the rest padding: ids -1, weights 0) and the list is empty. With ``handle`` (cached dispatch)
+        only ``recv_x`` is returned, the other four values None.
+        """
+        fn = "dispatch"
+        _events(fn, previous_event, async_finish, allocate_on_comm_stream)
+        _check_config(fn, config)
+        self._settle()
+        if handle is not None:
+            x0, scales = _rows(x, num_worst_tokens)
+            return self._dispatch_cached(x0, scales, handle, topk_idx, topk_weights, num_worst_tokens, async_finish)
+        error, words, s, sdtype, x0 = None, None, 0, None, None
+        try:  # a call rejected on one rank is rejected on every rank (one agreement below)
+            x0, scales = _rows(x, num_worst_tokens)
+            self._check_layout(topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                               num_tokens_per_expert, x0.shape[0])  # fmt: skip
+            if scales is not None:
+                words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
+        except ValueError as exc:
+            error = str(exc)
+        tokens = self._agree(fn, error, x0.shape[0] if x0 is not None else 0)
+        buf = self._epbuffer(x0.shape[1], num_tokens_per_expert.numel(), topk_idx.shape[1], x0.device, tokens)
+        recv_x, recv_idx, recv_w, counts, h = buf.dispatch(
+            (x0, words) if words is not None else x0, topk_idx, topk_weights, expert_alignment=expert_alignment
+        )
+        recv_x, recv_s = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))  # DeepEP: 0 for another rank's expert
+        out = NormalHandle(buf, h, recv_x.shape[0], topk_idx.shape[1])
+        rows = [recv_x, recv_s, recv_idx, recv_w]
+        if num_worst_tokens:
+            rows, counts = self._pad_rows(rows, num_worst_tokens), []
+        recv_x, recv_s, recv_idx, recv_w = rows
+        x_out = (recv_x, restore_scales(recv_s, s, sdtype)) if recv_s is not None else recv_x
+        return x_out, recv_idx, recv_w, counts, out, _event(async_finish)
+
+    def _check_layout(self, topk_idx, topk_weights, per_rank, per_rdma_rank, in_rank, per_expert, num_tokens) -> None:
+        """A non-cached dispatch's routing arguments: all given, and the layout ``topk_idx``'s."""
+        if per_rdma_rank is not None:
+            raise ValueError(
+                "dispatch: num_tokens_per_rdma_rank must be None (internode RDMA layouts are not supported; pass "
+                "what get_dispatch_layout returned)"
+            )
+        missing = [n for n, v in (("num_tokens_per_rank", per_rank), ("is_token_in_rank", in_rank),
+                                  ("num_tokens_per_expert", per_expert)) if v is None]  # fmt: skip
+        if missing:
+            raise ValueError(
+                f"dispatch: {', '.join(missing)} must be given (from get_dispatch_layout) without a handle"
+            )
+        if topk_idx is None or topk_weights is None:
+            raise ValueError(
+                "dispatch: topk_idx and topk_weights must both be given without a handle (epkit routes by topk_idx)"
+            )
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"dispatch: topk_idx must be [num_tokens = {num_tokens}, num_topk], got {topk_idx!r:.60}")
+        check_topk_idx(topk_idx, per_expert.numel())
+        if per_expert.numel() % self.group_size:
+            raise ValueError(
+                f"dispatch: num_tokens_per_expert has {per_expert.numel()} experts, not a multiple of the ranks"
+            )
+        want = reference_layout(topk_idx.cpu(), per_expert.numel(), self.group_size)  # get_dispatch_layout's answer
+        for name, got, w in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
+                                (per_rank, per_expert, in_rank), want):  # fmt: skip
+            if got.shape != w.shape or not torch.equal(got.cpu().to(w.dtype), w):
+                raise ValueError(
+                    f"dispatch: {name} does not match topk_idx's layout (epkit routes by topk_idx: pass what "
+                    "get_dispatch_layout returned for it)"
+                )
+
+    @staticmethod
+    def _pad_rows(rows: list, n: int) -> list:
+        """The received rows padded to ``n`` (DeepEP's num_worst_tokens): ids -1, weights and rows 0."""
+        have = rows[0].shape[0]
+        if have > n:
+            raise ValueError(f"dispatch: {have} rows were received, more than num_worst_tokens = {n}")
+        fills = (0, 0, -1, 0)
+        return [
+            None if t is None else torch.cat([t, t.new_full((n - have, *t.shape[1:]), f)]) for t, f in zip(rows, fills)
+        ]
+
+    def _dispatch_cached(self, x0, scales, handle, topk_idx, topk_weights, num_worst_tokens, async_finish):
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError("dispatch: with a handle (cached dispatch), topk_idx and topk_weights must be None")
+        if not isinstance(handle, NormalHandle):
+            raise ValueError(
+                f"dispatch: handle must be the handle a dispatch of this Buffer returned, got {handle!r:.60}"
+            )
+        words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1]) if scales is not None else (None, 0, None)
+        recv_x, *_ = handle.buffer.dispatch((x0, words) if words is not None else x0, handle=handle.handle)
+        recv_x, recv_s = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        if num_worst_tokens:
+            recv_x, recv_s = self._pad_rows([recv_x, recv_s, None, None], num_worst_tokens)[:2]
+        x_out = (recv_x, restore_scales(recv_s, s, sdtype)) if recv_s is not None else recv_x
+        return x_out, None, None, None, None, _event(async_finish)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle,
+        topk_weights: torch.Tensor | None = None,
+        bias=None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """``(combined_x [T, hidden], combined_topk_weights [T, num_topk] or None, event)``: each token's rows summed
+        over the ranks it went to (no weights applied: the rows are the expert outputs already weighted), plus
+        ``bias`` (a tensor or two); ``topk_weights`` ``[R, num_topk]`` are summed the same way (in float32)."""
+        fn = "combine"
+        _events(fn, previous_event, async_finish, allocate_on_comm_stream)
+        _check_config(fn, config)
+        if not isinstance(handle, NormalHandle):
+            raise ValueError(
+                f"combine: handle must be the handle a dispatch of this Buffer returned, got {handle!r:.60}"
+            )
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < handle.num_recv:
+            raise ValueError(f"combine: x must be [{handle.num_recv} (or num_worst_tokens), hidden], got {x!r:.60}")
+        self._settle()
+        buf, n = handle.buffer, handle.num_recv
+        if isinstance(bias, tuple) and len(bias) != 2:
+            raise ValueError("combine: bias must be a tensor or a tuple of two")
+        combined = buf.combine(x[:n], handle.handle, bias=bias)
+        weights = None
+        if topk_weights is not None:
+            k = handle.num_topk
+            if (
+                not isinstance(topk_weights, torch.Tensor)
+                or topk_weights.shape[0] < n
+                or topk_weights.shape[1:] != (k,)
+            ):
+                raise ValueError(f"combine: topk_weights must be [{n}, {k}], got {topk_weights!r:.60}")
+            if k > buf.hidden:
+                raise ValueError(f"combine: topk_weights has more columns ({k}) than hidden ({buf.hidden})")
+            rows = torch.zeros((n, buf.hidden), dtype=torch.float32, device=x.device)
+            rows[:, :k] = topk_weights[:n].float()
+            weights = buf.combine(rows, handle.handle)[:, :k].contiguous()
+        return combined, weights, _event(async_finish)

@@ -1,0 +1,357 @@
+"""DeepGEMM's Python interface (deepseek-ai/DeepGEMM, ``deep_gemm``) on epkit's GEMMs: ``import
+epkit.compat.deep_gemm as deep_gemm`` where an engine had ``import deep_gemm``.
+
+Names, parameter names and order, defaults and layouts are DeepGEMM's; each call runs on
+:mod:`epkit.grouped_gemm` (CPU tensors run too). The semantics are DeepGEMM's on SM90 (Hopper, epkit's GPU
+target): float32 scales are used as given, ``disable_ue8m0_cast`` changes nothing, and int32 scales are packed
+UE8M0 exponents (four per int32, byte ``j`` for the ``j``-th group, DeepGEMM's ``pack_ue8m0_to_int``), taken
+for activations (``sfa``: a scale is ``2 ** (byte - 127)``, as DeepGEMM's ``unpack_ue8m0_from_int`` reads
+it) and for MXFP4 weights (one byte per 32 values).
+
+Supported (refusals raise ``ValueError`` naming DeepGEMM's parameter):
+
+- ``recipe`` / ``recipe_a`` / ``recipe_b``: 1x128 activation scales with 128x128 FP8 weight scales
+  (``(1, 128, 128)``, the default) or 1x32 MXFP4 weight scales (``recipe_a=(1, 128), recipe_b=(1, 32)``);
+- ``compiled_dims`` (which dims DeepGEMM's JIT fixes), ``ensure_zero_padding`` (epkit always writes zeros
+  to padding rows) and ``expected_m_for_psum_layout`` (a hint) are checked and have no effect on results;
+- the M alignment of the contiguous layout (:func:`set_mk_alignment_for_contiguous_layout`): any multiple of
+  128 (epkit's kernels read a 128-row block's group from its first row);
+- :func:`set_num_sms` records the SM count that :func:`get_num_sms` returns; epkit's kernels launch on every SM
+  of the device regardless (a launcher knob, not yet there).
+
+Not provided: the ``tn``/``tt`` and k-grouped GEMMs, FP4 activations, the einsum, attention, mega-MoE and
+cuBLASLt kernels, and the ``deep_gemm.utils.layout`` module path (its functions are here at the top level).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit import grouped_gemm as gemm
+from epkit.compat._details.deep_gemm_scales import (
+    DEFAULT_ALIGNMENT,
+    activation_scales,
+    check_flags,
+    fp4_weights,
+    fp8_weight_scales,
+    get_mn_major_tma_aligned_packed_ue8m0_tensor,
+    get_mn_major_tma_aligned_tensor,
+    get_tma_aligned_size,
+    rows_of_psum,
+    transform_sf_into_required_layout,
+)
+
+__all__ = [
+    "set_num_sms",
+    "get_num_sms",
+    "get_tma_aligned_size",
+    "get_mn_major_tma_aligned_tensor",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "transform_sf_into_required_layout",
+    "set_mk_alignment_for_contiguous_layout",
+    "get_mk_alignment_for_contiguous_layout",
+    "get_theoretical_mk_alignment_for_contiguous_layout",
+    "get_m_alignment_for_contiguous_layout",
+    "get_k_alignment_for_contiguous_layout",
+    "fp8_fp4_gemm_nt",
+    "fp8_fp4_gemm_nn",
+    "fp8_gemm_nt",
+    "fp8_gemm_nn",
+    "bf16_gemm_nt",
+    "bf16_gemm_nn",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "m_grouped_fp8_fp4_gemm_nn_contiguous",
+    "m_grouped_fp8_fp4_gemm_nt_masked",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nn_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "m_grouped_bf16_gemm_nt_contiguous",
+    "m_grouped_bf16_gemm_nn_contiguous",
+    "m_grouped_bf16_gemm_nt_masked",
+    "fp8_m_grouped_gemm_nt_masked",
+    "bf16_m_grouped_gemm_nt_masked",
+]
+
+_STATE = {"num_sms": None, "alignment": DEFAULT_ALIGNMENT}
+
+
+# Runtime settings
+
+
+def _device_sms() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return torch.get_num_threads()  # CPU tensors: the threads torch computes with
+
+
+def set_num_sms(new_num_sms: int) -> None:
+    """Set the SM count :func:`get_num_sms` returns, in ``[1, the device's SMs]`` (on a machine without a GPU: the
+    CPU threads torch uses). Recorded only: epkit's kernels launch on every SM (see the module docstring)."""
+    top = _device_sms()
+    if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or not 1 <= new_num_sms <= top:
+        raise ValueError(f"set_num_sms: new_num_sms must be an int in [1, {top}] (this device), got {new_num_sms!r}")
+    _STATE["num_sms"] = new_num_sms
+
+
+def get_num_sms() -> int:
+    """The SM count set by :func:`set_num_sms`, else the device's (DeepGEMM's default)."""
+    return _STATE["num_sms"] or _device_sms()
+
+
+def set_mk_alignment_for_contiguous_layout(new_value: int) -> None:
+    """Row alignment of each group in the contiguous layouts: a positive multiple of 128 (default 128)."""
+    if isinstance(new_value, bool) or not isinstance(new_value, int) or new_value <= 0 or new_value % DEFAULT_ALIGNMENT:
+        raise ValueError(
+            f"set_mk_alignment_for_contiguous_layout: new_value must be a positive multiple of {DEFAULT_ALIGNMENT} "
+            f"(epkit's GEMMs read each {DEFAULT_ALIGNMENT}-row block's group from its first row), got {new_value!r}"
+        )
+    _STATE["alignment"] = new_value
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """The row alignment of each group in the contiguous layouts (128 unless set)."""
+    return _STATE["alignment"]
+
+
+def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = None) -> int:
+    """The alignment epkit's contiguous GEMMs need, whatever ``expected_m`` (a hint):
+    :func:`get_mk_alignment_for_contiguous_layout`."""
+    if expected_m is not None and (isinstance(expected_m, bool) or not isinstance(expected_m, int) or expected_m < 0):
+        raise ValueError(f"expected_m must be None or an int >= 0, got {expected_m!r}")
+    return _STATE["alignment"]
+
+
+get_m_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
+get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
+
+
+# Operands
+
+
+def _fp8_operands(fn: str, a, b, recipe, recipe_a, recipe_b, nn: bool = False):
+    """``(kind, a pair, b pair)`` in epkit's formats from DeepGEMM's FP8 / FP8xFP4 operands."""
+    for name, x in (("a", a), ("b", b)):
+        if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x)):
+            raise ValueError(f"{fn}: {name} must be a (tensor, scales) pair, got {type(x).__name__}")
+    (a0, sfa), (b0, sfb) = a, b
+    if a0.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{fn}: a must be float8_e4m3fn (epkit's FP8 GEMMs take FP8 activations), got {a0.dtype}")
+    fp4 = b0.dtype in (torch.int8, torch.uint8)
+    if fp4 and nn:
+        raise ValueError(f"{fn}: b as packed FP4 needs the nt layout (b [G, N, K/2]); the nn form is for FP8 b")
+    if nn:
+        b0, sfb = b0.transpose(-1, -2).contiguous(), sfb.transpose(-1, -2).contiguous()
+    gran_b = _recipe(fn, recipe, recipe_a, recipe_b, fp4)
+    sfa = activation_scales(fn, sfa, a0.shape[-1])
+    if fp4:
+        return "fp8_fp4", (a0, sfa), fp4_weights(fn, b0, sfb, gran_b)
+    return "fp8", (a0, sfa), (b0, fp8_weight_scales(fn, sfb))
+
+
+def _recipe(fn: str, recipe, recipe_a, recipe_b, fp4: bool) -> tuple[int, int]:
+    """The weight-scale granularity (MN, K) of a call's recipe, after checking epkit takes it."""
+    if (recipe_a is None) != (recipe_b is None) or (recipe is not None and recipe_a is not None):
+        raise ValueError(
+            f"{fn}: give either recipe or both recipe_a and recipe_b, got {recipe=}, {recipe_a=}, {recipe_b=}"
+        )
+    want_b = (1, 32) if fp4 else (128, 128)
+    if recipe is not None:
+        got_a, got_b = (recipe[0], recipe[2]), (recipe[1], recipe[2])
+    else:
+        got_a, got_b = recipe_a or (1, 128), recipe_b or want_b
+    if tuple(got_a) != (1, 128) or tuple(got_b) != want_b:
+        raise ValueError(
+            f"{fn}: recipe={recipe}, recipe_a={recipe_a}, recipe_b={recipe_b}: epkit takes 1x128 activation scales "
+            f"with {'1x32 MXFP4' if fp4 else '128x128 FP8'} weight scales "
+            f"({'recipe_a=(1, 128), recipe_b=(1, 32)' if fp4 else 'recipe=(1, 128, 128), the default'})"
+        )
+    return want_b
+
+
+def _contiguous_layout(fn: str, a0: torch.Tensor, grouped_layout, use_psum_layout: bool, g: int):
+    """``(layout for epkit, use_psum_layout)``: a psum layout aligned to other than 128 becomes per-row ids (device
+    ops, no host read)."""
+    align = _STATE["alignment"]
+    if not isinstance(grouped_layout, torch.Tensor) or grouped_layout.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: grouped_layout must be an int32 tensor, got {getattr(grouped_layout, 'dtype', None)}")
+    if use_psum_layout and align != DEFAULT_ALIGNMENT:
+        if tuple(grouped_layout.shape) != (g,):
+            raise ValueError(f"{fn}: grouped_layout (psum) must be [G] = ({g},), got {tuple(grouped_layout.shape)}")
+        return rows_of_psum(grouped_layout, a0.shape[0], align), False
+    return grouped_layout, bool(use_psum_layout)
+
+
+# Grouped GEMMs
+
+
+def m_grouped_fp8_fp4_gemm_nt_contiguous(
+    a,
+    b,
+    d,
+    grouped_layout,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="nk",
+    disable_ue8m0_cast=False,
+    use_psum_layout=False,
+    ensure_zero_padding=True,
+    expected_m_for_psum_layout=None,
+):
+    """``d[i] = a[i] @ b[grouped_layout[i]].T``: FP8 ``a`` (``(e4m3 [M, K], scales)``) with FP8 ``b`` (``(e4m3 [G, N,
+    K], float32 [G, N/128, K/128])``) or packed FP4 ``b`` (``(int8 [G, N, K/2], int32 [G, N, K/128] packed UE8M0 or
+    float32 [G, N, K/32])``); ``grouped_layout [M]`` int32 (-1 padding; each group starting a multiple of the
+    alignment) or, with ``use_psum_layout``, ``[G]`` cumulative row ends. ``d [M, N]`` bf16/float32 is written."""
+    fn = "m_grouped_fp8_fp4_gemm_nt_contiguous"
+    check_flags(fn, compiled_dims, disable_ue8m0_cast, use_psum_layout, ensure_zero_padding, expected_m_for_psum_layout)
+    return _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn=False)
+
+
+def m_grouped_fp8_fp4_gemm_nn_contiguous(
+    a, b, d, grouped_layout, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False,
+    use_psum_layout=False, ensure_zero_padding=True,
+):  # fmt: skip
+    """:func:`m_grouped_fp8_fp4_gemm_nt_contiguous` with ``b`` given as ``[G, K, N]`` (scales ``[G, K/128, N/128]``),
+    FP8 only; it is transposed (a copy) first."""
+    fn = "m_grouped_fp8_fp4_gemm_nn_contiguous"
+    check_flags(fn, compiled_dims, disable_ue8m0_cast, use_psum_layout, ensure_zero_padding)
+    return _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn=True)
+
+
+def _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn):
+    kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=nn)
+    layout, psum = _contiguous_layout(fn, aa[0], grouped_layout, use_psum_layout, bb[0].shape[0])
+    getattr(gemm, f"m_grouped_{kind}_gemm_nt_contiguous")(aa, bb, d, layout, psum)
+    return d
+
+
+def m_grouped_fp8_fp4_gemm_nt_masked(
+    a,
+    b,
+    d,
+    masked_m,
+    expected_m,
+    recipe=None,
+    recipe_a=None,
+    recipe_b=None,
+    compiled_dims="nk",
+    disable_ue8m0_cast=False,
+):
+    """``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` with ``a`` ``(e4m3 [G, M_max, K], scales)`` and ``b`` as in
+    :func:`m_grouped_fp8_fp4_gemm_nt_contiguous`; rows past ``masked_m[g]`` are left untouched."""
+    fn = "m_grouped_fp8_fp4_gemm_nt_masked"
+    check_flags(fn, compiled_dims, disable_ue8m0_cast)
+    kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b)
+    getattr(gemm, f"m_grouped_{kind}_gemm_nt_masked")(aa, bb, d, masked_m, expected_m)
+    return d
+
+
+def m_grouped_bf16_gemm_nt_contiguous(
+    a,
+    b,
+    d,
+    grouped_layout,
+    compiled_dims="nk",
+    use_psum_layout=False,
+    ensure_zero_padding=True,
+    expected_m_for_psum_layout=None,
+):
+    """``d[i] = a[i] @ b[grouped_layout[i]].T`` in bf16 (``a [M, K]``, ``b [G, N, K]``), layouts as for FP8."""
+    fn = "m_grouped_bf16_gemm_nt_contiguous"
+    check_flags(fn, compiled_dims, False, use_psum_layout, ensure_zero_padding, expected_m_for_psum_layout)
+    layout, psum = _contiguous_layout(fn, a, grouped_layout, use_psum_layout, b.shape[0])
+    gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout, psum)
+    return d
+
+
+def m_grouped_bf16_gemm_nn_contiguous(
+    a, b, d, grouped_layout, compiled_dims="nk", use_psum_layout=False, ensure_zero_padding=True
+):
+    """:func:`m_grouped_bf16_gemm_nt_contiguous` with ``b`` given as ``[G, K, N]`` (transposed first, a copy)."""
+    return m_grouped_bf16_gemm_nt_contiguous(
+        a, b.transpose(-1, -2).contiguous(), d, grouped_layout, compiled_dims, use_psum_layout, ensure_zero_padding
+    )
+
+
+def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk"):
+    """The masked layout in bf16 (``a [G, M_max, K]``, ``b [G, N, K]``); rows past ``masked_m[g]`` untouched."""
+    check_flags("m_grouped_bf16_gemm_nt_masked", compiled_dims, False)
+    gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)
+    return d
+
+
+# Dense GEMMs: one group of the masked layout
+
+
+def _no_alpha(fn: str, alpha) -> None:
+    if alpha is not None:
+        raise ValueError(
+            f"{fn}: alpha={alpha!r} is not supported (DeepGEMM's output scale, which its SM90 FP8 kernels refuse "
+            "too; epkit's dense GEMMs have none): pass None and scale d afterwards"
+        )
+
+
+def _dense(fn: str, kind: str, a, b, d: torch.Tensor, c) -> torch.Tensor:
+    """``d = a @ b.T (+ c)`` as the masked grouped GEMM of one group (float32 accumulation; with ``c``, one rounding
+    of ``a @ b.T + c`` to ``d``'s dtype)."""
+    a0 = a[0] if isinstance(a, tuple) else a
+    if not isinstance(d, torch.Tensor) or d.dim() != 2:
+        raise ValueError(f"{fn}: d must be a 2-D [M, N] tensor, got {tuple(getattr(d, 'shape', ()))}")
+    if c is not None and (not isinstance(c, torch.Tensor) or c.shape != d.shape or c.dtype != d.dtype):
+        raise ValueError(f"{fn}: c must be a tensor like d ({d.dtype} {tuple(d.shape)}), got {c!r:.80}")
+    one = (lambda t: t.unsqueeze(0)) if kind == "bf16" else (lambda p: (p[0].unsqueeze(0), p[1].unsqueeze(0)))
+    out = d.unsqueeze(0) if c is None else torch.empty((1, *d.shape), dtype=torch.float32, device=d.device)
+    counts = torch.full((1,), a0.shape[0], dtype=torch.int32, device=a0.device)
+    getattr(gemm, f"m_grouped_{kind}_gemm_nt_masked")(one(a), one(b), out, counts, a0.shape[0])
+    if c is not None:
+        d.copy_(out[0] + c.float())
+    return d
+
+
+def fp8_fp4_gemm_nt(
+    a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False,
+    alpha=None,
+):  # fmt: skip
+    """``d = a @ b.T (+ c)``: ``a`` ``(e4m3 [M, K], scales [M, K/128])``, ``b`` ``(e4m3 [N, K], float32 [N/128,
+    K/128])`` or packed FP4 as in :func:`m_grouped_fp8_fp4_gemm_nt_contiguous` (without the group dim).
+    ``alpha`` (DeepGEMM's output scale, SM100-only for FP8) must be None."""
+    fn = "fp8_fp4_gemm_nt"
+    check_flags(fn, compiled_dims, disable_ue8m0_cast)
+    _no_alpha(fn, alpha)
+    kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b)
+    return _dense(fn, kind, aa, bb, d, c)
+
+
+def fp8_fp4_gemm_nn(
+    a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False,
+    alpha=None,
+):  # fmt: skip
+    """:func:`fp8_fp4_gemm_nt` with ``b`` given as ``[K, N]`` (scales ``[K/128, N/128]``), FP8 only."""
+    fn = "fp8_fp4_gemm_nn"
+    check_flags(fn, compiled_dims, disable_ue8m0_cast)
+    _no_alpha(fn, alpha)
+    kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=True)
+    return _dense(fn, kind, aa, bb, d, c)
+
+
+def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk", alpha=None):
+    """``d = a @ b.T (+ c)`` in bf16: ``a [M, K]``, ``b [N, K]``, ``d [M, N]`` bf16/float32; ``alpha`` must be
+    None."""
+    check_flags("bf16_gemm_nt", compiled_dims, False)
+    _no_alpha("bf16_gemm_nt", alpha)
+    return _dense("bf16_gemm_nt", "bf16", a, b, d, c)
+
+
+def bf16_gemm_nn(a, b, d, c=None, compiled_dims="nk", alpha=None):
+    """:func:`bf16_gemm_nt` with ``b`` given as ``[K, N]``."""
+    check_flags("bf16_gemm_nn", compiled_dims, False)
+    _no_alpha("bf16_gemm_nn", alpha)
+    return _dense("bf16_gemm_nn", "bf16", a, b.transpose(0, 1).contiguous(), d, c)
+
+
+# DeepGEMM's aliases
+fp8_gemm_nt, fp8_gemm_nn = fp8_fp4_gemm_nt, fp8_fp4_gemm_nn
+m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_fp4_gemm_nt_contiguous
+m_grouped_fp8_gemm_nn_contiguous = m_grouped_fp8_fp4_gemm_nn_contiguous
+m_grouped_fp8_gemm_nt_masked = fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_fp4_gemm_nt_masked
+bf16_m_grouped_gemm_nt_masked = m_grouped_bf16_gemm_nt_masked

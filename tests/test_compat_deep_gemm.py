@@ -1,0 +1,293 @@
+"""``epkit.compat.deep_gemm``: DeepGEMM's signatures (``csrc/apis/*.hpp`` of deepseek-ai/DeepGEMM), its scale
+layouts (float32 and packed UE8M0, TMA-aligned MN-major) and its settings, checked against epkit's GEMMs and
+reference, with the call sequences vLLM (``vllm/utils/deep_gemm.py`` and its MoE experts) and SGLang
+(``deep_gemm_wrapper``) use."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import epkit.compat.deep_gemm as deep_gemm
+from epkit import grouped_gemm as gemm
+from epkit.quant import cast_to_mxfp4, per_block_cast_to_fp8, per_token_group_cast_to_fp8
+from epkit.testing.markers import requires_cuda
+
+G, N, K = 2, 128, 256
+
+
+@pytest.fixture(autouse=True)
+def _default_settings():
+    yield
+    deep_gemm.set_mk_alignment_for_contiguous_layout(128)
+    deep_gemm._STATE["num_sms"] = None
+
+
+def _pack_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's packing of power-of-two float32 scales: their exponent bytes, 4 per int32 (padded with zeros)."""
+    exps = ((sf.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return torch.nn.functional.pad(exps, (0, -sf.shape[-1] % 4)).contiguous().view(torch.int32)
+
+
+def _inputs(m: int, seed: int, masked: bool = False, ue8m0: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((G, m, K) if masked else (m, K), generator=g)
+    w = torch.randn(G, N, K, generator=g) / K**0.5
+    return per_token_group_cast_to_fp8(x, ue8m0=ue8m0), per_block_cast_to_fp8(w), w
+
+
+def _same(a, b, what=""):
+    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
+
+
+def test_contiguous_fp8_float_and_packed_ue8m0_scales_agree_with_epkit():
+    a, b, _ = _inputs(256, 1, ue8m0=True)
+    layout = gemm.build_m_indices([100, 120])
+    want = gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.zeros(256, N, dtype=torch.bfloat16), layout)
+    got = deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.zeros(256, N, dtype=torch.bfloat16), layout)
+    _same(got, want, "float32 scales")
+    packed = (a[0], _pack_ue8m0(a[1]))  # [M, K/512] int32: 2 groups of 128 per int for K = 256 (padded)
+    assert packed[1].shape == (256, 1)
+    got = deep_gemm.m_grouped_fp8_gemm_nt_contiguous(packed, b, torch.zeros(256, N, dtype=torch.bfloat16), layout)
+    _same(got, want, "packed UE8M0 activation scales")
+    # packed by DeepGEMM's own helper, MN-major (strides (1, M) on [M, 1]: no dtype view of it works)
+    tma_packed = (a[0], deep_gemm.get_mn_major_tma_aligned_packed_ue8m0_tensor(a[1]))
+    got = deep_gemm.m_grouped_fp8_gemm_nt_contiguous(tma_packed, b, torch.zeros(256, N, dtype=torch.bfloat16), layout)
+    _same(got, want, "MN-major packed UE8M0 activation scales")
+    mn_major = (a[0], deep_gemm.get_mn_major_tma_aligned_tensor(a[1]))  # as vLLM and SGLang pass them
+    got = deep_gemm.m_grouped_fp8_gemm_nt_contiguous(mn_major, b, torch.zeros(256, N, dtype=torch.bfloat16), layout)
+    _same(got, want, "MN-major scales")
+
+
+def test_fp8_fp4_packed_scales_are_epkits_e8m0_bytes():
+    a, _, w = _inputs(256, 2)
+    packed, e8m0 = cast_to_mxfp4(w, ties="down", amax_min=1e-4)
+    layout = gemm.build_m_indices([128, 60])
+    want = gemm.m_grouped_fp8_fp4_gemm_nt_contiguous(a, (packed, e8m0), torch.zeros(256, N), layout)
+    int_scales = e8m0.contiguous().view(torch.int32)  # [G, N, K/128]: DeepGEMM's packed UE8M0 weight scales
+    for sfb in (int_scales, (e8m0.to(torch.int32) << 23).view(torch.float32)):
+        got = deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous(
+            a, (packed.view(torch.int8), sfb), torch.zeros(256, N), layout, recipe_a=(1, 128), recipe_b=(1, 32)
+        )
+        _same(got, want, str(sfb.dtype))
+
+
+def test_psum_layout_at_another_alignment():
+    deep_gemm.set_mk_alignment_for_contiguous_layout(256)
+    assert (
+        deep_gemm.get_mk_alignment_for_contiguous_layout() == 256 == deep_gemm.get_m_alignment_for_contiguous_layout()
+    )
+    assert deep_gemm.get_theoretical_mk_alignment_for_contiguous_layout(64) == 256
+    a, b, _ = _inputs(768, 3)
+    ends = torch.tensor([100, 600], dtype=torch.int32)
+    for align in (256, 128):  # group 1 starts at the end of group 0 rounded up to the alignment
+        deep_gemm.set_mk_alignment_for_contiguous_layout(align)
+        rows = torch.full((768,), -1, dtype=torch.int32)
+        rows[:100], rows[align:600] = 0, 1
+        want = gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.zeros(768, N), rows)
+        got = deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.zeros(768, N), ends, use_psum_layout=True)
+        _same(got, want, f"psum at {align}")
+
+
+def test_masked_bf16_and_the_dense_gemms():
+    a, b, _ = _inputs(16, 4, masked=True)
+    counts = torch.tensor([16, 7], dtype=torch.int32)
+    want = gemm.m_grouped_fp8_gemm_nt_masked(a, b, torch.zeros(G, 16, N, dtype=torch.bfloat16), counts, 16)
+    got = deep_gemm.fp8_m_grouped_gemm_nt_masked(a, b, torch.zeros(G, 16, N, dtype=torch.bfloat16), counts, 16)
+    _same(got, want, "masked")
+    xb, wb = a[0][0].float().bfloat16(), b[0][0].float().bfloat16()
+    d = deep_gemm.bf16_gemm_nt(xb, wb, torch.empty(16, N))
+    assert torch.allclose(d, xb.float() @ wb.float().T, atol=1e-3, rtol=1e-3)
+    c = torch.randn(16, N)
+    _same(deep_gemm.bf16_gemm_nt(xb, wb, torch.empty(16, N), c=c), d + c, "bf16 with c")
+    _same(deep_gemm.bf16_gemm_nn(xb, wb.T.contiguous(), torch.empty(16, N)), d, "bf16 nn")
+    one_a, one_b = (a[0][0], a[1][0]), (b[0][0], b[1][0])
+    dense = deep_gemm.fp8_gemm_nt(one_a, one_b, torch.empty(16, N, dtype=torch.bfloat16))
+    _same(dense[:16], want[0], "fp8 dense = one group of the masked GEMM")
+    nn = deep_gemm.fp8_gemm_nn(one_a, (one_b[0].T, one_b[1].T), torch.empty(16, N, dtype=torch.bfloat16))
+    _same(nn, dense, "fp8 nn")
+    mm = torch.zeros(G, 16, N, dtype=torch.bfloat16)
+    _same(deep_gemm.m_grouped_bf16_gemm_nt_masked(xb.expand(G, 16, K).contiguous(), wb.expand(G, N, K).contiguous(),
+                                                  mm, counts, 16)[0], d.bfloat16(), "bf16 masked")  # fmt: skip
+
+
+def test_layout_helpers():
+    assert deep_gemm.get_tma_aligned_size(13, 4) == 16 and deep_gemm.get_tma_aligned_size(13, 1) == 16
+    sf = torch.rand(3, 13, 6)
+    t = deep_gemm.get_mn_major_tma_aligned_tensor(sf)
+    assert t.stride() == (16 * 6, 1, 16) and torch.equal(t, sf)
+    assert deep_gemm.get_mn_major_tma_aligned_tensor(t) is t
+    pow2 = torch.exp2(torch.randint(-20, 5, (13, 6)).float())
+    packed = deep_gemm.get_mn_major_tma_aligned_packed_ue8m0_tensor(pow2)
+    assert packed.dtype == torch.int32 and packed.shape == (13, 2) and packed.stride() == (1, 16)
+    unpacked = (packed.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)[:, :6]
+    _same(unpacked, pow2, "packed UE8M0 round trip")
+    sfa = torch.rand(40, 2)
+    moved = deep_gemm.transform_sf_into_required_layout(sfa, 40, 256, (1, 128, 128), is_sfa=True)
+    assert moved.stride() == (1, 40) and torch.equal(moved, sfa)
+    sfb = torch.rand(G, 1, 2)
+    assert deep_gemm.transform_sf_into_required_layout(sfb, N, K, (1, 128, 128), num_groups=G, is_sfa=False) is sfb
+    with pytest.raises(ValueError, match="sf must have shape"):
+        deep_gemm.transform_sf_into_required_layout(sfb, N, K, (1, 128, 128), is_sfa=False)
+    with pytest.raises(ValueError, match="needs is_sfa"):
+        deep_gemm.transform_sf_into_required_layout(sfa, 40, 256, (1, 128, 128))
+
+
+def test_refusals_name_deep_gemms_parameter():
+    a, b, _ = _inputs(256, 5)
+    layout = gemm.build_m_indices([10, 10])
+    d = torch.zeros(256, N, dtype=torch.bfloat16)
+    for kwargs, match in (
+        (dict(recipe=(1, 1, 128)), r"recipe=\(1, 1, 128\).*1x128 activation scales"),
+        (dict(recipe_a=(1, 128)), "both recipe_a and recipe_b"),
+        (dict(compiled_dims="nz"), "compiled_dims"),
+        (dict(ensure_zero_padding=1), "ensure_zero_padding must be a bool"),
+        (dict(expected_m_for_psum_layout=-1), "expected_m_for_psum_layout"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, d, layout, **kwargs)
+    with pytest.raises(ValueError, match="a must be float8_e4m3fn"):
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a[0].view(torch.int8), a[1]), b, d, layout)
+    with pytest.raises(ValueError, match="per-row packed UE8M0 weight scales"):
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, (b[0], b[1].view(torch.int32)), d, layout)
+    fp4 = (torch.zeros(G, N, K // 2, dtype=torch.int8), torch.zeros(G, N, K // 128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="nn form is for FP8 b"):
+        deep_gemm.m_grouped_fp8_fp4_gemm_nn_contiguous(a, fp4, d, layout)
+    for bad in (64, 0, 200):
+        with pytest.raises(ValueError, match="new_value must be a positive multiple of 128"):
+            deep_gemm.set_mk_alignment_for_contiguous_layout(bad)
+    with pytest.raises(ValueError, match="new_num_sms"):
+        deep_gemm.set_num_sms(0)
+    one = torch.zeros(8, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bf16_gemm_nt: alpha=2\.0 is not supported"):
+        deep_gemm.bf16_gemm_nt(one, one, torch.empty(8, 8), alpha=2.0)
+    with pytest.raises(TypeError):
+        deep_gemm.m_grouped_fp8_gemm_nt_masked(a, b, d, layout, 1, use_psum_layout=True)  # not DeepGEMM's either
+
+
+def test_vllm_and_sglang_call_sequences():
+    # vLLM: vllm/utils/deep_gemm.py wraps every call with disable_ue8m0_cast=not is_deep_gemm_e8m0_used()
+    (a1q, a1q_scale), (w1, w1_scale), _ = _inputs(256, 6, ue8m0=True)
+    expert_ids = gemm.build_m_indices([90, 100])
+    mm1_out = torch.empty(256, N, dtype=torch.bfloat16)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+        (a1q, deep_gemm.get_mn_major_tma_aligned_tensor(a1q_scale)), (w1, w1_scale), mm1_out, expert_ids,
+        disable_ue8m0_cast=False,
+    )  # fmt: skip
+    want = gemm.grouped_gemm_reference("fp8", a1q, a1q_scale, w1, w1_scale, torch.empty_like(mm1_out), expert_ids)
+    assert (mm1_out.float() - want.float()).abs().max() < 0.1
+    assert deep_gemm.get_mk_alignment_for_contiguous_layout() == 128
+    (a, a_s), b, _ = _inputs(8, 7, masked=True)
+    expert_num_tokens = torch.tensor([8, 3], dtype=torch.int32)
+    out = torch.zeros(G, 8, N, dtype=torch.bfloat16)
+    deep_gemm.fp8_m_grouped_gemm_nt_masked((a, a_s), b, out, expert_num_tokens, 8, disable_ue8m0_cast=True)
+    # SGLang: deep_gemm_wrapper (masked, contiguous, dense) and configure_deep_gemm_num_sms
+    lhs, rhs = (a, a_s), b
+    again = torch.zeros_like(out)
+    original_num_sms = deep_gemm.get_num_sms()
+    deep_gemm.set_num_sms(1)
+    try:
+        assert deep_gemm.get_num_sms() == 1
+        deep_gemm.fp8_m_grouped_gemm_nt_masked(lhs, rhs, again, expert_num_tokens, 8)
+    finally:
+        deep_gemm.set_num_sms(original_num_sms)
+    assert deep_gemm.get_num_sms() == original_num_sms
+    _same(again, out, "the same GEMM with another SM count")
+    dense = torch.empty(8, N, dtype=torch.bfloat16)
+    deep_gemm.fp8_gemm_nt((a[0], a_s[0]), (b[0][0], b[1][0]), dense)
+    _same(dense, out[0], "dense")
+
+
+# DeepGEMM's Python signatures (pybind11 definitions in csrc/apis/gemm.hpp and layout.hpp)
+_FP8 = "recipe=None recipe_a=None recipe_b=None compiled_dims='nk' disable_ue8m0_cast=False"
+SIGNATURES = {
+    "m_grouped_fp8_fp4_gemm_nt_contiguous": f"a b d grouped_layout {_FP8} use_psum_layout=False "
+    "ensure_zero_padding=True expected_m_for_psum_layout=None",
+    "m_grouped_fp8_fp4_gemm_nn_contiguous": f"a b d grouped_layout {_FP8} use_psum_layout=False "
+    "ensure_zero_padding=True",
+    "m_grouped_fp8_fp4_gemm_nt_masked": f"a b d masked_m expected_m {_FP8}",
+    "fp8_fp4_gemm_nt": f"a b d c=None {_FP8} alpha=None",
+    "fp8_fp4_gemm_nn": f"a b d c=None {_FP8} alpha=None",
+    "bf16_gemm_nt": "a b d c=None compiled_dims='nk' alpha=None",
+    "bf16_gemm_nn": "a b d c=None compiled_dims='nk' alpha=None",
+    "m_grouped_bf16_gemm_nt_contiguous": "a b d grouped_layout compiled_dims='nk' use_psum_layout=False "
+    "ensure_zero_padding=True expected_m_for_psum_layout=None",
+    "m_grouped_bf16_gemm_nn_contiguous": "a b d grouped_layout compiled_dims='nk' use_psum_layout=False "
+    "ensure_zero_padding=True",
+    "m_grouped_bf16_gemm_nt_masked": "a b d masked_m expected_m compiled_dims='nk'",
+    "transform_sf_into_required_layout": "sf mn k recipe num_groups=None is_sfa=None disable_ue8m0_cast=False "
+    "psum_layout=None",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor": "sf psum_layout=None",
+    "get_theoretical_mk_alignment_for_contiguous_layout": "expected_m=None",
+}
+ALIASES = {
+    "fp8_gemm_nt": "fp8_fp4_gemm_nt",
+    "fp8_gemm_nn": "fp8_fp4_gemm_nn",
+    "m_grouped_fp8_gemm_nt_contiguous": "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nn_contiguous": "m_grouped_fp8_fp4_gemm_nn_contiguous",
+    "m_grouped_fp8_gemm_nt_masked": "m_grouped_fp8_fp4_gemm_nt_masked",
+    "fp8_m_grouped_gemm_nt_masked": "m_grouped_fp8_fp4_gemm_nt_masked",
+    "bf16_m_grouped_gemm_nt_masked": "m_grouped_bf16_gemm_nt_masked",
+    "get_m_alignment_for_contiguous_layout": "get_mk_alignment_for_contiguous_layout",
+    "get_k_alignment_for_contiguous_layout": "get_mk_alignment_for_contiguous_layout",
+}
+
+
+def _sig(fn) -> str:
+    return " ".join(
+        p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+        for p in inspect.signature(fn).parameters.values()
+    )
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_signatures_are_deep_gemms(name):
+    assert _sig(getattr(deep_gemm, name)) == SIGNATURES[name]
+
+
+def test_aliases_are_deep_gemms():
+    for alias, target in ALIASES.items():
+        assert getattr(deep_gemm, alias) is getattr(deep_gemm, target), alias
+    assert set(deep_gemm.__all__) >= set(SIGNATURES) | set(ALIASES)
+
+
+@requires_cuda
+def test_gpu_deep_gemm_calls_give_epkits_bits_and_a_cuda_graph_holds_them():
+    # rung 4: the DeepGEMM-style calls engines make (packed UE8M0 activation scales in the MN-major layout, a psum
+    # layout at another alignment, the masked decode GEMM) on CUDA tensors give the bits of epkit's own GEMM on the
+    # same tensors, and capture and replay in a CUDA graph (every scale conversion is a device op)
+    def cuda(pair):
+        return tuple(t.cuda() for t in pair)
+
+    a, b = (cuda(p) for p in _inputs(768, 9, ue8m0=True)[:2])
+    rows = torch.full((768,), -1, dtype=torch.int32)
+    rows[:100], rows[256:600] = 0, 1
+    ends, rows = torch.tensor([100, 600], dtype=torch.int32).cuda(), rows.cuda()
+    want = gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.zeros(768, N, dtype=torch.bfloat16).cuda(), rows)
+    ma, mb = (cuda(p) for p in _inputs(16, 10, masked=True)[:2])
+    counts = torch.tensor([16, 7], dtype=torch.int32).cuda()
+    want_m = gemm.m_grouped_fp8_gemm_nt_masked(ma, mb, torch.zeros(G, 16, N, dtype=torch.bfloat16).cuda(), counts, 16)
+    packed = (a[0], deep_gemm.get_mn_major_tma_aligned_packed_ue8m0_tensor(a[1]))
+    d, dm = torch.zeros_like(want), torch.zeros_like(want_m)
+
+    def calls():
+        deep_gemm.set_mk_alignment_for_contiguous_layout(256)
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(packed, b, d, ends, use_psum_layout=True)
+        deep_gemm.set_mk_alignment_for_contiguous_layout(128)
+        deep_gemm.m_grouped_fp8_gemm_nt_masked(ma, mb, dm, counts, 16)
+
+    calls()  # eager (and the kernels' compilation, outside the capture)
+    torch.cuda.synchronize()
+    _same(d, want, "psum at 256, packed UE8M0 scales")
+    _same(dm, want_m, "masked")
+    d.zero_()
+    dm.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    _same(d, want, "replayed contiguous")
+    _same(dm, want_m, "replayed masked")
