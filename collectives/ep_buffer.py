@@ -27,15 +27,19 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from epkit.collectives._details.ep_device import DevicePathMixin
+from epkit.collectives._details.ep_device_ll import DeviceLowLatencyMixin
+from epkit.collectives._details.ep_device_normal import DeviceNormalMixin
 from epkit.collectives._details.ep_low_latency import LowLatencyMixin
 from epkit.collectives._details.ep_low_latency_layout import COMBINE_HEADER, LowLatencyHandle
 from epkit.collectives._details.ep_normal import DispatchHandle, NormalModeMixin
 from epkit.collectives._details.ep_rows import (
     FIELD_ALIGN,
     META_MSG,
-    ROW_DTYPES,
     align_up,
     check_biases,
+    check_formats,
+    format_code,
 )
 from epkit.collectives.symm_buffer import SymmBuffer
 from epkit.collectives.transports import all_on_one_host
@@ -47,17 +51,7 @@ __all__ = ["DEFAULT_LOW_LATENCY_TOKENS", "EPBuffer", "DispatchHandle", "LowLaten
 DEFAULT_LOW_LATENCY_TOKENS = 128
 
 
-def _check_formats(formats: list[int]) -> None:
-    """Every rank sees every rank's row format (word 0 of the layout messages), so every rank raises alike."""
-    if len(set(formats)) != 1:
-        names = [
-            f"rank {r}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
-            for r, f in enumerate(formats)
-        ]
-        raise ValueError("dispatch rows differ in format across ranks (" + "; ".join(names) + ")")
-
-
-class EPBuffer(NormalModeMixin, LowLatencyMixin):
+class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLatencyMixin, DeviceNormalMixin):
     """Dispatch/combine for one EP group.
 
     Parameters
@@ -87,6 +81,13 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         source rank, so the memory grows with it times ``num_experts``).
     timeout : float
         Seconds any wait may take (default 30).
+    kernels : {"auto", "device", "host"}
+        ``auto``: device-side dispatch/combine kernels (``kernels/triton/ep_*.py``) for CUDA rows when every peer
+        is directly addressable (nvshmem inside one NVLink domain), the host-driven protocol otherwise;
+        ``device``: the kernels wherever every peer is addressable, CPU ranks on shm included (under the Triton
+        interpreter: far slower than the C++ CPU path, for tests); ``host``: the host-driven protocol. The
+        environment variable ``EPKIT_EP_KERNELS`` overrides ``auto``. Results are bitwise the same either way;
+        see ``_details/ep_device.py``.
 
     Attributes
     ----------
@@ -108,6 +109,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         transport: str = "auto",
         num_max_dispatch_tokens_per_rank: int | None = None,
         timeout: float = 30.0,
+        kernels: str = "auto",
     ):
         w = dist.get_world_size(group)
         for name, v in (
@@ -156,7 +158,11 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
             f"{'low-latency' if ll_sized else 'normal'} mode (num_max_tokens_per_rank={n}, "
             f"num_max_dispatch_tokens_per_rank={n_ll}, hidden={h}, num_experts={num_experts}): lower {knob}"
         )
-        self.buffer = SymmBuffer(group, self.region_bytes * w, transport=transport, timeout=timeout, memory_hint=hint)
+        mode, area = self._kernel_area(kernels, transport, group)
+        extra = area.get("total", 0)
+        self.buffer = SymmBuffer(
+            group, self.region_bytes * w + extra, transport=transport, timeout=timeout, memory_hint=hint
+        )
         self.transport = self.buffer.transport
         #: Where rows live (x, y, received rows, outputs); routing metadata is kept on the CPU.
         self.device = self.buffer.local.device
@@ -164,8 +170,11 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         #: low-latency calls on CUDA rows count on the device instead (no host read): read the total, both
         #: included, with :meth:`take_expert_load`.
         self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
+        self.recv_tokens_per_expert_total._epkit_host = True  # host memory on every device (epkit.testing.host_sync)
         self._ll_cache: dict = {}
         self._dispatches = self._ll_dispatches = 0  # normal / low-latency dispatch calls (handle epochs)
+        #: The device path's state (``_details/ep_device.py``), or None on the host-driven path.
+        self._dev = self._attach_kernels(mode, area)
 
     def close(self) -> None:
         """Release the symmetric buffer; the EPBuffer cannot be used afterwards (DeepEP's ``destroy``).
@@ -193,6 +202,11 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
 
     def is_within_domain(self) -> bool:
         return self.buffer.is_within_domain()
+
+    @property
+    def uses_device_kernels(self) -> bool:
+        """Whether dispatch/combine run as device kernels (``kernels=...``; see ``_details/ep_device.py``)."""
+        return self._dev is not None
 
     @contextlib.contextmanager
     def retire_on_failure(self, what: str):
@@ -232,8 +246,11 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
     def synchronize(self) -> None:
         """Wait for this rank's stream-ordered low-latency work; raise what it found (a silent peer as
         TimeoutError, a rank's invalid input as ValueError). Calls on CUDA rows never wait for the device
-        themselves: their failures surface here or at the start of the next call on this buffer."""
+        themselves: their failures surface here or at the start of the next call on this buffer (on the
+        device kernels, once this rank's queued kernels have finished: a bounded wait)."""
         self.buffer.synchronize()
+        if self._dev is not None:
+            self._dev.poll(drain=True)
 
     # layout
 
@@ -256,14 +273,15 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
 
     # validation
 
-    def _check_topk(self, topk_idx, num_tokens: int) -> None:
-        check_topk_idx(topk_idx, self.num_experts, self.num_topk)
+    def _check_topk(self, topk_idx, num_tokens: int, check_values: bool = True) -> None:
+        check_topk_idx(topk_idx, self.num_experts, self.num_topk, check_values)
         if topk_idx.shape[0] != num_tokens:
             raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}, expected ({num_tokens}, {self.num_topk})")
 
-    def validate_dispatch(self, x, scales, topk_idx, topk_weights, capacity: int) -> None:
+    def validate_dispatch(self, x, scales, topk_idx, topk_weights, capacity: int, check_values: bool = True) -> None:
         """Raise ValueError for dispatch inputs this buffer cannot take (local checks: no data moves, nothing is
-        agreed with the peers; callers carry the error into their agreement step).
+        agreed with the peers; callers carry the error into their agreement step). ``check_values=False`` leaves
+        the expert ids' range to the caller (the device kernels check it on the device: no host read).
 
         ``x [T, hidden]`` on the buffer's device (bf16/fp16/fp32, or e4m3 with ``scales [T, ceil(hidden/128)]``
         float32), at most ``capacity`` tokens; ``topk_idx [T, num_topk]`` in ``[-1, num_experts)``;
@@ -284,7 +302,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
             raise ValueError(
                 f"scales must be float32 [{t}, {-(-self.hidden // 128)}], got {scales.dtype} {tuple(scales.shape)}"
             )
-        self._check_topk(topk_idx, t)
+        self._check_topk(topk_idx, t, check_values)
         if topk_weights is not None and tuple(topk_weights.shape) != (t, self.num_topk):
             raise ValueError(f"topk_weights must be [{t}, {self.num_topk}], got {tuple(topk_weights.shape)}")
 
@@ -326,6 +344,8 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
             x, scales = x
         if handle is not None:
             return self._dispatch_cached(x, scales, handle)
+        if self._dev is not None:
+            return self._dev_dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand)
         # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
         self._dispatches += 1
         w, L = self.world_size, self.num_local_experts
@@ -344,7 +364,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
             topk_idx = topk_idx.cpu()
             topk_weights = topk_weights.cpu() if topk_weights is not None else None
             # Word 0 of the layout message: the row format, which every rank must share.
-            fmt = 1 + 2 * ROW_DTYPES.index(x.dtype) + int(scales is not None)
+            fmt = format_code(x.dtype, scales is not None)
             _, _, in_rank = self.get_dispatch_layout(topk_idx)
             tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
             ids = topk_idx.long()
@@ -354,7 +374,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
                 meta_rows.append(torch.cat([torch.tensor([fmt, tokens[r].numel()]), counts]))
         # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
         got = self._agree_rows(error, meta_rows, 2 + L)
-        _check_formats([int(g[0]) for g in got])
+        check_formats([int(g[0]) for g in got])
         recv_counts = [int(g[1]) for g in got]
         if topk_weights is None:
             topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
@@ -371,6 +391,8 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
         """``[X] int32`` local expert id per expanded row, -1 on padding (the contiguous grouped GEMM's input)."""
         if not handle.expand:
             raise ValueError("m_indices needs a dispatch with expand=True")
+        if handle.kernel_state is not None:  # the device kernels wrote it
+            return handle.kernel_state["m"]
         rows = handle.expanded_rows
         out = torch.full(rows.shape, -1, dtype=torch.int32)
         ok = handle.expanded_slot >= 0
@@ -426,4 +448,6 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin):
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         self.agree_on_handle("combine", handle, error)
         with self.retire_on_failure("combine"):
+            if self._dev is not None:
+                return self._dev_combine(y, handle, weights, biases)
             return self._combine_rows(y, handle, weights, biases)

@@ -1,5 +1,10 @@
 """MegaMoE-style fused MoE layer: dispatch -> grouped GEMM -> SwiGLU -> grouped GEMM -> combine in one call.
 
+On a buffer that took the device kernels (``EPBuffer(kernels=...)``, see ``_details/ep_device.py``) each row
+crosses to its destination rank once and the receive kernel lays it out as the grouped GEMM's contiguous
+input; the combine reads the expert outputs where they are (the weighted sums leave the expert rank once), with
+one host read (the rows received, which size the GEMM) and no host barrier. Otherwise:
+
 Allowed only when every EP peer is directly addressable (``EPBuffer.is_within_domain()``: the
 ``shm`` transport on one host, or ``nvshmem`` within one NVLink domain, where the rows live on the
 GPU and move through peer views; that path runs in CI on the nvshmem emulator with the row moves and
@@ -85,6 +90,18 @@ def fused_moe(
             f"domain); this buffer ({buffer.transport!r}) is not: compose dispatch -> expert_mlp -> combine instead"
         )
     error, biases = _check_call(x, topk_idx, topk_weights, buffer, bias, expert_alignment)
+    if buffer.uses_device_kernels:  # dispatch and combine on the device kernels, the expert MLP between them
+        from epkit.moe import expert_mlp
+
+        def experts(rows, m_indices):
+            if rows.shape[0] == 0:
+                return torch.zeros((0, buffer.hidden), dtype=torch.bfloat16, device=buffer.device)
+            mlp = expert_mlp(
+                rows, "contiguous", w13, w2, m_indices=m_indices, swiglu_limit=swiglu_limit, backend=backend
+            )
+            return mlp.contiguous()
+
+        return buffer.run_fused(x, topk_idx, topk_weights, expert_alignment, error, biases, experts)
     peers = _publish(x, topk_idx, topk_weights, buffer, error)
     with buffer.retire_on_failure("fused_moe"):  # a failure past the agreement leaves peers at a barrier
         return _fused_rows(x, topk_idx, peers, w13, w2, buffer, biases, swiglu_limit, expert_alignment, backend)

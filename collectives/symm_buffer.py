@@ -129,6 +129,11 @@ class SymmBuffer(FailureNotices):
         """The transport's name: ``"shm"``, ``"torch"`` or ``"nvshmem"``."""
         return self.impl.name
 
+    def check_usable(self) -> None:
+        """RuntimeError if the buffer is closed or retired by an earlier failure; raises a failed deferred check.
+        Every collective call starts with it (device kernels that bypass :meth:`exchange` call it themselves)."""
+        self._check_usable()
+
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: this SymmBuffer is closed")

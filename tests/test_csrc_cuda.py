@@ -39,8 +39,14 @@ def test_cuda_extension_built_when_toolchain_present():
     elf = subprocess.run([tool, "-lelf", path], capture_output=True, text=True, timeout=120).stdout
     assert "sm_90" in elf, elf
     sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=300).stdout
-    for kernel in ("put_signal_kernel", "signal_wait_kernel", "signal_op_kernel", "signal_wait_all_kernel"):
+    kernels = ("put_signal_kernel", "put_chunks_kernel", "signal_after_kernel", "signal_wait_kernel",
+               "signal_op_kernel", "signal_wait_all_kernel")  # fmt: skip
+    for kernel in kernels:
         assert kernel in sass, f"{kernel} missing from the extension's SASS"
+    # put_signal to an addressable peer: many blocks copying 16 bytes per load and store
+    start = sass.index("put_chunks_kernel")
+    body = sass[start : sass.find("Function :", start)]
+    assert "LDG.E.128" in body and "STG.E.128" in body, body[:2000]
     # signal_op fences (system scope) before its signal, so earlier writes of the stream land first.
     start = sass.index("signal_op_kernel")
     body = sass[start : sass.find("Function :", start)]

@@ -53,8 +53,10 @@ def torch_symm_reason() -> str | None:
 
 
 def one_host_nvshmem_env() -> None:
-    """One PE on one GPU: no network transport (no InfiniBand probing), bootstrap over loopback."""
+    """One PE on one GPU: no network transport (no InfiniBand probing), bootstrap over loopback; a symmetric heap
+    large enough for the device kernels' buffers at issue 18's target shapes (about 2.5 GB each)."""
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(6 << 30))
     os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
 
 

@@ -19,6 +19,7 @@ import torch
 from gpu_sections.common import Ctx, gbps, record_check
 from gpu_sections.nvshmem import one_host_nvshmem_env, torch_symm_reason
 from gpu_sections.nvshmem_ep import ep_loopback
+from gpu_sections.nvshmem_kernels import kernel_targets, verdicts
 
 __all__ = ["symm_loopback", "torch_provider_child"]
 
@@ -50,10 +51,12 @@ def symm_loopback(ctx: Ctx, res: dict) -> None:
         finally:
             with contextlib.suppress(Exception):  # a failure above is the one to report
                 buf.close()
+        kernel_targets(ctx, res)  # the device kernels at issue 18's target shapes (first: the issue's figures)
         try:
             ep_loopback(ctx, res)
         except Exception:  # noqa: BLE001 - recorded as a failed check; the SymmBuffer results above stand
             record_check(res, "EPBuffer(nvshmem) loopback ran", False, traceback.format_exc())
+        res.setdefault("ep_kernels", {})["verdicts"] = verdicts(res)
     finally:
         dist.destroy_process_group()
         tmp.cleanup()

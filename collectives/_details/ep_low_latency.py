@@ -55,8 +55,9 @@ class LowLatencyMixin:
     """``low_latency_dispatch`` / ``low_latency_combine`` of :class:`~epkit.collectives.ep_buffer.EPBuffer`."""
 
     def _ll_stream_ordered(self) -> bool:
-        """Whether low-latency calls run without host reads of routing data (CUDA rows, or PORTABLE on CPU)."""
-        return self.device.type != "cpu" or ep_rows.PORTABLE[0]
+        """Whether low-latency calls run without host reads of routing data (CUDA rows, PORTABLE on CPU, or the
+        device kernels)."""
+        return self.device.type != "cpu" or ep_rows.PORTABLE[0] or self._dev is not None
 
     def _ll_row(self, use_fp8: bool) -> tuple[int, int]:
         """(x bytes, scale bytes) of one low-latency row."""
@@ -178,6 +179,8 @@ class LowLatencyMixin:
             before the next collective on this buffer.
         """
         n_max = num_max_dispatch_tokens_per_rank
+        if self._dev is not None:
+            return self._dev_ll_dispatch(x, topk_idx, n_max, use_fp8, return_recv_hook)
         # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
         self._ll_dispatches += 1
         w, L, h = self.world_size, self.num_local_experts, self.hidden
@@ -411,6 +414,8 @@ class LowLatencyMixin:
         except ValueError as exc:
             self._reject_locally("low-latency combine", exc)
         with self.retire_on_failure("low-latency combine"):
+            if self._dev is not None:
+                return self._dev_ll_combine(y, topk_weights, handle, return_recv_hook)
             return self._ll_combine(y, topk_weights, handle, return_recv_hook)
 
     def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook):

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The status words of a message header (shared with the device kernels).
+from epkit.kernels.triton.ep_layout import BAD_IDS, COMBINE_HEAD, OK, OVERFLOW, REJECTED
+
 __all__ = [
     "BAD_IDS",
     "COMBINE_HEADER",
@@ -27,9 +30,6 @@ __all__ = [
     "slot_grid",
 ]
 
-# Status word of a low-latency message header.
-OK, REJECTED, BAD_IDS, OVERFLOW = 0, -1, -2, -3
-
 
 @dataclass
 class LowLatencyHandle:
@@ -43,10 +43,11 @@ class LowLatencyHandle:
     n_max: int = 0  # slots per (source, local expert) of the dispatch
     buffer_id: int = 0  # the EPBuffer's SymmBuffer.buffer_id: a handle is only valid on the buffer that made it
     epoch: int = 0  # which low-latency dispatch of that buffer made it (1 for the first)
+    route: torch.Tensor | None = None  # device kernels: [3, T, K] int32 destination, local expert, slot (-1: none)
 
 
 #: Bytes before the rows of a low-latency combine message: int64 [buffer id, dispatch epoch] of the handle.
-COMBINE_HEADER = 64
+COMBINE_HEADER = COMBINE_HEAD
 
 
 def describe_handles(heads: list[list[int]], buffer_id: int, what: str) -> str | None:

@@ -45,6 +45,7 @@ class DispatchHandle:
     device: torch.device = torch.device("cpu")  # where the rows live (the metadata above is on the CPU)
     buffer_id: int = 0  # the EPBuffer's SymmBuffer.buffer_id: a handle is only valid on the buffer that made it
     epoch: int = 0  # which normal dispatch of that buffer made it (1 for the first)
+    kernel_state: dict | None = None  # device kernels: the dispatch's layout, routing and row maps (on the device)
 
 
 class NormalModeMixin:
@@ -166,10 +167,13 @@ class NormalModeMixin:
 
     def agree_on_handle(self, what: str, handle, error: str | None) -> None:
         """Before any row of a combine or cached dispatch moves: every rank tells every rank which dispatch its
-        handle comes from, or why its call is invalid (one small exchange). Raises the same ValueError on every
-        rank unless every call is valid and every handle is this buffer's, from one and the same dispatch (a
-        handle of another buffer, or a stale one on some ranks, would pair rows that do not belong together).
-        The buffer stays usable either way."""
+        handle comes from, or why its call is invalid (one small exchange; on the device path one kernel).
+        Raises the same ValueError on every rank unless every call is valid and every handle is this buffer's,
+        from one and the same dispatch (a handle of another buffer, or a stale one on some ranks, would pair
+        rows that do not belong together). The buffer stays usable either way."""
+        if self._dev is not None:
+            self._dev_agree(what, handle, error)
+            return
         w = self.world_size
         head = torch.zeros(3, dtype=torch.int64)
         if error is None:
@@ -179,7 +183,12 @@ class NormalModeMixin:
         msg = torch.cat([head.view(torch.uint8), encode_error(error or "")])
         got = self.buffer.all_to_all([msg] * w, [msg.numel()] * w, self.region_bytes, tag=f"{what} agreement")
         heads = [g[:24].view(torch.int64).tolist() for g in got]
-        errors = [f"rank {r}: {decode_error(g[24:])}" for r, (g, h) in enumerate(zip(got, heads)) if h[0] != 0]
+        self.judge_agreement(what, heads, lambda r: decode_error(got[r][24:]))
+
+    def judge_agreement(self, what: str, heads: list[list[int]], text_of) -> None:
+        """The agreement's verdict from every rank's ``[status (0: valid), buffer id, dispatch epoch]``;
+        ``text_of(rank)`` reads a rejecting rank's error text. The same ValueError on every rank, or None."""
+        errors = [f"rank {r}: {text_of(r)}" for r, h in enumerate(heads) if h[0] != 0]
         if errors:
             raise ValueError(f"{what} rejected on every rank before any row moved: " + "; ".join(errors))
         if any(h[1:] != heads[0][1:] for h in heads) or heads[0][1] != self.buffer.buffer_id:
@@ -214,6 +223,8 @@ class NormalModeMixin:
         except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         self.agree_on_handle("cached dispatch", handle, error)
+        if self._dev is not None:
+            return self._dev_dispatch_cached(x, scales, handle)
         dummy_idx = torch.full((x.shape[0], self.num_topk), -1, dtype=torch.int64)
         dummy_w = torch.zeros((x.shape[0], self.num_topk), dtype=torch.float32)
         with self.retire_on_failure("cached dispatch"):

@@ -17,11 +17,13 @@ __all__ = [
     "ROW_DTYPES",
     "align_up",
     "by_address",
+    "check_formats",
     "check_biases",
     "decode_error",
     "device_table",
     "encode_error",
     "expanded_layout",
+    "format_code",
     "move_rows",
     "reduce_gathered",
     "reduce_indexed",
@@ -37,6 +39,21 @@ ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
 #: Force the torch formulations (the path CUDA tensors take) on CPU tensors too.
 PORTABLE = [False]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def check_formats(formats: list[int]) -> None:
+    """Every rank sees every rank's row format (word 0 of the layout messages), so every rank raises alike."""
+    if len(set(formats)) != 1:
+        names = [
+            f"rank {r}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
+            for r, f in enumerate(formats)
+        ]
+        raise ValueError("dispatch rows differ in format across ranks (" + "; ".join(names) + ")")
+
+
+def format_code(dtype: torch.dtype, has_scales: bool) -> int:
+    """The row format code a dispatch's layout message carries (word 0): ``1 + 2 * dtype index + scales``."""
+    return 1 + 2 * ROW_DTYPES.index(dtype) + int(has_scales)
 
 
 def align_up(n: int, a: int = FIELD_ALIGN) -> int:

@@ -141,6 +141,11 @@ class Transport(abc.ABC):
         """Every peer is directly addressable (one host for shm, one NVLink domain for nvshmem)."""
         return False
 
+    def word_address(self, off: int) -> int | None:
+        """The address, as this rank's kernels see it, of this rank's own signal word at byte offset ``off``
+        (device kernels watch the NOTICE words there); None for a transport without signal words."""
+        return None
+
     def staging(self, dst: int, nbytes: int) -> torch.Tensor:
         """A ``[nbytes]`` uint8 source for puts to ``dst`` on this rank's device, kept for the buffer's life (the
         same address every call: a put queued earlier runs before anything later on the stream rewrites it)."""

@@ -77,6 +77,9 @@ class NvshmemTransport(Transport):
     def within_domain(self) -> bool:
         return bool(self.peer_data) and all(self.peer_data)
 
+    def word_address(self, off: int) -> int:
+        return self.base + off
+
     @property
     def sticky_word(self) -> torch.Tensor:
         return self._sticky

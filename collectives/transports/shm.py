@@ -217,6 +217,9 @@ class ShmTransport(Transport):
     def within_domain(self) -> bool:
         return True
 
+    def word_address(self, off: int) -> int:
+        return self.segments[self.rank].addr + off
+
     def store(self, dst: int, off: int, value: int, op: str = "set", guarded: bool = False, urgent: bool = False):
         seg = self.segments[dst]
         if op == "set":

@@ -26,7 +26,7 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSyncDetector"]
+__all__ = ["DeviceOpCounter", "HostSyncDetector"]
 
 _READBACK = {
     "_local_scalar_dense",
@@ -133,3 +133,58 @@ class HostSyncDetector(TorchDispatchMode):
             setattr(torch.Tensor, meth, original)
         self._saved = {}
         return super().__exit__(*exc)
+
+
+#: Ops that launch nothing on a GPU: allocations, views and metadata.
+_NO_KERNEL = {
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "view",
+    "_unsafe_view",
+    "_reshape_alias",
+    "as_strided",
+    "alias",
+    "detach",
+    "t",
+    "transpose",
+    "permute",
+    "select",
+    "slice",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "unbind",
+    "split",
+    "split_with_sizes",
+    "narrow",
+    "lift_fresh",
+    "is_pinned",
+    "_local_scalar_dense",
+}
+
+
+class DeviceOpCounter(TorchDispatchMode):
+    """Count the torch ops inside the ``with`` block that would each launch a device kernel (everything but
+    allocations, views and metadata, and ops on tensors that stand for host memory, ``_epkit_host``), outside the
+    Triton interpreter (whose own bookkeeping runs the emulated kernel). Together with a count of the Triton
+    launches, the device work a call queues, on CPU tensors.
+
+    Attributes
+    ----------
+    ops : list of str
+        One name per counted op, in order.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        host = any(getattr(t, "_epkit_host", False) for t in _tensors(args))
+        if name not in _NO_KERNEL and not host and not _in_triton_interpreter():
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,272 @@
+"""EPBuffer's device-kernel path: the memory it adds to the buffer, its addresses, and how its failures surface.
+
+When every peer is directly addressable (``Transport.within_domain()``: shm on one host, nvshmem inside one
+NVLink domain), dispatch and combine can run as kernels that write straight into the peers' memory and wait
+on 64-bit signal words themselves (``kernels/triton/ep_*.py``), with no host round trip. Which path a buffer
+takes (``EPBuffer(kernels=...)``, or ``EPKIT_EP_KERNELS``):
+
+- ``"auto"`` (default): the kernels for CUDA rows inside one domain; the host-driven protocol otherwise (the
+  torch transport, peers out of reach, and CPU rows, whose C++ path is far faster than the interpreter);
+- ``"device"``: the kernels wherever the peers are in reach, on CPU ranks under the Triton interpreter (how the
+  tests run the kernels' own source across processes); ValueError where they are not;
+- ``"host"``: the host-driven protocol everywhere.
+
+The kernels' memory is an area after the host protocol's regions in every rank's buffer (the same offsets on
+every rank)::
+
+    [ control words | low-latency dispatch x2 | low-latency combine x2 | notify x2 | agree x2 | rows ]
+
+Every area of a kind of exchange that can follow itself (a dispatch after a dispatch) is doubled, by parity.
+
+A kernel that fails (a wait past its deadline, a peer's gave-up notice, a header that rejects the call) writes
+the status block (host memory: pinned on a GPU) and sets its rank's sticky failed word, after which every
+kernel of the rank does nothing. :meth:`DeviceState.poll` (at the start and end of every call; on CPU ranks
+the kernels have finished by then) turns the record into the error, retires the buffer (telling the peers of
+a silent one) and raises it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from epkit.collectives._details.ep_low_latency_layout import describe_handles, judge_headers
+from epkit.collectives._details.ep_rows import META_MSG, align_up, decode_error, encode_error
+from epkit.collectives.peer_failure import is_notice, notice_error, silence_error
+from epkit.collectives.transports.base import MASK64, NOTICE, word
+from epkit.kernels.triton.ep_layout import (
+    CODE_HANDLES,
+    CODE_HEADERS,
+    CODE_WAIT,
+    COMBINE_HEAD,
+    KINDS,
+    STATUS_DETAIL,
+    STATUS_WORDS,
+    control_words,
+)
+
+__all__ = [
+    "ENV",
+    "MODES",
+    "DevicePathMixin",
+    "DeviceState",
+    "device_layout",
+    "may_be_nvshmem",
+    "resolve_mode",
+    "use_device_kernels",
+]
+
+#: The values of ``EPBuffer(kernels=...)`` and of the environment variable :data:`ENV`.
+MODES = ("auto", "device", "host")
+#: Overrides ``kernels="auto"`` for every EPBuffer of the process.
+ENV = "EPKIT_EP_KERNELS"
+#: What each kind of exchange is called in the errors.
+_WHAT = {
+    "ll_dispatch": "low-latency dispatch",
+    "ll_combine": "low-latency combine",
+    "notify": "dispatch layout",
+    "dispatch": "dispatch data",
+    "agree": "combine agreement",
+    "combine": "combine data",
+}
+_AREA_ALIGN = 256
+
+
+def resolve_mode(kernels: str) -> str:
+    """``kernels`` checked, with ``"auto"`` replaced by :data:`ENV` where that is set."""
+    if kernels not in MODES:
+        raise ValueError(f"kernels must be one of {MODES}, got {kernels!r}")
+    if kernels == "auto":
+        kernels = os.environ.get(ENV, "auto") or "auto"
+        if kernels not in MODES:
+            raise ValueError(f"{ENV} must be one of {MODES}, got {kernels!r}")
+    return kernels
+
+
+def use_device_kernels(mode: str, device: torch.device, transport: str, in_reach: bool) -> bool:
+    """Whether a buffer takes the device kernels (``mode`` from :func:`resolve_mode`; ``in_reach``: every peer is
+    directly addressable and the rows suit 16-byte accesses); ValueError for ``"device"`` where it cannot."""
+    if mode == "device" and not in_reach:
+        raise ValueError(
+            f"kernels='device' needs every EP peer directly addressable (shm on one host, nvshmem inside one NVLink "
+            f"domain) and hidden a multiple of 16; this buffer ({transport!r} transport) does not have both"
+        )
+    return mode == "device" or (mode == "auto" and in_reach and device.type == "cuda")
+
+
+class DevicePathMixin:
+    """How an :class:`~epkit.collectives.ep_buffer.EPBuffer` takes the device path: the area it adds to the
+    buffer (:meth:`_kernel_area`, before the buffer is made) and the state it keeps (:meth:`_attach_kernels`)."""
+
+    def _kernel_area(self, kernels: str, transport: str, group) -> tuple[str, dict]:
+        """``(mode, layout)``: the device area's layout, or ``{}`` when the kernels cannot be used (CPU rows on
+        ``auto``, the torch transport, a hidden size that is not a multiple of 16)."""
+        mode = resolve_mode(kernels)
+        possible = transport != "torch" and self.hidden % 16 == 0
+        if mode == "host" or not possible or (mode == "auto" and not may_be_nvshmem(transport, group)):
+            use_device_kernels(mode, torch.device("cpu"), transport, possible and mode != "device")
+            return mode, {}
+        n_ll, n = self.num_max_dispatch_tokens_per_rank, self.num_max_tokens_per_rank
+        return mode, device_layout(self.world_size, self.hidden, self.num_experts, self.num_topk, n_ll, n)
+
+    def _attach_kernels(self, mode: str, layout: dict):
+        """The DeviceState of a buffer that takes the device path (else None); its area is past the regions."""
+        if not layout:
+            return None
+        in_reach = self.buffer.impl.direct and self.buffer.is_within_domain()
+        try:
+            if not use_device_kernels(mode, self.device, self.transport, in_reach):
+                return None
+        except ValueError:
+            self.buffer.close()
+            raise
+        return DeviceState(self, self.world_size * self.region_bytes, layout)
+
+
+def may_be_nvshmem(transport: str, group) -> bool:
+    """Whether a buffer asking for ``transport`` on ``group`` may get the nvshmem transport (``auto`` picks it
+    for an NCCL group whose every rank can run it: this rank's view decides how the buffer is sized; the
+    transport the buffer gets decides whether the kernels run)."""
+    if transport != "auto":
+        return transport == "nvshmem"
+    if "nccl" not in str(dist.get_backend(group)):
+        return False
+    from epkit.collectives.transports import nvshmem_job
+
+    return nvshmem_job.missing_reason() is None
+
+
+def device_layout(world: int, hidden: int, num_experts: int, num_topk: int, n_ll: int, n_normal: int) -> dict:
+    """Byte offsets (and sizes) of the device area's parts; ``total`` bytes in all (see the module docstring).
+
+    Low-latency messages hold ``n_ll`` slots per local expert of bf16 rows (FP8 rows and scales fit in them);
+    the rows part holds, per source, ``n_normal`` rows of the widest normal-mode row (float32 rows or combine
+    outputs, scales, local expert ids and weights).
+    """
+    w, h, k, local = world, hidden, num_topk, num_experts // world
+    out = {"header": align_up(4 * (3 + local)) + META_MSG, "text": META_MSG}
+    out["ll_dispatch_msg"] = align_up(out["header"] + local * n_ll * 2 * h, _AREA_ALIGN)
+    out["ll_combine_msg"] = align_up(COMBINE_HEAD + local * n_ll * 2 * h, _AREA_ALIGN)
+    out["notify_msg"] = align_up(8 * (2 + w + num_experts) + META_MSG, _AREA_ALIGN)
+    out["agree_msg"] = align_up(8 * 4 + META_MSG, _AREA_ALIGN)
+    rows = w * n_normal
+    out["rows_bytes"] = max(
+        align_up(rows * 4 * h) + align_up(rows * 4 * -(-h // 128)) + 2 * align_up(rows * 4 * k), rows * 4 * h
+    )
+    at = align_up(8 * control_words(w), 4096)
+    for name in ("ll_dispatch", "ll_combine", "notify", "agree"):
+        out[f"{name}_area"] = w * out[f"{name}_msg"]  # one parity
+        out[name] = at
+        at += 2 * out[f"{name}_area"]
+    out["rows"] = at
+    out["total"] = align_up(at + out["rows_bytes"], 4096)
+    return out
+
+
+_CLOCK: list = []
+
+
+def host_clock() -> torch.Tensor:
+    """A ``[1]`` int64 word holding ``time.monotonic_ns()``, kept current (every millisecond) by a daemon thread:
+    the interpreter's stand-in for ``%globaltimer``, so that a kernel's wait has a deadline in real time. The
+    thread writes through ctypes (no torch call on it, so it can be stopped anywhere when the process exits)."""
+    if not _CLOCK:
+        word_ = torch.full((1,), time.monotonic_ns(), dtype=torch.int64)
+        word_._epkit_host = True
+        cell = ctypes.c_int64.from_address(word_.data_ptr())
+
+        def tick():
+            while True:
+                cell.value = time.monotonic_ns()
+                time.sleep(0.001)
+
+        threading.Thread(target=tick, name="epkit-ep-clock", daemon=True).start()
+        _CLOCK.append(word_)
+    return _CLOCK[0]
+
+
+class DeviceState:
+    """The device path's addresses and failure state for one EPBuffer (``ep``), whose buffer holds the device
+    area at byte ``area_offset`` of every rank's data (laid out by :func:`device_layout`)."""
+
+    def __init__(self, ep, area_offset: int, layout: dict):
+        sb, w, dev = ep.buffer, ep.world_size, ep.device
+        self.ep, self.sb, self.layout, self.device, self.area_offset = ep, sb, layout, dev, area_offset
+        self.rank, self.world = ep.rank, w
+        self.bases = [sb.peer(r).data_ptr() + area_offset for r in range(w)]
+        me = self.bases[ep.rank]
+        self.ctrl = me
+        self.notices = sb.impl.word_address(word(NOTICE, 0, w))
+        self.tables = {
+            name: torch.tensor([b + layout[name] for b in self.bases], dtype=torch.int64).to(dev)
+            for name in ("ll_dispatch", "ll_combine", "notify", "agree", "rows")
+        }
+        self.tables["ctrl"] = torch.tensor(self.bases, dtype=torch.int64).to(dev)
+        self.local = {name: me + layout[name] for name in ("ll_dispatch", "ll_combine", "notify", "agree", "rows")}
+        self.status = torch.zeros(STATUS_WORDS + STATUS_DETAIL * w, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.status._epkit_host = True  # host memory by design: read without a device sync
+        self._status = self.status.numpy()
+        self.clock = host_clock().data_ptr() if dev.type == "cpu" else 0
+        self.timeout_ns = int(ep.timeout * 1e9)
+        self.no_text = torch.zeros(META_MSG, dtype=torch.uint8, device=dev)
+
+    def error_text(self, error: str | None) -> torch.Tensor:
+        """The ``[META_MSG]`` error field a kernel copies into its messages (a cached zero field when None)."""
+        return self.no_text if error is None else encode_error(error).to(self.device)
+
+    # failures
+
+    def poll(self, wait: bool = False, drain: bool = False) -> None:
+        """Raise (and retire the buffer for) the failure a kernel of this rank recorded, if any; never blocks
+        while there is none, unless ``drain`` or ``wait``: then first wait (bounded) for this rank's queued
+        kernels; ``wait`` raises even if none failed (the caller's own input was rejected: its rejecting header
+        is in every message)."""
+        if (wait or drain) and self.device.type == "cuda":
+            _drain(self.device, self.ep.timeout)
+        if self._status[0] == 0:
+            if wait:
+                raise RuntimeError(f"rank {self.rank}: a rejected call left no failure record")
+            return
+        if self.device.type == "cuda":  # the record is complete once the failing kernel has finished
+            _drain(self.device, self.ep.timeout)
+        exc = self._error()
+        self.sb.deferred.on_failure(exc)
+        raise exc
+
+    def _error(self) -> BaseException:
+        code, kind, peer, seen, _, epoch = (int(v) for v in self._status[:6])
+        what = _WHAT[KINDS[kind]]
+        detail = self._status[STATUS_WORDS:].reshape(self.world, STATUS_DETAIL)
+        if code == CODE_WAIT:
+            if is_notice(seen & MASK64):
+                return notice_error(self.rank, seen & MASK64, what)
+            return silence_error(self.rank, peer, what, self.ep.timeout, epoch)
+        if code == CODE_HEADERS:
+            heads = [[int(v) for v in detail[src, :3]] for src in range(self.world)]
+            errors = judge_headers(heads, lambda src: self._ll_text(src, epoch), True)
+            return ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+        if code == CODE_HANDLES:
+            idents = [[int(v) for v in detail[src, :2]] for src in range(self.world)]
+            return ValueError(describe_handles(idents, self.sb.buffer_id, "low-latency combine"))
+        return RuntimeError(f"rank {self.rank}: corrupt device status record (code {code})")
+
+    def _ll_text(self, src: int, epoch: int) -> str:
+        """The error text of source ``src``'s low-latency dispatch message of exchange ``epoch`` (error path)."""
+        lay = self.layout
+        at = lay["ll_dispatch"] + (epoch % 2) * lay["ll_dispatch_area"] + src * lay["ll_dispatch_msg"]
+        area = self.sb.local[self.area_offset :]
+        return decode_error(area[at + lay["header"] - META_MSG : at + lay["header"]].cpu())
+
+
+def _drain(device: torch.device, timeout: float) -> None:
+    """Wait (bounded) for the current stream: a failing kernel's record is complete when it has finished."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout + 10.0
+    while not event.query() and time.monotonic() < deadline:
+        time.sleep(50e-6)

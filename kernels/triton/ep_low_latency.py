@@ -1,0 +1,467 @@
+"""Low-latency dispatch/combine kernels for ranks whose memory is all addressable (one host, one NVLink domain).
+
+Four kernels per dispatch + combine pair, no host synchronisation and nothing routing-dependent on the host:
+
+- ``ll_dispatch_send``: routes every (token, expert) pair (slot = its rank among this rank's pairs for that
+  expert, token order then k), quantizes each token once to e4m3 with float32 per-128 scales (epkit.quant's
+  arithmetic) when asked, and writes each pair's row into its slot in the destination's message with 16-byte
+  stores, the header (status, slots, format, count per local expert) last; then signals every rank.
+- ``ll_dispatch_recv``: waits for every source, checks the headers, and unpacks the slots into the masked
+  layout ``[num_local_experts, W * n_max, hidden]`` (expert e's rows by source, then slot).
+- ``ll_combine_send``: the expert side writes each received row's output back into its source's message.
+- ``ll_combine_recv``: waits, checks that every message comes from the same dispatch (the handle's identity in
+  the message head), and reduces ``sum over k ascending of w[t, k] * row`` in float32 at the source.
+
+Messages are double-buffered by the exchange number's parity, so back-to-back dispatches (or combines) never
+overwrite a message that a slower rank may still read (every exchange is all-to-all: a rank starts exchange
+``e + 1`` only after every rank finished sending ``e``, hence reading ``e - 1``). See ``ep_common.py`` for the
+control words, waits and failure records; Triton rather than CUDA C++ for the reasons given there.
+
+Message of one source in a destination's area (``ep_low_latency_layout`` documents it): int32 ``[status,
+n_max, use_fp8, count per local expert]`` padded to 16 bytes, the error text, x slots, scale slots; a combine
+message: int64 ``[buffer id, epoch]`` in ``COMBINE_HEAD`` bytes, then bf16 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from epkit.kernels.triton.ep_common import (
+    alive,
+    begin_send,
+    claim_failure,
+    copy_rows,
+    end_exchange,
+    f32_from_bf16_bits,
+    f32_to_bf16_bits,
+    launch,
+    programs,
+    ptr,
+    quantize_row,
+    record,
+    row_words,
+    sent_epoch,
+    signal_peers,
+    vmax,
+    vsum,
+    wait_sources,
+    wide,
+)
+from epkit.kernels.triton.ep_layout import (
+    BAD_IDS,
+    CODE_HANDLES,
+    CODE_HEADERS,
+    COMBINE_HEAD,
+    KINDS,
+    OK,
+    OVERFLOW,
+    REJECTED,
+)
+
+__all__ = [
+    "LLGeometry",
+    "KERNELS",
+    "ll_combine_recv",
+    "ll_combine_send",
+    "ll_dispatch_recv",
+    "ll_dispatch_send",
+    "row_bytes",
+]
+
+_LLD = tl.constexpr(KINDS.index("ll_dispatch"))
+_LLC = tl.constexpr(KINDS.index("ll_combine"))
+_OK, _REJECTED, _BAD, _OVER = tl.constexpr(OK), tl.constexpr(REJECTED), tl.constexpr(BAD_IDS), tl.constexpr(OVERFLOW)
+_HEADERS, _HANDLES = tl.constexpr(CODE_HEADERS), tl.constexpr(CODE_HANDLES)
+_HEAD = tl.constexpr(COMBINE_HEAD)
+
+
+# dispatch: send
+
+
+@triton.jit
+def _route_block(idx_ptr, route_ptr, b, T, hist, n_max, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                 BLOCK_T: tl.constexpr, NP2: tl.constexpr, E_P2: tl.constexpr):  # fmt: skip
+    """Slots of the pairs of token block ``b`` given ``hist`` (pairs per expert before the block): stored as
+    route ``[3, T, K]`` int32 (destination rank, local expert, slot; -1 where no slot)."""
+    j = tl.arange(0, NP2)
+    pr = b * BLOCK_T * K + j
+    valid = (j < BLOCK_T * K) & (pr < T * K)
+    ids = tl.load(idx_ptr + pr, mask=valid, other=-1).to(tl.int32)
+    key = tl.where(valid & (ids >= 0) & (ids < E), ids, E)
+    onehot = (key[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32)
+    same = (key[:, None] == key[None, :]) & (j[None, :] < j[:, None])
+    pos = vsum(onehot * hist[None, :], 1) + vsum(same.to(tl.int32), 1)
+    live = (key < E) & (pos < n_max)
+    tl.store(route_ptr + pr, tl.where(live, key // L, -1), mask=valid)
+    tl.store(route_ptr + T * K + pr, tl.where(live, key % L, -1), mask=valid)
+    tl.store(route_ptr + 2 * T * K + pr, tl.where(live, pos, -1), mask=valid)
+
+
+@triton.jit
+def _send_block(x_ptr, route_ptr, stage_table, my_off, b, T, n_max, L: tl.constexpr, K: tl.constexpr,
+                H: tl.constexpr, G_P2: tl.constexpr, FP8: tl.constexpr, HDR: tl.constexpr,
+                BLOCK_T: tl.constexpr):  # fmt: skip
+    """Rows of token block ``b``: each token read (and quantized) once, written into every slot it got."""
+    g = tl.arange(0, G_P2)
+    col = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    m = (g < (H // 128))[:, None] | (col < H)  # whole 128-groups first: the mask is constant along a group
+    sb: tl.constexpr = 4 * ((H + 127) // 128)
+    for i in tl.static_range(BLOCK_T):
+        t = b * BLOCK_T + i
+        if t < T:
+            row = tl.load(tl.multiple_of(ptr(x_ptr, tl.int16) + wide(t) * H, 16) + col, mask=m, other=0)
+            if FP8:
+                q, scale = quantize_row(f32_from_bf16_bits(row))
+            for k in tl.static_range(K):
+                d = tl.load(route_ptr + t * K + k)
+                if d >= 0:
+                    slot = tl.load(route_ptr + T * K + t * K + k) * n_max + tl.load(route_ptr + 2 * T * K + t * K + k)
+                    base = tl.load(stage_table + d) + my_off + HDR
+                    if FP8:
+                        tl.store(tl.multiple_of(ptr(base + slot.to(tl.int64) * H, tl.int8), 16) + col, q, mask=m)
+                        s_at = base + L * n_max * H + slot.to(tl.int64) * sb
+                        tl.store(ptr(s_at, tl.float32) + g, scale, mask=g * 128 < H)
+                    else:
+                        tl.store(
+                            tl.multiple_of(ptr(base + slot.to(tl.int64) * (2 * H), tl.int16), 16) + col, row, mask=m
+                        )
+
+
+@triton.jit
+def _headers(stage_table, my_off, W, hist, bad, n_max, reject, text_ptr, E: tl.constexpr, L: tl.constexpr,
+             FP8: tl.constexpr, E_P2: tl.constexpr, L_P2: tl.constexpr, HDR: tl.constexpr, TEXT: tl.constexpr,
+             TEXT_P2: tl.constexpr):  # fmt: skip
+    """Every destination's message header: status, slots, format, count per local expert (or the rejection)."""
+    experts = tl.arange(0, E_P2)
+    over = vmax(((hist > n_max) & (experts < E)).to(tl.int32), 0)
+    status = tl.where(reject != 0, _REJECTED, tl.where(bad != 0, _BAD, tl.where(over != 0, _OVER, _OK)))
+    lj = tl.arange(0, L_P2)
+    tj = tl.arange(0, TEXT_P2)
+    text = tl.load(ptr(text_ptr, tl.int8) + tj, mask=tj < TEXT)
+    for d in range(W):
+        h = ptr(tl.load(stage_table + d) + my_off, tl.int32)
+        cnt = vsum((experts[None, :] == d * L + lj[:, None]).to(tl.int32) * hist[None, :], 1)
+        tl.store(h + 3 + lj, tl.minimum(cnt, n_max), mask=lj < L)
+        tl.store(ptr(tl.load(stage_table + d) + my_off + HDR - TEXT, tl.int8) + tj, text, mask=tj < TEXT)
+        tl.store(h + 1, n_max)
+        tl.store(h + 2, tl.full([], FP8, tl.int32))
+        tl.store(h, status)
+
+
+@triton.jit
+def _ll_dispatch_send(x_ptr, idx_ptr, route_ptr, text_ptr, stage_table, ctrl_table, ctrl_addr, T, me, W, n_max,
+                      reject, area_bytes, msg_bytes, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr,
+                      H: tl.constexpr, FP8: tl.constexpr, HDR: tl.constexpr, TEXT: tl.constexpr,
+                      BLOCK_T: tl.constexpr, NP2: tl.constexpr, E_P2: tl.constexpr, L_P2: tl.constexpr,
+                      G_P2: tl.constexpr):  # fmt: skip
+    ctrl = ptr(ctrl_addr, tl.int64)
+    if alive(ctrl, W):
+        pid, P = tl.program_id(0), tl.num_programs(0)
+        e = begin_send(ctrl, _LLD, W)
+        my_off = (e % 2) * area_bytes + me.to(tl.int64) * msg_bytes
+        hist = tl.full([E_P2], 0, tl.int32)
+        bad = tl.full([], 0, tl.int32)
+        j = tl.arange(0, NP2)
+        if reject == 0:
+            for b in range(0, (T + BLOCK_T - 1) // BLOCK_T):
+                if b % P == pid:
+                    _route_block(idx_ptr, route_ptr, b, T, hist, n_max, E, L, K, BLOCK_T, NP2, E_P2)
+                    tl.debug_barrier()  # the route, stored by every thread, read back by each token's thread
+                    _send_block(x_ptr, route_ptr, stage_table, my_off, b, T, n_max, L, K, H, G_P2, FP8, HDR, BLOCK_T)
+                pr = b * BLOCK_T * K + j
+                valid = (j < BLOCK_T * K) & (pr < T * K)
+                ids = tl.load(idx_ptr + pr, mask=valid, other=-1).to(tl.int32)
+                bad = bad | vmax(((ids < -1) | (ids >= E)).to(tl.int32), 0)
+                key = tl.where(valid & (ids >= 0) & (ids < E), ids, E)
+                hist += vsum((key[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32), 0)
+        if pid == 0:
+            _headers(stage_table, my_off, W, hist, bad, n_max, reject, text_ptr, E, L, FP8, E_P2, L_P2, HDR, TEXT,
+                     triton.next_power_of_2(TEXT))  # fmt: skip
+        signal_peers(ctrl_table, W, _LLD * W + me)
+
+
+# dispatch: receive
+
+
+@triton.jit
+def _unpack(msgs, recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load_ptr, W, n_max, msg_bytes, L: tl.constexpr,
+            XB: tl.constexpr, SB: tl.constexpr, HDR: tl.constexpr, W_P2: tl.constexpr, L_P2: tl.constexpr,
+            BLOCK_R: tl.constexpr, BW_X: tl.constexpr, BW_S: tl.constexpr, VEC_S: tl.constexpr):  # fmt: skip
+    """Slots -> the masked layout (expert e's rows by source, then slot); counts, totals and the load counter."""
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    s = tl.arange(0, W_P2)
+    lj = tl.arange(0, L_P2)
+    hp = ptr(msgs + s.to(tl.int64) * msg_bytes, tl.int32)
+    inside = (s < W)[:, None] & (lj < L)[None, :]
+    cnt = tl.minimum(tl.maximum(tl.load(hp[:, None] + 3 + lj[None, :], mask=inside, other=0), 0), n_max)
+    if pid == 0:
+        tot = vsum(cnt, 0)
+        tl.store(recv_count_ptr + lj, tot, mask=lj < L)
+        tl.store(counts_ptr + s[:, None] * L + lj[None, :], cnt.to(tl.int64), mask=inside)
+        tl.store(load_ptr + lj, tl.load(load_ptr + lj, mask=lj < L) + tot.to(tl.int64), mask=lj < L)
+    rows = tl.arange(0, BLOCK_R)
+    for item in range(pid, W * L, P):
+        src, le = item // L, item % L
+        col = tl.minimum(tl.maximum(tl.load(hp + 3 + le, mask=s < src, other=0), 0), n_max)
+        c = tl.minimum(tl.maximum(tl.load(ptr(msgs + wide(src) * msg_bytes, tl.int32) + 3 + le), 0), n_max)
+        first = (le * W * n_max + vsum(col, 0)).to(tl.int64)
+        at = msgs + wide(src) * msg_bytes + HDR
+        for r0 in range(0, c, BLOCK_R):
+            copy_rows(
+                recv_x_addr + first * XB, at + (le * n_max).to(tl.int64) * XB, r0 + rows, c, XB, XB, XB // 4, BW_X, 16
+            )
+            if SB > 0:
+                s_at = at + (L * n_max * XB + le * n_max * SB).to(tl.int64)
+                copy_rows(recv_s_addr + first * SB, s_at, r0 + rows, c, SB, SB, SB // 4, BW_S, VEC_S)
+
+
+@triton.jit
+def _ll_dispatch_recv(recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load_ptr, status_addr, stage_addr,
+                      ctrl_addr, notice_addr, clock_addr, timeout_ns, W, n_max, area_bytes, msg_bytes, p_send,
+                      L: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr, FP8: tl.constexpr, HDR: tl.constexpr,
+                      W_P2: tl.constexpr, L_P2: tl.constexpr, BLOCK_R: tl.constexpr, BW_X: tl.constexpr,
+                      BW_S: tl.constexpr, VEC_S: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
+    ctrl = ptr(ctrl_addr, tl.int64)
+    if alive(ctrl, W):
+        e = sent_epoch(ctrl, _LLD, W)
+        status = ptr(status_addr, tl.int64)
+        if wait_sources(ctrl, _LLD, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
+            msgs = stage_addr + (e % 2) * area_bytes
+            s = tl.arange(0, W_P2)
+            hp = ptr(msgs + s.to(tl.int64) * msg_bytes, tl.int32)
+            st = tl.load(hp, mask=s < W, other=_OK)
+            nm = tl.load(hp + 1, mask=s < W, other=n_max)
+            f8 = tl.load(hp + 2, mask=s < W, other=FP8)
+            nbad = vsum(((st != _OK) | (nm != n_max) | (f8 != FP8)).to(tl.int32), 0)
+            if nbad != 0:
+                if claim_failure(ctrl, W):  # every source's header words, for the same words on every rank
+                    tl.store(status + 8 + 4 * s, st.to(tl.int64), mask=s < W)
+                    tl.store(status + 9 + 4 * s, nm.to(tl.int64), mask=s < W)
+                    tl.store(status + 10 + 4 * s, f8.to(tl.int64), mask=s < W)
+                    record(status, _HEADERS, _LLD, nbad, 0, 0, e)
+            else:
+                _unpack(msgs, recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load_ptr, W, n_max, msg_bytes, L,
+                        XB, SB, HDR, W_P2, L_P2, BLOCK_R, BW_X, BW_S, VEC_S)  # fmt: skip
+        if tl.program_id(0) == 0:
+            end_exchange(ctrl, _LLD, W, e)
+
+
+# combine
+
+
+@triton.jit
+def _ll_combine_send(y_addr, counts_ptr, stage_table, ctrl_table, ctrl_addr, me, W, n_max, area_bytes, msg_bytes,
+                     ident0, ident1, L: tl.constexpr, ROW: tl.constexpr, W_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BW: tl.constexpr):  # fmt: skip
+    ctrl = ptr(ctrl_addr, tl.int64)
+    if alive(ctrl, W):
+        pid, P = tl.program_id(0), tl.num_programs(0)
+        e = begin_send(ctrl, _LLC, W)
+        my_off = (e % 2) * area_bytes + me.to(tl.int64) * msg_bytes
+        if pid == 0:
+            for d in range(W):
+                head = ptr(tl.load(stage_table + d) + my_off, tl.int64)
+                tl.store(head, ident0.to(tl.int64))
+                tl.store(head + 1, ident1.to(tl.int64))
+        s = tl.arange(0, W_P2)
+        rows = tl.arange(0, BLOCK_R)
+        for item in range(pid, W * L, P):
+            src, le = item // L, item % L
+            before = vsum(tl.load(counts_ptr + s * L + le, mask=s < src, other=0), 0)
+            c = tl.load(counts_ptr + src * L + le).to(tl.int32)
+            at = tl.load(stage_table + src) + my_off + _HEAD + (le * n_max).to(tl.int64) * ROW
+            y_at = y_addr + (le * W * n_max + before) * ROW
+            for r0 in range(0, c, BLOCK_R):
+                copy_rows(at, y_at, r0 + rows, c, ROW, ROW, ROW // 4, BW, 16)
+        signal_peers(ctrl_table, W, _LLC * W + me)
+
+
+@triton.jit
+def _reduce_tokens(out_ptr, w_ptr, route_ptr, msgs, t0, T, n_max, msg_bytes, K: tl.constexpr, K_P2: tl.constexpr,
+                   H: tl.constexpr, BT: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """``out[t] = bf16(sum over k ascending of w[t, k] * row(t, k))`` in float32 (each product rounded, then
+    added) for the tokens ``t0 + [0, BT)``."""
+    t = wide(t0 + tl.arange(0, BT))
+    kk = tl.arange(0, K_P2)
+    inside = (t < T)[:, None] & (kk < K)[None, :]
+    at = t[:, None] * K + kk[None, :]
+    dst = tl.load(route_ptr + at, mask=inside, other=-1)
+    loc = tl.load(route_ptr + T * K + at, mask=inside, other=0)
+    pos = tl.load(route_ptr + 2 * T * K + at, mask=inside, other=0)
+    wts = tl.load(ptr(w_ptr, tl.float32) + at, mask=inside, other=0.0)
+    row_at = msgs + wide(dst) * msg_bytes + _HEAD + wide(loc * n_max + pos) * (2 * H)
+    out_row = tl.multiple_of(ptr(out_ptr, tl.int16) + t * H, 16)
+    for h0 in tl.static_range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = (t < T)[:, None] & (cols < H)[None, :]
+        acc = tl.full([BT, BLOCK_H], 0.0, tl.float32)
+        for k in tl.static_range(K):
+            pick = kk[None, :] == k
+            live = m & (vsum(tl.where(pick, dst, 0), 1) >= 0)[:, None]
+            src = tl.multiple_of(ptr(vsum(tl.where(pick, row_at, 0), 1), tl.int16), 16)
+            y = f32_from_bf16_bits(tl.load(src[:, None] + cols[None, :], mask=live, other=0))
+            acc += tl.where(live, vsum(tl.where(pick, wts, 0.0), 1)[:, None] * y, 0.0)
+        tl.store(out_row[:, None] + cols[None, :], f32_to_bf16_bits(acc), mask=m)
+
+
+@triton.jit
+def _ll_combine_recv(out_ptr, w_ptr, route_ptr, status_addr, stage_addr, ctrl_addr, notice_addr, clock_addr, T,
+                     timeout_ns, W, n_max, area_bytes, msg_bytes, p_send, ident0, ident1, K: tl.constexpr,
+                     K_P2: tl.constexpr, H: tl.constexpr, W_P2: tl.constexpr, BT: tl.constexpr,
+                     BLOCK_H: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
+    ctrl = ptr(ctrl_addr, tl.int64)
+    if alive(ctrl, W):
+        e = sent_epoch(ctrl, _LLC, W)
+        status = ptr(status_addr, tl.int64)
+        if wait_sources(ctrl, _LLC, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
+            msgs = stage_addr + (e % 2) * area_bytes
+            s = tl.arange(0, W_P2)
+            i0 = tl.load(ptr(msgs + s.to(tl.int64) * msg_bytes, tl.int64), mask=s < W, other=ident0)
+            i1 = tl.load(ptr(msgs + s.to(tl.int64) * msg_bytes, tl.int64) + 1, mask=s < W, other=ident1)
+            nbad = vsum(((i0 != ident0) | (i1 != ident1)).to(tl.int32), 0)
+            if nbad != 0:
+                if claim_failure(ctrl, W):
+                    tl.store(status + 8 + 4 * s, i0, mask=s < W)
+                    tl.store(status + 9 + 4 * s, i1, mask=s < W)
+                    record(status, _HANDLES, _LLC, nbad, 0, 0, e)
+            else:
+                for t0 in range(tl.program_id(0) * BT, T, tl.num_programs(0) * BT):
+                    _reduce_tokens(out_ptr, w_ptr, route_ptr, msgs, t0, T, n_max, msg_bytes, K, K_P2, H, BT, BLOCK_H)
+        if tl.program_id(0) == 0:
+            end_exchange(ctrl, _LLC, W, e)
+
+
+# launchers
+
+
+@dataclass(frozen=True)
+class LLGeometry:
+    """Everything fixed per buffer that the low-latency kernels take (addresses are this process's view).
+
+    ``ctrl`` / ``notices``: this rank's control words and its NOTICE signal words; ``*_table``: every rank's
+    control words and low-latency areas (``[W]`` int64 tensors on the device), ``*_local`` this rank's own area;
+    ``*_area``: bytes per parity of an area; ``*_msg``: bytes per source message; ``status`` / ``clock``: the
+    status block and the clock word (host memory); on a GPU the waits read ``%globaltimer`` instead of the clock.
+    """
+
+    rank: int
+    world: int
+    num_experts: int
+    num_topk: int
+    hidden: int
+    header: int
+    text: int
+    ctrl: int
+    notices: int
+    ctrl_table: torch.Tensor
+    dispatch_table: torch.Tensor
+    combine_table: torch.Tensor
+    dispatch_local: int
+    combine_local: int
+    dispatch_area: int
+    dispatch_msg: int
+    combine_area: int
+    combine_msg: int
+    status: int
+    clock: int
+    timeout_ns: int
+    device: torch.device
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.world
+
+    def sizes(self) -> dict:
+        """Block sizes and padded extents shared by the launches."""
+        k, h = self.num_topk, self.hidden
+        block_t = max(1, 16 // triton.next_power_of_2(k))
+        return {
+            "BLOCK_T": block_t,
+            "NP2": triton.next_power_of_2(block_t * k),
+            "E_P2": triton.next_power_of_2(self.num_experts),
+            "L_P2": triton.next_power_of_2(self.local),
+            "W_P2": triton.next_power_of_2(self.world),
+            "G_P2": triton.next_power_of_2(-(-h // 128)),
+            "K_P2": triton.next_power_of_2(k),
+        }
+
+    def hw_timer(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def _grid(geo: LLGeometry) -> tuple[int]:
+    return (programs(geo.device),)
+
+
+def row_bytes(hidden: int, fp8: bool) -> tuple[int, int]:
+    """(x bytes, scale bytes) of one dispatched row."""
+    return (hidden, 4 * -(-hidden // 128)) if fp8 else (2 * hidden, 0)
+
+
+def ll_dispatch_send(geo: LLGeometry, x, topk_idx, route, text, n_max: int, fp8: bool, reject: bool) -> None:
+    """Route, quantize and send (one launch): ``x [T, hidden]`` bf16, ``topk_idx [T, K]`` int32/int64 (both on the
+    device; with ``reject`` neither is read), ``route [3, T, K]`` int32 out, ``text`` uint8 (the error text)."""
+    z = geo.sizes()
+    launch(
+        _ll_dispatch_send, _grid(geo), geo.device,
+        x, topk_idx, route, text, geo.dispatch_table, geo.ctrl_table, geo.ctrl, x.shape[0], geo.rank, geo.world,
+        n_max, int(reject), geo.dispatch_area, geo.dispatch_msg,
+        E=geo.num_experts, L=geo.local, K=geo.num_topk, H=geo.hidden, FP8=int(fp8), HDR=geo.header, TEXT=geo.text,
+        BLOCK_T=z["BLOCK_T"], NP2=z["NP2"], E_P2=z["E_P2"], L_P2=z["L_P2"], G_P2=z["G_P2"],
+    )  # fmt: skip
+
+
+def ll_dispatch_recv(geo: LLGeometry, recv_x, recv_s, counts, recv_count, load, n_max: int, fp8: bool) -> None:
+    """Wait for every source and unpack into ``recv_x [L, W*n_max, hidden]`` (e4m3 or bf16) and ``recv_s`` (float32
+    scales, or None); ``counts [W, L]`` int64 and ``recv_count [L]`` int32 out, ``load [L]`` int64 added to."""
+    z = geo.sizes()
+    xb, sb = row_bytes(geo.hidden, fp8)
+    launch(
+        _ll_dispatch_recv, _grid(geo), geo.device,
+        recv_x.data_ptr(), recv_s.data_ptr() if recv_s is not None else 0, counts, recv_count, load, geo.status,
+        geo.dispatch_local, geo.ctrl, geo.notices, geo.clock, geo.timeout_ns, geo.world, n_max, geo.dispatch_area,
+        geo.dispatch_msg, programs(geo.device),
+        L=geo.local, XB=xb, SB=sb, FP8=int(fp8), HDR=geo.header, W_P2=z["W_P2"], L_P2=z["L_P2"], BLOCK_R=4,
+        BW_X=row_words(xb), BW_S=row_words(sb), VEC_S=16 if sb % 16 == 0 else 4, HW_TIMER=geo.hw_timer(),
+    )  # fmt: skip
+
+
+def ll_combine_send(geo: LLGeometry, y, counts, n_max: int, ident: tuple[int, int]) -> None:
+    """The expert side: ``y [L, W*n_max, hidden]`` bf16 rows back into their sources' messages, headed by the
+    handle's ``ident`` (buffer id, dispatch epoch); ``counts [W, L]`` int64 from the dispatch."""
+    z = geo.sizes()
+    row = 2 * geo.hidden
+    launch(
+        _ll_combine_send, _grid(geo), geo.device,
+        y.data_ptr(), counts, geo.combine_table, geo.ctrl_table, geo.ctrl, geo.rank, geo.world, n_max,
+        geo.combine_area, geo.combine_msg, ident[0], ident[1],
+        L=geo.local, ROW=row, W_P2=z["W_P2"], BLOCK_R=4, BW=row_words(row),
+    )  # fmt: skip
+
+
+def ll_combine_recv(geo: LLGeometry, out, weights, route, n_max: int, ident: tuple[int, int]) -> None:
+    """The source side: wait, check every message's head against ``ident``, and reduce into ``out [T, hidden]``
+    bf16 with ``weights [T, K]`` float32 and the dispatch's ``route [3, T, K]``."""
+    z = geo.sizes()
+    launch(
+        _ll_combine_recv, _grid(geo), geo.device,
+        out, weights, route, geo.status, geo.combine_local, geo.ctrl, geo.notices, geo.clock, out.shape[0],
+        geo.timeout_ns, geo.world, n_max, geo.combine_area, geo.combine_msg, programs(geo.device), ident[0],
+        ident[1],
+        K=geo.num_topk, K_P2=z["K_P2"], H=geo.hidden, W_P2=z["W_P2"], BT=8 if geo.device.type == "cpu" else 1,
+        BLOCK_H=min(1024, triton.next_power_of_2(geo.hidden)),
+        HW_TIMER=geo.hw_timer(),
+    )  # fmt: skip
+
+
+#: The kernels of this file by name (``ep_signatures.py`` compiles them ahead of time).
+KERNELS = {
+    "ll_dispatch_send": _ll_dispatch_send,
+    "ll_dispatch_recv": _ll_dispatch_recv,
+    "ll_combine_send": _ll_combine_send,
+    "ll_combine_recv": _ll_combine_recv,
+}
