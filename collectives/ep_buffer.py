@@ -23,6 +23,7 @@ rank raises the same ``ValueError`` on all ranks. Every wait has a timeout and a
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,10 +46,45 @@ from epkit.collectives.symm_buffer import SymmBuffer
 from epkit.collectives.transports import all_on_one_host
 from epkit.utils import check_topk_idx
 
-__all__ = ["DEFAULT_LOW_LATENCY_TOKENS", "EPBuffer", "DispatchHandle", "LowLatencyHandle"]
+__all__ = [
+    "DEFAULT_LOW_LATENCY_TOKENS",
+    "EPBuffer",
+    "DispatchHandle",
+    "LowLatencyHandle",
+    "RegionSizes",
+    "region_sizes",
+]
 
 #: Default low-latency capacity (tokens per rank per dispatch): DeepEP-style engines decode 128 per rank.
 DEFAULT_LOW_LATENCY_TOKENS = 128
+
+
+class RegionSizes(NamedTuple):
+    """Bytes of one rank's region of an :class:`EPBuffer` (see :func:`region_sizes`)."""
+
+    row_bytes: int  # one normal-mode row: x (up to 4 bytes/elem) + FP8 scales + local ids + weights + source index
+    normal: int  # what normal mode needs (metadata message, rows, combine rows)
+    low_latency: int  # what low-latency dispatch or combine needs (the larger)
+    region_bytes: int  # the region: the largest need, 4 KiB aligned
+
+
+def region_sizes(
+    hidden: int,
+    num_topk: int,
+    num_local_experts: int,
+    num_max_tokens_per_rank: int,
+    num_max_dispatch_tokens_per_rank: int,
+) -> RegionSizes:
+    """The size of each of an EPBuffer's ``world_size`` regions for these capacities (the same sizing the
+    constructor uses; DeepEP's size hints in :mod:`epkit.compat.deep_ep` call it too). The device kernels' area
+    (CUDA only) comes on top of ``world_size * region_bytes``."""
+    h, k, n, L, n_ll = hidden, num_topk, num_max_tokens_per_rank, num_local_experts, num_max_dispatch_tokens_per_rank
+    sf = 4 * -(-h // 128)
+    row = align_up(4 * h) + align_up(sf) + 2 * align_up(4 * k) + FIELD_ALIGN
+    normal = max(align_up(8 * (2 + L)) + META_MSG, n * row, n * align_up(4 * h))
+    low_latency = max(n_ll * L * (align_up(2 * h) + align_up(sf)) + align_up(4 * L), COMBINE_HEADER + n_ll * L * 2 * h)
+    region = align_up(max(normal, low_latency, n_ll * k * align_up(2 * h)), 4096)
+    return RegionSizes(row, normal, low_latency, region)
 
 
 class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLatencyMixin, DeviceNormalMixin):
@@ -143,15 +179,10 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be >= 1, got {num_max_dispatch_tokens_per_rank}")
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.timeout = timeout
-        h, k, n, L = hidden, num_topk, num_max_tokens_per_rank, self.num_local_experts
-        n_ll, sf = self.num_max_dispatch_tokens_per_rank, 4 * -(-hidden // 128)
-        # Normal-mode row: x (up to 4 bytes/elem) + FP8 scales + local ids + weights + source index.
-        self._row_bytes = align_up(4 * h) + align_up(sf) + 2 * align_up(4 * k) + FIELD_ALIGN
-        normal = max(align_up(8 * (2 + L)) + META_MSG, n * self._row_bytes, n * align_up(4 * h))
-        low_latency = n_ll * L * (align_up(2 * h) + align_up(sf)) + align_up(4 * L)
-        ll_combine = COMBINE_HEADER + n_ll * L * 2 * h
-        self.region_bytes = align_up(max(normal, low_latency, ll_combine, n_ll * k * align_up(2 * h)), 4096)
-        ll_sized = max(low_latency, ll_combine) >= normal
+        h, n, n_ll = hidden, num_max_tokens_per_rank, self.num_max_dispatch_tokens_per_rank
+        sizes = region_sizes(hidden, num_topk, self.num_local_experts, n, n_ll)
+        self._row_bytes, self.region_bytes = sizes.row_bytes, sizes.region_bytes
+        ll_sized = sizes.low_latency >= sizes.normal
         knob = "num_max_dispatch_tokens_per_rank" if ll_sized else "num_max_tokens_per_rank"
         hint = (
             f"EPBuffer's {w} regions of {self.region_bytes} bytes are sized by its "

@@ -158,7 +158,7 @@ def _vllm_low_latency(rank: int, world: int, num_experts: int, use_fp8_dispatch:
     )
     want = reference_low_latency_combine([y[e, : ref["counts"][e]] for e in range(local)], topk_ids, topk_weights, ref)
     _same(output, want, "low-latency combine")
-    # the byte count is the EPBuffer's own (its sizing, written twice: see epbuffer_bytes), and the size hint, which
+    # the byte count is the EPBuffer's own (region_sizes), and the size hint, which
     # assumes a top-k of 8, covers this call's top-k of 4
     made = buffer._made[-1]
     assert epbuffer_bytes(HIDDEN, num_experts, world, MAX_TOKENS, TOPK, MAX_TOKENS) == made.region_bytes * world

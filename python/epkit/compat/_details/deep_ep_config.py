@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from epkit.collectives.ep_buffer import region_sizes
+
 __all__ = ["Config", "EventHandle", "EventOverlap", "epbuffer_bytes", "HINT_TOPK"]
 
 #: The top-k the size hints assume (DeepEP's hints take no top-k; DeepSeek-V3 routes each token to 8 experts).
@@ -87,26 +89,16 @@ class Config:
         )
 
 
-def _align(n: int, a: int = 16) -> int:
-    return -(-n // a) * a
-
-
 def epbuffer_bytes(hidden: int, num_experts: int, num_ranks: int, tokens: int, num_topk: int, ll_tokens: int) -> int:
     """Bytes an :class:`~epkit.collectives.ep_buffer.EPBuffer` allocates on each rank (``num_ranks`` regions) for
-    these capacities: the same sizing as its constructor's (``tests/test_compat_deep_ep.py`` compares the two
-    on 2 and 4 ranks; the formula belongs in ``EPBuffer``, which does not export it)."""
+    these capacities (:func:`~epkit.collectives.ep_buffer.region_sizes`; the CUDA device kernels' own area is
+    not counted)."""
     for name, v in (("hidden", hidden), ("num_experts", num_experts), ("num_ranks", num_ranks), ("tokens", tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if num_experts % num_ranks:
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks})")
-    h, k, n, local, n_ll = hidden, num_topk, tokens, num_experts // num_ranks, ll_tokens
-    sf = 4 * -(-h // 128)
-    row = _align(4 * h) + _align(sf) + 2 * _align(4 * k) + 16
-    normal = max(_align(8 * (2 + local)) + 192, n * row, n * _align(4 * h))
-    low_latency = n_ll * local * (_align(2 * h) + _align(sf)) + _align(4 * local)
-    ll_combine = 64 + n_ll * local * 2 * h
-    return _align(max(normal, low_latency, ll_combine, n_ll * k * _align(2 * h)), 4096) * num_ranks
+    return region_sizes(hidden, num_topk, num_experts // num_ranks, tokens, ll_tokens).region_bytes * num_ranks
 
 
 class EventHandle:
