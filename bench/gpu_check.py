@@ -2,7 +2,7 @@
 
 Run on a machine with one CUDA GPU (an H200 for the figures the project quotes)::
 
-    python bench/gpu_check.py                      # all sections, ~5-7 minutes, bench/results/gpu_check.json
+    python bench/gpu_check.py                      # all sections, ~5-7 minutes, build/bench/gpu_check.json
     python bench/gpu_check.py --quick              # smaller shapes, same checks
     python bench/gpu_check.py --sections env,grouped_gemm --out /tmp/g.json
 
@@ -11,7 +11,9 @@ and on a CPU-only machine as a dry run of the control flow (what CI does)::
     python bench/gpu_check.py --device cpu --quick --out /tmp/dry.json
 
 Sections (default order): ``env``, ``gather_rows``, ``logical_to_physical``, ``prepare_cp_mirror``,
-``engram_hash``, ``grouped_gemm``, ``nvshmem``; ``--sections`` runs the ones it names in its order.
+``engram_hash``, ``grouped_gemm``, ``nvshmem``, ``bench`` (``epkit bench``'s in-process families on the
+device, its own report also written as ``<out stem>.bench.json`` / ``.md``); ``--sections`` runs the ones it
+names in its order.
 Each one runs inside its own try/except with its own time budget (scaled by ``--budget``, or fixed by
 ``--section-budget``): a failing or slow section records its status, its traceback and what it
 measured so far, and the next section still runs. A watchdog thread interrupts a section
@@ -22,14 +24,14 @@ Section status: ``ok``; ``fail`` (a correctness check disagreed; see ``checks``)
 exception; see ``error`` and ``traceback``); ``budget_exceeded`` (stopped early; partial results kept);
 ``hung`` (interrupted by the watchdog); ``skipped: <reason>`` (e.g. ``skipped: no CUDA``).
 
-Timing: CUDA events around each call after warm-up, median of N (CPU: ``time.perf_counter``); the
-GEMMs flush L2 between calls. Every figure is paired with a peer or roof measured in the same run:
-``torch.index_select`` and a device-to-device copy for the gathers, ``torch.matmul`` in bf16 at equal
-FLOPs (and dense ``torch._scaled_mm`` FP8 where torch has it) for the grouped GEMMs, a device copy for
-the NVSHMEM loopback put and the SymmBuffer(nvshmem) loopback exchange. The nvshmem section also runs
-SymmBuffer(nvshmem) with its memory from torch's NVSHMEM symmetric memory, in a child process (torch
-must start that process's NVSHMEM job); where torch lacks NVSHMEM it records why. Exit status: 0 when every
-section is ok or skipped, 1 otherwise.
+Timing (``epkit.bench.timing``, the harness ``epkit bench`` uses): CUDA events around each call after warm-up,
+median of N (CPU: ``time.perf_counter``); the GEMMs flush L2 between calls. Every figure is paired with a peer
+or roof measured in the same run: ``torch.index_select`` and a device-to-device copy for the gathers,
+``torch.matmul`` in bf16 at equal FLOPs (and dense ``torch._scaled_mm`` FP8 where torch has it) for the grouped
+GEMMs, a device copy for the NVSHMEM loopback put and the SymmBuffer(nvshmem) loopback exchange. The nvshmem
+section also runs SymmBuffer(nvshmem) with its memory from torch's NVSHMEM symmetric memory, in a child process
+(torch must start that process's NVSHMEM job); where torch lacks NVSHMEM it records why. Exit status: 0 when
+every section is ok or skipped, 1 otherwise.
 
 This file is the harness (arguments, budgets, the section runner, the watchdog, the JSON report, the child
 modes); each section is a module of ``bench/gpu_sections/`` named after its op family.
@@ -55,6 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # loaded by path (as the tests do): the section modules live next to this file
     sys.path.insert(0, HERE)
 
+from gpu_sections.bench import sec_bench  # noqa: E402
 from gpu_sections.common import BudgetExceeded, Ctx  # noqa: E402
 from gpu_sections.cp_mirror import sec_prepare_cp_mirror  # noqa: E402
 from gpu_sections.engram import sec_engram_hash  # noqa: E402
@@ -66,7 +69,7 @@ from gpu_sections.nvshmem import sec_nvshmem  # noqa: E402
 from gpu_sections.nvshmem_child import nvshmem_child  # noqa: E402
 from gpu_sections.nvshmem_symm import torch_provider_child  # noqa: E402
 
-#: Seconds per section at ``--budget 450`` (they sum to it); scaled linearly with ``--budget``, except
+#: Seconds per section at ``--budget 490`` (they sum to it); scaled linearly with ``--budget``, except
 #: the sections given a fixed ``--section-budget`` (the others then share what is left).
 BUDGETS = {
     "env": 15,
@@ -76,6 +79,7 @@ BUDGETS = {
     "engram_hash": 50,
     "grouped_gemm": 140,
     "nvshmem": 90,
+    "bench": 40,
 }
 SECTIONS = tuple(BUDGETS)
 DEFAULT_TOTAL = sum(BUDGETS.values())
@@ -88,6 +92,7 @@ SECTION_FUNCS = {
     "engram_hash": sec_engram_hash,
     "grouped_gemm": sec_grouped_gemm,
     "nvshmem": sec_nvshmem,
+    "bench": sec_bench,
 }
 
 
@@ -216,7 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--out",
         default=None,
-        help="JSON path (default bench/results/gpu_check.json on CUDA, bench/results/gpu_check_cpu.json on CPU)",
+        help="JSON path (default build/bench/gpu_check.json on CUDA, build/bench/gpu_check_cpu.json on CPU: "
+        "nothing is written into the committed bench/results/ unless asked)",
     )
     ap.add_argument(
         "--budget",
@@ -273,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    out = args.out or os.path.join(HERE, "results", "gpu_check.json" if device.type == "cuda" else "gpu_check_cpu.json")
+    default_name = "gpu_check.json" if device.type == "cuda" else "gpu_check_cpu.json"
+    out = args.out or os.path.join(os.path.dirname(HERE), "build", "bench", default_name)
     meta = {
         "script": "bench/gpu_check.py",
         "argv": sys.argv[1:] if argv is None else argv,
@@ -296,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = Watchdog(report)
     watchdog.start()
     ctx = Ctx(device, args.quick, t_start)
+    ctx.out_path = out
     for name in args.sections:  # every requested section appears in the JSON, even if the run dies early
         report.data["sections"][name] = {"status": "not run"}
     print(f"gpu_check: device {device}, quick={args.quick}, sections {','.join(args.sections)} -> {out}", flush=True)

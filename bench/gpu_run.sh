@@ -14,9 +14,10 @@
 #
 # Knobs (environment):
 #   PYTHON            the Python that holds the CUDA torch (default python3)
-#   OUT               where logs and gpu_check.json go (default build/gpu_run/out; the device tool sets it)
+#   OUT               where logs, gpu_check.json and gpu_check.bench.{json,md} (epkit bench's report) go
+#                     (default build/gpu_run/out; the device tool sets it)
 #   GPU_RUN_STEPS     comma list of build,check,tests (default all three, run in that order)
-#   GPU_RUN_SECTIONS  gpu_check sections in the order to run them (default: env and nvshmem first)
+#   GPU_RUN_SECTIONS  gpu_check sections in the order to run them (default: env and nvshmem first, bench last)
 #   GPU_RUN_BUDGET    gpu_check's total seconds (default 300): nvshmem gets 150 s (the open issue's
 #                     evidence, two child processes), the other sections share the rest in proportion
 #   GPU_RUN_ARGS      more gpu_check arguments (e.g. --quick)
@@ -33,7 +34,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/build/gpu_run/out}
 STEPS=",${GPU_RUN_STEPS:-build,check,tests},"
-SECTIONS=${GPU_RUN_SECTIONS:-env,nvshmem,grouped_gemm,gather_rows,logical_to_physical,prepare_cp_mirror,engram_hash}
+SECTIONS=${GPU_RUN_SECTIONS:-env,nvshmem,grouped_gemm,gather_rows,logical_to_physical,prepare_cp_mirror,engram_hash,bench}
 BUDGET=${GPU_RUN_BUDGET:-300}
 LIMIT=${GPU_RUN_LIMIT:-540}
 DEVICE=${GPU_RUN_DEVICE:-cuda}

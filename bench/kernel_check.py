@@ -14,7 +14,7 @@ Run: ``python bench/kernel_check.py FAMILY --backend triton|tilelang|cpu|referen
 - ``cp_mirror``: ``prepare_cp_mirror``, 64 sequences / 131072 tokens with cached prefixes, cp 8,
   rank 3, ratios (1, 4, 128); peer the ``cpu`` backend on the host.
 - ``engram``: ``engram_hash``, 1,048,576 tokens, N=3, K=8, 2 layers; peer the same hash in plain
-  torch int64 ops (``%`` is floor-mod), on the device.
+  torch int64 ops (``epkit.bench.engram.engram_hash_torch``), on the device.
 - ``experts``: ``logical_to_physical``, 16384 x 6 ids, 384 experts at EP64, rank 5; peer
   ``logical_to_physical_cpu`` (vectorised torch) on the device.
 - ``grouped_gemm``: ``m_grouped_fp8_gemm_nt_contiguous``, 4 groups x 4096 rows, N=4096, K=7168 on
@@ -28,7 +28,7 @@ is interpreter time, which says nothing about kernel speed.
 
 ``--device auto`` (default) is ``cuda`` when torch sees a GPU and the op has the backend there, else
 ``cpu``. Exit status 0 after both steps, 1 when a backend differs from the reference, 2 when the
-backend cannot run here. Prints only (the ``bench_<family>.py`` scripts write JSON).
+backend cannot run here. Prints only (``epkit bench`` writes the JSON, the table and the plots).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 
 from epkit import registered_ops
 from epkit.backends import BackendUnavailableError, select
+from epkit.bench.engram import engram_hash_torch
 from epkit.utils import time_per_call
 
 #: The op each family registers (for the grouped GEMMs: the one timed; all six are checked).
@@ -134,18 +135,6 @@ def cp_mirror_case(backend: str, device: str, small: bool) -> Case:
     )
 
 
-def engram_torch(ids: torch.Tensor, mult: torch.Tensor, vocab: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-    """``engram_hash`` in plain torch int64 ops on any device (``%`` on int64 is floor-mod, as numpy's)."""
-    x = ids.long()
-    vocab64 = vocab.long()
-    mix = x[:, 0] * mult[:, :1]  # [L, T]
-    cols = []
-    for k in range(1, vocab.shape[1] + 1):
-        mix = mix ^ (x[:, k] * mult[:, k : k + 1])
-        cols.append(mix[:, :, None] % vocab64[:, None, k - 1, :])  # [L, T, K]
-    return (torch.cat(cols, dim=2) + off[:, None, :]).to(torch.int32)
-
-
 def engram_case(backend: str, device: str, small: bool) -> Case:
     from epkit.engram import EngramConfig, engram_hash, hash_params
 
@@ -167,7 +156,7 @@ def engram_case(backend: str, device: str, small: bool) -> Case:
                 device,
                 _reps(backend),
             ),
-            Contender("torch int64 %", lambda: engram_torch(ids, mult, vocab, off), device),
+            Contender("torch int64 %", lambda: engram_hash_torch(ids, mult, vocab, off), device),
         ],
     )
 

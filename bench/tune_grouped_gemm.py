@@ -10,7 +10,7 @@ Shapes default to DeepGEMM's published ones (contiguous 4 x 8192 rows with
 
 Use the result:
     from epkit.kernels.triton.grouped_gemm_configs import load_tuned_configs
-    load_tuned_configs("bench/results/grouped_gemm_tuned.json")
+    load_tuned_configs("build/bench/grouped_gemm_tuned.json")   # or the copy kept in bench/results/<kind>/
 
 (``epkit.kernels.triton.grouped_gemm`` re-exports it).
 
@@ -154,7 +154,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (the CPU dry run)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=600.0, help="stop starting new shapes after this long")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grouped_gemm_tuned.json"))
+    ap.add_argument(
+        "--out",  # build/, not the committed bench/results/: a tuning run is kept only when copied there on purpose
+        default=os.path.join(os.path.dirname(__file__), os.pardir, "build", "bench", "grouped_gemm_tuned.json"),
+    )
     args = ap.parse_args()
     if args.device == "cpu" and not args.quick:
         ap.error("on CPU only --quick makes sense (the interpreter runs tiny shapes; its timings are not tuning data)")

@@ -62,11 +62,17 @@ def test_version():
 
 
 @pytest.mark.parametrize(
-    "args", [("info", "--json"), ("selfcheck", "--backend", "reference", "--json"), ("plan", "--dp", "8", "--json")]
+    "args",
+    [
+        ("info", "--json"),
+        ("selfcheck", "--backend", "reference", "--json"),
+        ("plan", "--dp", "8", "--json"),
+        ("bench", "--quick", "--only", "experts", "--json"),  # a few seconds; tests/test_bench.py has the rest
+    ],
 )
 def test_every_subcommand_prints_one_json_document(args, capsys):
     commands = next(a.choices for a in build_parser()._actions if isinstance(a.choices, dict))
-    assert set(commands) == {"info", "selfcheck", "plan"}, "a new subcommand needs its --json case here"
+    assert set(commands) == {"info", "selfcheck", "plan", "bench"}, "a new subcommand needs its --json case here"
     assert main(list(args)) == 0
     out = capsys.readouterr().out
     doc = json.loads(out)  # the whole of stdout is the document
@@ -77,7 +83,7 @@ def test_every_subcommand_prints_one_json_document(args, capsys):
 
 
 def test_help_shows_examples(capsys):
-    for argv in ([], ["info"], ["selfcheck"], ["plan"]):
+    for argv in ([], ["info"], ["selfcheck"], ["plan"], ["bench"], ["bench", "compare"], ["bench", "plot"]):
         with pytest.raises(SystemExit) as exc:
             main([*argv, "--help"])
         assert exc.value.code == 0

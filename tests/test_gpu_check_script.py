@@ -22,6 +22,7 @@ SECTIONS = (
     "engram_hash",
     "grouped_gemm",
     "nvshmem",
+    "bench",
 )
 # Sections that need a CUDA device for everything they do; on CPU they must say so, not crash.
 CUDA_ONLY = {"nvshmem"}
@@ -91,6 +92,34 @@ def test_dry_run_records_measurements_against_peers(dry_run):
         assert entry["calc_diff"] <= 1e-3, (name, entry["calc_diff"])
     env = report["sections"]["env"]
     assert env["packages"]["torch"] and env["gpu"] is None
+
+
+def test_dry_run_bench_section_is_epkit_bench_with_its_report(dry_run):
+    """The ``bench`` section runs ``epkit bench``'s in-process families and writes the harness's own report."""
+    from epkit.bench.compare import compare_docs, load_doc
+
+    _, report = dry_run
+    sec = report["sections"]["bench"]
+    assert sec["size"] == "tiny" and set(sec["families"]) == {
+        "gather",
+        "cp_mirror",
+        "engram",
+        "experts",
+        "grouped_gemm",
+    }
+    assert all(f["status"] == "ok" for f in sec["families"].values()), sec["families"]
+    assert sec["checks_failed"] == 0 and sec["checks_passed"] >= 5, sec.get("checks")
+    assert {r["family"] for r in sec["rows"]} == set(sec["families"])
+    for row in sec["rows"]:  # every row names its roof or peer and the ratio to it
+        assert row["peers"] or row["roof"], row["key"]
+        assert all(p["median"] > 0 and p["name"] for p in row["peers"]), row["key"]
+    assert sec["table"].count("\n") == len(sec["rows"]) + 2
+    doc_path, md_path = sec["files"]
+    assert doc_path.endswith("dry.bench.json") and md_path.endswith("dry.bench.md")
+    doc = load_doc(doc_path)  # what `epkit bench compare` reads
+    assert doc["machine"]["kind"] == f"cpu-{os.cpu_count()}core" and doc["ok"] is True
+    assert compare_docs(doc, doc)["regressions"] == 0
+    assert "| op | shape | backend |" in open_text(md_path)
 
 
 def test_cli_rejects_unknown_sections_and_missing_cuda(tmp_path):

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from epkit.bench.timing import L2Flusher, time_calls
+
 __all__ = [
     "BENCH",
     "ROOT",
@@ -46,7 +48,9 @@ class Ctx:
         self.t_start = t_start
         self.section = "-"
         self.deadline = math.inf
-        self._flush_buf = None
+        self._flusher = L2Flusher(device)
+        #: The report's path (gpu_check.py sets it): sections may write files next to it.
+        self.out_path: str | None = None
 
     def begin(self, name: str, budget: float) -> None:
         self.section = name
@@ -69,51 +73,29 @@ class Ctx:
             torch.cuda.synchronize(self.device)
 
     def flush_l2(self) -> None:
-        """Overwrite 256 MiB so that the next call starts with a cold L2 (CUDA only)."""
-        if not self.cuda:
-            return
-        if self._flush_buf is None:
-            self._flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=self.device)
-        self._flush_buf.zero_()
+        """Overwrite 256 MiB so that the next call starts with a cold L2 (CUDA only; ``epkit bench``'s flusher)."""
+        self._flusher()
 
     def time_op(
         self, fn, *, warmup: int = 3, iters: int = 20, flush: bool = False, min_iters: int = 3, calls: int = 1
     ) -> dict:
-        """Median/min/max milliseconds per call: CUDA events on GPU, perf_counter on CPU.
+        """Median/min/max milliseconds per call: CUDA events on GPU, perf_counter on CPU (``epkit bench``'s
+        :func:`~epkit.bench.timing.time_calls`, so that both time a call the same way).
 
         ``calls`` back-to-back calls per sample (divided out): the host's launch overhead then overlaps the
         GPU's work, as in a real stream. Stops early (after ``min_iters``) when the section's deadline has
-        passed; ``n`` says how many samples ran.
+        passed; ``n`` says how many samples ran, ``truncated`` whether that was fewer than ``iters``.
         """
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        samples = []
-        for i in range(iters):
-            if i >= min_iters and time.perf_counter() > self.deadline:
-                break
-            if flush:
-                self.flush_l2()
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(calls):
-                    fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / calls)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                samples.append((time.perf_counter() - t0) * 1e3 / calls)
-        return {
-            "median_ms": statistics.median(samples),
-            "min_ms": min(samples),
-            "max_ms": max(samples),
-            "n": len(samples),
-            "truncated": len(samples) < iters,
-        }
+        return time_calls(
+            fn,
+            self.device,
+            warmup=warmup,
+            iters=iters,
+            flush=self.flush_l2 if flush else None,
+            min_iters=min_iters,
+            calls=calls,
+            deadline=self.deadline,
+        )
 
     def time_wall(self, fn, *, calls: int = 20, rounds: int = 5) -> dict:
         """Host-inclusive milliseconds per call: ``calls`` back-to-back calls then a sync, median of rounds."""

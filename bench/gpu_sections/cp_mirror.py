@@ -1,6 +1,6 @@
 """gpu_check section ``prepare_cp_mirror``: ``epkit.cp_mirror.prepare_cp_mirror`` against its reference on
 every backend (empty sequences, random batches, every rank of several cp sizes), then its latency at
-bench_cp_mirror.py's shape, with the CPU backend on host tensors as the same-run peer."""
+``epkit bench``'s largest cp_mirror shape, with the CPU backend on host tensors as the same-run peer."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gpu_sections.common import Ctx, backends_for, record_check, run_backends
 
 __all__ = ["sec_prepare_cp_mirror"]
 
-#: The compression ratios every call uses (bench_cp_mirror.py's).
+#: The compression ratios every call uses (``epkit bench``'s cp_mirror family's).
 RATIOS = (1, 4, 128)
 
 
@@ -55,8 +55,9 @@ def sec_prepare_cp_mirror(ctx: Ctx, res: dict):
 
 
 def _latency(ctx: Ctx, res: dict, big: tuple, size: dict, timed: tuple[str, ...]) -> dict:
-    """Latency at bench_cp_mirror.py's shape (``big`` = ``(cu_q, cu_k)`` of ``size``: 64 seqs, 131072 tokens,
-    max prefix 4096; cp 8, rank 3) for each backend in ``timed`` that passed; ``res["latency"]``, also returned."""
+    """Latency at ``epkit bench``'s largest cp_mirror shape (``big`` = ``(cu_q, cu_k)`` of ``size``: 64 seqs,
+    131072 tokens, max prefix 4096; cp 8, rank 3) for each backend in ``timed`` that passed; ``res["latency"]``,
+    also returned."""
     from epkit.cp_mirror import prepare_cp_mirror
 
     cu_q, cu_k = big[0].to(ctx.device), big[1].to(ctx.device)

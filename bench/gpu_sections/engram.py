@@ -1,6 +1,6 @@
 """gpu_check section ``engram_hash``: ``epkit.engram.engram_hash`` bit for bit against its reference on every
-backend (the selfcheck config and the demo config, id extremes included), then its throughput at
-bench_engram.py's shape against a device copy of the same bytes; on CUDA also the Triton kernel alone."""
+backend (the selfcheck config and the demo config, id extremes included), then its throughput at ``epkit
+bench``'s largest engram shape against a device copy of the same bytes; on CUDA also the Triton kernel alone."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def sec_engram_hash(ctx: Ctx, res: dict):
 
 
 def _throughput(ctx: Ctx, res: dict, cfg, ids_cpu: torch.Tensor, timed: tuple[str, ...]) -> dict:
-    """Throughput at bench_engram.py's shape (1,048,576 tokens, N=3, K=8, L=2) against the copy roof, for each
-    backend in ``timed`` that passed; ``res["throughput"]``, also returned."""
+    """Throughput at 1,048,576 tokens (``epkit bench``'s largest engram shape, N=3, K=8, L=2) against the copy
+    roof, for each backend in ``timed`` that passed; ``res["throughput"]``, also returned."""
     from epkit.engram import engram_hash, hash_params
 
     dev = ctx.device

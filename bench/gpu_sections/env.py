@@ -10,6 +10,7 @@ import subprocess
 
 import torch
 
+from epkit.bench.machine import git_commit
 from gpu_sections.common import ROOT, Ctx
 
 __all__ = ["sec_env"]
@@ -24,7 +25,7 @@ def sec_env(ctx: Ctx, res: dict):
     }
     res["torch_cuda"] = torch.version.cuda
     res["cpu"] = {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
-    res["git"] = _git()
+    res["git"] = git_commit(ROOT)
     from epkit.cli import collect_info
 
     info = collect_info()
@@ -61,28 +62,6 @@ def _version(dist: str):
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _git() -> dict:
-    """The checkout's commit and whether tracked files differ from it; ``EPKIT_COMMIT`` overrides the commit."""
-    try:
-        commit = subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        git = {"commit": commit or None, "dirty": bool(dirty)}
-    except (OSError, subprocess.SubprocessError) as exc:
-        git = {"error": str(exc)}
-    if os.environ.get("EPKIT_COMMIT"):
-        # A copied tree (a lent GPU machine) may carry no .git, or a stale one whose HEAD is not the commit
-        # of its files: the commit the caller says it sent wins, and git's answer is kept.
-        git = {"commit": os.environ["EPKIT_COMMIT"], "source": "EPKIT_COMMIT", "git_reported": git}
-    return git
 
 
 def _clocks(ctx: Ctx) -> dict:

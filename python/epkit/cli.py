@@ -3,6 +3,7 @@
 ``epkit info``       versions, devices, which backends and transports run here and why others do not
 ``epkit selfcheck``  runs every op on every backend this machine has against its reference
 ``epkit plan``       deployment calculator: experts per rank, bytes, memory, communication, collective ledger
+``epkit bench``      benchmarks against same-run peers and roofs (table, JSON, plots); ``bench compare`` two runs
 
 Every subcommand takes ``--json`` (one JSON document on stdout, nothing else there); ``epkit --version``
 prints the version. Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are one line
@@ -23,6 +24,8 @@ import sys
 import time
 import traceback
 
+from epkit.bench.cli import add_bench_parser
+
 #: Exit status after the reader closed stdout: 128 + SIGPIPE, what a shell reports for a writer killed by it.
 EXIT_BROKEN_PIPE = 141
 
@@ -33,6 +36,7 @@ EXAMPLES = """examples:
   epkit selfcheck --backend triton --json
   epkit plan --model v4.1-flash --dp 64 --ep 64
   epkit plan --model path/to/config.json --dp 8 --weight-format fp8 --json
+  epkit bench --quick                 every op family against its peer and roof, as one table
 """
 
 
@@ -311,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--link-gbps", type=float, default=450.0, help="link bandwidth, GB/s (default 450: NVLink)")
     pp.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency, us (default 10)")
     pp.add_argument("--tp", type=int, help="TP degree for the comparison (default 8)")
+    add_bench_parser(sub, raw)  # its --json takes an optional PATH: alone, the document goes to stdout
     return p
 
 
