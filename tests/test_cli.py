@@ -68,11 +68,12 @@ def test_version():
         ("selfcheck", "--backend", "reference", "--json"),
         ("plan", "--dp", "8", "--json"),
         ("bench", "--quick", "--only", "experts", "--json"),  # a few seconds; tests/test_bench.py has the rest
+        ("run", "--dry-run", "--preset", "v4.1-flash", "--ranks", "64", "--json"),  # the model runs in test_run.py
     ],
 )
 def test_every_subcommand_prints_one_json_document(args, capsys):
     commands = next(a.choices for a in build_parser()._actions if isinstance(a.choices, dict))
-    assert set(commands) == {"info", "selfcheck", "plan", "bench"}, "a new subcommand needs its --json case here"
+    assert set(commands) == {"info", "selfcheck", "plan", "bench", "run"}, "a new subcommand needs its --json case here"
     assert main(list(args)) == 0
     out = capsys.readouterr().out
     doc = json.loads(out)  # the whole of stdout is the document
@@ -80,10 +81,12 @@ def test_every_subcommand_prints_one_json_document(args, capsys):
         assert doc["failed"] == 0 and doc["passed"] == len(doc["checks"]) > 0
         assert {c["backend"] for c in doc["checks"]} == {"reference"}
         assert {"op", "backend", "status", "seconds", "detail"} <= set(doc["checks"][0])
+    if args[0] == "run":
+        assert doc["layout"]["world"] == 64 and doc["ledger"], doc
 
 
 def test_help_shows_examples(capsys):
-    for argv in ([], ["info"], ["selfcheck"], ["plan"], ["bench"], ["bench", "compare"], ["bench", "plot"]):
+    for argv in ([], ["info"], ["selfcheck"], ["plan"], ["bench"], ["bench", "compare"], ["bench", "plot"], ["run"]):
         with pytest.raises(SystemExit) as exc:
             main([*argv, "--help"])
         assert exc.value.code == 0

@@ -348,6 +348,7 @@ def test_generate_checks_its_input():
         args = ModelArgs()
         max_decode_tokens_per_rank = 2
         decode_moe = "low_latency"
+        cp_size, cp_rank = 1, 0
 
     with pytest.raises(ValueError, match="rank 0: prompt 0 has 5 tokens"):
         generate(_Stub(), [[1, 2, 3, 4, 5]], 2)

@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from epkit.model.run import build_parser, check_ledger, main, run_rank
+from epkit.model.args import ModelArgs
+from epkit.model.run import build_parser, check_ledger, cp_prefill_gathers, main, run_rank
 from epkit.testing.multiprocess import run_ranks
 
 OPS = {"attention", "gate", "logical_to_physical", "dispatch", "experts", "combine", "engram_fetch", "lockstep"}
@@ -23,9 +25,10 @@ def _run(tmp_path, *argv):
 
 
 def test_two_ranks_agree_with_the_oracle_and_the_ledger_with_the_claim(tmp_path, capsys):
-    status, rep = _run(tmp_path, "--ranks", "2", "--steps", "2", "--idle", "1")
+    status, rep = _run(tmp_path, "--ranks", "2", "--steps", "2", "--idle", "1", "--weights", "fp4")
     out = capsys.readouterr().out
     assert status == 0 and rep["verdict"]["ok"] and rep["verdict"]["tokens"] == 2 * 3, rep["verdict"]
+    assert rep["weights"] == "fp4"
     assert rep["ledger_ok"] and {r["kind"] for r in rep["ledger"]} >= {"exchange:ll_dispatch", "dist.all_reduce"}
     assert rep["phases"]["decode"]["steps"] == 2 and rep["phases"]["prefill"]["steps"] == 1
     assert set(rep["decode_ops_s"]) >= OPS, rep["decode_ops_s"]
@@ -33,9 +36,41 @@ def test_two_ranks_agree_with_the_oracle_and_the_ledger_with_the_claim(tmp_path,
     assert "verdict:" in out and "PASS" in out and "DIFFERS" not in out
 
 
-def test_fp4_experts_run_and_agree(tmp_path):
-    status, rep = _run(tmp_path, "--ranks", "2", "--steps", "1", "--weights", "fp4", "--requests", "1")
-    assert status == 0 and rep["verdict"]["ok"] and rep["weights"] == "fp4", rep["verdict"]
+def test_cp_prefill_and_tbo_decode_give_the_cp1_bits():
+    # one replica per expert: the replica a token gets depends on its rank (own rank first), and a replica on
+    # another rank gives other bits (see the report); with one, a CP rank's tokens get the cp=1 bits exactly
+    one = ["--steps", "2", "--redundant-experts", "0"]
+    base = run_ranks(run_rank, 2, build_parser().parse_args(one), timeout=120)
+    a = build_parser().parse_args([*one, "--cp", "2", "--tbo"])
+    res = run_ranks(run_rank, 2, a, timeout=120)
+    # the engine's prompts are base rank 0's; CP rank 0 reports them (rank 1 decoded the odd ones)
+    assert res[0]["prompts"] == base[0]["prompts"] and res[1]["prompts"] == []
+    assert res[0]["prefill_logits"] == base[0]["prefill_logits"] and res[0]["tokens"] == base[0]["tokens"]
+    for sid, rows in base[0]["logits"].items():  # prefill and every decode step, bit for bit
+        assert res[sid % 2]["logits"][sid] == rows, sid
+    args = ModelArgs()
+    first = next(i for i, s in enumerate(res[0]["steps"]) if s["prefill"])
+    assert cp_prefill_gathers(res[0]["ledger"][first], args) == {"count": 5, "claim": 5, "ok": True}
+    decode = next(i for i, s in enumerate(res[0]["steps"]) if not s["prefill"])
+    rows = {r["kind"]: r for r in check_ledger(res[0]["ledger"][decode], 2, 1, micro_batches=2, dp=1)}
+    assert rows["exchange:ll_dispatch"]["count"] == 2 * 2 and all(r["ok"] for r in rows.values()), rows
+    assert all(s["ops"]["overlapped_comm"] > 0 for s in res[0]["steps"] if not s["prefill"])
+
+
+def test_four_ranks_cp2_bf16_with_an_idle_engine(tmp_path):
+    status, rep = _run(tmp_path, "--ranks", "4", "--cp", "2", "--weights", "bf16", "--steps", "1", "--requests",
+                       "1", "--idle", "1", "--enp", "2")  # fmt: skip
+    assert status == 0 and rep["verdict"]["ok"] and rep["verdict"]["tokens"] == 2, rep["verdict"]
+    assert rep["dp"] == 2 and rep["ledger_ok"], rep["ledger"]
+
+
+def test_tbo_is_bit_identical_on_one_rank():
+    a = build_parser().parse_args(["--steps", "2", "--requests", "3"])
+    plain = run_ranks(run_rank, 1, a, timeout=120)[0]
+    a.tbo = True
+    tbo = run_ranks(run_rank, 1, a, timeout=120)[0]
+    assert tbo["tokens"] == plain["tokens"] and tbo["logits"] == plain["logits"]
+    assert all(s["ops"]["overlapped_comm"] > 0 for s in tbo["steps"] if not s["prefill"])
 
 
 def _with_a_layer_all_reduce(rank, world_size, a):
@@ -68,14 +103,36 @@ def test_the_ledger_flags_a_layer_that_adds_an_all_reduce():
         (["--ranks", "2", "--dp", "3"], "--dp 3 does not match the 2 ranks"),
         (["--ranks", "2", "--ep", "4"], "--ep 4 does not match the 2 ranks"),
         (["--ranks", "2", "--prompt-len", "1000"], "exceeds the model's prefill capacity"),
-        (["--ranks", "2", "--idle", "5"], "--idle 5 is not a rank"),
+        (["--ranks", "2", "--idle", "5"], "--idle 5 is not an engine"),
         (["--ranks", "2", "--preset", "v4.1-flash"], "use it with --dry-run"),
+        (["--ranks", "2", "--cp", "3"], "--cp 3 does not divide the 2 ranks"),
+        (["--ranks", "4", "--cp", "2", "--dp", "4"], "--dp 4 does not match the 4 ranks with --cp 2"),
+        (["--ranks", "4", "--enp", "3"], "--enp 3 does not divide the 4 ranks"),
+        (["--ranks", "2", "--prompt", "1,2,999"], "token id 999 is outside the vocabulary"),
+        (["--ranks", "2", "--prompt", "1,x"], "is not comma-separated token ids"),
+        (["--ranks", "2", "--cp", "2", "--prompt-len", "513"], "prefill capacity (512 tokens at --cp 2)"),
     ],
 )
 def test_bad_options_are_one_clear_line(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only message: this machine has a GPU")
+def test_nvshmem_without_a_gpu_is_one_clear_line(capsys):
+    assert main(["--ranks", "2", "--transport", "nvshmem"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--transport nvshmem needs CUDA GPUs" in err[0], err
+
+
+def test_a_bad_prompt_reaching_the_ranks_is_one_line_on_every_rank(capfd):
+    # past the launcher's own checks (run_rank called directly): generate rejects it on every rank, no hang
+    a = build_parser().parse_args(["--prompt", "1,2", "--prompt", "3,256"])
+    res = run_ranks(run_rank, 2, a, timeout=60)
+    assert all("rank 1: prompt 0 holds a token id outside [0, 256)" in r["error"] for r in res), res
+    err = capfd.readouterr().err
+    assert all(err.count(f"epkit run: error: rank {r}: generate rejected") == 1 for r in (0, 1)), err
 
 
 def test_an_unknown_transport_is_a_usage_error(capsys):

@@ -4,6 +4,8 @@
 ``epkit selfcheck``  runs every op on every backend this machine has against its reference
 ``epkit plan``       deployment calculator: experts per rank, bytes, memory, communication, collective ledger
 ``epkit bench``      benchmarks against same-run peers and roofs (table, JSON, plots); ``bench compare`` two runs
+``epkit run``        the reference model on CPU ranks: verdict, step latency, per-op breakdown, collective ledger
+                     (its options: ``epkit run --help``; the same as ``python -m epkit.run``)
 
 Every subcommand takes ``--json`` (one JSON document on stdout, nothing else there); ``epkit --version``
 prints the version. Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are one line
@@ -37,6 +39,7 @@ EXAMPLES = """examples:
   epkit plan --model v4.1-flash --dp 64 --ep 64
   epkit plan --model path/to/config.json --dp 8 --weight-format fp8 --json
   epkit bench --quick                 every op family against its peer and roof, as one table
+  epkit run --ranks 2 --steps 3       the reference model on 2 CPU ranks, where a decode step's time goes
 """
 
 
@@ -316,11 +319,23 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency, us (default 10)")
     pp.add_argument("--tp", type=int, help="TP degree for the comparison (default 8)")
     add_bench_parser(sub, raw)  # its --json takes an optional PATH: alone, the document goes to stdout
+    # listed for --help; main() hands everything after "run" to epkit.model.run, which has its own parser
+    sub.add_parser("run", help="the reference model on CPU ranks (epkit run --help)", add_help=False)
     return p
 
 
+def _cmd_run(argv: list[str]) -> int:
+    from epkit.model.run import main as run_main
+
+    return run_main(argv, prog="epkit run")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        args = argparse.Namespace(command="run", func=lambda _: _cmd_run(argv[1:]))
+    else:
+        args = build_parser().parse_args(argv)
     try:
         status = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, rather than at interpreter exit

@@ -24,14 +24,20 @@ each expert received to :func:`epkit.eplb.rebalance_experts` and moves the exper
 
 :func:`forward_reference` is the specification: the same model in one process, float64, a plain
 per-expert loop over every DP rank's sequences, with the parallel model's quantisation points
-(bf16 MoE input, FP8 weights and activations) simulated, and the Engram tables whole. Context
-parallelism is not part of this model (the source engine ships it disabled; ``epkit.cp_mirror`` and
-``epkit.collectives.cp`` have their own end-to-end tests).
+(bf16 MoE input, FP8 weights and activations) simulated, and the Engram tables whole.
+
+Context parallelism (the source engine ships it disabled) runs the prefill only: with ``cp_size > 1`` an
+engine's prompts are sharded zigzag over its CP ranks (:mod:`~epkit.model.cp`), and decode continues from the
+gathered KV, each sequence on one CP rank. Two-batch overlap (``DPEPModel(tbo=True)``, :mod:`~epkit.model.tbo`)
+splits each decode step into two micro-batches whose low-latency dispatch / combine overlap the other's
+compute, bit for bit the step without it. Matrix products pad their rows (:func:`~epkit.model.layers.linear`),
+so a row's bits do not depend on how many rows share the step.
 
 Run ``epkit run`` (or its alias ``python -m epkit.model``) for the experiment on CPU ranks (:mod:`~epkit.model.run`).
 
 The package's modules, each importing only those above it: :mod:`~epkit.model.args` (sizes,
 weights), :mod:`~epkit.model.layers` (the step batch, the dense building blocks, the gate),
+:mod:`~epkit.model.cp` and :mod:`~epkit.model.tbo` (the CP prefill, the overlapped decode step),
 :mod:`~epkit.model.model` (:class:`DPEPModel`), :mod:`~epkit.model.engine` (:func:`generate`),
 :mod:`~epkit.model.reference` (:func:`forward_reference`), :mod:`~epkit.model.profile` (step timer, collective
 ledger) and :mod:`~epkit.model.run` (the command; ``__main__`` is its alias).

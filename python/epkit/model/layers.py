@@ -16,7 +16,18 @@ import torch
 from epkit.lockstep import placeholder_batch
 from epkit.model.args import ModelArgs
 
-__all__ = ["Batch", "attention", "check_batch", "logits", "rms_norm", "rope", "route", "swiglu_mlp"]
+__all__ = [
+    "Batch",
+    "attend",
+    "attention",
+    "check_batch",
+    "logits",
+    "project",
+    "rms_norm",
+    "rope",
+    "route",
+    "swiglu_mlp",
+]
 
 
 @dataclass
@@ -72,13 +83,31 @@ class Batch:
 # communicates under DP attention, so it is not what the reference checks.
 
 
+#: Rows of a matrix product are padded to a multiple of this: the CPU BLAS computes a row with different
+#: arithmetic for some small row counts, so a row's value would depend on how many rows share its product
+#: (two-batch overlap halves the rows, a CP rank holds a share of them). Padded, every row gets the same
+#: bits whatever the batch around it.
+ROW_ALIGN = 8
+
+
+def pad_rows(x: torch.Tensor, align: int = ROW_ALIGN) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``align`` rows (dimension 0)."""
+    pad = -x.shape[0] % align
+    return torch.cat((x, x.new_zeros((pad, *x.shape[1:])))) if pad else x
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` with each row's bits independent of the other rows (see :data:`ROW_ALIGN`)."""
+    return (pad_rows(x) @ w.T)[: x.shape[0]]
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = (x @ w13.T).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ w2.T
+    gate, up = linear(x, w13).chunk(2, dim=-1)
+    return linear(torch.nn.functional.silu(gate) * up, w2)
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -90,17 +119,32 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), dim=-1)
 
 
+def project(args: ModelArgs, w: dict, p: str, x: torch.Tensor, pos: torch.Tensor, name: str) -> torch.Tensor:
+    """``x [T, D]`` through ``w[p + name]`` as heads ``[T, H, hd]``; ``wq`` and ``wk`` rotated (RoPE at ``pos``)."""
+    out = linear(x, w[p + name]).view(x.shape[0], args.n_heads, args.head_dim)
+    return out if name == "wv" else rope(out, pos.to(x.device), args.rope_theta)
+
+
+def attend(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """One sequence's queries ``q [n, H, hd]`` over its keys ``ks, vs [K, H, hd]``: query ``j`` sees the first
+    ``visible[j]`` keys (causal: its position + 1). The same arithmetic whichever rows of the sequence
+    ``q`` holds, so a CP rank's share of the queries gets the single-rank result's values."""
+    n = q.shape[0]
+    att = torch.einsum("qhd,khd->hqk", pad_rows(q), ks) / math.sqrt(q.shape[-1])
+    hidden = torch.arange(ks.shape[0], device=q.device)[None, :] >= pad_rows(visible)[:, None]
+    hidden[:, 0] &= torch.arange(hidden.shape[0], device=q.device) < n  # a padding row sees one key: no NaN
+    att = att.masked_fill(hidden[None], float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", att, vs)[:n]
+
+
 def attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, cache, layer: int) -> torch.Tensor:
     """Causal attention of every sequence over its own keys (and its cached prefix).
 
     ``cache``: None, or :attr:`DPEPModel.cache` (``seq_id ->`` a sequence's state) whose entries'
     ``kv[layer]`` this reads and extends.
     """
-    t_num, h, hd = x.shape[0], args.n_heads, args.head_dim
     pos = batch.positions.to(x.device)
-    q = rope((x @ w[p + "wq"].T).view(t_num, h, hd), pos, args.rope_theta)
-    k = rope((x @ w[p + "wk"].T).view(t_num, h, hd), pos, args.rope_theta)
-    v = (x @ w[p + "wv"].T).view(t_num, h, hd)
+    q, k, v = (project(args, w, p, x, pos, n) for n in ("wq", "wk", "wv"))
     out = torch.empty_like(q)
     cu = batch.cu_seqlens.tolist()
     for s, sid in enumerate(batch.seq_ids):
@@ -111,11 +155,8 @@ def attention(args: ModelArgs, w: dict, p: str, x: torch.Tensor, batch: Batch, c
             if entry[layer] is not None:
                 ks, vs = torch.cat((entry[layer][0], ks)), torch.cat((entry[layer][1], vs))
             entry[layer] = (ks, vs)
-        att = torch.einsum("qhd,khd->hqk", q[lo:hi], ks) / math.sqrt(hd)
-        future = torch.arange(ks.shape[0], device=x.device)[None, :] > pos[lo:hi][:, None]
-        att = att.masked_fill(future[None], float("-inf")).softmax(-1)
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", att, vs)
-    return out.reshape(t_num, h * hd) @ w[p + "wo"].T
+        out[lo:hi] = attend(q[lo:hi], ks, vs, pos[lo:hi] + 1)
+    return linear(out.reshape(x.shape[0], args.n_heads * args.head_dim), w[p + "wo"])
 
 
 def route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, idx=None):
@@ -124,7 +165,7 @@ def route(args: ModelArgs, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tens
     ``idx`` given: those experts instead of the gate's choice (the weights still come from the scores).
     """
     t_num, e, groups = x.shape[0], args.n_routed_experts, args.n_expert_groups
-    scores = x @ gate.T
+    scores = linear(x, gate)
     scores = scores.sigmoid() if args.score_func == "sigmoid" else scores.softmax(-1)
     if idx is not None:
         return _route_weights(args, scores, idx.to(x.device))
@@ -147,7 +188,7 @@ def _route_weights(args: ModelArgs, scores: torch.Tensor, idx: torch.Tensor):
 
 def logits(args: ModelArgs, w: dict, x: torch.Tensor, batch: Batch) -> torch.Tensor:
     last = batch.cu_seqlens[1:].to(x.device) - 1
-    return rms_norm(x[last], w["norm"], args.norm_eps) @ w["head"].T
+    return linear(rms_norm(x[last], w["norm"], args.norm_eps), w["head"])
 
 
 def check_batch(args: ModelArgs, batch: Batch) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from epkit import eplb
+from epkit.collectives.cp import CPGroup
 from epkit.collectives.engram_table import ShardedEngramTable
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_combine, reference_dispatch
@@ -21,12 +22,17 @@ from epkit.collectives.fused_moe import fused_moe
 from epkit.engram import hash_tokens
 from epkit.experts import ExpertPlacement, logical_to_physical
 from epkit.model.args import ModelArgs, engram_config, engram_layer, init_weights, quantize_experts
-from epkit.model.layers import Batch, attention, check_batch, logits, rms_norm, route, swiglu_mlp
+from epkit.model.cp import cp_prefill
+from epkit.model.layers import ROW_ALIGN, Batch, attention, check_batch, logits, rms_norm, route, swiglu_mlp
 from epkit.model.profile import NULL_TIMER
+from epkit.model.tbo import tbo_decode
 from epkit.moe import expert_mlp
 from epkit.quant import per_token_group_cast_to_fp8
 
 __all__ = ["DPEPModel"]
+
+#: Fewest rows an Engram layer runs on (see :meth:`DPEPModel.engram_apply`).
+_ENGRAM_MIN_ROWS = 32
 
 
 @dataclass
@@ -62,8 +68,10 @@ def _check_options(
     ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if groups.sizes["cp"] != 1:
-        raise ValueError("the reference model runs without context parallelism (cp_size 1)")
+    if groups.sizes["enp"] > groups.sizes["dp"] * groups.sizes["cp"]:
+        raise ValueError(
+            f"enp_size {groups.sizes['enp']} > dp_size * cp_size: the model has no ranks that only hold Engram rows"
+        )
 
 
 class DPEPModel:
@@ -73,7 +81,11 @@ class DPEPModel:
     ----------
     args : ModelArgs
     groups : epkit.topology.ParallelGroups
-        This rank's groups (``ParallelGroups.create(dp_size=world)``: CP 1, EP over every rank).
+        This rank's groups: ``ParallelGroups.create(dp_size=world // cp, cp_size=cp)``, EP over every rank,
+        ENP any divisor of ``dp * cp``. With ``cp > 1`` a prefill runs context-parallel over the CP group
+        (:func:`epkit.model.cp.cp_prefill`: every CP rank of an engine passes the same prompt batch); decode
+        is never context-parallel (each CP rank decodes its own share of the engine's sequences, see
+        :func:`generate`).
         Rows live on the EP buffer's device: CPU for ``shm`` / ``torch``, the current GPU for
         ``nvshmem`` (which also runs over gloo groups, e.g. ``device="cpu"`` groups on GPU ranks).
     weights : dict, optional
@@ -99,6 +111,10 @@ class DPEPModel:
         Rows per expert group in the contiguous layout are padded to this.
     timeout : float
         Seconds any wait on a peer may take.
+    tbo : bool
+        Two-batch overlap in decode (:func:`epkit.model.tbo.tbo_decode`): each step's batch runs as two
+        micro-batches whose low-latency dispatch / combine overlap the other's attention and experts; the
+        outputs are bit for bit those without it. Needs ``decode_moe="low_latency"``.
 
     Every rank must construct it with the same arguments and call :meth:`forward` with the same
     ``is_prompt`` in the same steps (what :func:`generate` arranges): each MoE layer is a collective.
@@ -118,13 +134,19 @@ class DPEPModel:
         min_num_extra_experts: int = 0,
         expert_alignment: int = 128,
         timeout: float = 30.0,
+        tbo: bool = False,
     ):
+        if tbo and decode_moe != "low_latency":
+            raise ValueError(f"tbo needs decode_moe='low_latency' (its receive hooks), got {decode_moe!r}")
         _check_options(
             groups, prefill_moe, decode_moe, max_tokens_per_rank, max_decode_tokens_per_rank, expert_alignment
         )
         self.args, self.groups = args, groups
         weights = init_weights(args) if weights is None else weights
         self.ep_size, self.ep_rank = groups.sizes["ep"], groups.ep_rank
+        self.cp_size, self.cp_rank, self.tbo = groups.sizes["cp"], groups.cp_rank, tbo
+        #: The CP group (:class:`epkit.collectives.cp.CPGroup`) when ``cp_size > 1``, else None.
+        self.cp = CPGroup.from_parallel_groups(groups, timeout) if self.cp_size > 1 else None
         self.expert_alignment = expert_alignment
         self.max_decode_tokens_per_rank = max_decode_tokens_per_rank
         placement = ExpertPlacement.default(args.n_routed_experts, self.ep_size, min_num_extra_experts)
@@ -239,26 +261,45 @@ class DPEPModel:
 
     # forward
 
-    def _moe(self, m: int, x: torch.Tensor, is_prompt: bool, count_load: bool) -> torch.Tensor:
-        args, p = self.args, f"layers.{m + self.args.n_dense_layers}."
-        w = self.weights
-        timer = self.timer
+    def moe_route(self, m: int, x: torch.Tensor, count_load: bool):
+        """MoE layer ``m``'s work before the dispatch: ``(physical ids [T, K], weights [T, K], shared expert
+        output or None)``; the routed tokens are counted as load when ``count_load``."""
+        args, p, w, timer = self.args, f"layers.{m + self.args.n_dense_layers}.", self.weights, self.timer
         with timer("gate"):
             idx, weights = route(args, x, w[p + "gate"], w[p + "gate_bias"])
         if self.record_routing:
             self.last_routing.append(idx)
         # the gate's ids are valid by construction: no check_index (it reads them on the host)
-        placement = self._placements_dev[m]
         with timer("logical_to_physical"):
-            phys = logical_to_physical(idx, placement, self.ep_rank, token_offset=self.ep_rank, check_index=False)
+            phys = logical_to_physical(
+                idx, self._placements_dev[m], self.ep_rank, token_offset=self.ep_rank, check_index=False
+            )
         if count_load:  # a placeholder's traffic is not load: EPLB would replicate experts for it
             flat = phys.reshape(-1).long()
             self.routed_load[m].index_add_(0, flat.clamp(min=0), (flat >= 0).long())
         with timer("shared_expert"):
             shared = swiglu_mlp(x, w[p + "shared_w13"], w[p + "shared_w2"]) if args.n_shared_experts else None
+        return phys, weights, shared
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Whether the MoE input goes out as FP8 (FP8 and FP4 experts: FP4 ones take FP8 activations)."""
+        return self.args.expert_format in ("fp8", "fp4")
+
+    @staticmethod
+    def add_shared(out: torch.Tensor, shared) -> torch.Tensor:
+        """A low-latency combine's bf16 output plus the shared expert, rounded to bf16 once (as combine's bias
+        is on the other paths), as float32."""
+        out = out.float()
+        return out if shared is None else (out + shared.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+
+    def moe(self, m: int, x: torch.Tensor, is_prompt: bool, count_load: bool) -> torch.Tensor:
+        """MoE layer ``m`` on this rank's rows ``x [T, D]`` (collective over the EP group): float32 ``[T, D]``."""
+        phys, weights, shared = self.moe_route(m, x, count_load)
+        timer = self.timer
         xb = x.to(torch.bfloat16)
         w13, w2 = self.local_experts[m]
-        fp8 = args.expert_format in ("fp8", "fp4")  # FP4 experts take FP8 activations (the FP8 x FP4 GEMM)
+        fp8 = self.uses_fp8
         mode = self.prefill_moe if is_prompt else self.decode_moe
         if mode == "low_latency":
             n_max = self.max_decode_tokens_per_rank
@@ -267,9 +308,9 @@ class DPEPModel:
             with timer("experts"):
                 y = expert_mlp(recv, "masked", w13, w2, masked_m=count, expected_m=max(1, n_max))
             with timer("combine"):
-                out = self.buffer.low_latency_combine(y, phys, weights, handle).float()
+                out = self.buffer.low_latency_combine(y, phys, weights, handle)
             # the layer's output is bf16 on every path (combine adds the shared expert before rounding)
-            return out if shared is None else (out + shared.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+            return self.add_shared(out, shared)
         bias = None if shared is None else shared.to(torch.bfloat16)
         if mode == "fused":
             with timer("fused_moe"):
@@ -297,22 +338,16 @@ class DPEPModel:
                 out = self.buffer.combine(y, handle, bias=bias)
         return out.float()
 
-    @torch.no_grad()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """One step on this rank (collective over the EP group).
-
-        Returns
-        -------
-        Tensor [S, vocab_size] float32: the logits of every sequence's last token.
-        """
+    def start_step(self, batch: Batch) -> None:
+        """A step's checks and cache set-up: a prompt starts its sequence afresh, a decode row must continue
+        a cached one."""
         check_batch(self.args, batch)
-        args, w = self.args, self.weights
         cus = batch.cu_seqlens.tolist()
         for s, sid in enumerate(batch.seq_ids):
             if sid is None:
                 continue
             if batch.is_prompt:
-                self.cache[sid] = _SeqCache.new(args.n_layers)  # a prompt starts its sequence afresh
+                self.cache[sid] = _SeqCache.new(self.args.n_layers)
                 continue
             st = self.cache.get(sid)
             cached = st.kv[0][0].shape[0] if st is not None and st.kv[0] is not None else None
@@ -322,32 +357,59 @@ class DPEPModel:
                     f"holds {'no prefill of it' if cached is None else f'{cached} cached tokens'}"
                 )
         self.last_routing = []
-        timer = self.timer
-        with timer("engram_fetch"):
-            hooks = self._engram_fetch(batch)  # before the first layer: hashes need only the token ids
-        x = w["embed"][batch.token_ids.to(self.device)]
+
+    def run_layers(self, x: torch.Tensor, batch: Batch, engram, attend) -> torch.Tensor:
+        """Every layer on this rank's rows ``x`` of ``batch``: ``engram(i, x)`` (an Engram layer's output) and
+        ``attend(i, h)`` (attention's) are the caller's, so the CP prefill runs the same layers."""
+        args, w, timer = self.args, self.weights, self.timer
         for i in range(args.n_layers):
             p = f"layers.{i}."
-            if i in hooks:
-                with timer("engram_fetch"):
-                    rows = hooks[i]()
-                with timer("engram_layer"):
-                    x = x + self._engram_apply(i, x, rows, batch)
+            if i in self.engram:
+                x = x + engram(i, x)
             with timer("attention"):
-                x = x + attention(args, w, p, rms_norm(x, w[p + "attn_norm"], args.norm_eps), batch, self.cache, i)
+                x = x + attend(i, rms_norm(x, w[p + "attn_norm"], args.norm_eps))
             h = rms_norm(x, w[p + "ffn_norm"], args.norm_eps)
             if i < args.n_dense_layers:
                 with timer("dense_mlp"):
                     x = x + swiglu_mlp(h, w[p + "w13"], w[p + "w2"])
             else:
-                x = x + self._moe(i - args.n_dense_layers, h, batch.is_prompt, not batch.is_placeholder)
+                x = x + self.moe(i - args.n_dense_layers, h, batch.is_prompt, not batch.is_placeholder)
+        return x
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """One step on this rank (collective over the EP group; a CP prefill also over the CP group).
+
+        Returns
+        -------
+        Tensor [S, vocab_size] float32: the logits of every sequence's last token.
+        """
+        self.start_step(batch)
+        if batch.is_prompt and self.cp is not None and not batch.is_placeholder:
+            return cp_prefill(self, batch)
+        if self.tbo and not batch.is_prompt:
+            return tbo_decode(self, batch)
+        args, w, timer = self.args, self.weights, self.timer
+        with timer("engram_fetch"):
+            hooks = self.engram_fetch(batch)  # before the first layer: hashes need only the token ids
+
+        def engram(i, x):
+            with timer("engram_fetch"):
+                rows = hooks[i]()
+            with timer("engram_layer"):
+                return self.engram_apply(i, x, rows, batch)
+
+        x = w["embed"][batch.token_ids.to(self.device)]
+        x = self.run_layers(x, batch, engram, lambda i, h: attention(args, w, f"layers.{i}.", h, batch, self.cache, i))
         with timer("head"):
             return logits(args, w, x, batch)
 
     # Engram
 
-    def _engram_fetch(self, batch: Batch) -> dict:
-        """Hash every token's n-grams and start fetching its rows of each Engram layer's table.
+    def engram_fetch(self, batch: Batch, select: torch.Tensor | None = None) -> dict:
+        """Hash every token's n-grams and start fetching its rows of each Engram layer's table:
+        ``{layer: hook}``, ``hook()`` waits and gives the rows ``[T, ...]`` (of the tokens ``select`` only,
+        when given: a CP rank's share).
 
         Collective over the ENP group (every rank fetches once per Engram layer, in layer order).
         Decode rows continue their sequence: their n-grams include the cached previous tokens.
@@ -367,10 +429,15 @@ class DPEPModel:
             if st is not None:
                 st.tokens = (ctx + seq)[-(cfg.max_ngram_size - 1) :]
         rows = hash_tokens(torch.tensor(toks, dtype=torch.int32), torch.tensor(cu), cfg)[:, keep]
+        if select is not None:
+            rows = rows[:, select.cpu()]
         return {i: self.engram_tables[i].fetch(rows[li]) for li, i in enumerate(cfg.layer_ids)}
 
-    def _engram_apply(self, i: int, x: torch.Tensor, emb: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Layer ``i``'s Engram output for this step's rows; decode rows see their sequence's window."""
+    def engram_apply(self, i: int, x: torch.Tensor, emb: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Layer ``i``'s Engram output for this step's rows; decode rows see their sequence's window. The rows
+        are padded with a zero sequence to a multiple of ``ROW_ALIGN``, and to at least 32 rows (EngramLayer's
+        reductions give other bits for 21..31 rows than for more, measured on the CPU), so a row's bits do not
+        depend on the other sequences of the step (as :func:`~epkit.model.layers.linear`)."""
         layer = self.engram[i]
         span = (layer.kernel_size - 1) * layer.dilation  # earlier rows the causal convolution reads
         emb = emb.to(self.device, torch.float32)
@@ -388,6 +455,11 @@ class DPEPModel:
             if st is not None:
                 keep_from = max(0, h_all.shape[0] - span)
                 st.engram[i] = (h_all[keep_from:], e_all[keep_from:])
+        pad = max(_ENGRAM_MIN_ROWS, cu[-1] + -cu[-1] % ROW_ALIGN) - cu[-1]
+        if pad:
+            hs.append(x.new_zeros((pad, *x.shape[1:])))
+            es.append(emb.new_zeros((pad, *emb.shape[1:])))
+            cu.append(cu[-1] + pad)
         out = layer(torch.cat(hs), embeddings=torch.cat(es), cu_seqlens=torch.tensor(cu))
         return out[torch.tensor(keep, dtype=torch.int64, device=out.device)]
 

@@ -43,6 +43,10 @@ class StepTimer:
                 torch.cuda.synchronize()
             self.seconds[name] += time.perf_counter() - t0
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count ``seconds`` under ``name`` (time measured elsewhere, e.g. exchanges in flight)."""
+        self.seconds[name] += seconds
+
     def take(self) -> dict[str, float]:
         """The seconds so far, by op; starts again from zero."""
         out, self.seconds = dict(self.seconds), defaultdict(float)
@@ -56,6 +60,9 @@ class _NullTimer:
     def __call__(self, name: str):
         yield
 
+    def add(self, name: str, seconds: float) -> None:
+        pass
+
     def take(self) -> dict[str, float]:
         return {}
 
@@ -66,6 +73,8 @@ _COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_object",
+    "all_gather_into_tensor",
+    "all_gather_single",
     "all_to_all_single",
     "all_to_all",
     "broadcast",

@@ -3,7 +3,11 @@ and the measured collective ledger of a decode step.
 
 ``epkit run --ranks N`` launches N CPU ranks itself (``epkit.testing.run_ranks``); under
 ``torchrun --nproc-per-node N -m epkit.run`` every process is one rank and rank 0 prints the report.
-DP = EP = the number of ranks (DP attention + Wide-EP; the ENP group is every rank too).
+The ranks are ``world = dp x cp`` (``--cp C``: ``DP = N / C`` engines of ``C`` adjacent ranks, each engine's
+prefill context-parallel, see :mod:`epkit.model.cp`); EP spans every rank (Wide-EP); the Engram tables are
+sharded over ENP groups of ``--enp P`` ranks (a divisor of N; default all N). ``--tbo`` runs each decode step
+as two overlapped micro-batches (:mod:`epkit.model.tbo`). A bad option or input is one line
+(``epkit run: error: ...``) on every rank, and a non-zero exit on every rank.
 
 What it prints:
 
@@ -27,20 +31,36 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
+import torch.distributed as dist
 
 from epkit.model.args import EXPERT_FORMATS, ModelArgs
 
-__all__ = ["CLAIM", "build_parser", "check_ledger", "main", "run_rank"]
+__all__ = [
+    "CLAIM",
+    "PREFILL_CAPACITY",
+    "TRANSPORTS",
+    "build_parser",
+    "check_ledger",
+    "cp_prefill_gathers",
+    "main",
+    "run_rank",
+]
+
+#: ``--transport`` choices (``nvshmem``: GPUs only).
+TRANSPORTS = ("auto", "shm", "torch", "nvshmem")
+#: Prefill rows one rank may bring to a step (the EP buffer's ``max_tokens_per_rank``).
+PREFILL_CAPACITY = 256
 
 #: The claim of the source engine's write-up for one decode step, per collective kind (M MoE layers,
 #: G Engram layers). Our Engram fetch is one ENP all-to-all exchange in three all_to_all_single calls
 #: (request counts, row ids, rows).
 CLAIM = {
-    "exchange:ll_dispatch": ("M", "one dispatch per MoE layer"),
-    "exchange:ll_combine": ("M", "one combine per MoE layer"),
-    "dist.all_reduce": ("1", "one DP liveness all-reduce, no per-layer all-reduce"),
+    "exchange:ll_dispatch": ("M", "one dispatch per MoE layer (per micro-batch under TBO)"),
+    "exchange:ll_combine": ("M", "one combine per MoE layer (per micro-batch under TBO)"),
+    "dist.all_reduce": ("1", "one DP liveness all-reduce (none at DP 1), no per-layer all-reduce"),
     "dist.all_to_all_single": ("3G", "the Engram fetch (counts, ids, rows) per Engram layer"),
 }
 
@@ -50,92 +70,181 @@ def build_parser(prog: str = "epkit run") -> argparse.ArgumentParser:
         prog=prog,
         description="Run the reference model (DP attention + Wide-EP) on CPU ranks and report where a step goes.",
         epilog="examples:\n  epkit run --ranks 2 --steps 3\n  epkit run --ranks 4 --weights fp4 --json run.json\n"
+        "  epkit run --ranks 4 --cp 2 --tbo\n"
         "  epkit run --dry-run --preset v4.1-flash --ranks 64\n"
         "  torchrun --nproc-per-node 2 -m epkit.run --steps 3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--ranks", "--world", dest="ranks", type=int, default=None,
                     help="ranks to launch (under torchrun: its world size; --world is the old spelling)")  # fmt: skip
-    ap.add_argument("--dp", type=int, default=None, help="DP size (must equal the ranks: DP attention)")
+    ap.add_argument("--dp", type=int, default=None, help="DP size (engines): must be ranks / cp")
+    ap.add_argument("--cp", type=int, default=1, help="CP size: each engine's prefill over this many ranks (default 1)")
     ap.add_argument("--ep", type=int, default=None, help="EP size (must equal the ranks: Wide-EP)")
+    ap.add_argument("--enp", type=int, default=None, help="Engram tables sharded over this many ranks (default: all)")
+    ap.add_argument("--tbo", action="store_true", help="two-batch overlap in decode")
+    ap.add_argument("--redundant-experts", type=int, default=None, metavar="N",
+                    help="redundant expert slots at least (EPLB replicas; default: one per rank)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3, help="decode steps per request (default 3)")
-    ap.add_argument("--requests", type=int, default=2, help="requests per rank (default 2)")
-    ap.add_argument("--idle", type=int, action="append", default=[], help="a rank with no requests (repeatable)")
-    ap.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (default 16)")
+    ap.add_argument("--requests", type=int, default=2, help="random requests per engine (default 2)")
+    ap.add_argument("--prompt", action="append", default=[], metavar="IDS",
+                    help="a prompt as comma-separated token ids, instead of random ones (repeatable; "
+                    "prompt j goes to engine j %% dp)")  # fmt: skip
+    ap.add_argument("--idle", type=int, action="append", default=[], help="an engine (DP rank) with no requests")
+    ap.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (default 16)")
     ap.add_argument("--weights", choices=EXPERT_FORMATS, default="fp8", help="expert weights (default fp8)")
-    ap.add_argument("--transport", choices=("auto", "shm", "torch"), default="auto")
+    ap.add_argument("--transport", choices=TRANSPORTS, default="auto")
     ap.add_argument("--preset", choices=("tiny", "v4.1-flash"), default="tiny", help="model shapes")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and its ledger; allocate nothing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
-    ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                    help="write the report as JSON to PATH too; alone: JSON on stdout, no text")  # fmt: skip
     return ap
+
+
+def _parse_prompts(a) -> list[list[int]] | str:
+    """The ``--prompt`` lists, or why one is not a list of integers."""
+    out = []
+    for text in a.prompt:
+        try:
+            out.append([int(t) for t in text.split(",") if t.strip()])
+        except ValueError:
+            return f"--prompt {text!r} is not comma-separated token ids"
+    return out
+
+
+def _size_error(a, world: int) -> str | None:
+    """Why the parallel sizes do not fit ``world`` ranks (one line), or None."""
+    if world < 1:
+        return f"--ranks must be >= 1, got {world}"
+    if a.cp < 1 or world % a.cp:
+        return f"--cp {a.cp} does not divide the {world} ranks (world = dp x cp)"
+    dp = world // a.cp
+    if a.dp is not None and a.dp != dp:
+        return f"--dp {a.dp} does not match the {world} ranks with --cp {a.cp}: world = dp x cp gives dp {dp}"
+    if a.ep is not None and a.ep != world:
+        return f"--ep {a.ep} does not match the {world} ranks: Wide-EP runs EP = ranks"
+    if a.enp is not None and (a.enp < 1 or world % a.enp):
+        return f"--enp {a.enp} does not divide the {world} ranks (the model has no ranks that only hold Engram rows)"
+    return None
 
 
 def _config_error(a, world: int) -> str | None:
     """Why these options cannot run on ``world`` ranks (one line), or None."""
-    if world < 1:
-        return f"--ranks must be >= 1, got {world}"
-    for name in ("dp", "ep"):
-        v = getattr(a, name)
-        if v is not None and v != world:
-            return f"--{name} {v} does not match the {world} ranks: DP attention + Wide-EP runs DP = EP = ranks"
-    for name, v, lo in (("steps", a.steps, 0), ("requests", a.requests, 0), ("prompt-len", a.prompt_len, 1)):
+    from epkit.model.engine import max_prompt_len
+
+    error = _size_error(a, world)
+    if error is not None:
+        return error
+    checks = [("steps", a.steps, 0), ("requests", a.requests, 0), ("prompt-len", a.prompt_len, 1)]
+    for name, v, lo in checks + [("redundant-experts", a.redundant_experts or 0, 0)]:
         if v < lo:
             return f"--{name} must be >= {lo}, got {v}"
-    if a.prompt_len > 256:
-        return f"--prompt-len {a.prompt_len} exceeds the model's prefill capacity (256 tokens per rank)"
-    bad = [r for r in a.idle if not 0 <= r < world]
+    longest, vocab = max_prompt_len(PREFILL_CAPACITY, a.cp), ModelArgs().vocab_size
+    prompts = _parse_prompts(a)
+    if isinstance(prompts, str):
+        return prompts
+    for p in prompts if prompts else [[0] * a.prompt_len]:
+        if not 1 <= len(p) <= longest:
+            return f"a prompt of {len(p)} tokens exceeds the model's prefill capacity ({longest} tokens at --cp {a.cp})"
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+    bad = [r for r in a.idle if not 0 <= r < world // a.cp]
     if bad:
-        return f"--idle {bad[0]} is not a rank of 0..{world - 1}"
+        return f"--idle {bad[0]} is not an engine (DP rank) of 0..{world // a.cp - 1}"
     if a.preset != "tiny" and not a.dry_run:
         return f"--preset {a.preset} has deployment-scale weights: use it with --dry-run"
+    if a.transport == "nvshmem" and not torch.cuda.is_available() and not a.dry_run:
+        return "--transport nvshmem needs CUDA GPUs (NVSHMEM moves the rows between GPUs); use shm or torch on CPU"
     return None
 
 
-def _prompts(a, rank: int, vocab: int) -> list[list[int]]:
-    if rank in a.idle:
+def _prompts(a, engine: int, dp: int, vocab: int) -> list[list[int]]:
+    """Engine ``engine``'s prompts: its share of ``--prompt``, else ``--requests`` random ones."""
+    given = _parse_prompts(a)
+    if given:
+        return [p for j, p in enumerate(given) if j % dp == engine]
+    if engine in a.idle:
         return []
-    g = torch.Generator().manual_seed(1000 * a.seed + rank)
+    g = torch.Generator().manual_seed(1000 * a.seed + engine)
     return [torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.requests)]
+
+
+def _model(a, world_size: int):
+    """This rank's groups and :class:`DPEPModel` for the options ``a``."""
+    from epkit.model.model import DPEPModel
+    from epkit.model.profile import StepTimer
+    from epkit.topology import ParallelGroups
+
+    if a.transport == "nvshmem":  # rows on this rank's GPU; control over the gloo groups
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count())
+    groups = ParallelGroups.create(dp_size=world_size // a.cp, cp_size=a.cp, enp_size=a.enp, device="cpu")
+    args = ModelArgs(expert_format=a.weights, seed=a.seed)
+    # the low-latency capacity sized to the decode batch, as an engine sizes it
+    cap = max(1, a.requests, -(-len(a.prompt) // groups.sizes["dp"]))
+    extra = world_size if a.redundant_experts is None else a.redundant_experts
+    model = DPEPModel(args, groups, transport=a.transport, min_num_extra_experts=extra,
+                      max_tokens_per_rank=PREFILL_CAPACITY, max_decode_tokens_per_rank=cap, tbo=a.tbo)  # fmt: skip
+    model.timer = StepTimer(model.device)
+    return model
 
 
 def run_rank(rank: int, world_size: int, a) -> dict:
     """One rank of ``epkit run`` (torch.distributed already up): generate, timing each step and op, with
-    the collectives of every step recorded. Returns what the report needs from this rank."""
-    from epkit.model.engine import generate
-    from epkit.model.model import DPEPModel
-    from epkit.model.profile import CollectiveLedger, StepTimer
-    from epkit.topology import ParallelGroups
+    the collectives of every step recorded. Returns what the report needs from this rank (``error``: the one
+    line this rank printed for an input every rank rejected).
 
-    groups = ParallelGroups.create(dp_size=world_size, device="cpu")
-    args = ModelArgs(expert_format=a.weights, seed=a.seed)
-    # the low-latency capacity sized to the decode batch, as an engine sizes it
-    cap = max(1, a.requests)
-    model = DPEPModel(
-        args, groups, transport=a.transport, min_num_extra_experts=world_size, max_decode_tokens_per_rank=cap
-    )
-    model.timer = StepTimer(model.device)
-    prompts = _prompts(a, rank, args.vocab_size)
-    steps, marks = [], []
+    With ``--cp C`` the ranks form ``world / C`` engines of ``C`` adjacent ranks (``world = dp x cp``); every
+    CP rank of an engine runs the engine's prompts (the prefill context-parallel, each sequence then decoded
+    on one of them) and CP rank 0 reports them. ``prefill_logits``: each reported prompt's prefill logits;
+    ``logits``: every step's logits of each sequence this rank ran (prompt index -> rows)."""
+    from epkit.model.engine import generate
+    from epkit.model.profile import CollectiveLedger
+
+    # torch 2.13 deprecates the call CPGroup makes; the run's output stays the report
+    warnings.filterwarnings("ignore", r"`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning)
+    model = _model(a, world_size)
+    dp, engine, lead = world_size // a.cp, model.groups.engine_rank, model.cp_rank == 0
+    prompts = _prompts(a, engine % dp, dp, model.args.vocab_size)
+    steps, marks, logits = [], [], {}
+    forward = model.forward
+
+    def recording_forward(batch):
+        out = forward(batch)
+        for sid, row in zip(batch.seq_ids, out.cpu().tolist()):
+            if sid is not None:
+                logits.setdefault(sid, []).append(row)
+        return out
+
+    model.forward = recording_forward
     with CollectiveLedger() as ledger:
         last = [time.perf_counter()]
 
         def on_step(is_prefill, batch, _forward_seconds):
             now = time.perf_counter()  # a step: from the end of the last one (its lockstep vote included)
-            steps.append({"prefill": is_prefill, "tokens": 0 if batch is None else batch.num_tokens,
-                          "seconds": now - last[0], "ops": model.timer.take()})  # fmt: skip
+            tokens = 0 if batch is None or (is_prefill and not lead) else batch.num_tokens  # a CP prefill: once
+            steps.append({"prefill": is_prefill, "tokens": tokens, "seconds": now - last[0],
+                          "ops": model.timer.take()})  # fmt: skip
             marks.append(len(ledger.calls))
             last[0] = now
 
         t0 = last[0]
-        tokens, stats = generate(model, prompts, a.steps + 1, on_step=on_step)
+        try:
+            tokens, stats = generate(model, prompts, a.steps + 1, on_step=on_step)
+        except ValueError as exc:  # the same on every rank, before the first step
+            model.close()
+            sys.stderr.write(f"epkit run: error: rank {rank}: {exc}\n")  # one write: ranks share the terminal
+            sys.stderr.flush()
+            return {"error": str(exc)}
         seconds = time.perf_counter() - t0
     per_step = [ledger.calls[(marks[i - 1] if i else 0) : marks[i]] for i in range(len(marks))]
-    info = {"transport": model.buffer.transport, "prefill_moe": model.prefill_moe, "args": args.__dict__}
+    info = {"transport": model.buffer.transport, "prefill_moe": model.prefill_moe, "args": model.args.__dict__}
     model.close()
-    return {"prompts": prompts, "tokens": tokens, "stats": stats, "steps": steps, "ledger": per_step,
-            "seconds": seconds, "info": info}  # fmt: skip
+    mine = range(len(prompts)) if lead else range(0)
+    return {"prompts": [prompts[i] for i in mine], "tokens": [tokens[i] for i in mine], "stats": stats,
+            "steps": steps, "ledger": per_step, "seconds": seconds, "info": info,
+            "prefill_logits": [logits[i][0] for i in mine], "logits": logits}  # fmt: skip
 
 
 def _verdict(args: ModelArgs, results: list[dict]) -> dict:
@@ -157,16 +266,18 @@ def _verdict(args: ModelArgs, results: list[dict]) -> dict:
     return {"tokens": total, "exact": exact, "worst_gap": worst, "ok": worst < 0.15}
 
 
-def check_ledger(step: list, n_moe: int, n_engram: int) -> list[dict]:
+def check_ledger(step: list, n_moe: int, n_engram: int, micro_batches: int = 1, dp: int = 2) -> list[dict]:
     """The measured ledger of one decode step beside :data:`CLAIM`: one row per kind seen or claimed, with
-    ``ok`` False where the count differs."""
+    ``ok`` False where the count differs. Under two-batch overlap (``micro_batches=2``) each micro-batch has
+    its own dispatch and combine per MoE layer; with ``dp`` 1 there is no DP peer to agree with (no liveness
+    all-reduce, as in the source engine)."""
     from collections import Counter
 
     count, size = Counter(), Counter()
     for kind, nbytes in step:
         count[kind] += 1
         size[kind] += nbytes
-    expect = {k: {"M": n_moe, "1": 1, "3G": 3 * n_engram}[n] for k, (n, _) in CLAIM.items()}
+    expect = {k: {"M": n_moe * micro_batches, "1": int(dp > 1), "3G": 3 * n_engram}[n] for k, (n, _) in CLAIM.items()}
     rows = []
     for kind in sorted(set(count) | set(expect)):
         want = expect.get(kind, 0)  # a kind the claim has no room for: should not happen at all
@@ -174,6 +285,15 @@ def check_ledger(step: list, n_moe: int, n_engram: int) -> list[dict]:
         rows.append({"kind": kind, "count": count[kind], "bytes": size[kind], "claim": want, "what": claim,
                      "ok": count[kind] == want})  # fmt: skip
     return rows
+
+
+def cp_prefill_gathers(step: list, args: ModelArgs) -> dict:
+    """The CP all-gathers of one context-parallel prefill step against this model's design: one per attention
+    layer (keys and values), one per Engram layer (its input and rows), one at the model end (the source's
+    model start is a local index gather: the batch is already on every CP rank)."""
+    want = args.n_layers + len(args.engram_layer_ids) + 1
+    got = sum(1 for kind, _ in step if kind in ("dist.all_gather_into_tensor", "dist.all_gather_single"))
+    return {"count": got, "claim": want, "ok": got == want}
 
 
 def _summary(a, results: list[dict], world: int) -> dict:
@@ -195,18 +315,23 @@ def _summary(a, results: list[dict], world: int) -> dict:
     step_s = phases["decode"]["seconds_per_step"]
     comm = ops.get("dispatch", 0.0) + ops.get("combine", 0.0)
     idx = next((i for i, s in enumerate(r0["steps"]) if not s["prefill"]), None)
-    ledger = [] if idx is None else check_ledger(r0["ledger"][idx], args.n_moe_layers, len(args.engram_layer_ids))
-    return {"ranks": world, "transport": r0["info"]["transport"], "weights": a.weights, "steps": a.steps,
-            "verdict": _verdict(args, results), "phases": phases, "decode_ops_s": ops,
-            "dispatch_combine_share": comm / step_s if step_s else 0.0, "ledger": ledger,
-            "ledger_ok": all(row["ok"] for row in ledger)}  # fmt: skip
+    n_engram, micro = len(args.engram_layer_ids), 2 if a.tbo else 1
+    ledger = [] if idx is None else check_ledger(r0["ledger"][idx], args.n_moe_layers, n_engram, micro, world // a.cp)
+    first = next((i for i, s in enumerate(r0["steps"]) if s["prefill"] and s["tokens"]), None)
+    gathers = None if a.cp == 1 or first is None else cp_prefill_gathers(r0["ledger"][first], args)
+    return {"ranks": world, "dp": world // a.cp, "cp": a.cp, "tbo": a.tbo, "transport": r0["info"]["transport"],
+            "weights": a.weights, "steps": a.steps, "verdict": _verdict(args, results), "phases": phases,
+            "decode_ops_s": ops, "dispatch_combine_share": comm / step_s if step_s else 0.0, "ledger": ledger,
+            "cp_prefill_gathers": gathers,
+            "ledger_ok": all(row["ok"] for row in ledger) and (gathers is None or gathers["ok"])}  # fmt: skip
 
 
 def _print(rep: dict, out=None) -> None:
     out = sys.stdout if out is None else out
     v, ph = rep["verdict"], rep["phases"]
-    print(f"epkit run: {rep['ranks']} ranks (DP = EP = {rep['ranks']}), transport {rep['transport']}, "
-          f"{rep['weights']} experts, {rep['steps']} decode steps per request", file=out)  # fmt: skip
+    print(f"epkit run: {rep['ranks']} ranks (DP {rep['dp']} x CP {rep['cp']}, EP {rep['ranks']}), transport "
+          f"{rep['transport']}, {rep['weights']} experts, {rep['steps']} decode steps per request"
+          f"{', two-batch overlap' if rep['tbo'] else ''}", file=out)  # fmt: skip
     print(f"verdict: {v['exact']}/{v['tokens']} greedy tokens are the float64 reference's argmax, largest gap "
           f"{v['worst_gap']:.4f} (< 0.15): {'PASS' if v['ok'] else 'FAIL'}", file=out)  # fmt: skip
     for name, p in ph.items():
@@ -215,21 +340,32 @@ def _print(rep: dict, out=None) -> None:
     step = ph["decode"]["seconds_per_step"] or 1.0
     print("one decode step on rank 0, by op (ms, share of the step):", file=out)
     for k, s in sorted(rep["decode_ops_s"].items(), key=lambda kv: -kv[1]):
-        print(f"  {k:<20} {s * 1e3:8.2f}  {100 * s / step:5.1f}%", file=out)
+        note = "  (in flight behind the other micro-batch's compute)" if k == "overlapped_comm" else ""
+        print(f"  {k:<20} {s * 1e3:8.2f}  {100 * s / step:5.1f}%{note}", file=out)
     print(f"  dispatch + combine: {100 * rep['dispatch_combine_share']:.1f}% of the decode step", file=out)
     print("collective ledger of one decode step on rank 0 (measured) beside the source engine's claim:", file=out)
     for row in rep["ledger"]:
         flag = "ok" if row["ok"] else "DIFFERS"
         print(f"  {row['kind']:<24} {row['count']:3d} calls {row['bytes']:10d} B   claim {row['claim']:3d} "
               f"({row['what']})  {flag}", file=out)  # fmt: skip
+    g = rep.get("cp_prefill_gathers")
+    if g is not None:
+        print(f"CP prefill step: {g['count']} all-gathers on the CP group, by design {g['claim']} (one per attention "
+              f"and Engram layer, one at the model end)  {'ok' if g['ok'] else 'DIFFERS'}", file=out)  # fmt: skip
 
 
 def _dry_run(a, world: int) -> int:
     from epkit.plan import format_plan, plan
 
-    p = plan(a.preset if a.preset != "tiny" else "v4.1-flash", dp=world)
+    p = plan(a.preset if a.preset != "tiny" else "v4.1-flash", dp=world // a.cp, cp=a.cp, enp=a.enp)
+    if a.json == "-":
+        print(json.dumps(p.to_dict(), indent=1))
+        return 0
     print(format_plan(p))
     print(json.dumps({"ledger": p.ledger}, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(p.to_dict(), f, indent=1)
     return 0
 
 
@@ -252,15 +388,20 @@ def main(argv=None, prog: str = "epkit run") -> int:
     if torchrun:
         results, rank = _under_torchrun(a, world)
         if rank != 0:
-            return 0
+            return 2 if "error" in results[rank] else 0
     else:
         from epkit.testing.multiprocess import run_ranks
 
         print(f"epkit run: launching {world} CPU ranks ...", file=sys.stderr, flush=True)
         results = run_ranks(run_rank, world, a, timeout=a.timeout)
+    if any("error" in r for r in results):
+        return 2  # every rank printed its line
     rep = _summary(a, results, world)
-    _print(rep)
-    if a.json:
+    if a.json == "-":
+        print(json.dumps(rep, indent=1))
+    else:
+        _print(rep)
+    if a.json and a.json != "-":
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=1)
     return 0 if rep["verdict"]["ok"] and rep["ledger_ok"] else 1
@@ -268,8 +409,6 @@ def main(argv=None, prog: str = "epkit run") -> int:
 
 def _under_torchrun(a, world: int) -> tuple[list[dict] | None, int]:
     """This process is one rank of a torchrun job: run it, and gather every rank's result on rank 0."""
-    import torch.distributed as dist
-
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mine = run_rank(rank, world, a)
