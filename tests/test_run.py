@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from epkit.model.args import ModelArgs
 from epkit.model.run import build_parser, check_ledger, cp_prefill_gathers, main, run_rank
+from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
 
 OPS = {"attention", "gate", "logical_to_physical", "dispatch", "experts", "combine", "engram_fetch", "lockstep"}
@@ -153,3 +154,10 @@ def test_under_torchrun_every_process_is_a_rank():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("verdict:") == 1 and "PASS" in res.stdout, res.stdout
+
+
+@requires_cuda
+def test_gpu_epkit_run_over_nvshmem(capsys):
+    # rung 4: the command itself on one GPU rank (rows on the GPU over nvshmem), verdict and ledger as on CPU
+    assert main(["--ranks", "1", "--transport", "nvshmem", "--steps", "2", "--timeout", "240"]) == 0
+    assert "transport nvshmem" in capsys.readouterr().out
