@@ -53,8 +53,8 @@ def _shell_lines(code: str) -> list[str]:
 # How each command line of a bash block is checked here (pattern -> what the test does).
 _COMMANDS = {
     r"bash scripts/(run|test)\.sh": "the script exists and parses (bash -n); CI runs test.sh itself (.ci/run)",
-    r"\.venv/bin/python -m epkit\.model( --\w+ \S+)*": "flags checked against the demo's parser; the run itself "
-    "is tests/test_model.py::test_demo_script_agrees_with_the_reference (2 ranks; 4 take ~25 s on 2 cores)",
+    r"\.venv/bin/(python -m epkit\.model|epkit run)( --[\w-]+( \S+)?)*": "parsed by epkit run's parser "
+    "(test_model_commands_parse_as_written); the runs themselves are tests/test_run.py (1-4 ranks, cp, tbo)",
     r"python -m venv \.venv && \. \.venv/bin/activate": "GPU machine set-up: not run here",
     r"pip install .*": "GPU machine set-up: pins and extras checked against pyproject.toml",
     r"epkit info": "tests/test_cli.py runs it",
@@ -126,17 +126,23 @@ def test_bash_scripts_parse_and_ci_runs_the_test_command():
     assert commands[-1] == "bash scripts/test.sh", commands
 
 
-def test_model_command_uses_flags_the_demo_has(capsys):
-    from epkit.model.__main__ import main
+def test_model_commands_parse_as_written():
+    # every `epkit run ...` / `python -m epkit.model ...` line of the README is accepted by the command's parser
+    import shlex
 
-    (line,) = [c for lang, code, _ in _blocks() if lang == "bash" for c in _shell_lines(code) if "epkit.model" in c]
-    with pytest.raises(SystemExit) as exc:
-        main(["--help"])
-    assert exc.value.code == 0
-    flags = capsys.readouterr().out
-    for flag, value in re.findall(r"(--\w+) (\S+)", line):
-        assert flag in flags, f"README's {line!r}: {flag} is not a flag of python -m epkit.model"
-        assert value.isdigit(), value
+    from epkit.model.run import build_parser
+
+    lines = [c for lang, code, _ in _blocks() if lang == "bash" for c in _shell_lines(code)]
+    runs = [c for c in lines if re.search(r"epkit run |-m epkit\.(model|run)\b", c)]
+    assert len(runs) >= 3, runs
+    for line in runs:
+        words = shlex.split(line.split("#")[0])
+        start = next(i for i, w in enumerate(words) if w in ("run", "epkit.model", "epkit.run")) + 1
+        try:
+            a = build_parser().parse_args(words[start:])
+        except SystemExit:
+            pytest.fail(f"README's {line!r} does not parse")
+        assert a.ranks is not None, line  # every example says how many ranks
 
 
 def test_gpu_setup_lines_match_pyproject():
