@@ -116,6 +116,39 @@ def test_env_backend_override(monkeypatch):
     assert select("gather_rows", "cpu") == "reference"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gather_cpu_large_streaming_and_threaded(threads):
+    # 8 MiB of output on 2 threads: the C++ gather's streaming stores and thread split (tiny tests take neither).
+    g = torch.Generator().manual_seed(threads)
+    x = _rand((3000, 1024), torch.bfloat16, g)
+    index = torch.randint(-1, 3000, (4096,), generator=g, dtype=torch.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = epkit.gather_rows(x, index, backend="cpu")
+        odd = epkit.gather_rows(x[:, :999], index.to(torch.int32), backend="cpu")  # rows of no whole cache line
+    finally:
+        torch.set_num_threads(before)
+    assert_bitwise_equal(got, _expected(x, index), ctx=f"{threads=}")
+    assert_bitwise_equal(odd, _expected(x[:, :999].contiguous(), index), ctx=f"{threads=} odd rows")
+
+
+def test_gather_cpu_unchecked_bad_index_raises():
+    x = torch.arange(8.0).view(4, 2)
+    with pytest.raises(IndexError, match=r"index\[1\] = 4 is outside \[-1, 4\)"):
+        epkit.gather_rows(x, torch.tensor([0, 4, 1], dtype=torch.int32), backend="cpu", check_index=False)
+
+
+def test_gather_cpu_without_the_extension(monkeypatch):
+    import epkit.gather as gather_mod
+
+    monkeypatch.setattr(gather_mod, "_gather_extension", lambda: None)  # torch.index_select on integer words
+    g = torch.Generator().manual_seed(5)
+    x = _rand((37, 5), torch.float16, g)
+    index = torch.randint(-1, 37, (53,), generator=g, dtype=torch.int32)
+    assert_bitwise_equal(epkit.gather_rows(x, index, backend="cpu"), _expected(x, index), ctx="no epkit._C")
+
+
 # Rung 3: compiled for sm_90 without a GPU.
 
 

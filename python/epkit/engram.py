@@ -264,7 +264,8 @@ def _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend:
         return
     ids = ngram_token_ids.contiguous()
     if impl == "cpu":
-        engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out)
+        if not engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out):  # no epkit._C: the reference
+            out.copy_(engram_hash_reference(ids, multipliers, vocab_sizes, offsets))
         return
     if impl == "tilelang" and ids.device.type == "cpu":
         from epkit.kernels.tilelang.engram import engram_hash_tokens_cpu

@@ -2,13 +2,16 @@
 
 The index gather that several layers share: CP mirror layouts (``to_mirror``),
 dispatch staging (tokens into send order), Engram row lookup. Bit-exact on
-every backend for every dtype: rows move as integer words. ``torch.ops.epkit.gather_rows`` /
-``gather_rows_out`` (``epkit.ops``) are the op; the index check runs inside it (not during CUDA stream
+every backend for every dtype: rows move as integer words (on the ``cpu`` backend as bytes, by
+``epkit._C.gather_rows``: threaded, source rows prefetched, streaming stores for outputs larger than the
+caches; ``torch.index_select`` on integer words where the extension is missing). ``torch.ops.epkit.gather_rows``
+/ ``gather_rows_out`` (``epkit.ops``) are the op; the index check runs inside it (not during CUDA stream
 capture, where an index outside ``[-1, N)`` gives a zero row).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -139,6 +142,9 @@ def _gather_into(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backen
     if m == 0 or out.numel() == 0:
         return
     xc = x.contiguous()
+    if impl == "cpu" and _gather_extension() is not None:
+        _gather_c(xc, index.contiguous(), out)
+        return
     x_words, out_words = _as_words(xc, n), _as_words(out, m)
     if x_words.dtype != out_words.dtype:  # alignment differs: fall back to the common word
         size = min(x_words.element_size(), out_words.element_size())
@@ -162,6 +168,26 @@ def _gather_into(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backen
     else:
         from epkit.kernels.tilelang.gather import gather_rows_words
     gather_rows_words(x_words, index, out_words)
+
+
+@functools.cache
+def _gather_extension():
+    """``epkit._C`` when it has the row gather, else None (the cpu backend then uses ``torch.index_select``)."""
+    try:
+        from epkit import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "gather_rows") else None
+
+
+def _gather_c(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """The C++ gather (contiguous ``x``, ``index`` and ``out``); an index outside ``[-1, N)`` raises, as
+    ``torch.index_select`` does (its row is zeroed)."""
+    row_bytes = out.numel() // index.numel() * out.element_size()
+    args = (out.data_ptr(), x.data_ptr(), index.data_ptr(), index.element_size(), index.numel(), x.shape[0])
+    bad = _gather_extension().gather_rows(*args, row_bytes, torch.get_num_threads())
+    if bad >= 0:
+        raise IndexError(f"index[{bad}] = {int(index[bad])} is outside [-1, {x.shape[0]}) (x has {x.shape[0]} rows)")
 
 
 def _fake_gather(x, index, backend, check_index):

@@ -1,20 +1,18 @@
-"""The CPU path of ``epkit.engram.engram_hash`` (backend ``cpu``): a division-free floor-mod in vectorised torch.
+"""The CPU path of ``epkit.engram.engram_hash`` (backend ``cpu``): a division-free floor-mod in C++.
 
-``float_mod_table`` also feeds the TileLang C kernel (``kernels/tilelang/engram.py``), which
+``float_mod_table`` feeds it and the TileLang C kernel (``kernels/tilelang/engram.py``), which
 uses the same split-residue scheme.
 """
 
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 __all__ = ["float_mod_table", "engram_hash_cpu"]
 
 _CHUNK_BITS = 21
-_CHUNK_MASK = (1 << _CHUNK_BITS) - 1
 #: Adding then subtracting 1.5 * 2**52 rounds a float64 of magnitude < 2**51 to the nearest integer.
 _ROUND_MAGIC = 1.5 * 2.0**52
 
@@ -58,49 +56,28 @@ def float_mod_table(vocab_sizes: torch.Tensor, offsets: torch.Tensor) -> torch.T
 
 
 @functools.cache
-def _cpu_pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epkit-engram")
+def _hash_extension():
+    """``epkit._C`` when it has the C++ hash, else None."""
+    try:
+        from epkit import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "engram_hash") else None
 
 
-def engram_hash_cpu(ids, mult, vocab, off, out, chunk: int = 1 << 11) -> None:
-    """Vectorised torch, the division-free floor-mod of :func:`float_mod_table` (int64 wraps).
+def engram_hash_cpu(ids, mult, vocab, off, out) -> bool:
+    """The C++ hash (``epkit._C.engram_hash``: the division-free floor-mod of :func:`float_mod_table`, heads
+    vectorised, token ranges over ``torch.get_num_threads()`` threads) into contiguous int32 ``out``.
 
-    Work arrays are ``[N-1, K, chunk]`` (tokens innermost): long inner loops, yet below torch's
-    intra-op grain size, so each op runs inline; token ranges go to ``torch.get_num_threads()``
-    threads instead (torch ops release the GIL).
+    Returns False, writing nothing, when ``epkit._C`` lacks it (the caller then runs the reference: no CPU path
+    slower than the reference is offered).
     """
-    num_layers, orders, heads = vocab.shape
-    table = float_mod_table(vocab, off).view(num_layers, 6, orders, heads, 1)
-    magic = torch.tensor(_ROUND_MAGIC, dtype=torch.float64)
-
-    def run(begin: int, end: int) -> None:
-        for s in range(begin, end, chunk):
-            e = min(s + chunk, end)
-            x = ids[s:e].to(torch.int64).T
-            for layer in range(num_layers):
-                c21, c42, inv, d, o, _ = table[layer].unbind(0)  # each [N-1, K, 1]
-                mix = x[0] * mult[layer, 0]
-                mixes = []
-                for k in range(1, orders + 1):
-                    mix = mix ^ (x[k] * mult[layer, k])
-                    mixes.append(mix)
-                m = torch.stack(mixes)[:, None, :]  # [N-1, 1, n]: every order's mix
-                a2 = (m >> (2 * _CHUNK_BITS)).to(torch.float64)
-                a1 = ((m >> _CHUNK_BITS) & _CHUNK_MASK).to(torch.float64)
-                a0 = (m & _CHUNK_MASK).to(torch.float64)
-                y = torch.addcmul(a0, c21, a1).addcmul_(c42, a2)  # [N-1, K, n], exact: == mix (mod d)
-                q = torch.addcmul(magic, y, inv).sub_(magic)  # round(y / d)
-                r = y.addcmul_(q, d, value=-1)  # exact, in (-d, d)
-                r += torch.where(r < 0, d + o, o)
-                out[layer, s:e] = r.view(orders * heads, e - s).T  # exact integers -> int32
-
-    num_tokens = ids.shape[0]
-    workers = max(1, min(torch.get_num_threads(), num_tokens // (4 * chunk)))
-    if workers == 1:
-        run(0, num_tokens)
-        return
-    step = -(-num_tokens // workers)
-    step = -(-step // chunk) * chunk
-    futures = [_cpu_pool(workers).submit(run, s, min(s + step, num_tokens)) for s in range(0, num_tokens, step)]
-    for f in futures:
-        f.result()
+    ext = _hash_extension()
+    if ext is None:
+        return False
+    ids, mult = ids.contiguous(), mult.to(torch.int64).contiguous()
+    table = float_mod_table(vocab, off)
+    num_layers, heads = table.shape[0], table.shape[2]
+    args = (out.data_ptr(), ids.data_ptr(), mult.data_ptr(), table.data_ptr(), ids.shape[0], ids.shape[1])
+    ext.engram_hash(*args, heads, num_layers, _CHUNK_BITS, torch.get_num_threads())
+    return True

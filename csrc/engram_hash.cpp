@@ -1,0 +1,158 @@
+// epkit.engram_hash on CPU (backend "cpu"):
+//
+//   out[l, t, (k-1)*K + j] = (XOR_{k' <= k} ids[t, k'] * mult[l, k']) mod d[l, k-1, j] + off[l, (k-1)*K + j]
+//
+// with int64 wrapping products and floor-mod, by the division-free scheme of
+// epkit._details.engram_cpu.float_mod_table (its table [L, 6, H] float64 comes in as an address: rows c21, c42,
+// 1/d, d, offset, 1.5 * 2**52). Every value is an exact integer in float64, so the result is the reference's
+// bits with or without fused multiply-adds. A block of 16 tokens has its mixes made and split first (a loop
+// over tokens), then each token's heads go 8 at a time through vector operations (GCC vector extensions;
+// an x86-64-v4 / AVX2 / generic clone is picked at load time). Chunks of tokens go to the calling thread and
+// helper threads (parallel.h) with the GIL released.
+
+#include <pybind11/pybind11.h>
+
+// The vector helpers below are always inlined into their ISA clone: no vector crosses a call boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include "parallel.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+struct Hash {
+    int32_t *out;
+    const int32_t *ids;
+    const int64_t *mult;
+    const double *table;
+    int64_t tokens, orders, heads_per_order, layers;  // orders = N - 1
+    int chunk_bits;                                   // the table's split: x = a2 * 2**(2c) + a1 * 2**c + a0
+};
+
+constexpr int kLanes = 8;  // heads per vector step; a head count that is not a multiple is padded
+typedef double v8d __attribute__((vector_size(kLanes * sizeof(double))));
+typedef int64_t v8l __attribute__((vector_size(kLanes * sizeof(int64_t))));
+typedef int32_t v8i __attribute__((vector_size(kLanes * sizeof(int32_t))));
+#define EPK_VEC_INLINE inline __attribute__((always_inline))
+
+// One layer's constants per head, padded to whole vectors (padding heads: d = 1, so every value stays finite);
+// read with unaligned loads (nothing here relies on the allocator's alignment).
+struct Layer {
+    std::vector<double> c21, c42, inv, d, off;
+    double magic;
+};
+
+EPK_VEC_INLINE v8d load8(const std::vector<double> &v, int64_t i) {
+    v8d r;
+    std::memcpy(&r, v.data() + i * kLanes, sizeof(r));
+    return r;
+}
+
+Layer layer_tables(const Hash &p, int64_t l) {
+    const int64_t kh = p.heads_per_order, h_all = p.orders * kh, steps = (kh + kLanes - 1) / kLanes;
+    const double *tab = p.table + l * 6 * h_all;
+    Layer t;
+    t.magic = tab[5 * h_all];
+    std::vector<double> *rows[5] = {&t.c21, &t.c42, &t.inv, &t.d, &t.off};
+    for (int r = 0; r < 5; ++r) {
+        rows[r]->assign(static_cast<size_t>(p.orders * steps * kLanes), 0.0);
+        for (int64_t k = 0; k < p.orders; ++k) {
+            for (int64_t j = 0; j < steps * kLanes; ++j) {
+                const double pad = (r == 2 || r == 3) ? 1.0 : 0.0;
+                (*rows[r])[(k * steps) * kLanes + j] = j < kh ? tab[r * h_all + k * kh + j] : pad;
+            }
+        }
+    }
+    return t;
+}
+
+constexpr int64_t kBlock = 16;  // tokens whose mixes are split in one (vectorised) pass
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#endif
+void hash_range(const Hash &p, const Layer &t, int64_t l, int64_t t0, int64_t t1) {
+    const int64_t n = p.orders + 1, kh = p.heads_per_order, h_all = p.orders * kh;
+    const int64_t steps = (kh + kLanes - 1) / kLanes;
+    const int cb = p.chunk_bits;
+    const uint64_t mask = (uint64_t{1} << cb) - 1;
+    const uint64_t *mult = reinterpret_cast<const uint64_t *>(p.mult + l * n);
+    const v8d magic = t.magic - v8d{};
+    const v8d zero = v8d{};
+    std::vector<double> parts(static_cast<size_t>(3 * p.orders * kBlock));  // a2, a1, a0 of [order][token]
+    uint64_t mix[kBlock];
+    for (int64_t b0 = t0; b0 < t1; b0 += kBlock) {
+        const int64_t nb = std::min(kBlock, t1 - b0);
+        const int32_t *x = p.ids + b0 * n;
+        for (int64_t b = 0; b < nb; ++b) mix[b] = static_cast<uint64_t>(static_cast<int64_t>(x[b * n])) * mult[0];
+        for (int64_t k = 0; k < p.orders; ++k) {  // mixes of the block, split into chunks as float64
+            double *at = parts.data() + k * 3 * kBlock;
+            const uint64_t mk = mult[k + 1];
+            for (int64_t b = 0; b < nb; ++b) {
+                mix[b] ^= static_cast<uint64_t>(static_cast<int64_t>(x[b * n + k + 1])) * mk;
+                at[b] = static_cast<double>(static_cast<int64_t>(mix[b]) >> (2 * cb));
+                at[kBlock + b] = static_cast<double>(static_cast<int64_t>((mix[b] >> cb) & mask));
+                at[2 * kBlock + b] = static_cast<double>(static_cast<int64_t>(mix[b] & mask));
+            }
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            int32_t *o = p.out + (l * p.tokens + b0 + b) * h_all;
+            for (int64_t k = 0; k < p.orders; ++k) {
+                const double *at = parts.data() + k * 3 * kBlock + b;
+                const double a2 = at[0], a1 = at[kBlock], a0 = at[2 * kBlock];
+                for (int64_t s = 0; s < steps; ++s) {
+                    const int64_t i = k * steps + s;
+                    const v8d d = load8(t.d, i);
+                    const v8d y = (a0 + load8(t.c21, i) * a1) + load8(t.c42, i) * a2;  // exact: == mix (mod d)
+                    const v8d q = (magic + y * load8(t.inv, i)) - magic;  // round(y / d): floor or one above
+                    const v8d r = y - q * d;                               // exact, in (-d, d)
+                    const v8l neg = r < zero;                              // all ones where r < 0
+                    const v8d fix = (v8d)((v8l)d & neg);                   // d where r < 0, else +0
+                    const v8i rows = __builtin_convertvector((r + load8(t.off, i)) + fix, v8i);
+                    int32_t *dst = o + k * kh + s * kLanes;
+                    if (kh - s * kLanes >= kLanes) {
+                        std::memcpy(dst, &rows, sizeof(rows));
+                    } else {
+                        for (int64_t j = 0; j < kh - s * kLanes; ++j) dst[j] = rows[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void register_engram_hash(py::module_ &m) {
+    m.def(
+        "engram_hash",
+        [](uintptr_t out, uintptr_t ids, uintptr_t mult, uintptr_t table, int64_t tokens, int64_t n, int64_t heads,
+           int64_t layers, int chunk_bits, int num_threads) {
+            if (tokens < 0 || n < 2 || heads < 0 || layers < 0) throw std::invalid_argument("bad size");
+            if (heads % (n - 1) != 0) throw std::invalid_argument("heads must be a multiple of N - 1");
+            if (chunk_bits < 1 || chunk_bits > 31) throw std::invalid_argument("chunk_bits must be in [1, 31]");
+            if (tokens == 0 || heads == 0 || layers == 0) return;
+            if (out == 0 || ids == 0 || mult == 0 || table == 0) throw std::invalid_argument("null pointer");
+            const Hash p{reinterpret_cast<int32_t *>(out), reinterpret_cast<const int32_t *>(ids),
+                         reinterpret_cast<const int64_t *>(mult), reinterpret_cast<const double *>(table),
+                         tokens, n - 1, heads / (n - 1), layers, chunk_bits};
+            py::gil_scoped_release release;
+            std::vector<Layer> tables;
+            for (int64_t l = 0; l < layers; ++l) tables.push_back(layer_tables(p, l));
+            // every layer of a chunk in one go: fewer chunks to hand out
+            epk::parallel_chunks(tokens, num_threads, 8192, [&](int64_t a, int64_t b) {
+                for (int64_t l = 0; l < layers; ++l) hash_range(p, tables[l], l, a, b);
+            });
+        },
+        py::arg("out"), py::arg("ids"), py::arg("mult"), py::arg("table"), py::arg("tokens"), py::arg("n"),
+        py::arg("heads"), py::arg("layers"), py::arg("chunk_bits"), py::arg("num_threads"),
+        "out [L, T, H] int32 = Engram hash rows of ids [T, N] int32 with mult [L, N] int64 and float_mod_table's "
+        "table [L, 6, H] float64 (all contiguous, by address) for its chunk_bits.");
+}
