@@ -32,18 +32,25 @@ _COUNTS: dict[tuple[int, ...], int] = {}
 
 
 def host_identity() -> str:
-    """What makes two processes share a host for the ``shm`` transport: the kernel's boot id and the network
-    namespace (abstract Unix sockets, over which the segments are passed, live in one), plus the host name."""
+    """What makes two processes share memory the way the ``shm`` transport shares it, as one string: the kernel
+    (its boot id; the host name where the boot id cannot be read), the network namespace (the abstract Unix
+    socket the segments pass through lives in one), the pid namespace (each end checks the other's pid) and the
+    ``/dev/shm`` file system (its device number: a private tmpfs is another host). Not the host name: processes
+    given one name in separate namespaces share nothing. Equal strings are a candidate host;
+    :func:`epkit.collectives.transports.host_groups` confirms it by attaching a segment."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
-        boot = "unknown-boot"
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{os.uname().nodename}/{boot}/netns:{netns}"
+        boot = "name:" + os.uname().nodename
+    parts = [boot]
+    for what, path in (("net", "/proc/self/ns/net"), ("pid", "/proc/self/ns/pid"), ("shm", "/dev/shm")):
+        try:
+            st = os.stat(path)
+            parts.append(f"{what}:{st.st_dev if what == 'shm' else st.st_ino}")
+        except OSError:
+            parts.append(f"{what}:?")
+    return "/".join(parts)
 
 
 def memory_available() -> int | None:

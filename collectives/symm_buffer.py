@@ -113,7 +113,7 @@ class SymmBuffer(FailureNotices):
             raise ValueError(f"SymmBuffer arguments differ across ranks ({detail}); every rank must pass the same")
         #: This buffer's identity: random, agreed at construction, the same on every rank.
         self.buffer_id: int = rv.buffer_id
-        name = transport if transport != "auto" else transports.choose(hellos, backend)
+        name = transport if transport != "auto" else transports.choose(hellos, backend, rv)
         self.impl = transports.create(name, rv, hellos, num_bytes, num_signals)
         self.nvshmem_provider, self.nvshmem_note = self.impl.provider, self.impl.note
         self.local = self.impl.local

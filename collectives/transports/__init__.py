@@ -21,11 +21,9 @@ from __future__ import annotations
 import importlib
 import os
 
-import torch.distributed as dist
-
 from epkit.collectives.transports.base import Transport
 
-__all__ = ["TRANSPORTS", "Transport", "all_on_one_host", "choose", "create", "hello"]
+__all__ = ["TRANSPORTS", "Transport", "all_on_one_host", "choose", "create", "hello", "host_groups"]
 
 #: Every transport: name -> (module, class) under epkit.collectives.transports (imported on first use).
 TRANSPORTS = {
@@ -35,20 +33,45 @@ TRANSPORTS = {
 }
 
 
-def all_on_one_host(group) -> bool:
-    """Collective over ``group``: every rank reports this host's name."""
-    host = os.uname().nodename
-    hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, host, group=group)
-    return len(set(hosts)) == 1
+def host_groups(hellos: list[dict], rv=None) -> list[list[int]]:
+    """The ranks by host, from every rank's :func:`hello`: lists of ranks, ascending, ordered by first rank.
+
+    A host is what :func:`~epkit.collectives.bootstrap.host_identity` names (kernel, network and pid
+    namespaces, ``/dev/shm``; not the host name). With the rendezvous ``rv`` (collective), each group of
+    several ranks is confirmed by a segment its first rank creates and the others attach
+    (:func:`~epkit.collectives.transports.shm.confirm_hosts`); a rank that cannot attach is a host of its own.
+    This is where a hierarchical transport (shared memory inside a host, another transport between hosts)
+    takes its hosts from.
+    """
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hellos):
+        by_host.setdefault(h["host"], []).append(r)
+    groups = sorted(by_host.values())
+    if rv is not None:
+        from epkit.collectives.transports.shm import confirm_hosts
+
+        groups = confirm_hosts(rv, hellos, groups)
+    return groups
+
+
+def all_on_one_host(group, timeout: float = 30.0) -> bool:
+    """Collective over ``group``: every rank shares one host, per :func:`host_groups` (confirmed by a segment).
+    Bounded by ``timeout`` seconds; a rank that does not come is named in the ``TimeoutError``."""
+    from epkit.collectives.bootstrap import Rendezvous, host_identity
+
+    rv = Rendezvous(group, timeout, "host probe")
+    hellos = rv.gather("hello", {"host": host_identity(), "pid": os.getpid()})
+    return len(host_groups(hellos)) == 1 and len(host_groups(hellos, rv)) == 1
 
 
 def hello(nccl: bool) -> dict:
-    """What this rank tells the others first when a buffer is made (through the rendezvous): where it runs,
+    """What this rank tells the others first when a buffer is made (through the rendezvous): where it runs
+    (``host``: :func:`~epkit.collectives.bootstrap.host_identity`; ``hostname``, for messages only),
     its pid, the memory it can still give, and, for an NCCL group, why it cannot run nvshmem (None: it can)."""
     from epkit.collectives.bootstrap import host_identity, memory_available
 
-    info = {"host": host_identity(), "pid": os.getpid(), "mem": memory_available(), "nvshmem": "not an NCCL group"}
+    info = {"host": host_identity(), "hostname": os.uname().nodename, "pid": os.getpid(), "mem": memory_available()}
+    info["nvshmem"] = "not an NCCL group"
     if nccl:
         from epkit.collectives.transports import nvshmem_job
 
@@ -56,13 +79,18 @@ def hello(nccl: bool) -> dict:
     return info
 
 
-def choose(hellos: list[dict], backend: str) -> str:
+def choose(hellos: list[dict], backend: str, rv=None) -> str:
     """The ``auto`` transport from every rank's :func:`hello`: ``nvshmem`` for an NCCL group whose every rank
-    can run it (else ``torch``), ``shm`` for a gloo group on one host, ``torch`` otherwise."""
+    can run it (else ``torch``), ``shm`` for a gloo group on one host (:func:`host_groups`; with the
+    rendezvous ``rv``, collective, confirmed by attaching a segment), ``torch`` otherwise.
+
+    Ranks on several hosts get ``torch`` for every peer; a hierarchical transport (``shm`` inside each of
+    :func:`host_groups`, ``torch`` between them) is the choice to make here once it exists.
+    """
     if "nccl" in str(backend):
         return "nvshmem" if all(h["nvshmem"] is None for h in hellos) else "torch"
-    if backend == "gloo" and len({h["host"] for h in hellos}) == 1:
-        return "shm"
+    if backend == "gloo" and len(host_groups(hellos)) == 1:  # one candidate host: confirm it where rv is given
+        return "shm" if rv is None or len(host_groups(hellos, rv)) == 1 else "torch"
     return "torch"
 
 

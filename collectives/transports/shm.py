@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import mmap
 import os
 import secrets
 import socket
@@ -27,7 +28,7 @@ import torch
 
 from epkit.collectives.transports.base import Transport, layout
 
-__all__ = ["ShmTransport", "host_view", "share_descriptors", "wait_word"]
+__all__ = ["ShmTransport", "confirm_hosts", "host_view", "share_descriptors", "wait_word"]
 
 _MAX_FDS = 200  # descriptors per message (the kernel's SCM_MAX_FD is 253)
 
@@ -177,6 +178,91 @@ def share_descriptors(rv, pids: list[int], my_fd: int, timeout: float) -> list[i
     finally:
         if server is not None:
             server.close()
+
+
+def _hand_out(server: socket.socket, fd: int, members: list[int], pids: list[int], deadline: float) -> None:
+    """A host's leader: give segment ``fd`` to each of ``members`` that connected (checked by SO_PEERCRED)."""
+    for _ in members:
+        server.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            conn, _ = server.accept()
+        except OSError:  # a member gone: its attach fails when the server closes
+            return
+        with conn, contextlib.suppress(OSError, ValueError, ConnectionError):
+            msg, _ = _recv(conn, deadline, "host probe", 1)
+            r = int(msg.decode()) if msg.isdigit() else -1
+            if r in members and _peer_pid(conn) == pids[r]:
+                conn.sendmsg([b"ok"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+
+def _attach(sock: socket.socket, nonce: bytes, leader_pid: int, deadline: float) -> bool:
+    """A member: receive the leader's segment, map it and find the leader's random ``nonce`` in it."""
+    try:
+        if _peer_pid(sock) != leader_pid:
+            return False
+        _, fds = _recv(sock, deadline, "host probe", 1)
+    except (OSError, ConnectionError):
+        return False
+    try:
+        if not fds:
+            return False
+        with mmap.mmap(fds[0], len(nonce), prot=mmap.PROT_READ) as seen:
+            return bytes(seen[: len(nonce)]) == nonce
+    except (OSError, ValueError):
+        return False
+    finally:
+        for f in fds:
+            os.close(f)
+
+
+def confirm_hosts(rv, hellos: list[dict], groups: list[list[int]]) -> list[list[int]]:
+    """Confirm candidate hosts (lists of ranks, first rank lowest) by sharing memory the way this transport does.
+
+    Collective over the rendezvous ``rv`` (once per rendezvous; ``hellos`` give the ranks' pids). In each group
+    of several ranks the first creates an anonymous segment holding a random number and listens on an abstract
+    Unix socket; the others connect (an abstract socket of another network namespace is not found: the connect
+    fails at once), receive the descriptor, map it and look for the number. A rank that cannot is a host of its
+    own. Returns the confirmed groups, ordered by first rank; every rank gets the same.
+    """
+    if all(len(g) == 1 for g in groups):
+        return groups
+    deadline = time.monotonic() + rv.timeout
+    mine = next(g for g in groups if rv.rank in g)
+    lead, pids = mine[0], [h["pid"] for h in hellos]
+    server, fd, sock, ok = None, -1, None, True
+    try:
+        offer = None
+        if rv.rank == lead and len(mine) > 1:
+            server, name = _listen()
+            nonce = secrets.token_bytes(16)
+            fd = os.memfd_create("epkit-host-probe", os.MFD_CLOEXEC)
+            os.write(fd, nonce)
+            offer = [name.hex(), nonce.hex()]
+        offers = rv.gather("probe/offer", offer)
+        if rv.rank != lead:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(bytes.fromhex(offers[lead][0]))
+                sock.sendall(str(rv.rank).encode())
+            except OSError:
+                ok = False
+        came = rv.gather("probe/connect", ok)
+        if server is not None:
+            _hand_out(server, fd, [r for r in mine[1:] if came[r]], pids, deadline)
+            server.close()
+        if rv.rank != lead and ok:
+            ok = _attach(sock, bytes.fromhex(offers[lead][1]), pids[lead], deadline)
+        verdict = rv.gather("probe/attach", ok)
+    finally:
+        for closable in (server, sock):
+            if closable is not None:
+                closable.close()
+        if fd >= 0:
+            os.close(fd)
+    out = []
+    for g in groups:
+        out += [[r for r in g if verdict[r]]] + [[r] for r in g if not verdict[r]]
+    return sorted(g for g in out if g)
 
 
 class ShmTransport(Transport):

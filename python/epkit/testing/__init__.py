@@ -10,6 +10,7 @@ Rung 4: executed on a GPU
     epkit.testing.markers.requires_cuda (skips with a reason where there is no GPU)
 Multi-rank
     epkit.testing.multiprocess.run_ranks / ranks (real processes, gloo, timeouts)
+    epkit.testing.hosts.run_hosts (ranks on emulated hosts: own network, UTS and mount namespaces; root)
 
 Importing this module needs only torch; each helper imports its framework when called.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from epkit.testing.hosts import namespaces_unavailable, run_hosts
 from epkit.testing.ladder import (
     CompiledKernel,
     compile_triton,
@@ -42,6 +44,8 @@ __all__ = [
     "tilelang_compile_cuda",
     "run_ranks",
     "RankError",
+    "run_hosts",
+    "namespaces_unavailable",
 ]
 
 

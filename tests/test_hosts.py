@@ -1,0 +1,206 @@
+"""Host detection and emulated hosts: the probe, the ``auto`` transport across hosts, EPBuffer across hosts."""
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epkit.collectives import transports
+from epkit.collectives.bootstrap import Rendezvous
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.collectives.ep_reference import (
+    reference_combine,
+    reference_dispatch,
+    reference_low_latency_combine,
+    reference_low_latency_dispatch,
+)
+from epkit.collectives.symm_buffer import SymmBuffer
+from epkit.collectives.transports.shm import confirm_hosts
+from epkit.testing import assert_bitwise_equal
+from epkit.testing.hosts import requires_namespaces, run_hosts
+from epkit.testing.multiprocess import RankError, run_ranks
+
+HIDDEN, EXPERTS, TOPK = 256, 16, 4
+
+
+def _hellos(group=None):
+    got = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, transports.hello(False), group=group)
+    return got
+
+
+def _probe(rank, world_size):
+    """What every view of "one host" says on this rank: the keys, the confirmed groups, auto's choice."""
+    hellos = _hellos()
+    return {
+        "nodenames": sorted({h["hostname"] for h in hellos}),  # the old check: one name means one host
+        "groups": transports.host_groups(hellos),
+        "confirmed": transports.host_groups(hellos, Rendezvous(dist.group.WORLD, 20, "probe test")),
+        "choose": transports.choose(hellos, "gloo", Rendezvous(dist.group.WORLD, 20, "choose test")),
+        "one_host": transports.all_on_one_host(dist.group.WORLD),
+        # The segment decides, not the keys: every rank put in one candidate group, only true hosts stay together.
+        "forced": confirm_hosts(Rendezvous(dist.group.WORLD, 20, "forced"), hellos, [list(range(world_size))]),
+        "auto": _auto_transport(dist.group.WORLD),
+    }
+
+
+def _auto_transport(group):
+    buf = SymmBuffer(group, 4096, timeout=20)
+    name = buf.transport
+    buf.close()
+    return name
+
+
+def _routing(rank, n, seed):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    perms = [torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(n)]
+    idx = torch.stack(perms) if n else torch.empty((0, TOPK), dtype=torch.int64)
+    idx[torch.rand(idx.shape, generator=g) < 0.25] = -1
+    return torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16), idx, torch.rand(n, TOPK, generator=g)
+
+
+def _normal(group, expand, fp8, seed):
+    """Normal dispatch + combine over EPBuffer(auto) on ``group``, bit for bit against ep_reference."""
+    buf = EPBuffer(group, HIDDEN, EXPERTS, num_max_tokens_per_rank=32, num_topk=TOPK, timeout=20)
+    r = dist.get_rank(group)
+    x, idx, w = _routing(r, [5, 32, 0, 17][r % 4], seed)
+    scales = None
+    if fp8:
+        from epkit.quant import per_token_group_cast_to_fp8
+
+        x, scales = per_token_group_cast_to_fp8(x.float(), 128)
+    recv, recv_idx, recv_w, counts, handle = buf.dispatch(
+        (x, scales) if fp8 else x, idx, w, expand=expand, expert_alignment=4 if expand else 1
+    )
+    ref = reference_dispatch(
+        x, idx, w, EXPERTS, group, expand=expand, expert_alignment=4 if expand else 1, x_scales=scales
+    )
+    ctx = f"rank {r} {buf.transport} {expand=} {fp8=}"
+    assert_bitwise_equal(recv[0] if fp8 else recv, ref["expanded_x" if expand else "recv_x"], ctx)
+    assert_bitwise_equal(recv_idx, ref["recv_topk_idx"], ctx)
+    assert_bitwise_equal(recv_w, ref["recv_topk_weights"], ctx)
+    assert counts == ref["num_recv_tokens_per_expert"], ctx
+    rows = ref["expanded_x" if expand else "recv_x"].float()
+    y = (rows * 0.5 + 1).to(torch.bfloat16)
+    want = reference_combine(y, ref, x.shape[0], group, expand=expand)
+    assert_bitwise_equal(buf.combine(y, handle), want, ctx + " combine")
+    name = buf.transport
+    buf.close()
+    return name
+
+
+def _low_latency(group, use_fp8, seed):
+    """Low-latency dispatch + combine over EPBuffer(auto) on ``group``, bit for bit against ep_reference."""
+    n_max, r, w = 8, dist.get_rank(group), dist.get_world_size(group)
+    buf = EPBuffer(group, HIDDEN, EXPERTS, num_max_tokens_per_rank=n_max, num_topk=TOPK, timeout=20)
+    x, idx, wts = _routing(r, [8, 3, 0, 6][r % 4], seed)
+    recv_x, recv_count, handle, _ = buf.low_latency_dispatch(x, idx, n_max, use_fp8=use_fp8)
+    ref = reference_low_latency_dispatch(x, idx, n_max, EXPERTS, group, use_fp8=use_fp8)
+    assert recv_count.tolist() == ref["counts"]
+    y = torch.zeros((EXPERTS // w, n_max * w, HIDDEN), dtype=torch.bfloat16)
+    y_ref = []
+    for e, c in enumerate(ref["counts"]):
+        got = recv_x[0][e, :c] if use_fp8 else recv_x[e, :c]
+        assert_bitwise_equal(got, ref["recv_x"][e], f"rank {r} expert {e} low latency")
+        y[e, :c] = (got.float() * 2 - 1).to(torch.bfloat16)
+        y_ref.append(y[e, :c].clone())
+    out = buf.low_latency_combine(y, idx, wts, handle)
+    assert_bitwise_equal(out, reference_low_latency_combine(y_ref, idx, wts, ref, group), f"rank {r} ll combine")
+    name = buf.transport
+    buf.close()
+    return name
+
+
+def _exchanges(rank, world_size, ranks_per_host):
+    """Probe, then dispatch/combine on the whole job and on each host's own group; what /dev/shm holds after."""
+    out = _probe(rank, world_size)
+    hosts = [list(range(h, h + ranks_per_host)) for h in range(0, world_size, ranks_per_host)]
+    mine = [dist.new_group(g) for g in hosts][rank // ranks_per_host]  # every rank makes every group
+    groups = [dist.group.WORLD] + ([mine] if ranks_per_host > 1 else [])
+    out["ep"] = [
+        [_normal(g, False, False, 1), _normal(g, True, True, 2), _low_latency(g, True, 3), _low_latency(g, False, 4)]
+        for g in groups
+    ]
+    out["host_auto"] = _auto_transport(mine) if ranks_per_host > 1 else None
+    out["dev_shm"] = os.listdir("/dev/shm")
+    out["shm_dev"] = os.stat("/dev/shm").st_dev
+    return out
+
+
+def _links() -> set[str]:
+    got = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True, timeout=10).stdout
+    return {line.split(":")[1].strip() for line in got.splitlines()}
+
+
+def _processes_in(netns: list[int]) -> list[int]:
+    """Pids of live processes whose network namespace is one of ``netns``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino in netns:
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_one_host_probe_says_one_host():
+    res = run_ranks(_probe, 2, timeout=60)
+    for r in res:
+        assert r["groups"] == r["confirmed"] == r["forced"] == [[0, 1]]
+        assert r["choose"] == r["auto"] == "shm" and r["one_host"] is True
+
+
+@requires_namespaces
+@pytest.mark.parametrize("ranks_per_host", [1, 2])
+def test_two_hosts_with_one_name(ranks_per_host):
+    before = _links()
+    info = {}
+    res = run_hosts(_exchanges, 2, ranks_per_host, ranks_per_host, hostnames=["node", "node"], timeout=120, info=info)
+    hosts = [list(range(h, h + ranks_per_host)) for h in (0, ranks_per_host)]
+    for r in res:
+        assert r["nodenames"] == ["node"]  # negative control: the host name alone says "one host"
+        assert r["groups"] == r["confirmed"] == hosts  # the probe says two
+        assert r["forced"] == [hosts[0], *([q] for q in hosts[1])]  # host 1's ranks cannot attach host 0's segment
+        assert r["choose"] == r["auto"] == "torch" and r["one_host"] is False
+        assert r["ep"][0] == ["torch"] * 4  # across hosts: torch, bit for bit (checked on the ranks)
+        if ranks_per_host > 1:
+            assert r["ep"][1] == ["shm"] * 4 and r["host_auto"] == "shm"  # within a host: shm
+        assert r["dev_shm"] == []
+    assert res[0]["shm_dev"] != res[-1]["shm_dev"]  # each host its own /dev/shm
+    assert _processes_in(info["netns"]) == []  # every namespace (with its links and /dev/shm) is gone
+    assert _links() == before  # nothing was added to this machine's network
+
+
+def _killed(rank, world_size):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=8, num_topk=TOPK, timeout=4)
+    x, idx, w = _routing(rank, 8, 5)
+    buf.dispatch(x, idx, w)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        buf.dispatch(x, idx, w)
+    except TimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _raises(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank 1 on its own host gives up")
+    return rank
+
+
+@requires_namespaces
+def test_killed_and_failing_ranks_leave_nothing_behind():
+    before = _links()
+    info = {}
+    res = run_hosts(_killed, 2, 1, may_die=(1,), timeout=60, info=info)
+    assert res[1] is None and "rank 1" in res[0], res
+    assert _processes_in(info["netns"]) == [] and _links() == before
+    with pytest.raises(RankError, match="rank 1 on its own host gives up"):
+        run_hosts(_raises, 2, 1, timeout=60, info=info)
+    assert _processes_in(info["netns"]) == [] and _links() == before
