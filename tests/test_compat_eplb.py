@@ -24,6 +24,27 @@ def test_signatures_are_deepseeks(name):
     assert list(inspect.signature(getattr(eplb, name)).parameters) == SIGNATURES[name]
 
 
+def test_deepseeks_published_example():
+    # the example of DeepSeek's EPLB README (2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs) and the
+    # placement it prints: an expectation from outside epkit (compat.eplb calls epkit.eplb, so comparing the two
+    # would compare the code with itself)
+    weight = torch.tensor(
+        [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+    )
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(weight, 16, 4, 2, 8)
+    published = [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
+    assert phy2log.tolist() == published
+    for layer in range(2):  # each logical expert has logcnt replicas, and log2phy lists exactly them
+        counts = torch.bincount(phy2log[layer], minlength=12)
+        assert torch.equal(counts, logcnt[layer])
+        for e in range(12):
+            slots = log2phy[layer, e, : int(logcnt[layer, e])]
+            assert sorted(slots.tolist()) == (phy2log[layer] == e).nonzero().flatten().tolist()
+
+
 @pytest.mark.parametrize("case", [(2, 16, 24, 4, 2, 4), (1, 12, 16, 3, 2, 4)], ids=["hierarchical", "global"])
 def test_the_example_call_and_its_shapes(case):
     num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus = case

@@ -227,7 +227,11 @@ class DeviceState:
         kernels; ``wait`` raises even if none failed (the caller's own input was rejected: its rejecting header
         is in every message)."""
         if (wait or drain) and self.device.type == "cuda":
-            _drain(self.device, self.ep.timeout)
+            try:
+                _drain(self.device, self.ep.timeout)
+            except TimeoutError as exc:
+                self.sb.deferred.on_failure(exc)  # the buffer is broken: its later calls raise at once
+                raise
         if self._status[0] == 0:
             if wait:
                 raise RuntimeError(f"rank {self.rank}: a rejected call left no failure record")
@@ -264,9 +268,15 @@ class DeviceState:
 
 
 def _drain(device: torch.device, timeout: float) -> None:
-    """Wait (bounded) for the current stream: a failing kernel's record is complete when it has finished."""
+    """Wait (bounded) for the current stream: a failing kernel's record is complete when it has finished.
+    TimeoutError where the stream has not finished ``timeout`` + 10 s later."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     deadline = time.monotonic() + timeout + 10.0
-    while not event.query() and time.monotonic() < deadline:
+    while not event.query():
+        if time.monotonic() >= deadline:  # past the kernels' own timeouts: the stream itself is stuck
+            raise TimeoutError(
+                f"the device kernels of this EPBuffer did not finish within {timeout + 10.0:g} s (the buffer's "
+                f"timeout + 10 s), although each of their waits is bounded by the timeout: the stream is stuck"
+            )
         time.sleep(50e-6)

@@ -37,6 +37,7 @@ inside epkit's ops instead, as it did before they were custom ops. ``epkit.testi
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 
@@ -115,12 +116,16 @@ def host_checks(device: torch.device | str | None = None) -> bool:
 # fused_moe, with its buffer named
 
 _BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_SERIAL = itertools.count()
 
 
 def buffer_name(buffer) -> str:
     """A name for ``buffer`` (an :class:`~epkit.collectives.ep_buffer.EPBuffer`) that ``torch.ops.epkit.fused_moe``
     takes in its place (held weakly: the op raises once the buffer is gone). Call it outside compiled code."""
-    name = f"epbuffer-{id(buffer):x}"
+    for name, held in list(_BUFFERS.items()):
+        if held is buffer:
+            return name
+    name = f"epbuffer-{next(_SERIAL)}"  # never reused: a graph holding a dead buffer's name cannot reach a new one
     _BUFFERS[name] = buffer
     return name
 

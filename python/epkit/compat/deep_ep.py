@@ -216,7 +216,8 @@ class Buffer(LowLatencyMixin):
     def get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
     ) -> int:
-        """Bytes of the buffer a low-latency :class:`Buffer` makes on each rank for these sizes (top-k up to 8)."""
+        """Bytes of the buffer a low-latency :class:`Buffer` makes on each rank for these sizes (top-k up to 8); on
+        CUDA the device kernels' own area comes on top and is not counted."""
         n = num_max_dispatch_tokens_per_rank
         return epbuffer_bytes(hidden, num_experts, num_ranks, n, HINT_TOPK, n)
 

@@ -35,6 +35,7 @@ import socket
 import subprocess
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 from epkit.testing.multiprocess import DEFAULT_TIMEOUT, RankError
@@ -283,6 +284,9 @@ def _end(procs: list, info: dict, switch: subprocess.Popen | None) -> None:
     deadline = time.monotonic() + 5.0
     while any(_in_netns(pid, netns) for pid in info["rank_pids"]) and time.monotonic() < deadline:
         time.sleep(0.01)
+    left = [pid for pid in info["rank_pids"] if _in_netns(pid, netns)]
+    if left:  # said, not raised: the run's own result (or error) is what the caller asked for
+        warnings.warn(f"run_hosts: ranks {left} are still in the run's namespaces 5 s after the kill", stacklevel=3)
 
 
 def run_hosts(
