@@ -2,7 +2,8 @@
 
 A sample is one call, or ``calls`` back-to-back calls divided out (on a GPU the host's launch overhead then
 overlaps the device's work, as in a real stream): ``time.perf_counter`` around it on the CPU, a pair of
-CUDA events on a GPU, optionally after overwriting 256 MiB so that the call starts with a cold L2.
+CUDA events on a GPU, optionally after overwriting 256 MiB so that the sample starts with a cold L2 (the
+first of ``calls`` back-to-back calls starts cold; the others find what it left there).
 :func:`measure` interleaves contenders round by round in a seeded random order (a rotation would keep each
 contender behind the same predecessor, whose memory churn would tax it every time); :func:`time_calls`
 samples one function (``gpu_check``'s ``Ctx.time_op``). Every figure is milliseconds per call.
@@ -28,7 +29,8 @@ def synchronize(device: torch.device) -> None:
 
 
 class L2Flusher:
-    """Overwrites 256 MiB of device memory when called, evicting L2 before a GEMM is timed (CUDA only)."""
+    """Overwrites 256 MiB of device memory when called, evicting L2 before a sample is timed (CUDA only; with
+    ``calls`` > 1 per sample only the first call of the sample starts cold)."""
 
     NBYTES = 256 << 20
 
