@@ -268,14 +268,10 @@ class Buffer(LowLatencyMixin):
         event)``, on ``topk_idx``'s device; ``-1`` ids are skipped. The second value, DeepEP's per-RDMA-rank
         counts, is None: epkit's group is one domain (DeepEP's intranode answer)."""
         _events("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream)
-        if (
-            not isinstance(topk_idx, torch.Tensor)
-            or topk_idx.dim() != 2
-            or topk_idx.dtype not in (torch.int32, torch.int64)
-        ):
-            raise ValueError(
-                f"get_dispatch_layout: topk_idx must be an int64 [num_tokens, num_topk] tensor, got {topk_idx!r:.60}"
-            )
+        try:  # the shape and dtype (the values are counted below, -1 skipped)
+            check_topk_idx(topk_idx, 0, check_values=False)  # num_experts is read by the value scan only
+        except ValueError as exc:
+            raise ValueError(f"get_dispatch_layout: {exc}") from None
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts % self.group_size:
             raise ValueError(
                 f"get_dispatch_layout: num_experts must be a multiple of {self.group_size}, got {num_experts!r}"
