@@ -8,9 +8,13 @@ rank that was stopped (SIGSTOP) and resumed can pair with the next buffer's coll
 each rank waits for the others' keys with the buffer's own deadline, and a missing key names its rank. A rank
 that gives up says so under the prefix (with its reason), and the ranks still waiting stop at once with
 that reason, instead of each timing out in a later step that the quitter will never come to.
-Keys live under a prefix made of the group's global ranks and this process's count of buffers made over
-that group, so the n-th buffer of a group can only ever meet the n-th buffer of the same group, and a
-resumed rank's old bootstrap never meets a new one.
+Keys live under a prefix made of the group's global ranks (and, for a :class:`SubGroup`, its name) and this
+process's count of buffers made over that group, so the n-th buffer of a group can only ever meet the n-th
+buffer of the same group, and a resumed rank's old bootstrap never meets a new one.
+
+A :class:`SubGroup` is a subset of a parent group's ranks that a buffer can be made over without
+``dist.new_group`` (which every rank of the world must call, once per rank set): a buffer needs of its group
+only the rank, the size, the global ranks and the backend (:func:`group_info`), and its meeting place here.
 
 Every rank draws a random 62-bit number; rank 0's is the buffer's identity (``buffer_id``), written into
 the messages of the protocol so that a handle or a message of another buffer is recognised as such.
@@ -25,10 +29,57 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["Rendezvous", "host_identity", "memory_available"]
+__all__ = ["Rendezvous", "SubGroup", "group_info", "host_identity", "memory_available"]
 
-# Buffers made so far in this process, per group (by its global ranks).
-_COUNTS: dict[tuple[int, ...], int] = {}
+# Buffers made so far in this process, per group (by its SubGroup name and global ranks).
+_COUNTS: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+class SubGroup:
+    """The ranks ``ranks`` (ascending ranks of ``parent``) as a group of their own, for :class:`Rendezvous` and
+    :class:`~epkit.collectives.symm_buffer.SymmBuffer` (gloo: the ``shm`` and ``torch`` transports). Made by the
+    member ranks only, with no collective. ``name`` keeps buffers over the same ranks made for different
+    purposes apart (their keys carry it): every member must make its buffers over one ``(name, ranks)`` in the
+    same order, as over a process group.
+
+    Attributes
+    ----------
+    parent : ProcessGroup or SubGroup
+    ranks : tuple of int
+        The members, as ranks of ``parent``.
+    global_ranks : tuple of int
+        The members' ranks in the job (``dist.get_process_group_ranks``'s order).
+    rank, world_size : int
+        This process's position among the members, and their number.
+    backend : str
+        The parent's backend.
+    name : str
+    """
+
+    def __init__(self, parent, ranks, name: str = "sub"):
+        p_rank, p_world, p_global, backend = group_info(parent)
+        ranks = [int(r) for r in ranks]
+        if not ranks or sorted(set(ranks)) != ranks or ranks[0] < 0 or ranks[-1] >= p_world:
+            raise ValueError(f"SubGroup ranks must be distinct ascending parent ranks (< {p_world}), got {ranks}")
+        if p_rank not in ranks:
+            raise ValueError(f"this process (rank {p_rank} of the parent) is not one of the SubGroup's ranks {ranks}")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"SubGroup name must be a non-empty string without '/', got {name!r}")
+        self.parent, self.ranks, self.name, self.backend = parent, tuple(ranks), name, backend
+        self.global_ranks = tuple(p_global[r] for r in ranks)
+        self.rank, self.world_size = ranks.index(p_rank), len(ranks)
+
+    def __repr__(self) -> str:
+        return f"SubGroup({self.name!r}, global ranks {list(self.global_ranks)}, rank {self.rank})"
+
+
+def group_info(group) -> tuple[int, int, tuple[int, ...], str]:
+    """``(rank, world_size, global ranks, backend name)`` of a ProcessGroup (None: the world) or a SubGroup."""
+    if isinstance(group, SubGroup):
+        return group.rank, group.world_size, group.global_ranks, group.backend
+    pg = dist.group.WORLD if group is None else group
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    return dist.get_rank(pg), dist.get_world_size(pg), ranks, str(dist.get_backend(pg))
 
 
 def host_identity() -> str:
@@ -84,7 +135,7 @@ class Rendezvous:
 
     Parameters
     ----------
-    group : ProcessGroup
+    group : ProcessGroup or SubGroup
     timeout : float
         Seconds any step may wait for the other ranks.
     what : str
@@ -92,7 +143,7 @@ class Rendezvous:
 
     Attributes
     ----------
-    group : ProcessGroup
+    group : ProcessGroup or SubGroup
     prefix : str
         This meeting's key prefix in the job's store (unique to the buffer).
     rank, world_size : int
@@ -103,10 +154,10 @@ class Rendezvous:
 
     def __init__(self, group, timeout: float, what: str):
         self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        ranks = tuple(dist.get_process_group_ranks(group))
-        n = _COUNTS[ranks] = _COUNTS.get(ranks, 0) + 1
-        self.prefix = f"epkit/{'-'.join(map(str, ranks))}/{n}/"
+        self.rank, self.world_size, ranks, _ = group_info(group)
+        name = group.name + ":" if isinstance(group, SubGroup) else ""
+        n = _COUNTS[name, ranks] = _COUNTS.get((name, ranks), 0) + 1
+        self.prefix = f"epkit/{name}{'-'.join(map(str, ranks))}/{n}/"
         self.timeout, self.what = timeout, what
         self.buffer_id: int | None = None
         self._store = dist.PrefixStore(self.prefix, _job_store())

@@ -26,11 +26,12 @@ import contextlib
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from epkit.collectives._details.ep_device import DevicePathMixin
 from epkit.collectives._details.ep_device_ll import DeviceLowLatencyMixin
 from epkit.collectives._details.ep_device_normal import DeviceNormalMixin
+from epkit.collectives._details.ep_hier import HierarchyMixin
+from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, plan_transport
 from epkit.collectives._details.ep_low_latency import LowLatencyMixin
 from epkit.collectives._details.ep_low_latency_layout import COMBINE_HEADER, LowLatencyHandle
 from epkit.collectives._details.ep_normal import DispatchHandle, NormalModeMixin
@@ -42,8 +43,7 @@ from epkit.collectives._details.ep_rows import (
     check_formats,
     format_code,
 )
-from epkit.collectives.symm_buffer import SymmBuffer
-from epkit.collectives.transports import all_on_one_host
+from epkit.collectives.bootstrap import group_info
 from epkit.utils import check_topk_idx
 
 __all__ = [
@@ -87,7 +87,9 @@ def region_sizes(
     return RegionSizes(row, normal, low_latency, region)
 
 
-class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLatencyMixin, DeviceNormalMixin):
+class EPBuffer(
+    HierarchyMixin, NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLatencyMixin, DeviceNormalMixin
+):
     """Dispatch/combine for one EP group.
 
     Parameters
@@ -102,9 +104,11 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
         Capacity: the most tokens any rank dispatches in one call.
     num_topk : int
         Experts per token.
-    transport : {"auto", "shm", "torch", "nvshmem"}
-        ``auto``: ``nvshmem`` for an NCCL group (CUDA ranks), ``shm`` for CPU ranks on one host, else
-        ``torch``. Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the
+    transport : {"auto", "shm", "torch", "nvshmem", "hierarchical"}
+        ``auto``: ``nvshmem`` for an NCCL group (CUDA ranks), ``shm`` for CPU ranks on one host, ``hierarchical``
+        for CPU ranks on several hosts of one size (see ``_details/ep_hier.py``; from one probe of the hosts;
+        else ``torch``). On several hosts every transport combines in ``ep_reference``'s two-level order
+        (``hosts``). Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the
         rank's GPU for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves
         and sums are torch ops with the same rounding as the CPU's fused C++ ones (tested on CPU
         through ``ep_rows.PORTABLE``, and over nvshmem with ``epkit.testing.nvshmem_emulator``).
@@ -132,7 +136,9 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
     region_bytes : int
         Bytes of one source's region in every rank's buffer: the largest message of any mode.
     transport, device
-        The transport's name, and where rows live.
+        The transport's name (``"hierarchical(shm+torch)"`` for the hierarchy), and where rows live.
+    hosts : list of list of int
+        The group's ranks by host (one list on one machine, and for NCCL groups); picks the combine order.
     """
 
     def __init__(
@@ -147,7 +153,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
         timeout: float = 30.0,
         kernels: str = "auto",
     ):
-        w = dist.get_world_size(group)
+        w = group_info(group)[1]
         for name, v in (
             ("hidden", hidden),
             ("num_experts", num_experts),
@@ -158,14 +164,14 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if num_experts % w:
             raise ValueError(f"num_experts {num_experts} is not divisible by the EP group size {w}")
-        if transport not in ("auto", "shm", "torch", "nvshmem"):
-            raise ValueError(f"EPBuffer transport must be 'auto', 'shm', 'torch' or 'nvshmem', got {transport!r}")
-        backend = str(dist.get_backend(group))
-        if transport == "auto" and "nccl" in backend:
-            # NCCL only: CUDA ranks, whose rows move over nvshmem (BackendUnavailableError says what is missing).
-            # A mixed cpu:gloo,cuda:nccl group: CPU rows over its gloo part.
-            transport = "nvshmem" if "gloo" not in backend else ("shm" if all_on_one_host(group) else "torch")
-        self.group, self.world_size, self.rank = group, w, dist.get_rank(group)
+        if transport not in ("auto", "shm", "torch", "nvshmem", HIERARCHICAL):
+            raise ValueError(
+                f"EPBuffer transport must be 'auto', 'shm', 'torch', 'nvshmem' or 'hierarchical', got {transport!r}"
+            )
+        # NCCL only: CUDA ranks, whose rows move over nvshmem (BackendUnavailableError says what is missing). A gloo
+        # (or mixed cpu:gloo,cuda:nccl) group: its hosts, probed once, pick shm, the hierarchy or torch.
+        transport, self.hosts = plan_transport(group, transport, timeout)
+        self.group, self.world_size, self.rank = group, w, group_info(group)[0]
         self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
         self.num_local_experts = num_experts // w
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
@@ -189,12 +195,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
             f"{'low-latency' if ll_sized else 'normal'} mode (num_max_tokens_per_rank={n}, "
             f"num_max_dispatch_tokens_per_rank={n_ll}, hidden={h}, num_experts={num_experts}): lower {knob}"
         )
-        mode, area = self._kernel_area(kernels, transport, group)
-        extra = area.get("total", 0)
-        self.buffer = SymmBuffer(
-            group, self.region_bytes * w + extra, transport=transport, timeout=timeout, memory_hint=hint
-        )
-        self.transport = self.buffer.transport
+        self._open_buffers(group, transport, sizes, kernels, timeout, hint)
         #: Where rows live (x, y, received rows, outputs); routing metadata is kept on the CPU.
         self.device = self.buffer.local.device
         #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter). The
@@ -205,7 +206,7 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
         self._ll_cache: dict = {}
         self._dispatches = self._ll_dispatches = 0  # normal / low-latency dispatch calls (handle epochs)
         #: The device path's state (``_details/ep_device.py``), or None on the host-driven path.
-        self._dev = self._attach_kernels(mode, area)
+        self._dev = self._attach_kernels(self._kernel_mode, self._kernel_layout)
 
     def close(self) -> None:
         """Release the symmetric buffer; the EPBuffer cannot be used afterwards (DeepEP's ``destroy``).
@@ -217,10 +218,13 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
         """
         self._drop_caches()
         self.buffer.close()
+        if self._hier is not None:
+            self._hier.close()
 
     def _drop_caches(self) -> None:
         self._ll_cache.clear()
         self.__dict__.pop("_addr_tables", None)
+        self.__dict__.pop("_row_pool", None)
 
     destroy = close  # DeepEP's name for it
 
@@ -230,6 +234,8 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
     def __exit__(self, exc_type, exc, tb) -> None:
         self._drop_caches()
         self.buffer.__exit__(exc_type, exc, tb)
+        for buf in self._hier.buffers() if self._hier is not None else ():
+            buf.__exit__(exc_type, exc, tb)
 
     def is_within_domain(self) -> bool:
         return self.buffer.is_within_domain()
@@ -374,7 +380,8 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
         if isinstance(x, (tuple, list)):
             x, scales = x
         if handle is not None:
-            return self._dispatch_cached(x, scales, handle)
+            cached = self._dispatch_cached if self._hier is None else self._hier_dispatch_cached
+            return cached(x, scales, handle)
         if self._dev is not None:
             return self._dev_dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand)
         # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
@@ -389,6 +396,8 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
                 raise ValueError(f"topk_weights must be a tensor, got {type(topk_weights).__name__}")
         except Exception as exc:  # every rank must learn of it: no exception may skip the agreement
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        if self._hier is not None:  # across hosts: the layout agreement, then rows over the rail and inside hosts
+            return self._hier_dispatch(error, x, scales, topk_idx, topk_weights, expert_alignment, expand)
         meta_rows = []
         if error is None:
             # Routing metadata lives on the CPU (one copy of topk per call); rows stay on self.device.
@@ -478,6 +487,9 @@ class EPBuffer(NormalModeMixin, LowLatencyMixin, DevicePathMixin, DeviceLowLaten
         except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         self.agree_on_handle("combine", handle, error)
+        if self._hier is not None:
+            with self._hier_retire("combine"):
+                return self._hier_combine(y, handle, weights, biases)
         with self.retire_on_failure("combine"):
             if self._dev is not None:
                 return self._dev_combine(y, handle, weights, biases)

@@ -9,7 +9,15 @@ Fixed arithmetic order (EPBuffer reproduces it exactly):
   biases in order, then cast to ``y.dtype``;
 * expanded combine: on the expert rank, ``partial[j] = sum over k ascending of w[j, k] * y[row(j, k)]``
   in float32 (only slots whose expert is local), cast to ``y.dtype`` and sent back; the source
-  sums the partials as in normal combine.
+  sums the partials as in normal combine;
+* ranks on several hosts (``hosts``: the ranks of each host, as
+  :func:`epkit.collectives.transports.host_groups` gives them): the sum is two-level, the order a
+  hierarchical exchange sums in (the host's ranks first, then one partial per host crosses hosts). For
+  each host H that the token went to, ``host_partial[t] = cast(sum over H's ranks r ascending of
+  rows_r[t] in float32)`` to ``y.dtype`` (``rows_r``: ``y_r``, or the expert rank's partial above);
+  then ``out[t] = cast(sum over those hosts in list order of host_partial[t] in float32 + biases)``.
+  Every transport sums so on a group that spans several hosts (EPBuffer.hosts); one host is the
+  one-level order above exactly.
 """
 
 from __future__ import annotations
@@ -117,8 +125,13 @@ def reference_dispatch(
     return out
 
 
-def reference_combine(y, state: dict, num_tokens: int, group=None, topk_weights=None, bias=None, expand=False):
-    """The textbook combine for a :func:`reference_dispatch` state; returns ``[num_tokens, hidden]``."""
+def reference_combine(
+    y, state: dict, num_tokens: int, group=None, topk_weights=None, bias=None, expand=False, hosts=None
+):
+    """The textbook combine for a :func:`reference_dispatch` state; returns ``[num_tokens, hidden]``.
+
+    ``hosts``: list of lists of ranks (each host's, ascending; None: one host), which picks the summation
+    order (see the module docstring)."""
     w = dist.get_world_size(group)
     rc = state["recv_counts"]
     if expand:
@@ -134,8 +147,17 @@ def reference_combine(y, state: dict, num_tokens: int, group=None, topk_weights=
         rows = y
     back = _a2a(list(torch.split(rows, rc)), [t.numel() for t in state["tokens"]], rows, group)
     acc = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32)
-    for r in range(w):
-        acc[state["tokens"][r]] += back[r].float()
+    if hosts is None or len(hosts) <= 1:
+        for r in range(w):
+            acc[state["tokens"][r]] += back[r].float()
+    else:
+        for ranks in hosts:  # hosts in list order; inside a host, its ranks ascending
+            part = torch.zeros_like(acc)
+            touched = torch.zeros(num_tokens, dtype=torch.bool)
+            for r in ranks:
+                part[state["tokens"][r]] += back[r].float()
+                touched[state["tokens"][r]] = True
+            acc[touched] += part[touched].to(y.dtype).float()
     for b in [] if bias is None else (bias if isinstance(bias, (tuple, list)) else [bias]):
         acc += b.float()
     return acc.to(y.dtype)

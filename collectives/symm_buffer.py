@@ -15,11 +15,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from epkit.collectives import transports
 from epkit.collectives._details.deferred import DeferredChecks
-from epkit.collectives.bootstrap import Rendezvous
+from epkit.collectives.bootstrap import Rendezvous, group_info
 from epkit.collectives.exchange import Exchange, OneSidedExchange, TwoSidedExchange, exchange_payloads
 from epkit.collectives.peer_failure import FailureNotices, PeerFailedError, wait_judge
 from epkit.collectives.transports.base import ACK, BARRIER, NOTICE, READY, user_word, word
@@ -37,7 +36,7 @@ class SymmBuffer(FailureNotices):
 
     Parameters
     ----------
-    group : ProcessGroup
+    group : ProcessGroup or :class:`~epkit.collectives.bootstrap.SubGroup`
         A gloo group (shm/torch transports), or a gloo or NCCL group of CUDA ranks (nvshmem).
         Creation is collective over it.
     num_bytes : int
@@ -95,12 +94,10 @@ class SymmBuffer(FailureNotices):
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size, _, backend = group_info(group)
         self.num_bytes = num_bytes
         self.num_signals = num_signals
         self.timeout = timeout
-        backend = dist.get_backend(group)
         self._rendezvous = rv = Rendezvous(group, timeout, "SymmBuffer")
         rv.memory_hint = memory_hint
         me = {**transports.hello("nccl" in str(backend)), "args": [num_bytes, num_signals, transport]}

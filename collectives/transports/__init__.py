@@ -40,8 +40,7 @@ def host_groups(hellos: list[dict], rv=None) -> list[list[int]]:
     namespaces, ``/dev/shm``; not the host name). With the rendezvous ``rv`` (collective), each group of
     several ranks is confirmed by a segment its first rank creates and the others attach
     (:func:`~epkit.collectives.transports.shm.confirm_hosts`); a rank that cannot attach is a host of its own.
-    This is where a hierarchical transport (shared memory inside a host, another transport between hosts)
-    takes its hosts from.
+    The hierarchical EPBuffer (``collectives/_details/ep_hier.py``) takes its hosts from here.
     """
     by_host: dict[str, list[int]] = {}
     for r, h in enumerate(hellos):
@@ -84,8 +83,10 @@ def choose(hellos: list[dict], backend: str, rv=None) -> str:
     can run it (else ``torch``), ``shm`` for a gloo group on one host (:func:`host_groups`; with the
     rendezvous ``rv``, collective, confirmed by attaching a segment), ``torch`` otherwise.
 
-    Ranks on several hosts get ``torch`` for every peer; a hierarchical transport (``shm`` inside each of
-    :func:`host_groups`, ``torch`` between them) is the choice to make here once it exists.
+    This is one buffer's transport, the same for every peer: ranks on several hosts get ``torch``. The hierarchy
+    (``shm`` inside each of :func:`host_groups`, ``torch`` between them) is made of several buffers, so it is
+    chosen a level up, by :class:`~epkit.collectives.ep_buffer.EPBuffer` (``transport="auto"`` or
+    ``"hierarchical"``; ``collectives/_details/ep_hier.py``), from the same host groups.
     """
     if "nccl" in str(backend):
         return "nvshmem" if all(h["nvshmem"] is None for h in hellos) else "torch"

@@ -8,6 +8,9 @@ a 24-byte header (buffer id, exchange number, payload bytes) and then the payloa
 point to point with the buffer's timeout: a peer that does not send within it is named, and a header
 that is not this exchange's (another buffer, another exchange, another size) is an error naming its
 sender, never data.
+
+``bytes_sent[r]`` counts the bytes this rank has sent rank ``r`` (headers and payloads; 0 for itself, whose
+message is a local copy): what crosses the network, for tests and benchmarks of what a protocol moves.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class TorchTransport(Transport):
                 f"({why})"
             ) from None
         self.local = torch.zeros(num_bytes, dtype=torch.uint8)
+        #: Bytes sent to each rank of the group so far (headers and payloads; see the module docstring).
+        self.bytes_sent = [0] * self.world_size
         self._closed = False
 
     def _wait(self, work, deadline: float, timeout: float, src: int, what: str) -> None:
@@ -85,6 +90,7 @@ class TorchTransport(Transport):
             dst = (me + k) % w
             head = torch.tensor([self.buffer_id, n, send[dst].numel()], dtype=torch.int64)
             sent.append((dst, head, self.pg.send([head], dst, tag)))
+            self.bytes_sent[dst] += 8 * _HEADER_WORDS + send[dst].numel()
             if send[dst].numel():
                 payload = send[dst].contiguous()
                 sent.append((dst, payload, self.pg.send([payload], dst, tag + 1)))

@@ -1,0 +1,91 @@
+"""The two-level (per-host) combine order, and how an EPBuffer learns its hosts.
+
+Across hosts, every transport sums a token's expert outputs in the order a hierarchical exchange can
+keep (:mod:`epkit.collectives.ep_reference`): the rows from one host's ranks first, in float32 in
+ascending rank order, cast to the output dtype (the host partial), then the host partials in host
+order in float32, plus the biases, cast. :func:`sum_by_host` is that sum for rows gathered per rank
+(the flat transports); the hierarchical buffer (``ep_hier.py``) forms the host partials on the
+forwarding rank and the last sum at the source. With one host it is the one-level order exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from epkit.collectives._details.ep_rows import align_up, reduce_indexed, sum_by_source
+
+__all__ = ["HIERARCHICAL", "field_offsets", "plan_transport", "sum_by_host"]
+
+#: The transport name an EPBuffer takes for ranks on several hosts (``EPBuffer.transport`` then reads
+#: ``"hierarchical(shm+torch)"``).
+HIERARCHICAL = "hierarchical"
+
+
+def sum_by_host(
+    out: torch.Tensor,
+    sources: list[torch.Tensor],
+    send_tokens: list[torch.Tensor],
+    biases: list[torch.Tensor],
+    hosts: list[list[int]] | None,
+) -> torch.Tensor:
+    """Combine's source side in the two-level order: :func:`~epkit.collectives._details.ep_rows.sum_by_source`
+    (same arguments) when ``hosts`` is None or one host, else, per host, the one-level sum over its ranks cast to
+    ``out.dtype`` (the host partial), then the partials of the hosts each token went to, in host order, in
+    float32, plus the biases, cast. ``out [T, H]`` is written and returned.
+
+    ``sources[r] [len(send_tokens[r]), H]``: what rank r sent back for the tokens this rank sent it
+    (``send_tokens[r]``, int64); ``hosts``: ``EPBuffer.hosts`` (lists of ranks, ascending).
+    """
+    if hosts is None or len(hosts) <= 1:
+        return sum_by_source(out, sources, send_tokens, biases)
+    t_num, n = out.shape[0], len(hosts)
+    partials, hit = [], torch.zeros((t_num, n), dtype=torch.bool)
+    for h, ranks in enumerate(hosts):
+        partials.append(
+            sum_by_source(torch.empty_like(out), [sources[r] for r in ranks], [send_tokens[r] for r in ranks])
+        )
+        for r in ranks:
+            hit[send_tokens[r], h] = True
+    src = torch.where(hit, torch.arange(n, dtype=torch.int64), -1)
+    row = torch.arange(t_num, dtype=torch.int64).unsqueeze(1).expand(t_num, n)
+    return reduce_indexed(out, partials, src, row, None, biases)
+
+
+def field_offsets(n: int, widths: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of the field blocks of an ``n``-row message (``widths``: bytes per row of each field, each
+    block aligned to ``FIELD_ALIGN``) and the message's size."""
+    offs, at = [], 0
+    for wd in widths:
+        offs.append(at)
+        at = align_up(at + n * wd)
+    return offs, at
+
+
+def plan_transport(group, transport: str, timeout: float) -> tuple[str, list[list[int]]]:
+    """``(transport, hosts)`` for an EPBuffer on ``group`` asking for ``transport``; collective over the group.
+
+    A gloo group meets once (a rendezvous: every rank gets the same answer) to find its hosts
+    (:func:`~epkit.collectives.transports.host_groups`, confirmed by a shared segment). ``auto`` then takes
+    ``shm`` on one host, :data:`HIERARCHICAL` on several hosts of equal size, ``torch`` on hosts of unequal
+    sizes (the hierarchy pairs rank l of every host: flat ``torch`` instead). An explicit ``hierarchical``
+    on one host is ``shm``, on unequal hosts ``torch``; an explicit ``shm`` is one host, unprobed. An
+    NCCL-only group (CUDA rows) is not probed: its ranks count as one host (``nvshmem`` sums in the one-level order).
+    """
+    from epkit.collectives.bootstrap import Rendezvous, group_info, host_identity
+    from epkit.collectives.transports import host_groups
+
+    _, w, _, backend = group_info(group)
+    if "nccl" in backend and "gloo" not in backend:
+        return ("nvshmem" if transport == "auto" else transport), [list(range(w))]
+    if transport == "shm":  # shared memory is one host by definition (SymmBuffer refuses it otherwise): no probe
+        return transport, [list(range(w))]
+    rv = Rendezvous(group, timeout, "EPBuffer host probe")
+    hellos = rv.gather("hello", {"host": host_identity(), "pid": os.getpid()})
+    hosts = host_groups(hellos, rv)
+    if transport not in ("auto", HIERARCHICAL):
+        return transport, hosts
+    if len(hosts) == 1:
+        return "shm", hosts
+    return (HIERARCHICAL if len({len(g) for g in hosts}) == 1 else "torch"), hosts
