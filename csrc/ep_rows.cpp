@@ -34,9 +34,14 @@ using epk::f32_to_bf16;
 
 enum DType : int { F32 = 0, BF16 = 1 };
 
-inline float load(const void *row, int dtype, int64_t h) {
-    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t *>(row)[h]) : static_cast<const float *>(row)[h];
+template <int DT>
+EPK_INLINE float load_as(const void *row, int64_t h) {
+    if (DT == BF16) return bf16_to_f32(static_cast<const uint16_t *>(row)[h]);
+    return static_cast<const float *>(row)[h];
 }
+
+// The block kernel is inlined into each ISA clone of reduce_range (so it is vectorised for that ISA).
+#define EPK_BLOCK EPK_INLINE
 
 // Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= min_rows each).
 template <typename Fn>
@@ -64,53 +69,71 @@ void check_dtype(int d, const char *what) {
     if (d != F32 && d != BF16) throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (f32) or 1 (bf16)");
 }
 
+// One block of CH columns [h0, h0 + n) of token t's output, the accumulator in registers: each source row
+// is read once and the output written once (no float32 row buffer in memory). n == CH lets the compiler
+// unroll and vectorise the column loops; the tail block passes n < CH. Per element the operations and
+// their order are those of the formula above (0, then each product rounded and added, k ascending).
+constexpr int64_t CH = 64;
+
+template <int SRC, int OUT, int BIAS>
+EPK_BLOCK void reduce_block(int64_t t, int64_t h0, int64_t n, void *out, const int64_t *src, int64_t K, int64_t H,
+                            const float *weights, const uintptr_t *bias, int64_t num_bias) {
+    float acc[CH];
+    for (int64_t j = 0; j < n; ++j) acc[j] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+        const int64_t addr = src[t * K + k];
+        if (addr == 0) continue;
+        const void *row = reinterpret_cast<const void *>(addr);
+        if (weights != nullptr) {
+            const float w = weights[t * K + k];
+            for (int64_t j = 0; j < n; ++j) {
+                const float p = w * load_as<SRC>(row, h0 + j);
+                acc[j] = acc[j] + p;
+            }
+        } else {
+            for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + load_as<SRC>(row, h0 + j);
+        }
+    }
+    for (int64_t b = 0; b < num_bias; ++b) {
+        const char *base = reinterpret_cast<const char *>(bias[b]) + t * H * (BIAS == BF16 ? 2 : 4);
+        for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + load_as<BIAS>(base, h0 + j);
+    }
+    if (OUT == BF16) {
+        uint16_t *o = static_cast<uint16_t *>(out) + t * H + h0;
+        for (int64_t j = 0; j < n; ++j) o[j] = f32_to_bf16(acc[j]);
+    } else {
+        float *o = static_cast<float *>(out) + t * H + h0;
+        for (int64_t j = 0; j < n; ++j) o[j] = acc[j];
+    }
+}
+
+template <int SRC, int OUT, int BIAS>
+EPK_BLOCK void reduce_range_t(int64_t t0, int64_t t1, void *out, const int64_t *src, int64_t K, int64_t H, const float *weights,
+                    const std::vector<uintptr_t> &bias) {
+    const uintptr_t *b = bias.data();
+    const int64_t nb = static_cast<int64_t>(bias.size()), full = H - H % CH;
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t h0 = 0; h0 < full; h0 += CH) reduce_block<SRC, OUT, BIAS>(t, h0, CH, out, src, K, H, weights, b, nb);
+        if (full < H) reduce_block<SRC, OUT, BIAS>(t, full, H - full, out, src, K, H, weights, b, nb);
+    }
+}
+
 // Compiled for several ISAs; the loader picks the best one for this CPU at run time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void reduce_range(int64_t t0, int64_t t1, uintptr_t out, int out_dtype, const int64_t *src, int64_t K, int64_t H,
                   int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype) {
-    std::vector<float> acc(static_cast<size_t>(H));
-    for (int64_t t = t0; t < t1; ++t) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t k = 0; k < K; ++k) {
-            const int64_t addr = src[t * K + k];
-            if (addr == 0) continue;
-            const void *row = reinterpret_cast<const void *>(addr);
-            if (weights != nullptr) {
-                const float w = weights[t * K + k];
-                if (src_dtype == BF16) {
-                    const uint16_t *r = static_cast<const uint16_t *>(row);
-                    for (int64_t h = 0; h < H; ++h) {
-                        const float p = w * bf16_to_f32(r[h]);
-                        acc[h] = acc[h] + p;
-                    }
-                } else {
-                    const float *r = static_cast<const float *>(row);
-                    for (int64_t h = 0; h < H; ++h) {
-                        const float p = w * r[h];
-                        acc[h] = acc[h] + p;
-                    }
-                }
-            } else if (src_dtype == BF16) {
-                const uint16_t *r = static_cast<const uint16_t *>(row);
-                for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + bf16_to_f32(r[h]);
-            } else {
-                const float *r = static_cast<const float *>(row);
-                for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + r[h];
-            }
-        }
-        for (uintptr_t b : bias) {
-            const char *base = reinterpret_cast<const char *>(b) + t * H * (bias_dtype == BF16 ? 2 : 4);
-            for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + load(base, bias_dtype, h);
-        }
-        if (out_dtype == BF16) {
-            uint16_t *o = reinterpret_cast<uint16_t *>(out) + t * H;
-            for (int64_t h = 0; h < H; ++h) o[h] = f32_to_bf16(acc[h]);
-        } else {
-            float *o = reinterpret_cast<float *>(out) + t * H;
-            std::memcpy(o, acc.data(), static_cast<size_t>(H) * 4);
-        }
+    void *o = reinterpret_cast<void *>(out);
+    const int code = src_dtype * 4 + out_dtype * 2 + bias_dtype;
+    switch (code) {
+#define EPK_CASE(S, O, B)                                                        \
+    case S * 4 + O * 2 + B:                                                    \
+        reduce_range_t<S, O, B>(t0, t1, o, src, K, H, weights, bias); \
+        break;
+        EPK_CASE(0, 0, 0) EPK_CASE(0, 0, 1) EPK_CASE(0, 1, 0) EPK_CASE(0, 1, 1)
+        EPK_CASE(1, 0, 0) EPK_CASE(1, 0, 1) EPK_CASE(1, 1, 0) EPK_CASE(1, 1, 1)
+#undef EPK_CASE
     }
 }
 

@@ -428,6 +428,37 @@ def test_device_path_arithmetic_matches_reference_on_cpu():
     assert run_ranks(_portable, 4, _low_latency, "shm", True, False, _ll_tokens, timeout=90) == [True] * 4
 
 
+def _pooled(rank, world_size, fn, *args):
+    """Run a rank body with every CPU result row tensor from the buffer's RowPool (whatever its size)."""
+    from epkit.collectives._details import ep_rows
+
+    ep_rows.RowPool.MIN_BYTES = 0
+    return fn(rank, world_size, *args)
+
+
+def test_pooled_results_match_reference_and_are_never_reused_while_held():
+    # _compare holds the first dispatch's rows and the combine's output across a cached dispatch and the
+    # buffer's close, and checks them bit for bit afterwards: a block still in use is never handed out again.
+    assert run_ranks(_pooled, 4, _compare_cases, "shm", timeout=180) == [True] * 4
+
+
+def test_row_pool_reuses_a_block_only_once_every_view_of_it_is_gone():
+    from epkit.collectives._details.ep_rows import RowPool
+
+    pool = RowPool(max_free=2)
+    a = pool.empty((1024, 1024), torch.float32)
+    a.fill_(1.0)
+    view = a[10:20]
+    addr = a.data_ptr()
+    del a
+    b = pool.empty((1024, 1024), torch.float32)  # the view keeps the first block in use
+    assert b.data_ptr() != addr and torch.equal(view, torch.ones(10, 1024))
+    del view
+    c = pool.empty((1024, 1536), torch.bfloat16)  # 3 MiB of the 4.5 MiB block: more than half of it, reused
+    assert c.data_ptr() == addr and c.shape == (1024, 1536) and c.dtype == torch.bfloat16 and c.is_contiguous()
+    assert pool.empty((8, 8), torch.float32).numel() == 64  # small requests are plain torch.empty
+
+
 def _gpu_loopback(rank, world_size):
     """EPBuffer(nvshmem) on one GPU: the CUDA path against the CPU reference, bit for bit."""
     torch.cuda.set_device(0)

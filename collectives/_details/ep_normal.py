@@ -6,8 +6,10 @@ document the calls; this file holds what they run once every rank agreed. It use
 ``validate_dispatch``.
 
 A normal-mode message to one destination holds, per row sent there (source token order), the row's
-bytes, its FP8 scales, its local expert ids (-1 where the expert lives elsewhere), its weights and its
-source token index, each field block aligned to ``FIELD_ALIGN``. The layout message before it carries
+bytes, its FP8 scales, its local expert ids (-1 where the expert lives elsewhere) and its weights, each
+field block aligned to ``FIELD_ALIGN``; a rank's rows for itself go through no message (nor do the
+combine rows it returns to itself). Result rows on the CPU come from a :class:`RowPool` (pages already
+mapped). The layout message before it carries
 the row format, the row count and the rows per local expert, or the sender's error text.
 """
 
@@ -17,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from epkit.collectives._details.ep_hier_rows import sum_by_host
 from epkit.collectives._details.ep_rows import (
     META_MSG,
+    RowPool,
     align_up,
     decode_error,
     encode_error,
@@ -73,59 +77,82 @@ class NormalModeMixin:
             raise ValueError("dispatch rejected on every rank before any data moved: " + "; ".join(errors))
         return [g[: num_words * 8].view(torch.int64) for g in got]
 
+    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A result tensor for rows on the buffer's device; on the CPU from the buffer's :class:`RowPool`."""
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        pool = self.__dict__.get("_row_pool")
+        if pool is None:
+            pool = self.__dict__["_row_pool"] = RowPool()
+        return pool.empty(shape, dtype)
+
+    def _pack(self, dst, t, x_bytes, s_bytes, ids, topk_weights, out_x, out_s, out_i, out_w):
+        """The fields of the rows of tokens ``t`` for rank ``dst`` (x bytes, scale bytes, local ids int32 with
+        -1 where the expert lives elsewhere, weights float32), written into the four given views."""
+        L = self.num_local_experts
+        t_dev = t.to(x_bytes.device)
+        torch.index_select(x_bytes, 0, t_dev, out=out_x)
+        if s_bytes is not None:
+            torch.index_select(s_bytes, 0, t_dev, out=out_s)
+        loc = ids[t] - dst * L  # an id of -1 lands below 0 too
+        out_i.copy_(torch.where((loc >= 0) & (loc < L), loc, -1))
+        out_w.copy_(topk_weights[t])  # the views may be on the rows' device; the routing is on the CPU
+
     def _send_rows(self, x, scales, topk_idx, topk_weights, tokens, recv_counts):
-        """Move rows; returns (recv_x, recv_scales, recv_idx int32, recv_w float32), rows by source then token."""
-        w, L, K, h = self.world_size, self.num_local_experts, self.num_topk, self.hidden
+        """Move rows; returns (recv_x, recv_scales, recv_idx int32, recv_w float32), rows by source then token.
+
+        Each peer's rows are written into its region (one copy) and copied out by it into the results (the
+        second); this rank's own rows go from ``x`` straight into the results, through no region."""
+        w, K, h, me = self.world_size, self.num_topk, self.hidden, self.rank
         xb, sb = x.element_size() * h, (4 * scales.shape[1] if scales is not None else 0)
         x_bytes = x.contiguous().view(torch.uint8).view(x.shape[0], xb)
         s_bytes = scales.contiguous().view(torch.uint8).view(x.shape[0], sb) if scales is not None else None
-        ids = topk_idx.long()
-        ex = self.buffer.exchange(self.region_bytes, tag="dispatch")
-
-        def blocks(n):  # byte offsets of the field blocks of an n-row message
-            o_x = 0
-            o_s = align_up(o_x + n * xb)
-            o_i = align_up(o_s + n * sb)
-            o_w = align_up(o_i + n * 4 * K)
-            o_t = align_up(o_w + n * 4 * K)
-            return o_x, o_s, o_i, o_w, o_t, align_up(o_t + n * 4)
-
-        for step in range(w):
-            dst = (self.rank + step) % w
-            t = tokens[dst]
-            n = t.numel()
-            if n == 0:
-                ex.commit(dst, 0)
-                continue
-            o_x, o_s, o_i, o_w, o_t, end = blocks(n)
-            region = ex.send_region(dst)
-            t_dev = t.to(x_bytes.device)
-            torch.index_select(x_bytes, 0, t_dev, out=region[o_x : o_x + n * xb].view(n, xb))
-            if s_bytes is not None:
-                torch.index_select(s_bytes, 0, t_dev, out=region[o_s : o_s + n * sb].view(n, sb))
-            loc = ids[t] - dst * L
-            loc = torch.where((ids[t] >= 0) & (loc >= 0) & (loc < L), loc, -1)
-            region[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K).copy_(loc)
-            region[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K).copy_(topk_weights[t])
-            region[o_t : o_t + n * 4].view(torch.int32).copy_(t)
-            ex.commit(dst, end)
+        ids, topk_weights = topk_idx.long(), topk_weights.float().contiguous()
         total = sum(recv_counts)
-        recv_x = torch.empty((total, xb), dtype=torch.uint8, device=self.device)
-        recv_s = torch.empty((total, sb), dtype=torch.uint8, device=self.device) if s_bytes is not None else None
+        offs = [sum(recv_counts[:r]) for r in range(w + 1)]
+        recv_x = self._host_empty((total, xb), torch.uint8)
+        recv_s = self._host_empty((total, sb), torch.uint8) if s_bytes is not None else None
         recv_i = torch.empty((total, K), dtype=torch.int32)
         recv_w = torch.empty((total, K), dtype=torch.float32)
-        views = ex.receive([blocks(n)[5] if n else 0 for n in recv_counts])
-        row = 0
+
+        def blocks(n):  # byte offsets of the field blocks of an n-row message, and its end
+            o_s = align_up(n * xb)
+            o_i = align_up(o_s + n * sb)
+            o_w = align_up(o_i + n * 4 * K)
+            return o_s, o_i, o_w, align_up(o_w + n * 4 * K)
+
+        def fields(buf_x, buf_s, buf_i, buf_w, lo, n):  # rows [lo, lo + n) of the results
+            s = buf_s[lo : lo + n] if buf_s is not None else None
+            return buf_x[lo : lo + n], s, buf_i[lo : lo + n], buf_w[lo : lo + n]
+
+        def in_region(v, n):  # the field views of an n-row message in region (or view) v
+            o_s, o_i, o_w, _ = blocks(n)
+            s = v[o_s : o_s + n * sb].view(n, sb) if s_bytes is not None else None
+            i = v[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K)
+            return v[: n * xb].view(n, xb), s, i, v[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K)
+
+        ex = self.buffer.exchange(self.region_bytes, tag="dispatch")
+        for step in range(1, w + 1):  # the peers first: they can start copying out sooner
+            dst = (me + step) % w
+            n = tokens[dst].numel()
+            if n == 0 or dst == me:
+                ex.commit(dst, 0)
+                continue
+            end = blocks(n)[3]
+            o_x, o_s, o_i, o_w = in_region(ex.send_region(dst)[:end], n)
+            self._pack(dst, tokens[dst], x_bytes, s_bytes, ids, topk_weights, o_x, o_s, o_i, o_w)
+            ex.commit(dst, end)
+        if recv_counts[me]:
+            own = fields(recv_x, recv_s, recv_i, recv_w, offs[me], recv_counts[me])
+            self._pack(me, tokens[me], x_bytes, s_bytes, ids, topk_weights, *own)
+        views = ex.receive([blocks(n)[3] if n and src != me else 0 for src, n in enumerate(recv_counts)])
         for src, v in enumerate(views):
             n = recv_counts[src]
-            if n:
-                o_x, o_s, o_i, o_w, _, _ = blocks(n)
-                recv_x[row : row + n].copy_(v[o_x : o_x + n * xb].view(n, xb))
-                if recv_s is not None:
-                    recv_s[row : row + n].copy_(v[o_s : o_s + n * sb].view(n, sb))
-                recv_i[row : row + n].copy_(v[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K))
-                recv_w[row : row + n].copy_(v[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K))
-            row += n
+            if n and src != me:
+                got = in_region(v, n)
+                for out, part in zip(fields(recv_x, recv_s, recv_i, recv_w, offs[src], n), got):
+                    if out is not None:
+                        out.copy_(part)
         ex.release()
         recv_x = recv_x.view(x.dtype).view(total, h)
         recv_s = recv_s.view(torch.float32).view(total, sb // 4) if recv_s is not None else None
@@ -140,14 +167,10 @@ class NormalModeMixin:
         self.recv_tokens_per_expert_total += counts
         aligned = [int(-(-c // alignment) * alignment) for c in counts.tolist()]
         rows = slot = None
-        out_x, out_s = recv_x, recv_scales
+        x_out = (recv_x, recv_scales) if recv_scales is not None else recv_x
         if expand:
             rows, slot = expanded_layout(recv_idx, counts, alignment)
-            from epkit.gather import gather_rows
-
-            rows_dev = rows.to(self.device)
-            out_x = gather_rows(recv_x, rows_dev)
-            out_s = gather_rows(recv_scales, rows_dev) if recv_scales is not None else None
+            x_out = self._expanded(recv_x, recv_scales, rows)
         handle = DispatchHandle(
             send_tokens=tokens,
             recv_counts=recv_counts,
@@ -162,8 +185,20 @@ class NormalModeMixin:
             buffer_id=self.buffer.buffer_id,
             epoch=self._dispatches,
         )
-        x_out = (out_x, out_s) if out_s is not None else out_x
         return x_out, recv_idx.to(self.device), recv_w.to(self.device), aligned, handle
+
+    def _expanded(self, recv_x, recv_s, rows: torch.Tensor):
+        """The expanded rows (``rows``: received row per expanded row, -1 = a zero padding row), as dispatch
+        returns them: ``x`` or ``(x, scales)``."""
+        from epkit.gather import gather_rows
+
+        rows_dev = rows.to(self.device)
+        out = [
+            gather_rows(part, rows_dev, out=self._host_empty((rows.numel(), part.shape[1]), part.dtype))
+            for part in (recv_x, recv_s)
+            if part is not None
+        ]
+        return tuple(out) if len(out) == 2 else out[0]
 
     def agree_on_handle(self, what: str, handle, error: str | None) -> None:
         """Before any row of a combine or cached dispatch moves: every rank tells every rank which dispatch its
@@ -231,58 +266,48 @@ class NormalModeMixin:
             recv_x, recv_s, _, _ = self._send_rows(
                 x, scales, dummy_idx, dummy_w, handle.send_tokens, handle.recv_counts
             )
-        out_x, out_s = recv_x, recv_s
+        x_out = (recv_x, recv_s) if recv_s is not None else recv_x
         if handle.expand:
-            from epkit.gather import gather_rows
-
-            rows_dev = handle.expanded_rows.to(self.device)
-            out_x = gather_rows(recv_x, rows_dev)
-            out_s = gather_rows(recv_s, rows_dev) if recv_s is not None else None
-        x_out = (out_x, out_s) if out_s is not None else out_x
+            x_out = self._expanded(recv_x, recv_s, handle.expanded_rows)
         L, a = self.num_local_experts, handle.expert_alignment
         counts = torch.bincount(handle.recv_topk_idx[handle.recv_topk_idx >= 0].long(), minlength=L)
         aligned = [int(-(-c // a) * a) for c in counts.tolist()]
         return x_out, handle.recv_topk_idx.to(self.device), handle.recv_topk_weights.to(self.device), aligned, handle
 
+    def _expert_side(self, out, y, handle: DispatchHandle, weights, lo: int, n: int) -> None:
+        """Combine's expert side for received rows ``[lo, lo + n)`` (one source rank's): their rows of ``y``, or
+        with ``expand`` the weighted sum over this rank's experts, written into ``out [n, hidden]``."""
+        if not handle.expand:
+            out.copy_(y[lo : lo + n])
+            return
+        slot = handle.expanded_slot[lo : lo + n]
+        reduce_indexed(out, [y], torch.where(slot >= 0, 0, -1), slot.clamp(min=0), weights[lo : lo + n])
+
     def _combine_rows(self, y, handle: DispatchHandle, weights, biases) -> torch.Tensor:
-        w, h = self.world_size, self.hidden
+        """Each source rank's rows written into its region; this rank's own read where they are (``y``, or the
+        expert-side sum); then the source-side sum (:func:`~epkit.collectives._details.ep_hier_rows.sum_by_host`:
+        ranks ascending on one host, ep_reference's two-level order on several)."""
+        w, h, me = self.world_size, self.hidden, self.rank
         y = y.contiguous()
-        es = y.element_size()
-        row_bytes = h * es
+        row_bytes = h * y.element_size()
+        counts = handle.recv_counts
+        offs = [sum(counts[:r]) for r in range(w + 1)]
         ex = self.buffer.exchange(self.region_bytes, tag="combine")
-        offs = [0]
-        for c in handle.recv_counts:
-            offs.append(offs[-1] + c)
-        y_bytes = y.view(torch.uint8).view(-1, row_bytes)
-        for step in range(w):
-            dst = (self.rank + step) % w
-            n = handle.recv_counts[dst]
+        for step in range(1, w):  # the peers; this rank's own rows go through no region
+            dst = (me + step) % w
+            n = counts[dst]
             if n:
-                region = ex.send_region(dst)[: n * row_bytes]
-                if handle.expand:
-                    # Expert side: the weighted sum over this rank's experts, written straight into dst's region.
-                    slot = handle.expanded_slot[offs[dst] : offs[dst] + n]
-                    reduce_indexed(
-                        region.view(y.dtype).view(n, h),
-                        [y],
-                        torch.where(slot >= 0, 0, -1),
-                        slot.clamp(min=0),
-                        weights[offs[dst] : offs[dst] + n],
-                    )
-                else:
-                    region.view(n, row_bytes).copy_(y_bytes[offs[dst] : offs[dst] + n])
+                region = ex.send_region(dst)[: n * row_bytes].view(y.dtype).view(n, h)
+                self._expert_side(region, y, handle, weights, offs[dst], n)
             ex.commit(dst, n * row_bytes)
-        views = ex.receive([t.numel() * row_bytes for t in handle.send_tokens])
-        # Source side: sum over destination ranks ascending, reading the received rows in place.
-        src_of = torch.full((handle.num_tokens, w), -1, dtype=torch.int64)
-        row_of = torch.zeros((handle.num_tokens, w), dtype=torch.int64)
-        for r in range(w):
-            t = handle.send_tokens[r]
-            if t.numel():
-                src_of[t, r] = r
-                row_of[t, r] = torch.arange(t.numel(), dtype=torch.int64)
-        sources = [v.view(y.dtype).view(-1, h) for v in views]
-        out = torch.empty((handle.num_tokens, h), dtype=y.dtype, device=y.device)
-        reduce_indexed(out, sources, src_of, row_of, None, biases)
+        ex.commit(me, 0)
+        own = y[offs[me] : offs[me + 1]]
+        if handle.expand:
+            own = self._host_empty((counts[me], h), y.dtype)
+            self._expert_side(own, y, handle, weights, offs[me], counts[me])
+        views = ex.receive([t.numel() * row_bytes if r != me else 0 for r, t in enumerate(handle.send_tokens)])
+        sources = [own if r == me else v.view(y.dtype).view(-1, h) for r, v in enumerate(views)]
+        out = self._host_empty((handle.num_tokens, h), y.dtype)
+        sum_by_host(out, sources, handle.send_tokens, biases, self.hosts)
         ex.release()
         return out

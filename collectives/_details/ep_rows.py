@@ -8,6 +8,9 @@ device path on CPU), take the same arithmetic in torch ops: bitwise the same res
 
 from __future__ import annotations
 
+import ctypes
+import math
+
 import torch
 
 __all__ = [
@@ -15,6 +18,7 @@ __all__ = [
     "META_MSG",
     "PORTABLE",
     "ROW_DTYPES",
+    "RowPool",
     "align_up",
     "by_address",
     "check_formats",
@@ -28,6 +32,7 @@ __all__ = [
     "reduce_gathered",
     "reduce_indexed",
     "reduce_rows",
+    "sum_by_source",
 ]
 
 #: Bytes of error text a rejected call sends its peers (in the layout exchange, headers, publish areas).
@@ -308,3 +313,83 @@ def expanded_layout(recv_idx: torch.Tensor, counts: torch.Tensor, alignment: int
     rows[dest] = pairs // k
     slot[pairs] = dest
     return rows, slot.view(r, k)
+
+
+class RowPool:
+    """Host memory for the row tensors that dispatch and combine return, recycled once no tensor uses it.
+
+    The first write to a fresh multi-MiB tensor takes a page fault per 4 KiB page (on a virtual machine that
+    costs several times the copy itself). :meth:`empty` hands out views of blocks this pool keeps: a block goes
+    back to the pool when the last tensor or view of it is freed (the tensor owns a ctypes array whose lease
+    returns the block), so the next call of a similar size writes into pages already mapped. Nothing a caller
+    still holds is ever reused. Requests under ``MIN_BYTES`` are plain ``torch.empty``; at most ``max_free``
+    blocks wait in the pool (their memory stays this process's until the pool is dropped).
+    """
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, max_free: int = 4):
+        self.max_free = max_free
+        self._free: list[torch.Tensor] = []  # uint8 blocks no tensor uses
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype`` (like ``torch.empty``)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0 or nbytes < self.MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        fit = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
+        if fit:
+            block = self._free.pop(min(fit, key=lambda i: self._free[i].numel()))
+        else:  # an eighth more than asked: the next call's routing may need a few more rows
+            block = torch.empty(align_up(nbytes + nbytes // 8, 1 << 16), dtype=torch.uint8)
+        arr = (ctypes.c_uint8 * nbytes).from_address(block.data_ptr())
+        arr._epkit_lease = _Lease(self, block)  # freed with the array, which torch.frombuffer keeps alive
+        return torch.frombuffer(arr, dtype=torch.uint8).view(dtype).view(shape)
+
+    def give_back(self, block: torch.Tensor) -> None:
+        """A block no tensor uses any more (called by its lease): keep it, in place of the smallest if full."""
+        if len(self._free) >= self.max_free:
+            smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+            if self._free[smallest].numel() >= block.numel():
+                return
+            self._free.pop(smallest)
+        self._free.append(block)
+
+
+class _Lease:
+    """Returns ``block`` to ``pool`` when the ctypes array over it (and so the last tensor using it) is freed."""
+
+    def __init__(self, pool: RowPool, block: torch.Tensor):
+        self.pool, self.block = pool, block
+
+    def __del__(self):
+        self.pool.give_back(self.block)
+
+
+def sum_by_source(
+    out: torch.Tensor, sources: list[torch.Tensor], send_tokens: list[torch.Tensor], biases: list[torch.Tensor] = ()
+) -> torch.Tensor:
+    """Combine's source side: ``out[t] = cast(sum_r sources[r][i] + sum biases)`` in float32, ranks r ascending,
+    where ``send_tokens[r][i] == t`` (a token that went nowhere gets the biases only, or zeros).
+
+    ``out [T, H]``; ``sources[r] [len(send_tokens[r]), H]`` (rows contiguous, one dtype): what rank r sent
+    back for the tokens this rank sent it; ``send_tokens[r]`` int64 token indices. The order of the sum is
+    the one ``collectives.ep_reference`` documents. CPU rows are read in place by ``epkit._C.reduce_rows``
+    (their addresses built in one pass per rank); other devices take :func:`reduce_indexed`'s torch ops.
+    """
+    t_num, w = out.shape[0], len(sources)
+    dtype = sources[0].dtype if sources else out.dtype
+    if by_address(out, *sources) and _fused_ok(out, dtype, biases):
+        addrs = torch.zeros((t_num, w), dtype=torch.int64)
+        for r, (src, t) in enumerate(zip(sources, send_tokens)):
+            if t.numel():
+                step = src.stride(0) * src.element_size()
+                addrs[t, r] = torch.arange(src.data_ptr(), src.data_ptr() + step * t.numel(), step)
+        return reduce_rows(out, addrs, dtype, None, biases)
+    src_of = torch.full((t_num, w), -1, dtype=torch.int64)
+    row_of = torch.zeros((t_num, w), dtype=torch.int64)
+    for r, t in enumerate(send_tokens):
+        if t.numel():
+            src_of[t, r] = r
+            row_of[t, r] = torch.arange(t.numel(), dtype=torch.int64)
+    return reduce_indexed(out, sources, src_of, row_of, None, biases)

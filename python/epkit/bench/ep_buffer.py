@@ -1,5 +1,7 @@
-"""``epkit bench`` family ``ep_buffer``: EPBuffer dispatch + combine on 2 CPU ranks (hidden 2048 bf16, 64 experts,
-top-4, identity experts) for each transport, at growing tokens per rank; and the low-latency pair at 128.
+"""``epkit bench`` family ``ep_buffer``: EPBuffer dispatch + combine on CPU ranks (hidden 2048 bf16, 64 experts,
+top-4, identity experts): on 2 ranks for each transport at growing tokens per rank, and the low-latency pair at
+128; on 4 ranks (quick and full runs; on 2 cores, 4 processes share them) the shm transport alone. Each row
+names its rank count.
 
 Peer: :func:`minimal_exchange`, the strongest simple torch.distributed implementation of the same data
 movement: the counts, then each token's row once per destination rank in one ``all_to_all_single``, the rows
@@ -26,8 +28,14 @@ from epkit.bench.timing import measure
 
 __all__ = ["FAMILY", "minimal_exchange", "rank_main", "routing_mask"]
 
-HIDDEN, EXPERTS, TOPK, LL_TOKENS, WORLD = 2048, 64, 4, 128, 2
+HIDDEN, EXPERTS, TOPK, LL_TOKENS = 2048, 64, 4, 128
 TRANSPORTS = ("shm", "torch")
+#: Ranks -> (transports, tokens per rank) per run size; the low-latency pair runs on 2 ranks.
+WORLDS = {
+    "tiny": {2: (TRANSPORTS, (128,))},
+    "quick": {2: (TRANSPORTS, (256, 2048)), 4: (("shm",), (256,))},
+    "full": {2: (TRANSPORTS, (256, 1024, 4096)), 4: (("shm",), (4096,))},
+}
 ROW_BYTES = HIDDEN * 2
 
 
@@ -79,7 +87,7 @@ def _low_latency(buf, x, idx, w):
     return count, buf.low_latency_combine(recv, idx, w, handle)
 
 
-def _one_size(bufs: dict, rank: int, tokens: int, spec: dict, checks: list) -> dict:
+def _one_size(bufs: dict, rank: int, world: int, tokens: int, spec: dict, checks: list) -> dict:
     """Samples of every contender at ``tokens`` per rank, and the bytes this rank moves."""
     x, idx, w = _inputs(rank, tokens)
     want_recv, want_out = minimal_exchange(x, idx, EXPERTS)
@@ -98,7 +106,7 @@ def _one_size(bufs: dict, rank: int, tokens: int, spec: dict, checks: list) -> d
             return reference_combine(state["recv_x"], state, tokens)
 
         fns["ep_reference"] = ep_reference
-    moved = 2 * (int(routing_mask(idx, EXPERTS, WORLD).sum()) + want_recv.shape[0]) * ROW_BYTES
+    moved = 2 * (int(routing_mask(idx, EXPERTS, world).sum()) + want_recv.shape[0]) * ROW_BYTES
     _, fns["roof"] = copy_roof(2 * moved, torch.device("cpu"))
     samples = measure(fns, torch.device("cpu"), rounds=spec["rounds"], before_each=dist.barrier, seed=spec["seed"])
     return {"samples": samples, "moved": moved}
@@ -121,7 +129,7 @@ def _low_latency_size(bufs: dict, rank: int, spec: dict, checks: list) -> dict:
 
 
 def rank_main(rank: int, world: int, spec: dict) -> dict:
-    """One rank of the family (spawned by ``run_ranks``): every size, then the low-latency pair."""
+    """One rank of the family (spawned by ``run_ranks``): every size, then (on 2 ranks) the low-latency pair."""
     from epkit.collectives.ep_buffer import EPBuffer
 
     torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
@@ -137,12 +145,14 @@ def rank_main(rank: int, world: int, spec: dict) -> dict:
             num_max_dispatch_tokens_per_rank=LL_TOKENS,
             timeout=120,
         )
-        for t in TRANSPORTS
+        for t in spec["transports"]
     }
     checks: list[dict] = []
+    low_latency = None
     try:
-        sizes = {n: _one_size(bufs, rank, n, spec, checks) for n in spec["sweep"]}
-        low_latency = _low_latency_size(bufs, rank, spec, checks)
+        sizes = {n: _one_size(bufs, rank, world, n, spec, checks) for n in spec["sweep"]}
+        if world == 2:
+            low_latency = _low_latency_size(bufs, rank, spec, checks)
     finally:
         for buf in bufs.values():
             buf.close()
@@ -157,7 +167,7 @@ def _slowest(per_rank: list[dict]) -> dict[str, list[float]]:
     }
 
 
-def _rows(ctx: BenchCtx, op: str, shape: str, per_rank: list[dict], sweep: dict) -> None:
+def _rows(ctx: BenchCtx, op: str, shape: str, per_rank: list[dict], sweep: dict, transports) -> None:
     t = _slowest(per_rank)
     moved = max(r["moved"] for r in per_rank)
     roof = Ref(f"copy_ of the bytes moved ({moved / 2**20:.3g} MiB, r+w)", t["roof"])
@@ -165,28 +175,40 @@ def _rows(ctx: BenchCtx, op: str, shape: str, per_rank: list[dict], sweep: dict)
     if "ep_reference" in t:
         peers.append(Ref("collectives.ep_reference (with metadata)", t["ep_reference"]))
     kw = {"work": 2 * moved, "unit": "GB/s", "roof": roof, "peers": peers, "sweep": sweep}
-    ctx.rows_of(t, TRANSPORTS, op, shape, **kw)
+    ctx.rows_of(t, transports, op, shape, **kw)
 
 
-def _run(ctx: BenchCtx, sweep: tuple[int, ...]) -> None:
+def _run(ctx: BenchCtx, world: int, transports: tuple[str, ...], sweep: tuple[int, ...]) -> None:
     from epkit.testing.multiprocess import run_ranks
 
-    spec = {"sweep": sweep, "rounds": ctx.rounds, "seed": ctx.seed, "ep_reference": ctx.size == "full"}
-    results = run_ranks(rank_main, WORLD, spec, timeout=900)
+    spec = {
+        "sweep": sweep,
+        "transports": transports,
+        "rounds": ctx.rounds,
+        "seed": ctx.seed,
+        "ep_reference": ctx.size == "full" and world == 2,
+    }
+    results = run_ranks(rank_main, world, spec, timeout=900)
     for r, res in enumerate(results):
         for c in res["checks"]:
-            ctx.check(f"rank {r}: {c['name']}", c["ok"])
+            ctx.check(f"{world} ranks, rank {r}: {c['name']}", c["ok"])
     for n in sweep:
-        shape = f"{WORLD} ranks {n} tok/rank H{HIDDEN} top{TOPK}"
-        _rows(ctx, "dispatch+combine", shape, [res["sizes"][n] for res in results], {"tokens_per_rank": n})
-    shape = f"{WORLD} ranks {LL_TOKENS} tok/rank H{HIDDEN} top{TOPK}"
-    _rows(ctx, "low_latency dispatch+combine", shape, [res["low_latency"] for res in results], {})
+        shape = f"{world} ranks {n} tok/rank H{HIDDEN} top{TOPK}"
+        sizes = [res["sizes"][n] for res in results]
+        # the plot draws the 2-rank sweep against tokens per rank; other rank counts are single points
+        sweep_key = {"tokens_per_rank": n} if world == 2 else {"ranks": world}
+        _rows(ctx, "dispatch+combine", shape, sizes, sweep_key, transports)
+    if results[0]["low_latency"] is not None:
+        shape = f"{world} ranks {LL_TOKENS} tok/rank H{HIDDEN} top{TOPK}"
+        _rows(ctx, "low_latency dispatch+combine", shape, [res["low_latency"] for res in results], {}, transports)
 
 
 def _cases(ctx: BenchCtx) -> list[Case]:
-    sweep = ctx.pick((128,), (256, 2048), (256, 1024, 4096))
-    label = f"dispatch+combine, {WORLD} CPU ranks, {', '.join(map(str, sweep))} tokens per rank"
-    return [Case(label, lambda c: _run(c, sweep))]
+    cases = []
+    for world, (transports, sweep) in ctx.pick(*(WORLDS[s] for s in ("tiny", "quick", "full"))).items():
+        label = f"dispatch+combine, {world} CPU ranks, {', '.join(map(str, sweep))} tokens per rank"
+        cases.append(Case(label, lambda c, w=world, t=transports, s=sweep: _run(c, w, t, s)))
+    return cases
 
 
 FAMILY = Family(
@@ -194,6 +216,6 @@ FAMILY = Family(
     "EPBuffer dispatch + combine on CPU ranks",
     _cases,
     devices=("cpu",),
-    ranks=WORLD,
+    ranks=max(WORLDS["full"]),
     why_not={"cuda": "needs several GPUs; one-GPU nvshmem dispatch/combine is gpu_check's nvshmem section"},
 )
