@@ -1,8 +1,12 @@
 """Host detection and emulated hosts: the probe, the ``auto`` transport across hosts, EPBuffer across hosts."""
 
+import json
 import os
+import re
 import signal
 import subprocess
+import threading
+import time
 
 import pytest
 import torch
@@ -20,10 +24,11 @@ from epkit.collectives.ep_reference import (
 from epkit.collectives.symm_buffer import SymmBuffer
 from epkit.collectives.transports.shm import confirm_hosts
 from epkit.testing import assert_bitwise_equal
-from epkit.testing.hosts import requires_namespaces, run_hosts
+from epkit.testing.hosts import SUBNET, requires_namespaces, run_hosts, set_link
 from epkit.testing.multiprocess import RankError, run_ranks
 
 HIDDEN, EXPERTS, TOPK = 256, 16, 4
+HIERARCHY = "hierarchical(shm+torch)"  # EPBuffer.transport across hosts under auto
 
 
 def _hellos(group=None):
@@ -62,9 +67,10 @@ def _routing(rank, n, seed):
     return torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16), idx, torch.rand(n, TOPK, generator=g)
 
 
-def _normal(group, expand, fp8, seed):
-    """Normal dispatch + combine over EPBuffer(auto) on ``group``, bit for bit against ep_reference."""
-    buf = EPBuffer(group, HIDDEN, EXPERTS, num_max_tokens_per_rank=32, num_topk=TOPK, timeout=20)
+def _normal(group, expand, fp8, seed, hosts=None, transport="auto"):
+    """Normal dispatch + combine over EPBuffer(transport) on ``group``, bit for bit against ep_reference (whose
+    combine sums per host first where ``hosts``, each host's ranks, are several)."""
+    buf = EPBuffer(group, HIDDEN, EXPERTS, num_max_tokens_per_rank=32, num_topk=TOPK, timeout=20, transport=transport)
     r = dist.get_rank(group)
     x, idx, w = _routing(r, [5, 32, 0, 17][r % 4], seed)
     scales = None
@@ -85,7 +91,7 @@ def _normal(group, expand, fp8, seed):
     assert counts == ref["num_recv_tokens_per_expert"], ctx
     rows = ref["expanded_x" if expand else "recv_x"].float()
     y = (rows * 0.5 + 1).to(torch.bfloat16)
-    want = reference_combine(y, ref, x.shape[0], group, expand=expand)
+    want = reference_combine(y, ref, x.shape[0], group, expand=expand, hosts=hosts)
     assert_bitwise_equal(buf.combine(y, handle), want, ctx + " combine")
     name = buf.transport
     buf.close()
@@ -119,11 +125,17 @@ def _exchanges(rank, world_size, ranks_per_host):
     out = _probe(rank, world_size)
     hosts = [list(range(h, h + ranks_per_host)) for h in range(0, world_size, ranks_per_host)]
     mine = [dist.new_group(g) for g in hosts][rank // ranks_per_host]  # every rank makes every group
-    groups = [dist.group.WORLD] + ([mine] if ranks_per_host > 1 else [])
+    groups = [(dist.group.WORLD, hosts)] + ([(mine, None)] if ranks_per_host > 1 else [])
     out["ep"] = [
-        [_normal(g, False, False, 1), _normal(g, True, True, 2), _low_latency(g, True, 3), _low_latency(g, False, 4)]
-        for g in groups
+        [
+            _normal(g, False, False, 1, h),
+            _normal(g, True, True, 2, h),
+            _low_latency(g, True, 3),
+            _low_latency(g, False, 4),
+        ]
+        for g, h in groups
     ]
+    out["flat"] = [_normal(dist.group.WORLD, e, e, 5, hosts, "torch") for e in (False, True)]  # auto's peer
     out["host_auto"] = _auto_transport(mine) if ranks_per_host > 1 else None
     out["dev_shm"] = os.listdir("/dev/shm")
     out["shm_dev"] = os.stat("/dev/shm").st_dev
@@ -166,7 +178,8 @@ def test_two_hosts_with_one_name(ranks_per_host):
         assert r["groups"] == r["confirmed"] == hosts  # the probe says two
         assert r["forced"] == [hosts[0], *([q] for q in hosts[1])]  # host 1's ranks cannot attach host 0's segment
         assert r["choose"] == r["auto"] == "torch" and r["one_host"] is False
-        assert r["ep"][0] == ["torch"] * 4  # across hosts: torch, bit for bit (checked on the ranks)
+        assert r["ep"][0] == [HIERARCHY] * 4  # across hosts: the hierarchy, bit for bit (checked on the ranks)
+        assert r["flat"] == ["torch"] * 2  # and the flat transport, in the same two-level order
         if ranks_per_host > 1:
             assert r["ep"][1] == ["shm"] * 4 and r["host_auto"] == "shm"  # within a host: shm
         assert r["dev_shm"] == []
@@ -204,3 +217,121 @@ def test_killed_and_failing_ranks_leave_nothing_behind():
     with pytest.raises(RankError, match="rank 1 on its own host gives up"):
         run_hosts(_raises, 2, 1, timeout=60, info=info)
     assert _processes_in(info["netns"]) == [] and _links() == before
+
+
+FAULT_TIMEOUT = 3.0  # the buffer's timeout in the fault tests (s)
+
+
+def _other_host_silent(buf, rank, x, idx, w, fault):
+    """Dispatch on ``buf`` while ``fault`` strikes the other host: (the TimeoutError's text, seconds it took)."""
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w)
+    except TimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return f"rank {rank}: no error ({fault})", time.monotonic() - t0
+
+
+def _host_fault(rank, world_size, fault, flag):
+    """2 hosts x 2 ranks: one dispatch + combine on the job, then host 1 goes silent mid-dispatch (``fault``:
+    ``kill``: its ranks SIGKILLed; ``link``: its eth0 taken down by the test once the file ``flag`` exists); the
+    ranks that are left report their TimeoutError, and host 0's build a new EPBuffer on a new group of their own
+    and run one dispatch + combine against ep_reference. Returns what each rank saw."""
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=16, num_topk=TOPK,
+                   timeout=FAULT_TIMEOUT)  # fmt: skip
+    x, idx, w = _routing(rank, 16, 7)
+    recv, _, _, _, handle = buf.dispatch(x, idx, w)
+    buf.combine(recv, handle)
+    out = {"transport": buf.transport}
+    dist.barrier()  # every rank is past the first exchange; the job's gloo group is not used again
+    if rank >= 2:  # host 1
+        if fault == "kill":
+            time.sleep(0.2)  # host 0's ranks are in their dispatch by now, waiting for this host's messages
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 2:
+            open(flag, "w").close()  # host 0's ranks are in their dispatch by the time the link goes down
+        deadline = time.monotonic() + 10
+        while not _link_is_down() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    out["error"], out["seconds"] = _other_host_silent(buf, rank, x, idx, w, fault)
+    if rank < 2:  # host 0 holds the job's store: its ranks meet again there, in a group of their own
+        buf.close()  # (on host 1 close would wait for the store, out of reach: a wait as long as its timeout)
+        group = dist.new_group([0, 1], use_local_synchronization=True)
+        out["rebuilt"] = _normal(group, False, False, 8)
+    out["dev_shm"] = os.listdir("/dev/shm")
+    return out
+
+
+def _link_is_down() -> bool:
+    """This host's eth0 is down (``ip`` in this process's namespace: ``/sys`` shows the machine's)."""
+    got = subprocess.run(["ip", "-o", "link", "show", "dev", "eth0"], capture_output=True, text=True, timeout=10)
+    return "state DOWN" in got.stdout
+
+
+@requires_namespaces
+@pytest.mark.parametrize("fault", ["kill", "link"])
+def test_a_host_that_goes_silent_is_named_and_the_other_host_goes_on(fault, tmp_path):
+    """Host 1 goes silent mid-dispatch (its ranks SIGKILLed, or its link taken down from outside it): every rank
+    still alive raises TimeoutError naming ranks of the other host only, within the buffer's timeout (+ 2 s);
+    host 0's ranks then make a new group and EPBuffer of their own and match ep_reference; no host's /dev/shm
+    keeps anything."""
+    info, flag, done = {}, str(tmp_path / "host 1 is ready"), threading.Event()
+
+    def pull_the_cable():  # from outside the host, as a switch port going down
+        while not os.path.exists(flag) and not done.wait(0.01):
+            pass
+        if not done.is_set():
+            set_link(False, info["host_pids"][1])
+
+    cable = threading.Thread(target=pull_the_cable, daemon=True)
+    cable.start()
+    try:
+        res = run_hosts(_host_fault, 2, 2, fault, flag, may_die=(2, 3) if fault == "kill" else (), timeout=120,
+                        info=info)  # fmt: skip
+    finally:
+        done.set()
+        cable.join(10)
+    alive = (0, 1) if fault == "kill" else (0, 1, 2, 3)
+    assert fault == "link" or res[2] is res[3] is None
+    assert len({res[r]["transport"] for r in alive}) == 1, res
+    for r in alive:
+        other = {2, 3} if r < 2 else {0, 1}
+        named = {int(n) for n in re.findall(r"\brank (\d+)", res[r]["error"])} - {r}
+        assert named and named <= other, (r, res[r]["error"])
+        assert res[r]["seconds"] < FAULT_TIMEOUT + 2.0, (r, res[r]["seconds"])
+        assert res[r]["dev_shm"] == [], res[r]
+    assert [res[r]["rebuilt"] for r in (0, 1)] == ["shm", "shm"]  # one host: shm, bit for bit (on the ranks)
+    assert info["dev_shm"] == {0: [], 1: []}  # after every rank of each host ended, killed ones included
+
+
+def _epkit_run(rank, world_size, path):
+    """One rank of ``epkit run`` as torchrun starts it (its environment; torch.distributed already joined here):
+    the exit status, and rank 0's JSON report."""
+    from epkit.model.run import main
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=SUBNET + "1", LOCAL_RANK=str(rank % 2))
+    status = main(["--steps", "1", "--requests", "1", "--json", path])
+    if rank != 0:
+        return status, None
+    with open(path) as f:
+        return status, json.load(f)
+
+
+@requires_namespaces
+def test_epkit_run_on_two_hosts_equals_its_oracle(tmp_path):
+    """The reference model (DP 4 = EP 4, transport auto) on 2 hosts x 2 ranks: every rank's greedy tokens are
+    the float64 oracle's, and one decode step's collectives are the claim's."""
+    res = run_hosts(_epkit_run, 2, 2, str(tmp_path / "run.json"), timeout=120)
+    assert [status for status, _ in res] == [0] * 4, res
+    rep = res[0][1]
+    assert rep["ranks"] == rep["dp"] == 4 and rep["transport"] != "shm", rep
+    assert rep["verdict"]["ok"] and rep["verdict"]["tokens"] == 4 * 2, rep["verdict"]
+    assert rep["ledger_ok"], rep["ledger"]
+
+
+@requires_namespaces
+def test_set_link_refuses_a_namespace_that_is_not_an_emulated_hosts():
+    with pytest.raises(RuntimeError, match="not an emulated host's"):
+        set_link(True)  # this process: the machine's namespace (or at least not one with an eth0 in SUBNET)
+    with pytest.raises(RuntimeError, match="not an emulated host's"):
+        set_link(True, os.getpid())

@@ -16,4 +16,14 @@ in :data:`FAMILIES`.
 __all__ = ["FAMILIES"]
 
 #: The op families, in the order a run takes them; each is the module ``epkit.bench.<name>``.
-FAMILIES = ("gather", "cp_mirror", "engram", "experts", "grouped_gemm", "ep_buffer", "engram_table", "model")
+FAMILIES = (
+    "gather",
+    "cp_mirror",
+    "engram",
+    "experts",
+    "grouped_gemm",
+    "ep_buffer",
+    "engram_table",
+    "model",
+    "ep_hosts",
+)

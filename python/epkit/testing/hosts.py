@@ -18,6 +18,9 @@ namespace, and with it every veth, the bridge and each private ``/dev/shm``, is 
 is, and the harness kills every process it started before it returns, whatever happened. Needs root,
 ``unshare``, ``nsenter`` and ``ip``: :func:`namespaces_unavailable` says what is missing, and
 :func:`requires_namespaces` skips a test with that reason.
+
+For fault tests, :func:`set_link` takes a host's ``eth0`` down (or up) from one of its ranks or from the
+caller, and ``info["dev_shm"]`` says what each host's ``/dev/shm`` held once all its ranks had ended.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from datetime import timedelta
 
 from epkit.testing.multiprocess import DEFAULT_TIMEOUT, RankError
 
-__all__ = ["SUBNET", "namespaces_unavailable", "requires_namespaces", "run_hosts"]
+__all__ = ["SUBNET", "namespaces_unavailable", "requires_namespaces", "run_hosts", "set_link"]
 
 #: The emulated hosts' addresses: host h is ``SUBNET + str(h + 1)`` (inside the switch's namespace only).
 SUBNET = "10.77.0."
@@ -73,6 +76,28 @@ def requires_namespaces(test):
 
     why = namespaces_unavailable()
     return pytest.mark.skipif(why is not None, reason=f"emulated hosts unavailable: {why}")(test)
+
+
+def set_link(up: bool, host_pid: int | None = None, timeout: float = 10.0) -> None:
+    """Take an emulated host's ``eth0`` down (``up=False``: its peers hear nothing more from it, and it from them,
+    as when a host's cable is pulled) or bring it back up.
+
+    From one of the host's ranks ``host_pid`` is None (the rank's own network namespace); from the process that
+    called :func:`run_hosts` (in a thread, while the run goes on) it is the host's pid (``info["host_pids"][h]``),
+    whose namespace ``nsenter`` enters. Refuses (RuntimeError) a namespace that is not an emulated host's: the
+    machine's own, or one whose ``eth0`` has no address in :data:`SUBNET`.
+    """
+    enter = [] if host_pid is None else ["nsenter", "-t", str(int(host_pid)), "-n"]
+    ns = f"/proc/{'self' if host_pid is None else int(host_pid)}/ns/net"
+    with contextlib.suppress(OSError):  # pid 1's namespace (the machine's) is unreadable only where it is not ours
+        if os.stat(ns).st_ino == os.stat("/proc/1/ns/net").st_ino:
+            raise RuntimeError(f"set_link: {ns} is the machine's own network namespace, not an emulated host's")
+    addr = subprocess.run([*enter, "ip", "-o", "-4", "addr", "show", "dev", "eth0"], capture_output=True, text=True,
+                          timeout=timeout).stdout  # fmt: skip
+    if f"inet {SUBNET}" not in addr:
+        raise RuntimeError(f"set_link: {ns} has no eth0 in {SUBNET}0/24: not an emulated host's namespace")
+    cmd = [*enter, "ip", "link", "set", "eth0", "up" if up else "down"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=timeout)
 
 
 def _libc_call(name: str, *args) -> None:
@@ -137,6 +162,7 @@ def _host_main(index: int, hostname: str, ctrl, ranks: list[int], world_size: in
 
             store = TCPStore(addr, _PORT, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         _forward(ctrl, ranks, world_size, payload, timeout)
+        ctrl.send(("dev_shm", sorted(os.listdir("/dev/shm"))))  # every rank of this host has ended by now
         ctrl.poll(timeout)  # the caller says when every host is done (host 0 keeps the store until then)
         del store
     except BaseException as exc:
@@ -238,8 +264,8 @@ def _collect(ctrls: list, world_size: int, deadline: float, may_die: tuple[int, 
                         raise RankError(r, "ProcessDied", f"its emulated host {h} ended before it reported") from None
                     out[r] = None
                 continue
-            if msg[0] == "pids":
-                info["rank_pids"] += msg[1]
+            if msg[0] in ("pids", "dev_shm"):
+                _note(info, ctrls.index(conn), msg)
                 continue
             if msg[0] == "died":
                 if msg[1] not in may_die:
@@ -251,6 +277,31 @@ def _collect(ctrls: list, world_size: int, deadline: float, may_die: tuple[int, 
                 raise RankError(rank, payload[0], payload[1])
             out[rank] = payload
     return [out[r] for r in range(world_size)]
+
+
+def _note(info: dict, host: int, msg: tuple) -> None:
+    """A host's message about itself: its ranks' pids, or its /dev/shm once its ranks have ended."""
+    if msg[0] == "pids":
+        info["rank_pids"] += msg[1]
+    else:
+        info["dev_shm"][host] = msg[1]
+
+
+def _await_dev_shm(ctrls: list, info: dict, deadline: float) -> None:
+    """Each host's /dev/shm listing, sent once all its ranks have ended (bounded by ``deadline``; a host that
+    died first has none)."""
+    waiting = [c for h, c in enumerate(ctrls) if h not in info["dev_shm"]]
+    while waiting and time.monotonic() < deadline:
+        for conn in mp_connection.wait(waiting, timeout=max(deadline - time.monotonic(), 0.0)):
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                waiting.remove(conn)
+                continue
+            if msg[0] in ("pids", "dev_shm"):
+                _note(info, ctrls.index(conn), msg)
+            if msg[0] == "dev_shm":
+                waiting.remove(conn)
 
 
 def _in_netns(pid: int, netns: list[int]) -> bool:
@@ -314,7 +365,8 @@ def run_hosts(
         Ranks allowed to die without reporting; their result is None.
     info : dict, optional
         Filled with what the run made, for checks afterwards: ``host_pids``, ``rank_pids``, ``switch_pid``
-        and ``netns`` (the network namespaces' inodes, switch last).
+        and ``netns`` (the network namespaces' inodes, switch last); ``dev_shm``: host -> the names in its
+        private ``/dev/shm`` once every rank of it has ended (killed ones included), for a run that returns.
 
     Returns the ranks' results by rank. Raises RankError (a rank or a host failed, with its traceback),
     TimeoutError (the deadline passed first; everything is killed), RuntimeError (no namespaces here).
@@ -331,7 +383,7 @@ def run_hosts(
     deadline, world = time.monotonic() + timeout, hosts * ranks_per_host
     payload = pickle.dumps((fn, args, kwargs))
     info = {} if info is None else info
-    info.update(host_pids=[], rank_pids=[], switch_pid=None, netns=[])
+    info.update(host_pids=[], rank_pids=[], switch_pid=None, netns=[], dev_shm={})
     ctx, procs, ctrls, switch = mp.get_context("spawn"), [], [], None
     try:
         for h in range(hosts):
@@ -349,7 +401,9 @@ def run_hosts(
         _wire(switch.pid, info["host_pids"], max(deadline - time.monotonic(), 1.0))
         for h, c in enumerate(ctrls):
             c.send(f"{SUBNET}{h + 1}")
-        return _collect(ctrls, world, deadline, may_die, info)
+        results = _collect(ctrls, world, deadline, may_die, info)
+        _await_dev_shm(ctrls, info, min(deadline, time.monotonic() + 10.0))
+        return results
     finally:
         for c in ctrls:
             with contextlib.suppress(OSError):
