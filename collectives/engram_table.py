@@ -28,6 +28,12 @@ passes an empty tensor); a rank that never calls its hook makes the others raise
 ``TimeoutError`` after ``timeout`` seconds. Rows travel as integer words, so a
 lookup is bit-exact for every dtype.
 
+Within one domain (every peer addressable: ``shm`` on one host, ``nvshmem`` in one
+NVLink domain) the shards live in symmetric memory and a rank reads its rows straight
+out of their owners' shards (:mod:`epkit.collectives._details.engram_table_direct`):
+``fetch`` is one small exchange of error flags (every rank still calls it, in order),
+the hook one copy per row and no exchange; the rows are bit for bit the same.
+
 Bad input (ids outside ``[0, num_rows)``, a wrong dtype) is detected before any
 row id is sent: the bad rank still takes part in the count exchange with an
 error flag and raises ``ValueError`` in ``fetch``; its peers see the flag and
@@ -41,6 +47,8 @@ from datetime import timedelta
 
 import torch
 
+from epkit.collectives._details.engram_table_checks import fetch_error, rejection
+from epkit.collectives._details.engram_table_direct import TRANSPORT_CHOICES, DirectHook, make_direct_shard
 from epkit.collectives._details.ep_rows import META_MSG, decode_error, encode_error
 from epkit.gather import gather_rows
 
@@ -185,10 +193,18 @@ class ShardedEngramTable:
         Where the local shard lives. Default ``"cpu"``.
     timeout : float
         Seconds any wait on a peer may take before ``TimeoutError``. Default 30.
+    transport : {"auto", "shm", "nvshmem", "torch"}
+        How lookups reach the other ranks' shards. ``"auto"`` (default): straight out of their shards in
+        symmetric memory where every peer is addressable (``shm``: CPU ranks on one host; ``nvshmem``: CUDA
+        ranks of one NVLink domain), else ``all_to_all_single`` exchanges of ids and rows (``"torch"``).
+        ``"shm"`` / ``"nvshmem"`` insist (an error where they cannot run).
 
     Attributes
     ----------
     num_rows, dim, dtype, enp_size, enp_rank
+    transport : str
+        The path lookups take: ``"shm"`` or ``"nvshmem"`` (one-sided reads), ``"torch"`` (all_to_all) or
+        ``"local"`` (one rank).
     padded_rows : int
         ``num_rows`` rounded up to a multiple of ``lcm(256, enp_size)``.
     num_per_part : int
@@ -221,6 +237,7 @@ class ShardedEngramTable:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         timeout: float = 30.0,
+        transport: str = "auto",
     ):
         for name, v in (("num_rows", num_rows), ("dim", dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -229,6 +246,8 @@ class ShardedEngramTable:
             raise ValueError(f"dtype = {dtype!r}: expected a torch.dtype")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout = {timeout!r}: expected a positive number of seconds")
+        if transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport = {transport!r}: expected one of {TRANSPORT_CHOICES}")
         self.device = torch.device(device)
         self.group = self._resolve_group(group)
         import torch.distributed as dist
@@ -245,9 +264,17 @@ class ShardedEngramTable:
                 f"num_rows = {num_rows} pads to {self.padded_rows} rows; row ids must fit int32 (<= {INT32_MAX})"
             )
         self.row_start = self.enp_rank * self.num_per_part
+        self._direct = None
         if self.enp_size > 1:
             self._check_agreement()
-        self.weight = torch.zeros((self.num_per_part, dim), dtype=dtype, device=self.device)
+            self._direct = make_direct_shard(self.group, transport, self.num_per_part, dim, dtype, self.device, timeout)
+        self.transport = (
+            "local" if self.enp_size == 1 else "torch" if self._direct is None else self._direct.buf.transport
+        )
+        if self._direct is not None:
+            self.weight = self._direct.weight
+        else:
+            self.weight = torch.zeros((self.num_per_part, dim), dtype=dtype, device=self.device)
 
     # Setup
 
@@ -303,7 +330,9 @@ class ShardedEngramTable:
         """Write rows ``[start, start + len(tensor))`` of the global table; keep the part this rank owns.
 
         Every rank may be given the same full tensor, or any slice; rows outside this
-        rank's part are ignored. Local only (no communication).
+        rank's part are ignored. Local only (no communication); on the one-sided path
+        (:attr:`transport` ``shm`` / ``nvshmem``) it first waits, up to ``timeout``, until
+        every peer has called the hooks of the lookups before it (they read this shard).
 
         Parameters
         ----------
@@ -329,43 +358,22 @@ class ShardedEngramTable:
         lo = max(start, self.row_start)
         hi = min(start + n, self.row_start + self.num_per_part)
         if lo < hi:
+            if self._direct is not None:  # peers read this shard directly: not while a lookup may still read it
+                self._direct.wait_readers(self.timeout, self.group_ranks)
             self.weight[lo - self.row_start : hi - self.row_start].copy_(tensor[lo - start : hi - start])
 
     # Lookup
-
-    def _validate_out(self, row_ids, out) -> str | None:
-        want = (*row_ids.shape, self.dim)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != self.dtype:
-            return (
-                f"out must be a {self.dtype} tensor of shape {want}, got {getattr(out, 'dtype', type(out).__name__)} "
-                f"of shape {tuple(getattr(out, 'shape', ()))}"
-            )
-        if out.device != self.device or not out.is_contiguous():
-            return f"out must be contiguous on {self.device}, got {out.device} (contiguous={out.is_contiguous()})"
-        return None
-
-    def _validate_ids(self, row_ids) -> str | None:
-        if not isinstance(row_ids, torch.Tensor):
-            return f"row_ids must be a tensor, got {type(row_ids).__name__}"
-        if row_ids.dtype not in (torch.int32, torch.int64):
-            return f"row_ids must be int32 or int64, got {row_ids.dtype}"
-        if row_ids.device != self.device:
-            return f"row_ids is on {row_ids.device} but the table is on {self.device}"
-        if row_ids.numel():
-            lo, hi = int(row_ids.min()), int(row_ids.max())
-            if lo < 0 or hi >= self.num_rows:
-                bad = lo if lo < 0 else hi
-                pos = int((row_ids.reshape(-1) == bad).nonzero()[0])
-                return f"row_ids[flat {pos}] = {bad} is outside [0, num_rows = {self.num_rows})"
-        return None
 
     def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> _FetchHook:
         """Start looking up rows; returns a hook that completes the lookup.
 
         Collective over the ENP group: every rank calls ``fetch`` and later the hook,
-        in the same order (pass an empty tensor to request nothing). ``fetch`` posts
-        the request-count exchange and returns; the hook exchanges ids, serves the
-        rows this rank owns to its peers, and receives its own rows.
+        in the same order (pass an empty tensor to request nothing). On the all_to_all
+        path (:attr:`transport` ``torch``) ``fetch`` posts the request-count exchange and
+        returns; the hook exchanges ids, serves the rows this rank owns to its peers, and
+        receives its own rows. On the one-sided path (``shm``, ``nvshmem``) ``fetch``
+        exchanges error flags with every rank (it returns once all have called it) and
+        the hook reads the rows from their owners' shards, waiting for no one.
 
         Parameters
         ----------
@@ -387,15 +395,16 @@ class ShardedEngramTable:
             Invalid ``row_ids`` (message names the rank and the value). Raised before any row id is sent,
             here on the bad rank and by the hooks of its peers, in the same words on every rank.
         TimeoutError
-            (multi-rank, on a bad call) a peer did not take part within ``timeout``.
+            (multi-rank) a peer did not take part within ``timeout``: on the all_to_all path on a bad
+            call, on the one-sided path a peer that does not call ``fetch``.
         """
-        error = self._validate_ids(row_ids)
-        if error is None and out is not None:
-            error = self._validate_out(row_ids, out)
+        error = fetch_error(row_ids, out, self.num_rows, self.dim, self.dtype, self.device)
         if self.enp_size == 1:
             if error is not None:
                 raise ValueError(f"ShardedEngramTable.fetch: {error}")
             return _FetchHook(self, tuple(row_ids.shape), send_ids=row_ids.reshape(-1), out=out)
+        if self._direct is not None:
+            return self._fetch_direct(row_ids, out, error)
         import torch.distributed as dist
 
         hdr = torch.zeros((self.enp_size, _HEADER_WORDS), dtype=torch.int64, device=self.device)
@@ -423,17 +432,25 @@ class ShardedEngramTable:
             out=out,
         )
 
+    def _fetch_direct(self, row_ids, out, error: str | None) -> DirectHook:
+        """fetch on the one-sided path: the request exchange (error flags), then a hook that reads the rows."""
+        rejected = rejection(self.group_ranks, self._direct.request(error, self.timeout, self.group_ranks))
+        if error is not None:
+            raise rejected
+        if rejected is not None:
+            return DirectHook(self._direct, row_ids.shape, error=rejected)
+        src = self._direct.sources(row_ids.reshape(-1))
+        return DirectHook(self._direct, row_ids.shape, src, out, dim=self.dim, dtype=self.dtype)
+
     def _raise_rejections(self, hdr: torch.Tensor) -> None:
         """The same ValueError on every rank if any rank's fetch was invalid (``hdr``: the received headers)."""
         errors = [
-            f"rank {self.group_ranks[i]}: {decode_error(hdr[i, 2:].contiguous().view(torch.uint8))}"
+            (i, decode_error(hdr[i, 2:].contiguous().view(torch.uint8)))
             for i in range(self.enp_size)
             if int(hdr[i, 0]) != 0
         ]
         if errors:
-            raise ValueError(
-                "ShardedEngramTable.fetch rejected on every rank before any row id was sent: " + "; ".join(errors)
-            )
+            raise rejection(self.group_ranks, errors)
 
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
         """``fetch(row_ids)()``: a blocking lookup (collective, like :meth:`fetch`).
@@ -448,8 +465,15 @@ class ShardedEngramTable:
         """
         return self.fetch(row_ids)()
 
+    def close(self) -> None:
+        """Release the symmetric memory of the one-sided path (collective on nvshmem, like
+        :meth:`SymmBuffer.close`); the table cannot be used afterwards. Nothing to do on the other paths."""
+        if self._direct is not None:
+            self._direct.buf.close()
+
     def __repr__(self) -> str:
         return (
             f"ShardedEngramTable(num_rows={self.num_rows}, dim={self.dim}, dtype={self.dtype}, "
-            f"enp={self.enp_rank}/{self.enp_size}, rows [{self.row_start}, {self.row_start + self.num_per_part}))"
+            f"enp={self.enp_rank}/{self.enp_size}, rows [{self.row_start}, {self.row_start + self.num_per_part}), "
+            f"transport={self.transport!r})"
         )

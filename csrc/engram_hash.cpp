@@ -6,8 +6,9 @@
 // epkit._details.engram_cpu.float_mod_table (its table [L, 6, H] float64 comes in as an address: rows c21, c42,
 // 1/d, d, offset, 1.5 * 2**52). Every value is an exact integer in float64, so the result is the reference's
 // bits with or without fused multiply-adds. A block of 16 tokens has its mixes made and split first (a loop
-// over tokens), then each token's heads go 8 at a time through vector operations (GCC vector extensions;
-// an x86-64-v4 / AVX2 / generic clone is picked at load time). Chunks of tokens go to the calling thread and
+// over tokens), then each token's heads go 4 at a time through vector operations (GCC vector extensions of
+// 256 bits, native on AVX2: wider ones are lowered lane by lane there, with scalar compares and spills; an
+// x86-64-v4 / AVX2 / generic clone is picked at load time). Chunks of tokens go to the calling thread and
 // helper threads (parallel.h) with the GIL released.
 
 #include <pybind11/pybind11.h>
@@ -36,37 +37,42 @@ struct Hash {
     int chunk_bits;                                   // the table's split: x = a2 * 2**(2c) + a1 * 2**c + a0
 };
 
-constexpr int kLanes = 8;  // heads per vector step; a head count that is not a multiple is padded
-typedef double v8d __attribute__((vector_size(kLanes * sizeof(double))));
-typedef int64_t v8l __attribute__((vector_size(kLanes * sizeof(int64_t))));
-typedef int32_t v8i __attribute__((vector_size(kLanes * sizeof(int32_t))));
+constexpr int kLanes = 4;  // heads per vector step; a head count that is not a multiple is padded
+typedef double v4d __attribute__((vector_size(kLanes * sizeof(double))));
+typedef int64_t v4l __attribute__((vector_size(kLanes * sizeof(int64_t))));
+typedef int32_t v4i __attribute__((vector_size(kLanes * sizeof(int32_t))));
 #define EPK_VEC_INLINE inline __attribute__((always_inline))
 
-// One layer's constants per head, padded to whole vectors (padding heads: d = 1, so every value stays finite);
-// read with unaligned loads (nothing here relies on the allocator's alignment).
+// One layer's constants per head, padded to whole vectors (padding heads: d = 1, so every value stays finite),
+// interleaved by vector step: step i's c21, c42, 1/d, d, offset are the 5 * kLanes doubles from i * 5 * kLanes
+// (one stream of loads per step). Read with unaligned vector loads (nothing relies on the allocator's alignment).
 struct Layer {
-    std::vector<double> c21, c42, inv, d, off;
+    std::vector<double> consts;
     double magic;
 };
 
-EPK_VEC_INLINE v8d load8(const std::vector<double> &v, int64_t i) {
-    v8d r;
-    std::memcpy(&r, v.data() + i * kLanes, sizeof(r));
-    return r;
-}
+// Unaligned vector types for loads and stores: a store of int32 lanes cannot alias the double constants, so the
+// compiler keeps them in registers (a memcpy into the output could alias anything and made it reload them).
+typedef double v4d_u __attribute__((vector_size(kLanes * sizeof(double)), aligned(alignof(double))));
+typedef int32_t v4i_u __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(alignof(int32_t))));
+
+EPK_VEC_INLINE v4d load4(const double *p) { return *reinterpret_cast<const v4d_u *>(p); }
 
 Layer layer_tables(const Hash &p, int64_t l) {
     const int64_t kh = p.heads_per_order, h_all = p.orders * kh, steps = (kh + kLanes - 1) / kLanes;
     const double *tab = p.table + l * 6 * h_all;
     Layer t;
     t.magic = tab[5 * h_all];
-    std::vector<double> *rows[5] = {&t.c21, &t.c42, &t.inv, &t.d, &t.off};
-    for (int r = 0; r < 5; ++r) {
-        rows[r]->assign(static_cast<size_t>(p.orders * steps * kLanes), 0.0);
-        for (int64_t k = 0; k < p.orders; ++k) {
-            for (int64_t j = 0; j < steps * kLanes; ++j) {
-                const double pad = (r == 2 || r == 3) ? 1.0 : 0.0;
-                (*rows[r])[(k * steps) * kLanes + j] = j < kh ? tab[r * h_all + k * kh + j] : pad;
+    t.consts.assign(static_cast<size_t>(p.orders * steps * 5 * kLanes), 0.0);
+    for (int64_t k = 0; k < p.orders; ++k) {
+        for (int64_t s = 0; s < steps; ++s) {
+            double *at = t.consts.data() + (k * steps + s) * 5 * kLanes;
+            for (int r = 0; r < 5; ++r) {
+                for (int64_t j = 0; j < kLanes; ++j) {
+                    const int64_t head = s * kLanes + j;
+                    const double pad = (r == 2 || r == 3) ? 1.0 : 0.0;
+                    at[r * kLanes + j] = head < kh ? tab[r * h_all + k * kh + head] : pad;
+                }
             }
         }
     }
@@ -75,25 +81,38 @@ Layer layer_tables(const Hash &p, int64_t l) {
 
 constexpr int64_t kBlock = 16;  // tokens whose mixes are split in one (vectorised) pass
 
+// Rows of one token's heads [s * kLanes, s * kLanes + kLanes) of one order: step i = k * steps + s of c.
+EPK_VEC_INLINE v4i head_rows(const double *__restrict c, double a2, double a1, double a0, v4d magic) {
+    const v4d zero = v4d{};
+    const v4d d = load4(c + 3 * kLanes);
+    const v4d y = (a0 + load4(c) * a1) + load4(c + kLanes) * a2;  // exact: == mix (mod d)
+    const v4d q = (magic + y * load4(c + 2 * kLanes)) - magic;   // round(y / d): floor or one above
+    const v4d r = y - q * d;                                      // exact, in (-d, d)
+    const v4l neg = r < zero;                                     // all ones where r < 0
+    const v4d fix = (v4d)((v4l)d & neg);                          // d where r < 0, else +0
+    return __builtin_convertvector((r + load4(c + 4 * kLanes)) + fix, v4i);
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #endif
 void hash_range(const Hash &p, const Layer &t, int64_t l, int64_t t0, int64_t t1) {
     const int64_t n = p.orders + 1, kh = p.heads_per_order, h_all = p.orders * kh;
-    const int64_t steps = (kh + kLanes - 1) / kLanes;
+    const int64_t steps = (kh + kLanes - 1) / kLanes, whole = kh / kLanes;  // whole: steps without padding
     const int cb = p.chunk_bits;
     const uint64_t mask = (uint64_t{1} << cb) - 1;
     const uint64_t *mult = reinterpret_cast<const uint64_t *>(p.mult + l * n);
-    const v8d magic = t.magic - v8d{};
-    const v8d zero = v8d{};
-    std::vector<double> parts(static_cast<size_t>(3 * p.orders * kBlock));  // a2, a1, a0 of [order][token]
+    const double *__restrict consts = t.consts.data();
+    const v4d magic = t.magic - v4d{};
+    std::vector<double> parts_store(static_cast<size_t>(3 * p.orders * kBlock));  // a2, a1, a0 of [order][token]
+    double *__restrict parts = parts_store.data();
     uint64_t mix[kBlock];
     for (int64_t b0 = t0; b0 < t1; b0 += kBlock) {
         const int64_t nb = std::min(kBlock, t1 - b0);
         const int32_t *x = p.ids + b0 * n;
         for (int64_t b = 0; b < nb; ++b) mix[b] = static_cast<uint64_t>(static_cast<int64_t>(x[b * n])) * mult[0];
         for (int64_t k = 0; k < p.orders; ++k) {  // mixes of the block, split into chunks as float64
-            double *at = parts.data() + k * 3 * kBlock;
+            double *at = parts + k * 3 * kBlock;
             const uint64_t mk = mult[k + 1];
             for (int64_t b = 0; b < nb; ++b) {
                 mix[b] ^= static_cast<uint64_t>(static_cast<int64_t>(x[b * n + k + 1])) * mk;
@@ -103,25 +122,18 @@ void hash_range(const Hash &p, const Layer &t, int64_t l, int64_t t0, int64_t t1
             }
         }
         for (int64_t b = 0; b < nb; ++b) {
-            int32_t *o = p.out + (l * p.tokens + b0 + b) * h_all;
+            int32_t *__restrict o = p.out + (l * p.tokens + b0 + b) * h_all;
             for (int64_t k = 0; k < p.orders; ++k) {
-                const double *at = parts.data() + k * 3 * kBlock + b;
+                const double *at = parts + k * 3 * kBlock + b;
                 const double a2 = at[0], a1 = at[kBlock], a0 = at[2 * kBlock];
-                for (int64_t s = 0; s < steps; ++s) {
-                    const int64_t i = k * steps + s;
-                    const v8d d = load8(t.d, i);
-                    const v8d y = (a0 + load8(t.c21, i) * a1) + load8(t.c42, i) * a2;  // exact: == mix (mod d)
-                    const v8d q = (magic + y * load8(t.inv, i)) - magic;  // round(y / d): floor or one above
-                    const v8d r = y - q * d;                               // exact, in (-d, d)
-                    const v8l neg = r < zero;                              // all ones where r < 0
-                    const v8d fix = (v8d)((v8l)d & neg);                   // d where r < 0, else +0
-                    const v8i rows = __builtin_convertvector((r + load8(t.off, i)) + fix, v8i);
-                    int32_t *dst = o + k * kh + s * kLanes;
-                    if (kh - s * kLanes >= kLanes) {
-                        std::memcpy(dst, &rows, sizeof(rows));
-                    } else {
-                        for (int64_t j = 0; j < kh - s * kLanes; ++j) dst[j] = rows[j];
-                    }
+                const double *c = consts + k * steps * 5 * kLanes;
+                int32_t *dst = o + k * kh;
+                for (int64_t s = 0; s < whole; ++s) {
+                    *reinterpret_cast<v4i_u *>(dst + s * kLanes) = head_rows(c + s * 5 * kLanes, a2, a1, a0, magic);
+                }
+                if (whole < steps) {  // the last, padded step: its real heads only
+                    const v4i rows = head_rows(c + whole * 5 * kLanes, a2, a1, a0, magic);
+                    for (int64_t j = 0; j < kh - whole * kLanes; ++j) dst[whole * kLanes + j] = rows[j];
                 }
             }
         }
@@ -147,7 +159,7 @@ void register_engram_hash(py::module_ &m) {
             std::vector<Layer> tables;
             for (int64_t l = 0; l < layers; ++l) tables.push_back(layer_tables(p, l));
             // every layer of a chunk in one go: fewer chunks to hand out
-            epk::parallel_chunks(tokens, num_threads, 8192, [&](int64_t a, int64_t b) {
+            epk::parallel_chunks(tokens, num_threads, 1024, [&](int64_t a, int64_t b) {
                 for (int64_t l = 0; l < layers; ++l) hash_range(p, tables[l], l, a, b);
             });
         },

@@ -275,6 +275,22 @@ def test_engram_hash_cpu_without_the_extension_is_the_reference(monkeypatch):
     assert_bitwise_equal(engram_hash(ids, mult, vocab, off, backend="cpu"), want, ctx="no epkit._C")
 
 
+def test_checked_parameters_are_remembered_by_value_so_a_changed_tensor_is_checked_again():
+    cfg = EngramConfig(vocab_size=1000, ngram_vocab_sizes=(5003, 7001), n_head_per_ngram=3, n_embed_per_ngram=12)
+    mult, vocab, off = hash_params(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (37, 3), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    want = engram_hash(ids, mult, vocab, off, backend="reference")
+    for _ in range(2):  # the second call finds the parameters already checked
+        assert_bitwise_equal(engram_hash(ids, mult, vocab, off, backend="cpu"), want, ctx="cpu")
+    vocab[0, 1, 2] = 5000  # the same tensor, changed in place: not a prime any more
+    for backend in ("cpu", "reference"):
+        with pytest.raises(ValueError, match="5000 is not a prime"):
+            engram_hash(ids, mult, vocab, off, backend=backend)
+    vocab[0, 1, 2] = int(vocab[0, 0, 0])  # a prime, but a repeated one
+    with pytest.raises(ValueError, match="repeats"):
+        engram_hash(ids, mult, vocab, off, backend="cpu")
+
+
 def test_hash_tokens_varlen_equals_per_sequence_and_prefix():
     cfg = _config(dict(vocab_size=500, max_ngram_size=3, n_head_per_ngram=3, ngram_vocab_sizes=(1009, 2003)))
     g = torch.Generator().manual_seed(1)

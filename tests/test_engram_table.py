@@ -1,4 +1,5 @@
-"""ShardedEngramTable: ENP row sharding, bit-exact sharded lookup on real gloo ranks, memory, bad input."""
+"""ShardedEngramTable: ENP row sharding, bit-exact sharded lookup on real gloo ranks (all_to_all and one-sided
+shm paths), memory, bad input, timeouts."""
 
 from __future__ import annotations
 
@@ -108,18 +109,25 @@ def test_single_rank_bad_input():
         ShardedEngramTable(10, 0)
     with pytest.raises(ValueError, match="fit int32"):
         ShardedEngramTable(2**31 + 1, 1)
+    with pytest.raises(ValueError, match="transport = 'nccl'"):
+        ShardedEngramTable(10, 4, transport="nccl")
     assert torch.count_nonzero(table.weight) == 0  # nothing was written by the failed calls
 
 
 # Multi-rank lookup (real processes, gloo)
 
 
-def _lookup_worker(rank, world):
+# Control bytes a one-sided table's shard shares its allocation with: signal words, request headers (see
+# collectives/transports/base.py layout and collectives/_details/engram_table_direct.py), for any num_rows.
+CONTROL_BYTES = 2 * 4096
+
+
+def _lookup_worker(rank, world, transport):
     from torch.profiler import ProfilerActivity, profile
 
     fulls = {dt: _full_table(NUM_ROWS, DIM, dt, seed=7) for dt in (torch.bfloat16, torch.float32)}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        tables = {dt: ShardedEngramTable(NUM_ROWS, DIM, group=None, dtype=dt, timeout=20) for dt in fulls}
+        tables = {dt: ShardedEngramTable(NUM_ROWS, DIM, None, dt, timeout=20, transport=transport) for dt in fulls}
         # bf16: every rank is given the full tensor in slices; f32: only the rows each rank owns.
         for s in range(0, NUM_ROWS, 700):
             tables[torch.bfloat16].load_rows(s, fulls[torch.bfloat16][s : s + 700])
@@ -139,13 +147,14 @@ def _lookup_worker(rank, world):
         want = fulls[dt][ids.long()]
         assert_bitwise_equal(got.reshape(want.shape), want, ctx=f"{rank=} {world=} {dt}")
     assert hook16() is got16  # a hook completes once
-    # Per-rank memory: only the local part of the table is allocated.
-    out = {}
+    # Per-rank memory: only the local part of the table is allocated (one-sided: plus the fixed control bytes).
+    out = {"transport": tables[torch.float32].transport}
     for dt, t in tables.items():
         per = t.num_per_part
+        extra = CONTROL_BYTES if t.transport == "shm" else 0
         assert t.weight.shape == (per, DIM) and t.weight.numel() == per * DIM
-        assert t.weight.untyped_storage().nbytes() == per * DIM * dt.itemsize
-        assert _tensor_bytes(t) <= (per + 8) * DIM * dt.itemsize, f"{rank=} {world=} {_tensor_bytes(t)=}"
+        assert per * DIM * dt.itemsize <= t.weight.untyped_storage().nbytes() <= per * DIM * dt.itemsize + extra
+        assert _tensor_bytes(t) <= (per + 8) * DIM * dt.itemsize + extra, f"{rank=} {world=} {_tensor_bytes(t)=}"
         for hook, got in ((hook16, got16), (hook32, got32)):  # request state dropped: only the result is held
             assert _tensor_bytes(hook) == got.untyped_storage().nbytes(), f"{rank=} {world=}"
         out[str(dt)] = (t.padded_rows, per, t.row_start)
@@ -153,14 +162,19 @@ def _lookup_worker(rank, world):
     shard32 = tables[torch.float32].num_per_part * DIM * 4
     assert biggest <= shard32, f"{rank=} {world=}: an allocation of {biggest} B exceeds the f32 shard ({shard32} B)"
     out["biggest_alloc"] = biggest
+    # Rewriting the rows (after every rank's hooks: one-sided readers are done) shows in the next lookup.
+    t32.load_rows(0, -fulls[torch.float32])
+    assert_bitwise_equal(t32.fetch(ids)(), -fulls[torch.float32][ids.long()], ctx=f"reloaded {rank=} {world=}")
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_sharded_lookup_equals_full_table(world):
-    res = run_ranks(_lookup_worker, world, timeout=60)
+@pytest.mark.parametrize(("world", "transport"), [(1, "auto"), (2, "auto"), (4, "auto"), (2, "torch"), (4, "torch")])
+def test_sharded_lookup_equals_full_table(world, transport):
+    res = run_ranks(_lookup_worker, world, transport, timeout=120)
     padded, per = engram_table_partition(NUM_ROWS, world)
+    path = "local" if world == 1 else "shm" if transport == "auto" else "torch"  # auto: one host, so shm
     for rank, r in enumerate(res):
+        assert r["transport"] == path, f"{rank=} {world=} {transport=}"
         for key in ("torch.bfloat16", "torch.float32"):
             assert r[key] == (padded, per, rank * per), f"{rank=} {world=} {key}"
     if world > 1:  # the largest allocation any rank made is its 1/world shard, not the table
@@ -170,9 +184,9 @@ def test_sharded_lookup_equals_full_table(world):
 # Bad input on one rank: every rank raises ValueError, nobody hangs, the group stays usable
 
 
-def _bad_input_worker(rank, world):
+def _bad_input_worker(rank, world, transport):
     full = _full_table(NUM_ROWS, DIM, torch.float32, seed=3)
-    table = ShardedEngramTable(NUM_ROWS, DIM, group=None, dtype=torch.float32, timeout=10)
+    table = ShardedEngramTable(NUM_ROWS, DIM, group=None, dtype=torch.float32, timeout=10, transport=transport)
     table.load_rows(0, full)
     good = torch.tensor([NUM_ROWS - 1, 0, 17, 17], dtype=torch.int64)
     bad_cases = [
@@ -200,9 +214,10 @@ def _bad_input_worker(rank, world):
     return seen
 
 
-def test_bad_row_ids_raise_on_every_rank():
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_bad_row_ids_raise_on_every_rank(transport):
     world = 3  # three ranks: lcm(256, 3) = 768-row alignment, culprits 0, 1, 2
-    res = run_ranks(_bad_input_worker, world, timeout=60)
+    res = run_ranks(_bad_input_worker, world, transport, timeout=60)
     msgs = ["= 3001 is outside [0, num_rows = 3001)", "= -1 is outside", "int32 or int64"]
     for rank, seen in enumerate(res):
         for i, (where, msg) in enumerate(seen):
@@ -221,7 +236,7 @@ def test_ranks_disagreeing_on_shape_raise():
 
 
 def _missing_hook_worker(rank, world):
-    table = ShardedEngramTable(NUM_ROWS, DIM, group=None, timeout=0.5)
+    table = ShardedEngramTable(NUM_ROWS, DIM, group=None, timeout=0.5, transport="torch")
     hook = table.fetch(torch.tensor([rank * 1000 + 1]))
     if rank == 1:
         time.sleep(2.0)  # never calls its hook; stays alive past rank 0's timeout
@@ -233,6 +248,29 @@ def _missing_hook_worker(rank, world):
 
 def test_missing_hook_times_out():
     assert run_ranks(_missing_hook_worker, 2, timeout=30)[0] == "timed out"
+
+
+def _one_sided_worker(rank, world):
+    full = _full_table(NUM_ROWS, DIM, torch.float32, seed=4)
+    table = ShardedEngramTable(NUM_ROWS, DIM, None, torch.float32, timeout=2.0, transport="shm")
+    table.load_rows(0, full)
+    ids = torch.tensor([NUM_ROWS - 1 - rank, 3, rank])
+    hook = table.fetch(ids)
+    if rank == 1:
+        time.sleep(7.0)  # never calls its hook nor fetches again; stays alive past rank 0's timeouts
+        return None
+    assert_bitwise_equal(hook(), full[ids], ctx="rows read without the owner's hook")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1 has not finished reading this rank's rows for all 1 lookups"):
+        table.load_rows(0, full)  # rank 1 may still be reading: the shard is not rewritten under it
+    assert_bitwise_equal(table.weight[:5], full[:5], ctx="the shard is unchanged")
+    with pytest.raises(TimeoutError, match="did every rank call fetch"):
+        table.fetch(ids)
+    return time.monotonic() - t0
+
+
+def test_one_sided_reads_need_no_owner_hook_and_rewrites_wait_for_readers():
+    assert run_ranks(_one_sided_worker, 2, timeout=60)[0] < 6.0
 
 
 # Integration: hash_tokens -> fetch == full-table embedding lookup
@@ -248,7 +286,7 @@ def _engram_worker(rank, world):
     lengths = [5, 1, 30, 12] if rank == 0 else [9, 40]
     tokens = torch.randint(0, config.vocab_size, (sum(lengths),), generator=g, dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    hashes = hash_tokens(tokens, cu, config)  # [L, T, (N-1)*K]
+    hashes = hash_tokens(tokens, cu, config, backend="cpu")  # [L, T, (N-1)*K]; the C++ hash: no TileLang build
     tables, fulls, hooks = [], [], []
     for layer in range(config.num_layers):
         num_rows = int(off[layer, -1]) + int(vocab[layer, -1, -1])

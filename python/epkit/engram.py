@@ -36,8 +36,9 @@ import dataclasses
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from epkit._details.engram_cpu import engram_hash_cpu, float_mod_table
+from epkit._details.engram_cpu import checked_mod_table, engram_hash_cpu
 from epkit._details.engram_ids import (
     check_compression,
     check_cu_seqlens,
@@ -246,6 +247,11 @@ def engram_hash(
     torch.Size([1, 2, 4])
     """
     validate_hash_args(ngram_token_ids, multipliers, vocab_sizes, offsets, out)
+    args = (ngram_token_ids, multipliers, vocab_sizes, offsets)
+    if _eager_on_cpu(*args, *(() if out is None else (out,))):  # the op's implementation, without the dispatcher
+        out = _new_out(ngram_token_ids, vocab_sizes) if out is None else out
+        _hash_into(*args, out, backend)
+        return out
     if out is None:
         return _hash_op(ngram_token_ids, multipliers, vocab_sizes, offsets, backend)
     _hash_out_op(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend)
@@ -253,8 +259,11 @@ def engram_hash(
 
 
 def _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend: str) -> None:
-    """Both ops' implementation: the value checks (outside CUDA stream capture), then the selected backend."""
-    if host_checks(ngram_token_ids.device):
+    """Both ops' implementation: the value checks (outside CUDA stream capture; on CPU tensors once per distinct
+    set of parameters, with the CPU kernels' table), then the selected backend."""
+    on_cpu = ngram_token_ids.device.type == "cpu"
+    table = checked_mod_table(vocab_sizes, offsets) if on_cpu else None
+    if not on_cpu and host_checks(ngram_token_ids.device):
         check_hash_values(vocab_sizes, offsets)
     impl = select("engram_hash", ngram_token_ids.device, backend)
     if impl == "reference":
@@ -264,13 +273,13 @@ def _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend:
         return
     ids = ngram_token_ids.contiguous()
     if impl == "cpu":
-        if not engram_hash_cpu(ids, multipliers, vocab_sizes, offsets, out):  # no epkit._C: the reference
+        if not engram_hash_cpu(ids, multipliers, table, out):  # no epkit._C: the reference
             out.copy_(engram_hash_reference(ids, multipliers, vocab_sizes, offsets))
         return
-    if impl == "tilelang" and ids.device.type == "cpu":
+    if impl == "tilelang" and on_cpu:
         from epkit.kernels.tilelang.engram import engram_hash_tokens_cpu
 
-        engram_hash_tokens_cpu(ids, multipliers.contiguous(), float_mod_table(vocab_sizes, offsets), out)
+        engram_hash_tokens_cpu(ids, multipliers.contiguous(), table, out)
         return
     vocab64, inv, off64 = kernel_tables(vocab_sizes, offsets)
     if impl == "triton":
@@ -278,6 +287,24 @@ def _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend:
     else:
         from epkit.kernels.tilelang.engram import engram_hash_tokens
     engram_hash_tokens(ids, multipliers.contiguous(), vocab64, inv, off64, out)
+
+
+def _eager_on_cpu(*tensors: torch.Tensor) -> bool:
+    """Plain CPU tensors in eager mode, with no dispatch or function mode to see the op: :func:`engram_hash` may
+    run the op's implementation directly. The dispatcher's round trip through the custom op costs more than
+    the C++ hash of a few thousand tokens; compiled code, fake and meta tensors, and modes still get the op."""
+    return (
+        not torch.compiler.is_compiling()
+        and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+        and not is_in_torch_dispatch_mode()
+        and not torch.overrides.has_torch_function(tensors)
+    )
+
+
+def _new_out(ngram_token_ids: torch.Tensor, vocab_sizes: torch.Tensor) -> torch.Tensor:
+    num_layers, orders, heads = vocab_sizes.shape
+    shape = (num_layers, ngram_token_ids.shape[0], orders * heads)
+    return torch.empty(shape, dtype=torch.int32, device=ngram_token_ids.device)
 
 
 def _fake_hash(ngram_token_ids, multipliers, vocab_sizes, offsets, backend):
@@ -294,10 +321,7 @@ def _hash_op(
     backend: str,
 ) -> torch.Tensor:
     """``torch.ops.epkit.engram_hash``: :func:`engram_hash` into a new tensor."""
-    num_layers, orders, heads = vocab_sizes.shape
-    out = torch.empty(
-        (num_layers, ngram_token_ids.shape[0], orders * heads), dtype=torch.int32, device=ngram_token_ids.device
-    )
+    out = _new_out(ngram_token_ids, vocab_sizes)
     _hash_into(ngram_token_ids, multipliers, vocab_sizes, offsets, out, backend)
     return out
 

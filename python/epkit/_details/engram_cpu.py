@@ -1,7 +1,9 @@
 """The CPU path of ``epkit.engram.engram_hash`` (backend ``cpu``): a division-free floor-mod in C++.
 
 ``float_mod_table`` feeds it and the TileLang C kernel (``kernels/tilelang/engram.py``), which
-uses the same split-residue scheme.
+uses the same split-residue scheme; ``checked_mod_table`` gives both their table with the value checks of the
+head sizes and offsets done once per distinct set of hash parameters (they are a handful of fixed tensors per
+model, and checking them and building the table cost several times the C++ hash of a few thousand tokens).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import functools
 
 import torch
 
-__all__ = ["float_mod_table", "engram_hash_cpu"]
+from epkit._details.engram_params import check_hash_values
+
+__all__ = ["checked_mod_table", "float_mod_table", "engram_hash_cpu"]
 
 _CHUNK_BITS = 21
 #: Adding then subtracting 1.5 * 2**52 rounds a float64 of magnitude < 2**51 to the nearest integer.
@@ -55,6 +59,29 @@ def float_mod_table(vocab_sizes: torch.Tensor, offsets: torch.Tensor) -> torch.T
     return torch.stack(rows, dim=1).contiguous()
 
 
+_TABLES: dict[tuple, torch.Tensor] = {}
+#: Distinct hash parameter sets remembered by :func:`checked_mod_table` (then it starts over).
+_MAX_TABLES = 64
+
+
+def checked_mod_table(vocab_sizes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`check_hash_values` then :func:`float_mod_table` of CPU tensors, remembered by their values.
+
+    The key is the tensors' shapes and bytes, so a changed tensor is checked again; only parameters that
+    passed the checks are remembered. ``vocab_sizes [L, N-1, K]``, ``offsets [L, H]`` int32 on the CPU;
+    returns the ``[L, 6, H]`` float64 table (shared between calls: read it, never write it).
+    """
+    key = (tuple(vocab_sizes.shape), vocab_sizes.numpy().tobytes(), offsets.numpy().tobytes())
+    table = _TABLES.get(key)
+    if table is None:
+        check_hash_values(vocab_sizes, offsets)
+        table = float_mod_table(vocab_sizes, offsets)
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[key] = table
+    return table
+
+
 @functools.cache
 def _hash_extension():
     """``epkit._C`` when it has the C++ hash, else None."""
@@ -65,9 +92,10 @@ def _hash_extension():
     return _C if hasattr(_C, "engram_hash") else None
 
 
-def engram_hash_cpu(ids, mult, vocab, off, out) -> bool:
-    """The C++ hash (``epkit._C.engram_hash``: the division-free floor-mod of :func:`float_mod_table`, heads
-    vectorised, token ranges over ``torch.get_num_threads()`` threads) into contiguous int32 ``out``.
+def engram_hash_cpu(ids, mult, table, out) -> bool:
+    """The C++ hash (``epkit._C.engram_hash``: the division-free floor-mod of :func:`float_mod_table`'s
+    ``table``, heads vectorised, token ranges over ``torch.get_num_threads()`` threads) into contiguous int32
+    ``out``.
 
     Returns False, writing nothing, when ``epkit._C`` lacks it (the caller then runs the reference: no CPU path
     slower than the reference is offered).
@@ -75,8 +103,7 @@ def engram_hash_cpu(ids, mult, vocab, off, out) -> bool:
     ext = _hash_extension()
     if ext is None:
         return False
-    ids, mult = ids.contiguous(), mult.to(torch.int64).contiguous()
-    table = float_mod_table(vocab, off)
+    ids, mult = ids.contiguous(), mult.contiguous()
     num_layers, heads = table.shape[0], table.shape[2]
     args = (out.data_ptr(), ids.data_ptr(), mult.data_ptr(), table.data_ptr(), ids.shape[0], ids.shape[1])
     ext.engram_hash(*args, heads, num_layers, _CHUNK_BITS, torch.get_num_threads())

@@ -1,12 +1,14 @@
 """``epkit bench`` family ``engram_table``: the ENP-sharded Engram lookup
-(:class:`epkit.collectives.engram_table.ShardedEngramTable`) on 2 CPU ranks: each rank holds half of an
-``R x 256`` bf16 table and fetches ``R`` uniformly random row ids (duplicates included, as hashed n-grams have)
-with ``fetch(ids)()``, and again into a reused result (``fetch(ids, out=)``).
+(:class:`epkit.collectives.engram_table.ShardedEngramTable`) on CPU ranks of one host (4 in the quick and full
+runs, 2 in the tiny one): each rank holds 1/world of an ``R x 256`` bf16 table and fetches ``R`` uniformly random
+row ids (duplicates included, as hashed n-grams have) with ``fetch(ids)()`` and into a reused result
+(``fetch(ids, out=)``), on both paths: ``shm`` (rows read straight out of the owners' shards in shared memory)
+and ``torch`` (the all_to_all exchanges of ids and rows that ranks on several hosts use).
 
-Peer: one ``all_to_all_single`` of the same bytes per rank as the lookup's row exchange (the most unique rows
-any rank receives, equal splits): the data movement alone, without the count and id exchanges, the dedup
-and the gathers. Roof: a ``copy_`` of the rows delivered (read + write). Each figure is the slowest rank's
-per round; the fetched rows are checked against the table's formula first.
+Peer: one bare ``all_to_all_single`` of the rows each rank receives on the exchange path (the most unique rows
+any rank asks for, equal splits, as int32 words): the data movement alone, without the count and id
+exchanges, the dedup and the gathers. Roof: a ``copy_`` of the rows delivered (read + write). Each figure is
+the slowest rank's per round; the fetched rows are checked against the table's formula first, on both paths.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from epkit.bench.timing import measure
 
 __all__ = ["FAMILY", "rank_main"]
 
-DIM, WORLD = 256, 2
+DIM = 256
+#: The lookup paths timed (``ShardedEngramTable(transport=)``), each with a fresh and a reused result.
+PATHS = ("shm", "torch")
 
 
 def _table_rows(start: int, n: int) -> torch.Tensor:
@@ -31,60 +35,64 @@ def _table_rows(start: int, n: int) -> torch.Tensor:
 
 
 def rank_main(rank: int, world: int, spec: dict) -> dict:
-    """One rank (spawned by ``run_ranks``): per-round samples of the lookup, its peer and the roof."""
+    """One rank (spawned by ``run_ranks``): per-round samples of the lookups, their peer and the roof."""
     from epkit.collectives.engram_table import ShardedEngramTable
 
     torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
     rows = spec["rows"]
-    table = ShardedEngramTable(rows, DIM, group=None, dtype=torch.bfloat16, timeout=120)
-    lo, hi = table.row_start, min(table.row_start + table.num_per_part, rows)
-    table.load_rows(lo, _table_rows(lo, hi - lo))
     ids = torch.randint(0, rows, (rows,), generator=torch.Generator().manual_seed(rank))
-    got = table.fetch(ids)()
-    checks = [{"name": f"{rows} rows fetched equal the table", "ok": torch.equal(got, _table_rows(0, rows)[ids])}]
-    out = torch.empty_like(got)
+    want = _table_rows(0, rows)[ids]
+    fns, checks = {}, []
+    for path in PATHS:
+        table = ShardedEngramTable(rows, DIM, group=None, dtype=torch.bfloat16, timeout=120, transport=path)
+        lo, hi = table.row_start, min(table.row_start + table.num_per_part, rows)
+        table.load_rows(lo, _table_rows(lo, hi - lo))
+        ok = torch.equal(table.fetch(ids)(), want) and table.transport == path
+        checks.append({"name": f"{path}: {rows} rows fetched equal the table", "ok": ok})
+        out = torch.empty_like(want)
+        fns[f"{path} fetch"] = lambda t=table: t.fetch(ids)()
+        fns[f"{path} fetch out="] = lambda t=table, o=out: t.fetch(ids, out=o)()
     most = torch.tensor([int(torch.unique(ids).numel())])
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # equal splits need one size on every rank
     per_peer = -(-int(most) // world)
     send = torch.zeros(per_peer * world, DIM, dtype=torch.bfloat16).view(torch.int32)  # bf16 rows as words
     recv = torch.empty_like(send)
+    fns["all_to_all_single"] = lambda: dist.all_to_all_single(recv, send)
     payload = ids.numel() * DIM * 2
-    fns = {
-        "fetch": lambda: table.fetch(ids)(),
-        "fetch out=": lambda: table.fetch(ids, out=out)(),
-        "all_to_all_single": lambda: dist.all_to_all_single(recv, send),
-    }
     _, fns["roof"] = copy_roof(2 * payload, torch.device("cpu"))
     samples = measure(fns, torch.device("cpu"), rounds=spec["rounds"], before_each=dist.barrier, seed=spec["seed"])
-    return {"samples": samples, "payload": payload, "checks": checks}
+    return {"samples": samples, "payload": payload, "a2a_bytes": send.numel() * 4, "checks": checks}
 
 
-def _run(ctx: BenchCtx, rows: int) -> None:
+def _run(ctx: BenchCtx, rows: int, world: int) -> None:
     from epkit.testing.multiprocess import run_ranks
 
-    results = run_ranks(rank_main, WORLD, {"rows": rows, "rounds": ctx.rounds, "seed": ctx.seed}, timeout=600)
+    spec = {"rows": rows, "rounds": ctx.rounds, "seed": ctx.seed}
+    results = run_ranks(rank_main, world, spec, timeout=600)
     for r, res in enumerate(results):
         for c in res["checks"]:
             ctx.check(f"rank {r}: {c['name']}", c["ok"])
     t = {n: [max(res["samples"][n][i] for res in results) for i in range(ctx.rounds)] for n in results[0]["samples"]}
-    payload = results[0]["payload"]
+    payload, a2a = results[0]["payload"], results[0]["a2a_bytes"]
     roof = Ref(f"copy_ of the rows delivered ({payload / 2**20:.3g} MiB, r+w)", t["roof"])
-    peers = [Ref("all_to_all_single of the unique rows' bytes", t["all_to_all_single"])]
-    shape = f"{WORLD} ranks {rows}x{DIM} bf16, {rows} ids/rank"
-    kw = {"work": 2 * payload, "unit": "GB/s", "roof": roof, "peers": peers, "sweep": {"rows": rows}}
-    ctx.rows_of(t, ("fetch", "fetch out="), "ShardedEngramTable.fetch", shape, **kw)
+    peer = f"all_to_all_single of the rows received on the exchange path ({a2a / 2**20:.3g} MiB per rank)"
+    shape = f"{world} ranks {rows}x{DIM} bf16, {rows} ids/rank"
+    kw = {"work": 2 * payload, "unit": "GB/s", "roof": roof, "peers": [Ref(peer, t["all_to_all_single"])]}
+    for path in PATHS:
+        names = (f"{path} fetch", f"{path} fetch out=")
+        ctx.rows_of(t, names, "ShardedEngramTable.fetch", shape, sweep={"rows": rows, "path": path}, **kw)
 
 
 def _cases(ctx: BenchCtx) -> list[Case]:
-    rows = ctx.pick(4096, 16384, 65536)
-    return [Case(f"Engram table lookup, {WORLD} CPU ranks, {rows} rows", lambda c: _run(c, rows))]
+    rows, world = ctx.pick((4096, 2), (8192, 4), (65536, 4))
+    return [Case(f"Engram table lookup, {world} CPU ranks, {rows} rows", lambda c: _run(c, rows, world))]
 
 
 FAMILY = Family(
     "engram_table",
-    "ShardedEngramTable.fetch on CPU ranks",
+    "ShardedEngramTable.fetch on CPU ranks (shm one-sided reads; torch all_to_all)",
     _cases,
     devices=("cpu",),
-    ranks=WORLD,
+    ranks=4,
     why_not={"cuda": "measured on CPU ranks only (one GPU here)"},
 )

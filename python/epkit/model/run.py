@@ -55,14 +55,17 @@ TRANSPORTS = ("auto", "shm", "torch", "nvshmem")
 PREFILL_CAPACITY = 256
 
 #: The claim of the source engine's write-up for one decode step, per collective kind (M MoE layers,
-#: G Engram layers). Our Engram fetch is one ENP all-to-all exchange in three all_to_all_single calls
-#: (request counts, row ids, rows).
+#: G Engram layers). Our Engram fetch, where the ENP ranks share a host (ShardedEngramTable on shm), is one
+#: small exchange of error flags per Engram layer, the rows read straight out of their owners' shards;
+#: across hosts it is one ENP all-to-all exchange in three all_to_all_single calls (counts, row ids, rows).
 CLAIM = {
     "exchange:ll_dispatch": ("M", "one dispatch per MoE layer (per micro-batch under TBO)"),
     "exchange:ll_combine": ("M", "one combine per MoE layer (per micro-batch under TBO)"),
     "dist.all_reduce": ("1", "one DP liveness all-reduce (none at DP 1), no per-layer all-reduce"),
-    "dist.all_to_all_single": ("3G", "the Engram fetch (counts, ids, rows) per Engram layer"),
+    "exchange:engram table request": ("G", "the Engram fetch per Engram layer (rows read one-sided)"),
 }
+#: The Engram fetch's claim where the tables take the all_to_all path (ENP ranks on several hosts).
+CLAIM_ENGRAM_A2A = {"dist.all_to_all_single": ("3G", "the Engram fetch (counts, ids, rows) per Engram layer")}
 
 
 def build_parser(prog: str = "epkit run") -> argparse.ArgumentParser:
@@ -277,11 +280,16 @@ def check_ledger(step: list, n_moe: int, n_engram: int, micro_batches: int = 1, 
     for kind, nbytes in step:
         count[kind] += 1
         size[kind] += nbytes
-    expect = {k: {"M": n_moe * micro_batches, "1": int(dp > 1), "3G": 3 * n_engram}[n] for k, (n, _) in CLAIM.items()}
+    claims = dict(CLAIM)
+    if "dist.all_to_all_single" in count:  # the tables' all_to_all path (several hosts)
+        del claims["exchange:engram table request"]
+        claims.update(CLAIM_ENGRAM_A2A)
+    counts = {"M": n_moe * micro_batches, "1": int(dp > 1), "G": n_engram, "3G": 3 * n_engram}
+    expect = {k: counts[n] for k, (n, _) in claims.items()}
     rows = []
     for kind in sorted(set(count) | set(expect)):
         want = expect.get(kind, 0)  # a kind the claim has no room for: should not happen at all
-        claim = CLAIM[kind][1] if kind in CLAIM else "not in the claim"
+        claim = claims[kind][1] if kind in claims else "not in the claim"
         rows.append({"kind": kind, "count": count[kind], "bytes": size[kind], "claim": want, "what": claim,
                      "ok": count[kind] == want})  # fmt: skip
     return rows
@@ -408,11 +416,15 @@ def main(argv=None, prog: str = "epkit run") -> int:
 
 
 def _under_torchrun(a, world: int) -> tuple[list[dict] | None, int]:
-    """This process is one rank of a torchrun job: run it, and gather every rank's result on rank 0."""
-    dist.init_process_group("gloo")
+    """This process is one rank of a torchrun job: run it, and gather every rank's result on rank 0. A process
+    whose launcher already joined the job (torch.distributed initialised) runs in that group and leaves it up."""
+    joined = dist.is_initialized()
+    if not joined:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     mine = run_rank(rank, world, a)
     results = [None] * world
     dist.all_gather_object(results, mine)
-    dist.destroy_process_group()
+    if not joined:
+        dist.destroy_process_group()
     return results, rank
