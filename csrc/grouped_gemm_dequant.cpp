@@ -13,8 +13,9 @@
 //
 // Several jobs (e.g. all experts' weights and all live activation rows) run in one pass: their
 // rows are concatenated and split over std::threads with the GIL released. Tensors come as
-// raw addresses with element strides. The row loops exist twice: generic C++, and AVX-512
-// (16 elements per step), picked at run time.
+// raw addresses with element strides. The row loops exist three times: generic C++, AVX-512
+// (16 elements per step, lowp.h) and AVX2 (8 per step, below), picked at run time; all three
+// do the same float32 operations, so they give the same bits.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -48,7 +49,101 @@ struct Job {
     uintptr_t row_index;  // optional int64 [rows]: source row of each output row (0 = identity)
 };
 
-template <int OUT, bool SIMD>
+#if defined(__x86_64__) && defined(__GNUC__)
+#define EPK_AVX2 __attribute__((target("avx2")))
+
+// 8 e4m3 codes -> 8 exact float32 values (lowp.h's e4m3_to_f32, 8 lanes at a time).
+EPK_AVX2 EPK_INLINE __m256 e4m3x8(const uint8_t *q) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(q)));
+    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    const __m256 normal =
+        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub =
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, _mm256_set1_epi32(7))), _mm256_set1_ps(0.001953125f));
+    const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);  // exponent field 0
+    __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
+    const __m256i is_nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F));
+    v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_castsi256_ps(is_nan));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+}
+
+// float32 -> bf16 bits in the low 16 bits of each 32-bit lane (RNE, NaN -> 0x7FC0; lowp.h's f32_to_bf16).
+EPK_AVX2 EPK_INLINE __m256i bf16x8(__m256 y) {
+    const __m256i u = _mm256_castps_si256(y);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    // |u| > 0x7F800000 as signed compares (both sides are non-negative)
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// 8 lanes of bf16 bits (low halves) -> 8 contiguous bf16 values.
+EPK_AVX2 EPK_INLINE void store_bf16x8(void *out, __m256i w) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(out), _mm256_castsi256_si128(packed));
+}
+
+template <int OUT>
+EPK_AVX2 void fp8_row_avx2(char *o, const uint8_t *q, const float *s, int64_t k, int64_t col_block) {
+    const int64_t esz = OUT == OUT_BF16 ? 2 : 4;
+    for (int64_t c = 0; c < k; c += col_block) {
+        const int64_t len = std::min(col_block, k - c);
+        const float sc = s[c / col_block];
+        const __m256 vs = _mm256_set1_ps(sc);
+        char *oc = o + c * esz;
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) {
+            const __m256 y = _mm256_mul_ps(e4m3x8(q + c + i), vs);
+            if (OUT == OUT_BF16)
+                store_bf16x8(oc + i * 2, bf16x8(y));
+            else
+                _mm256_storeu_ps(reinterpret_cast<float *>(oc) + i, y);
+        }
+        if (i < len) fp8_segment<OUT>(oc + i * esz, q + c + i, sc, len - i);
+    }
+}
+
+// e2m1 codes (4 bits a lane) -> their values times vs: the magnitude by the 3-bit code, the sign from bit 3
+// (lowp.h's e2m1_to_f32).
+EPK_AVX2 EPK_INLINE __m256 e2m1x8(__m256i code, __m256 vs) {
+    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256 m = _mm256_permutevar8x32_ps(table, code);  // uses the low 3 bits of each lane
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m), sign)), vs);
+}
+
+// 8 packed bytes (16 e2m1 codes, low nibble first) sharing scale vs -> 16 outputs.
+template <int OUT>
+EPK_AVX2 EPK_INLINE void fp4_pairs8_avx2(char *out, const uint8_t *p, __m256 vs) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+    const __m256 lo = e2m1x8(_mm256_and_si256(x, _mm256_set1_epi32(15)), vs);
+    const __m256 hi = e2m1x8(_mm256_srli_epi32(x, 4), vs);
+    if (OUT == OUT_BF16) {
+        const __m256i w = _mm256_or_si256(bf16x8(lo), _mm256_slli_epi32(bf16x8(hi), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), w);
+    } else {
+        const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);
+        _mm256_storeu_ps(reinterpret_cast<float *>(out), _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(reinterpret_cast<float *>(out) + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
+
+template <int OUT>
+EPK_AVX2 void fp4_row_avx2(char *o, const uint8_t *p, const uint8_t *s, int64_t k) {
+    const int64_t esz = OUT == OUT_BF16 ? 2 : 4;
+    for (int64_t c = 0; c < k; c += 32) {
+        const __m256 vs = _mm256_set1_ps(e8m0_to_f32(s[c / 32]));
+        fp4_pairs8_avx2<OUT>(o + c * esz, p + c / 2, vs);
+        fp4_pairs8_avx2<OUT>(o + (c + 16) * esz, p + c / 2 + 8, vs);
+    }
+}
+#endif
+
+enum Simd : int { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
+
+template <int OUT, int SIMD>
 EPK_INLINE void run_rows(const Job &j, int64_t lo, int64_t hi) {
     const int64_t esz = OUT == OUT_BF16 ? 2 : 4;
     const int64_t *idx = reinterpret_cast<const int64_t *>(j.row_index);
@@ -60,8 +155,11 @@ EPK_INLINE void run_rows(const Job &j, int64_t lo, int64_t hi) {
         if (j.kind == 0) {
             const float *s = reinterpret_cast<const float *>(j.scale) + b * j.s_bs + (src / j.row_block) * j.s_rs;
 #if defined(__x86_64__) && defined(__GNUC__)
-            if constexpr (SIMD) {
+            if constexpr (SIMD == AVX512) {
                 fp8_row_avx512<OUT>(o, q, s, j.k, j.col_block);
+                continue;
+            } else if constexpr (SIMD == AVX2) {
+                fp8_row_avx2<OUT>(o, q, s, j.k, j.col_block);
                 continue;
             }
 #endif
@@ -70,8 +168,11 @@ EPK_INLINE void run_rows(const Job &j, int64_t lo, int64_t hi) {
         } else {
             const uint8_t *s = reinterpret_cast<const uint8_t *>(j.scale) + b * j.s_bs + src * j.s_rs;
 #if defined(__x86_64__) && defined(__GNUC__)
-            if constexpr (SIMD) {
+            if constexpr (SIMD == AVX512) {
                 fp4_row_avx512<OUT>(o, q, s, j.k);
+                continue;
+            } else if constexpr (SIMD == AVX2) {
+                fp4_row_avx2<OUT>(o, q, s, j.k);
                 continue;
             }
 #endif
@@ -80,20 +181,15 @@ EPK_INLINE void run_rows(const Job &j, int64_t lo, int64_t hi) {
     }
 }
 
-void rows_generic(const Job &j, int64_t lo, int64_t hi) {
+template <int SIMD>
+void rows_of(const Job &j, int64_t lo, int64_t hi) {
     if (j.out_dtype == OUT_BF16)
-        run_rows<OUT_BF16, false>(j, lo, hi);
+        run_rows<OUT_BF16, SIMD>(j, lo, hi);
     else
-        run_rows<OUT_F32, false>(j, lo, hi);
+        run_rows<OUT_F32, SIMD>(j, lo, hi);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-void rows_avx512(const Job &j, int64_t lo, int64_t hi) {
-    if (j.out_dtype == OUT_BF16)
-        run_rows<OUT_BF16, true>(j, lo, hi);
-    else
-        run_rows<OUT_F32, true>(j, lo, hi);
-}
 
 bool have_avx512() {
     static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -116,9 +212,12 @@ void run_span(const std::vector<Job> &jobs, RowsFn fn, int64_t lo, int64_t hi) {
 }
 
 void run_jobs(const std::vector<Job> &jobs, int num_threads, bool simd) {
-    RowsFn fn = rows_generic;
+    RowsFn fn = rows_of<GENERIC>;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (simd && have_avx512()) fn = rows_avx512;
+    if (simd && have_avx512())
+        fn = rows_of<AVX512>;
+    else if (simd && __builtin_cpu_supports("avx2"))
+        fn = rows_of<AVX2>;
 #endif
     int64_t total = 0, elems = 0;
     for (const Job &j : jobs) {

@@ -190,3 +190,29 @@ def test_gather_gpu(backend, dtype):
     index = torch.randint(-1, 513, (1031,), generator=g, dtype=torch.int32)
     got = epkit.gather_rows(x.cuda(), index.cuda(), backend=backend)
     assert_bitwise_equal(got.cpu(), _expected(x, index), ctx=f"{backend=} {dtype=}")
+
+
+def test_gather_cpu_eager_call_acts_as_the_op():
+    # An eager CPU call skips torch.ops dispatch; what the op does for a mutated argument still happens, and a
+    # dispatch mode still sees the op itself.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, index = torch.arange(8.0).view(4, 2), torch.tensor([3, -1], dtype=torch.int32)
+    out = torch.empty(2, 2)
+    before = out._version
+    epkit.gather_rows(x, index, out)
+    assert out._version > before, "out's version counter must move, as the op's mutation does"
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        got = epkit.gather_rows(x, index)
+    assert any("epkit.gather_rows" in op for op in mode.ops), mode.ops
+    assert torch.equal(got, torch.tensor([[6.0, 7.0], [0.0, 0.0]]))

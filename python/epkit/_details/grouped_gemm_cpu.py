@@ -149,6 +149,13 @@ def _scratch(sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     return [buf[o : o + numel * item].view(dtype) for o, numel in zip(offs, sizes)]
 
 
+def _buffers(kind: str, groups: int, rows: int, n: int, k: int, cd: torch.dtype) -> list[torch.Tensor]:
+    """Scratch of the unfused path in dtype cd: dequantized weights ``[groups * n * k]`` and rows ``[rows * k]``
+    (empty for bf16 operands, used as they are) and the matmul results ``[rows * n]`` (see :func:`_mm_into`)."""
+    deq = 0 if kind == "bf16" else 1
+    return _scratch([deq * groups * n * k, deq * rows * k, rows * n], cd)
+
+
 def _inner_contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -226,13 +233,19 @@ def _weights(deq: _Dequant | None, kind: str, b, sfb, live: list[int], cd: torch
     return out
 
 
-def _mm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = x @ w^T`` for 2-D (one group) or 3-D (a batch of groups) operands; out is a view of d."""
+def _mm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, res: torch.Tensor) -> None:
+    """``out = x @ w^T`` for 2-D (one group) or 3-D (a batch of groups) operands; out is a view of d.
+
+    Where ``out`` cannot take the matmul's result (another dtype, or not contiguous), the product goes to
+    ``res`` (flat scratch of at least ``out.numel()`` elements of x's dtype, reused across calls: a fresh
+    result would be page-faulted in on every call) and is cast into ``out`` from there."""
     mm = torch.matmul if x.dim() == 2 else torch.bmm
     if out.dtype == x.dtype and out.is_contiguous():
         mm(x, w.transpose(-1, -2), out=out)
     else:
-        out.copy_(mm(x, w.transpose(-1, -2)))
+        r = res[: out.numel()].view(out.shape)
+        mm(x, w.transpose(-1, -2), out=r)
+        out.copy_(r)
 
 
 def _group_rows(m_indices: torch.Tensor, g: int):
@@ -292,11 +305,11 @@ def _cpu_contiguous_unfused(kind, a, sfa, b, sfb, d, counts, order, live, offs, 
     """Dequantize every live group in one pass, then torch matmuls (the path without AMX)."""
     cd = compute_dtype(d)
     n, k = b.shape[1], a.shape[1]
+    wbuf, x_all, res = _buffers(kind, len(live), offs[-1], n, k, cd)
     if kind == "bf16":
         w = _weights(None, kind, b, None, live, cd, None)
         x_all = None if (all(is_slice) and a.dtype == cd) else a[order].to(cd)
     else:
-        wbuf, x_all = _scratch([len(live) * n * k, offs[-1] * k], cd)
         deq = _Dequant()
         w = _weights(deq, kind, b, sfb, live, cd, wbuf)
         x_all = x_all.view(offs[-1], k)
@@ -311,12 +324,12 @@ def _cpu_contiguous_unfused(kind, a, sfa, b, sfb, d, counts, order, live, offs, 
             sa = a.stride()
             x3 = a.as_strided((ng, c, k), (stride * sa[0], sa[0], sa[1]), a.storage_offset() + firsts[0] * sa[0])
         out = d.as_strided((ng, c, n), (stride * n, n, 1), d.storage_offset() + firsts[0] * n)
-        _mm_into(x3, w, out)
+        _mm_into(x3, w, out, res)
     else:
         for i in range(len(live)):
             x = x_all[offs[i] : offs[i + 1]] if x_all is not None else a[firsts[i] : lasts[i] + 1]
             if is_slice[i]:
-                _mm_into(x, w[i], d[firsts[i] : lasts[i] + 1])
+                _mm_into(x, w[i], d[firsts[i] : lasts[i] + 1], res)
             else:
                 d.index_copy_(0, order[offs[i] : offs[i + 1]], torch.matmul(x, w[i].T).to(d.dtype))
 
@@ -343,11 +356,11 @@ def cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:
     offs = [0]
     for grp in live:
         offs.append(offs[-1] + counts[grp])
+    wbuf, x_all, res = _buffers(kind, len(live), offs[-1], n, k, cd)
     if kind == "bf16":
         w = _weights(None, kind, b, None, live, cd, None)
         x_all = None
     else:
-        wbuf, x_all = _scratch([len(live) * n * k, offs[-1] * k], cd)
         deq = _Dequant()
         w = _weights(deq, kind, b, sfb, live, cd, wbuf)
         x_all = x_all.view(offs[-1], k)
@@ -357,8 +370,8 @@ def cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:
     c, g0, ng = counts[live[0]], live[0], len(live)
     if ng >= 2 and live == list(range(g0, g0 + ng)) and all(counts[grp] == c for grp in live):
         x3 = x_all.view(ng, c, k) if x_all is not None else a[g0 : g0 + ng, :c].to(cd)
-        _mm_into(x3, w, d[g0 : g0 + ng, :c])  # one batched matmul
+        _mm_into(x3, w, d[g0 : g0 + ng, :c], res)  # one batched matmul
         return
     for i, grp in enumerate(live):
         x = x_all[offs[i] : offs[i + 1]] if x_all is not None else a[grp, : counts[grp]].to(cd)
-        _mm_into(x, w[i], d[grp, : counts[grp]])
+        _mm_into(x, w[i], d[grp, : counts[grp]], res)
