@@ -3,14 +3,13 @@ bit for bit against ep_reference's two-level order; the bytes that cross hosts; 
 
 import torch
 import torch.distributed as dist
+from test_hosts import check_low_latency
 
 from epkit.collectives._details.ep_hier_rows import sum_by_host
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import (
     reference_combine,
     reference_dispatch,
-    reference_low_latency_combine,
-    reference_low_latency_dispatch,
 )
 from epkit.quant import per_token_group_cast_to_fp8
 from epkit.testing import assert_bitwise_equal
@@ -70,23 +69,6 @@ def _normal(buf, hosts, expand, fp8, seed):
     return handle, y
 
 
-def _low_latency(buf, use_fp8, seed):
-    n_max, r, w = 8, dist.get_rank(), dist.get_world_size()
-    x, idx, wts = _routing(r, [8, 3, 0, 6][r % 4], seed)
-    recv_x, recv_count, handle, _ = buf.low_latency_dispatch(x, idx, n_max, use_fp8=use_fp8)
-    ref = reference_low_latency_dispatch(x, idx, n_max, EXPERTS, None, use_fp8=use_fp8)
-    assert recv_count.tolist() == ref["counts"]
-    y = torch.zeros((EXPERTS // w, n_max * w, HIDDEN), dtype=torch.bfloat16)
-    y_ref = []
-    for e, c in enumerate(ref["counts"]):
-        got = recv_x[0][e, :c] if use_fp8 else recv_x[e, :c]
-        assert_bitwise_equal(got, ref["recv_x"][e], f"rank {r} expert {e} low latency {use_fp8=}")
-        y[e, :c] = (got.float() * 2 - 1).to(torch.bfloat16)
-        y_ref.append(y[e, :c].clone())
-    out = buf.low_latency_combine(y, idx, wts, handle)
-    assert_bitwise_equal(out, reference_low_latency_combine(y_ref, idx, wts, ref, None), f"rank {r} ll combine")
-
-
 def _predicted_bytes(hosts, idx, num_rows_bytes):
     """This rank's share of what one plain bf16 dispatch + combine sends across hosts with per-host dedup: per
     token and remote host it touches, the row, 8 bytes per expert slot of metadata (global id, weight) and the
@@ -130,8 +112,8 @@ def _hier_checks(rank, world_size, ranks_per_host):
         bad = x[:, : HIDDEN // 2] if rank == world_size - 1 else x
         _expect_rejected(buf.dispatch, (bad, idx, w), f"rank {world_size - 1}:", name)
         _normal(buf, hosts, False, False, 6)
-        _low_latency(buf, True, 7)
-        _low_latency(buf, False, 8)
+        check_low_latency(buf, None, True, 7)
+        check_low_latency(buf, None, False, 8)
         buf.close()
     return out
 

@@ -98,10 +98,10 @@ def _normal(group, expand, fp8, seed, hosts=None, transport="auto"):
     return name
 
 
-def _low_latency(group, use_fp8, seed):
-    """Low-latency dispatch + combine over EPBuffer(auto) on ``group``, bit for bit against ep_reference."""
+def check_low_latency(buf, group, use_fp8, seed):
+    """Low-latency dispatch + combine on ``buf`` (an EPBuffer over ``group``), bit for bit against ep_reference
+    (also used by tests/test_ep_hier.py)."""
     n_max, r, w = 8, dist.get_rank(group), dist.get_world_size(group)
-    buf = EPBuffer(group, HIDDEN, EXPERTS, num_max_tokens_per_rank=n_max, num_topk=TOPK, timeout=20)
     x, idx, wts = _routing(r, [8, 3, 0, 6][r % 4], seed)
     recv_x, recv_count, handle, _ = buf.low_latency_dispatch(x, idx, n_max, use_fp8=use_fp8)
     ref = reference_low_latency_dispatch(x, idx, n_max, EXPERTS, group, use_fp8=use_fp8)
@@ -110,11 +110,17 @@ def _low_latency(group, use_fp8, seed):
     y_ref = []
     for e, c in enumerate(ref["counts"]):
         got = recv_x[0][e, :c] if use_fp8 else recv_x[e, :c]
-        assert_bitwise_equal(got, ref["recv_x"][e], f"rank {r} expert {e} low latency")
+        assert_bitwise_equal(got, ref["recv_x"][e], f"rank {r} expert {e} low latency {use_fp8=}")
         y[e, :c] = (got.float() * 2 - 1).to(torch.bfloat16)
         y_ref.append(y[e, :c].clone())
     out = buf.low_latency_combine(y, idx, wts, handle)
     assert_bitwise_equal(out, reference_low_latency_combine(y_ref, idx, wts, ref, group), f"rank {r} ll combine")
+
+
+def _low_latency(group, use_fp8, seed):
+    """Low-latency dispatch + combine over EPBuffer(auto) on ``group``, bit for bit against ep_reference."""
+    buf = EPBuffer(group, HIDDEN, EXPERTS, num_max_tokens_per_rank=8, num_topk=TOPK, timeout=20)
+    check_low_latency(buf, group, use_fp8, seed)
     name = buf.transport
     buf.close()
     return name
