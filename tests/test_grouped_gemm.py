@@ -508,6 +508,41 @@ def test_batched_and_per_group_paths_agree(kind, amx, monkeypatch):
     assert_diff(dm[:, :40].float(), ref[:, :40], THRESH[kind], f"{kind=} masked batched")
 
 
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_bits_do_not_depend_on_its_groups_size(kind, amx, monkeypatch):
+    # The CPU BLAS computes some small row counts with other arithmetic (MKL on AVX2: 1-3 rows, with two
+    # threads 5-7 and 9-11 too); an expert's first rows must not change bits when more tokens join it (two-batch
+    # overlap, CP ranks and EP ranks all change the group sizes of the same token).
+    monkeypatch.setattr(gemm_cpu, "_AMX_ENABLED", [amx])
+    g, n, k, full = 2, 256, 512, 24
+    m_indices = build_m_indices([full] * g)  # each group padded to the layout's alignment
+    m = m_indices.numel()
+    a, b, _, _ = make_inputs(kind, g, m, n, k, masked=False, seed=4)
+    want = CONTIG[kind](a, b, torch.empty(m, n, dtype=torch.bfloat16), m_indices, backend="cpu")
+    am, bm, _, _ = make_inputs(kind, g, full, n, k, masked=True, seed=5)
+    want_m = MASKED[kind](am, bm, torch.empty(g, full, n, dtype=torch.bfloat16), torch.full((g,), full, dtype=torch.int32), full,
+                          backend="cpu")  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 5, 7, 9, 11, 13):
+                # group 0 keeps its first `rows` rows (the others are padding), group 1 all of its rows
+                ids = m_indices.clone()
+                ids[rows:full] = -1
+                d = CONTIG[kind](a, b, torch.empty(m, n, dtype=torch.bfloat16), ids, backend="cpu")
+                ctx = f"{kind=} {amx=} {threads=} {rows=}"
+                assert_bitwise_equal(d[:rows], want[:rows], ctx=ctx + " contiguous")
+                masked_m = torch.tensor([rows, full - 1], dtype=torch.int32)
+                dm = MASKED[kind](am, bm, torch.empty(g, full, n, dtype=torch.bfloat16), masked_m, full,
+                                  backend="cpu")  # fmt: skip
+                assert_bitwise_equal(dm[0, :rows], want_m[0, :rows], ctx=ctx + " masked")
+                assert_bitwise_equal(dm[1, : full - 1], want_m[1, : full - 1], ctx=ctx + " masked group 1")
+    finally:
+        torch.set_num_threads(before)
+
+
 # The fused AMX kernel (cpu backend, bf16 output, CPUs with AMX-BF16)
 
 requires_amx = pytest.mark.skipif(

@@ -8,7 +8,15 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["check_int", "check_topk_idx", "moved_module", "time_per_call"]
+__all__ = ["ROW_ALIGN", "check_int", "check_topk_idx", "moved_module", "time_per_call"]
+
+#: Row block of the CPU matrix products that must give a row the same bits whatever rows share its product.
+#: The CPU BLAS computes a row with other arithmetic for some small row counts (seen with MKL on an AVX2 EPYC:
+#: 1-3 rows, and with two threads also 5-7 and 9-11), so a row's bits would depend on how many rows share its
+#: product (two-batch overlap halves them, a CP rank holds a share of them, an expert gets other tokens).
+#: Products taken in whole blocks of this many rows (zero-padded) compute every row alike; the grouped GEMM's
+#: CPU path and the reference model's dense layers do.
+ROW_ALIGN = 8
 
 
 def check_int(name: str, value, minimum: int) -> int:

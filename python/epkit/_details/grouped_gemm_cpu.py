@@ -23,6 +23,7 @@ from epkit.quant import (
     dequant_per_block_fp8,
     dequant_per_token_group_fp8,
 )
+from epkit.utils import ROW_ALIGN
 
 __all__ = ["cpu_contiguous", "cpu_masked", "dequant_extension", "amx_kernel", "amx_disabled", "compute_dtype"]
 
@@ -236,9 +237,23 @@ def _weights(deq: _Dequant | None, kind: str, b, sfb, live: list[int], cd: torch
 def _mm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, res: torch.Tensor) -> None:
     """``out = x @ w^T`` for 2-D (one group) or 3-D (a batch of groups) operands; out is a view of d.
 
-    Where ``out`` cannot take the matmul's result (another dtype, or not contiguous), the product goes to
-    ``res`` (flat scratch of at least ``out.numel()`` elements of x's dtype, reused across calls: a fresh
+    The rows are taken in whole :data:`~epkit.utils.ROW_ALIGN` blocks, so a row's bits do not depend on its
+    group's size: the leading multiple of ROW_ALIGN rows straight from ``x``, the rest zero-padded to one more
+    block. Where ``out`` cannot take the matmul's result (another dtype, or not contiguous), the product goes
+    to ``res`` (flat scratch of at least ``out.numel()`` elements of x's dtype, reused across calls: a fresh
     result would be page-faulted in on every call) and is cast into ``out`` from there."""
+    rows = x.shape[-2]
+    head = rows - rows % ROW_ALIGN
+    if head:
+        _mm_block(x[..., :head, :], w, out[..., :head, :], res)
+    if head < rows:
+        tail = x.new_zeros((*x.shape[:-2], ROW_ALIGN, x.shape[-1]))
+        tail[..., : rows - head, :] = x[..., head:, :]
+        prod = torch.matmul(tail, w.transpose(-1, -2))
+        out[..., head:, :].copy_(prod[..., : rows - head, :])
+
+
+def _mm_block(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, res: torch.Tensor) -> None:
     mm = torch.matmul if x.dim() == 2 else torch.bmm
     if out.dtype == x.dtype and out.is_contiguous():
         mm(x, w.transpose(-1, -2), out=out)
@@ -331,7 +346,9 @@ def _cpu_contiguous_unfused(kind, a, sfa, b, sfb, d, counts, order, live, offs, 
             if is_slice[i]:
                 _mm_into(x, w[i], d[firsts[i] : lasts[i] + 1], res)
             else:
-                d.index_copy_(0, order[offs[i] : offs[i + 1]], torch.matmul(x, w[i].T).to(d.dtype))
+                r = res[: x.shape[0] * n].view(x.shape[0], n)
+                _mm_into(x, w[i], r, res[x.shape[0] * n :])
+                d.index_copy_(0, order[offs[i] : offs[i + 1]], r.to(d.dtype))
 
 
 def cpu_masked(kind, a, sfa, b, sfb, d, masked_m) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from epkit.lockstep import placeholder_batch
 from epkit.model.args import ModelArgs
+from epkit.utils import ROW_ALIGN
 
 __all__ = [
     "Batch",
@@ -83,13 +84,6 @@ class Batch:
 # communicates under DP attention, so it is not what the reference checks.
 
 
-#: Rows of a matrix product are padded to a multiple of this: the CPU BLAS computes a row with different
-#: arithmetic for some small row counts, so a row's value would depend on how many rows share its product
-#: (two-batch overlap halves the rows, a CP rank holds a share of them). Padded, every row gets the same
-#: bits whatever the batch around it.
-ROW_ALIGN = 8
-
-
 def pad_rows(x: torch.Tensor, align: int = ROW_ALIGN) -> torch.Tensor:
     """``x`` with zero rows appended up to a multiple of ``align`` rows (dimension 0)."""
     pad = -x.shape[0] % align
@@ -97,7 +91,7 @@ def pad_rows(x: torch.Tensor, align: int = ROW_ALIGN) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` with each row's bits independent of the other rows (see :data:`ROW_ALIGN`)."""
+    """``x @ w.T`` with each row's bits independent of the other rows (see :data:`epkit.utils.ROW_ALIGN`)."""
     return (pad_rows(x) @ w.T)[: x.shape[0]]
 
 

@@ -23,11 +23,12 @@ from epkit.engram import hash_tokens
 from epkit.experts import ExpertPlacement, logical_to_physical
 from epkit.model.args import ModelArgs, engram_config, engram_layer, init_weights, quantize_experts
 from epkit.model.cp import cp_prefill
-from epkit.model.layers import ROW_ALIGN, Batch, attention, check_batch, logits, rms_norm, route, swiglu_mlp
+from epkit.model.layers import Batch, attention, check_batch, logits, rms_norm, route, swiglu_mlp
 from epkit.model.profile import NULL_TIMER
 from epkit.model.tbo import tbo_decode
 from epkit.moe import expert_mlp
 from epkit.quant import per_token_group_cast_to_fp8
+from epkit.utils import ROW_ALIGN
 
 __all__ = ["DPEPModel"]
 
