@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
@@ -41,7 +40,7 @@ import traceback
 import warnings
 from datetime import timedelta
 
-from epkit.testing.multiprocess import DEFAULT_TIMEOUT, RankError
+from epkit.testing.multiprocess import DEFAULT_TIMEOUT, CallersStdio, RankError, start_context, stop_fork_server
 
 __all__ = ["SUBNET", "namespaces_unavailable", "requires_namespaces", "run_hosts", "set_link"]
 
@@ -108,7 +107,8 @@ def _libc_call(name: str, *args) -> None:
 
 
 def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: this process gets SIGKILL when the one that started it ends."""
+    """PR_SET_PDEATHSIG: this process gets SIGKILL when its parent ends: the fork server that forked it, which
+    ends when the process that started the server does (or that process, where ranks are spawned)."""
     _libc_call("prctl", 1, signal.SIGKILL, 0, 0, 0)
 
 
@@ -145,8 +145,14 @@ def _rank_main(payload: bytes, rank: int, world_size: int, timeout: float, out) 
             dist.destroy_process_group()
 
 
-def _host_main(index: int, hostname: str, ctrl, ranks: list[int], world_size: int, payload: bytes, timeout: float):
-    """One emulated host: make its namespaces, take its address, start its ranks and pass their reports on."""
+def _host_main(index: int, hostname: str, ctrl, ranks, world_size: int, payload: bytes, timeout: float, env, stdio):
+    """One emulated host: make its namespaces, take its address, start its ranks and pass their reports on.
+
+    Forked from a fork server (see :func:`~epkit.testing.multiprocess.start_context`): it takes the caller's
+    environment and stdio first; its ranks come from a fork server of its own, started inside its namespaces."""
+    stdio.take()
+    os.environ.clear()
+    os.environ.update(env)
     try:
         _die_with_parent()
         _become_host(hostname)
@@ -162,6 +168,7 @@ def _host_main(index: int, hostname: str, ctrl, ranks: list[int], world_size: in
 
             store = TCPStore(addr, _PORT, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         _forward(ctrl, ranks, world_size, payload, timeout)
+        stop_fork_server()  # the ranks' server: out of the namespaces before this host reports its /dev/shm
         ctrl.send(("dev_shm", sorted(os.listdir("/dev/shm"))))  # every rank of this host has ended by now
         ctrl.poll(timeout)  # the caller says when every host is done (host 0 keeps the store until then)
         del store
@@ -172,7 +179,7 @@ def _host_main(index: int, hostname: str, ctrl, ranks: list[int], world_size: in
 
 def _forward(ctrl, ranks: list[int], world_size: int, payload: bytes, timeout: float) -> None:
     """Start this host's ranks and send each one's report (or its death) to the caller, until all are in."""
-    ctx = mp.get_context("spawn")
+    ctx = start_context()
     procs, pipes = {}, {}
     try:
         for r in ranks:
@@ -311,9 +318,15 @@ def _in_netns(pid: int, netns: list[int]) -> bool:
         return False
 
 
+def _in_run(netns: list[int]) -> list[int]:
+    """Pids of the processes in the run's namespaces (the hosts' and the switch's): only the run's own."""
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if _in_netns(int(pid), netns)]
+
+
 def _end(procs: list, info: dict, switch: subprocess.Popen | None) -> None:
-    """Kill every process the run started (hosts, their ranks, the switch), each by its pid and only while it is
-    still in one of the run's namespaces (never a process that took a recycled pid), and wait until they are out."""
+    """Kill every process the run started (hosts, their ranks and fork servers, the switch) and wait until none
+    is left. A process is only killed while it is in one of the run's namespaces (never one that took a
+    recycled pid): the hosts' ranks and fork servers by a scan of /proc for those namespaces."""
     netns = info["netns"]
     for pid in info["rank_pids"]:
         if _in_netns(pid, netns):
@@ -333,11 +346,14 @@ def _end(procs: list, info: dict, switch: subprocess.Popen | None) -> None:
             switch.kill()
             switch.wait(5.0)
     deadline = time.monotonic() + 5.0
-    while any(_in_netns(pid, netns) for pid in info["rank_pids"]) and time.monotonic() < deadline:
+    while (left := _in_run(netns)) and time.monotonic() < deadline:
+        for pid in left:  # a host's fork server that has not seen its host end yet, or a rank it forked
+            if _in_netns(pid, netns):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
-    left = [pid for pid in info["rank_pids"] if _in_netns(pid, netns)]
     if left:  # said, not raised: the run's own result (or error) is what the caller asked for
-        warnings.warn(f"run_hosts: ranks {left} are still in the run's namespaces 5 s after the kill", stacklevel=3)
+        warnings.warn(f"run_hosts: processes {left} are still in the run's namespaces 5 s after the kill", stacklevel=3)
 
 
 def run_hosts(
@@ -381,15 +397,16 @@ def run_hosts(
         raise ValueError(f"{len(names)} hostnames for {hosts} hosts")
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     deadline, world = time.monotonic() + timeout, hosts * ranks_per_host
-    payload = pickle.dumps((fn, args, kwargs))
+    payload, env = pickle.dumps((fn, args, kwargs)), dict(os.environ)
     info = {} if info is None else info
     info.update(host_pids=[], rank_pids=[], switch_pid=None, netns=[], dev_shm={})
-    ctx, procs, ctrls, switch = mp.get_context("spawn"), [], [], None
+    ctx, procs, ctrls, switch = start_context(), [], [], None
     try:
         for h in range(hosts):
             mine, theirs = ctx.Pipe()
             ranks = list(range(h * ranks_per_host, (h + 1) * ranks_per_host))
-            procs.append(ctx.Process(target=_host_main, args=(h, names[h], theirs, ranks, world, payload, timeout)))
+            job = (h, names[h], theirs, ranks, world, payload, timeout, env, CallersStdio())
+            procs.append(ctx.Process(target=_host_main, args=job))
             procs[-1].start()
             theirs.close()
             ctrls.append(mine)

@@ -1,8 +1,15 @@
 """Run a function on N real processes joined by torch.distributed (gloo on 127.0.0.1).
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes; rank r
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes; rank r
 calls ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``
-and sends back its return value. The parent hosts the TCP store on a free
+and sends back its return value. The processes are forked from a
+multiprocessing fork server that has imported torch (once per parent
+process), not spawned: a spawned rank spends about 2 s importing torch,
+most of a small test's time. A rank still starts as a fresh interpreter
+would for everything else: it gets the parent's environment and working
+directory as they are at the call, and imports ``fn``'s module after taking
+that environment (epkit's own modules read the environment when called, not
+when imported). The parent hosts the TCP store on a free
 port chosen by the OS (no port races), waits with one deadline for all ranks,
 re-raises the first failing rank's exception with its traceback, and kills
 every rank when the deadline passes, so a test can never hang.
@@ -15,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.reduction as mp_reduction
 import os
+import pickle
 import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["RankError", "run_ranks", "ranks", "DEFAULT_TIMEOUT"]
+__all__ = ["RankError", "run_ranks", "ranks", "start_context", "stop_fork_server", "CallersStdio", "DEFAULT_TIMEOUT"]
 
 #: Seconds a whole multi-rank run may take before every rank is killed.
 DEFAULT_TIMEOUT = float(os.environ.get("EPKIT_TEST_RANK_TIMEOUT", "30"))
@@ -36,10 +45,82 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} raised {exc_type}:\n{tb}")
 
 
-def _child(fn, rank, world_size, port, args, kwargs, results, init_timeout, init_dist):
+#: What the fork server imports before forking ranks: torch only. Modules that read the environment at import
+#: (epkit's, triton's) are imported by each rank after it has taken the parent's environment.
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def start_context():
+    """The multiprocessing context that starts ranks: a fork server with torch imported where the platform has
+    one (Linux, macOS), else spawn. Also used by :mod:`epkit.testing.hosts`."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # only read when the server starts (the first call of a process)
+    return ctx
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server this process started (if any) and wait until it has exited, so that nothing of the
+    process outlives it (an emulated host's namespaces empty when its last process ends). A server that is not
+    stopped ends by itself once this process exits. Uses CPython's ForkServer._stop where it exists."""
+    from multiprocessing import forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        stop()
+
+
+class CallersStdio:
+    """The caller's stdout and stderr as they are when a process starts, for a process the fork server forks
+    (whose own are the server's, as they were when it started: under pytest, some earlier test's capture).
+    Pass one in a Process's arguments (it is pickled while the process starts, which duplicates the two file
+    descriptors for the child) and call :meth:`take` first thing in the child."""
+
+    def __init__(self):
+        self.fds: tuple = ()
+
+    def __reduce__(self):
+        fds = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed in the caller: the child keeps its own
+                fds.append(None)
+                continue
+            fds.append(mp_reduction.DupFd(fd))
+        return (_rebuild_stdio, (tuple(fds),))
+
+    def take(self) -> None:
+        """Make the caller's stdout and stderr this process's file descriptors 1 and 2."""
+        for target, dup in zip((1, 2), self.fds):
+            if dup is not None:
+                fd = dup.detach()
+                if fd != target:
+                    os.dup2(fd, target)
+                    os.close(fd)
+
+
+def _rebuild_stdio(fds: tuple) -> CallersStdio:
+    got = CallersStdio()
+    got.fds = fds
+    return got
+
+
+def _child(job, env, stdio, rank, world_size, port, results, init_timeout, init_dist):
+    # The fork server's environment and stdio are the parent's as they were when the server started: take
+    # today's first, then import what the job needs (fn's module, epkit) under them.
+    stdio.take()
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
+    try:
+        fn, args, kwargs = pickle.loads(job)
+    except BaseException as exc:  # noqa: BLE001 -- reported as the rank's error
+        results.send(("err", rank, (type(exc).__name__, traceback.format_exc())))
+        return
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
@@ -92,7 +173,7 @@ def run_ranks(
     may_die: tuple[int, ...] = (),
     **kwargs,
 ) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes (see the module docstring).
 
     Parameters
     ----------
@@ -122,7 +203,8 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-    ctx = mp.get_context("spawn")
+    job = pickle.dumps((fn, args, kwargs))  # here, so an unpicklable fn or argument fails in the caller
+    ctx = start_context()
     store = _host_store(timeout) if init_dist else None
     port = store.port if store is not None else 0
     # One pipe per rank, whose write end only that rank holds: a rank that dies, even in the middle
@@ -135,7 +217,7 @@ def run_ranks(
         procs.append(
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, port, args, kwargs, wr, timeout, init_dist),
+                args=(job, dict(os.environ), CallersStdio(), r, world_size, port, wr, timeout, init_dist),
                 daemon=True,
                 name=f"epkit-rank{r}",
             )
