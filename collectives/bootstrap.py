@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import threading
 import time
 
 import torch.distributed as dist
@@ -221,11 +222,22 @@ class Rendezvous:
         """The job's store under this buffer's prefix (for what a transport builds on it)."""
         return self._store
 
-    def forget(self) -> None:
-        """Delete this rank's keys (best effort; call once every rank has read them)."""
-        for k in self._mine:
-            try:
-                self._store.delete_key(k)
-            except Exception:  # noqa: BLE001 -- a store that is gone has nothing left to delete
-                break
-        self._mine = []
+    def forget(self, wait: bool = True) -> None:
+        """Delete this rank's keys (best effort; call once every rank has read them).
+
+        ``wait=False`` (a buffer broken by a failure) deletes them from a daemon thread and returns at once:
+        a store out of reach (this host cut off from the job's) would hold each delete for the store's own
+        timeout, minutes, where the buffer's close must not wait."""
+        keys, self._mine = self._mine, []
+        if wait:
+            _delete_keys(self._store, keys)
+        elif keys:
+            threading.Thread(target=_delete_keys, args=(self._store, keys), daemon=True).start()
+
+
+def _delete_keys(store, keys: list[str]) -> None:
+    for k in keys:
+        try:
+            store.delete_key(k)
+        except Exception:  # noqa: BLE001 -- a store that is gone has nothing left to delete
+            break

@@ -217,6 +217,10 @@ class EPBuffer(
         (leaving it by an exception skips the collective free, which could wait for the other ranks).
         """
         self._drop_caches()
+        parts = [self.buffer, *(self._hier.buffers() if self._hier is not None else ())]
+        failed = [b.broken for b in parts if b.broken is not None]  # one part failed: retire all (no collective
+        for b in parts if failed else ():  # close, no wait on the job's store: out of reach on a cut-off host)
+            b.mark_broken(failed[0])
         self.buffer.close()
         if self._hier is not None:
             self._hier.close()

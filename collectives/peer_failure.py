@@ -123,6 +123,11 @@ class FailureNotices:
 
     _broken: str | None = None
 
+    @property
+    def broken(self) -> str | None:
+        """Why this buffer was retired by a failure (see :meth:`mark_broken`), or None while it is usable."""
+        return self._broken
+
     def mark_broken(self, reason: str, culprit: int | None = None, silent: bool = False) -> None:
         """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree.
 

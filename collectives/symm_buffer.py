@@ -436,7 +436,7 @@ class SymmBuffer(FailureNotices):
         self._closed = True
         self.local = torch.empty(0, dtype=torch.uint8)
         self.impl.close(collective=collective)
-        self._rendezvous.forget()
+        self._rendezvous.forget(wait=self._broken is None and late is None)  # no wait on a broken job's store
         if late is not None:
             raise late
 

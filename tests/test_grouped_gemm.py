@@ -521,8 +521,8 @@ def test_a_rows_bits_do_not_depend_on_its_groups_size(kind, amx, monkeypatch):
     a, b, _, _ = make_inputs(kind, g, m, n, k, masked=False, seed=4)
     want = CONTIG[kind](a, b, torch.empty(m, n, dtype=torch.bfloat16), m_indices, backend="cpu")
     am, bm, _, _ = make_inputs(kind, g, full, n, k, masked=True, seed=5)
-    want_m = MASKED[kind](am, bm, torch.empty(g, full, n, dtype=torch.bfloat16), torch.full((g,), full, dtype=torch.int32), full,
-                          backend="cpu")  # fmt: skip
+    all_m = torch.full((g,), full, dtype=torch.int32)
+    want_m = MASKED[kind](am, bm, torch.empty(g, full, n, dtype=torch.bfloat16), all_m, full, backend="cpu")
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):

@@ -3,7 +3,8 @@
 It exists to prove the whole chain end to end, on CPU ranks as on GPUs, not to be fast. One
 forward on every DP rank (each rank holds its own sequences; the EP group spans all ranks)::
 
-    tokens -> Engram: hash_tokens -> ShardedEngramTable.fetch (ENP all-to-all, started before layer 0)
+    tokens -> Engram: hash_tokens -> ShardedEngramTable.fetch (started before layer 0; inside a host it reads
+              the owners' shards one-sided, across hosts it is an all_to_all)
            -> embedding -> per layer:
         an Engram layer (``engram_layer_ids``): the fetched rows through EngramLayer, added to the stream
         RMSNorm -> attention over this rank's own sequences (no communication; KV cache per sequence)
