@@ -165,17 +165,6 @@ void register_reduce_rows(py::module_ &m) {
 
 namespace {
 
-void gather_range(int64_t i0, int64_t i1, uintptr_t out, const int64_t *addrs, int64_t row_bytes) {
-    for (int64_t i = i0; i < i1; ++i) {
-        char *dst = reinterpret_cast<char *>(out) + i * row_bytes;
-        if (addrs[i] == 0) {
-            std::memset(dst, 0, static_cast<size_t>(row_bytes));
-        } else {
-            std::memcpy(dst, reinterpret_cast<const void *>(addrs[i]), static_cast<size_t>(row_bytes));
-        }
-    }
-}
-
 void copy_range(int64_t i0, int64_t i1, const int64_t *dst, const int64_t *src, int64_t row_bytes) {
     for (int64_t i = i0; i < i1; ++i) {
         if (dst[i] == 0 || src[i] == 0) continue;  // a skipped row (fixed-shape row lists mark unused slots 0)
@@ -206,17 +195,4 @@ void register_gather_by_address(py::module_ &m) {
         "Row i: copy row_bytes from address src_addrs[i] to dst_addrs[i] (int64 address arrays; rows must not "
         "overlap); a row where either address is 0 is skipped. Nothing is copied if the int64 word at `guard` "
         "(0: none) is nonzero.");
-    m.def(
-        "gather_rows_by_address",
-        [](uintptr_t out, uintptr_t addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {
-            if (num_rows < 0 || row_bytes < 0) throw std::invalid_argument("negative size");
-            if (num_rows == 0 || row_bytes == 0) return;
-            if (out == 0 || addrs == 0) throw std::invalid_argument("null pointer");
-            const int64_t *a = reinterpret_cast<const int64_t *>(addrs);
-            py::gil_scoped_release release;
-            for_row_ranges(num_rows, num_threads, 64,
-                           [&](int64_t lo, int64_t hi) { gather_range(lo, hi, out, a, row_bytes); });
-        },
-        py::arg("out"), py::arg("addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
-        "out[i] = bytes at addrs[i] (row_bytes each), a zero row where addrs[i] == 0.");
 }

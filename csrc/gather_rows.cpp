@@ -7,7 +7,8 @@
 // a time as it copies, so that a steady number of lines is in flight across row boundaries. When the output is
 // larger than the caches and its rows are whole 64-byte lines, rows are written with non-temporal (streaming)
 // stores: no line of `out` is read before it is overwritten, as in a large memcpy. An index outside [-1, N)
-// writes a zero row and is reported back (the caller raises).
+// writes a zero row and is reported back (the caller raises). gather_rows_by_address copies the same way from a
+// list of raw row addresses (0: a zero row): the one-sided Engram lookup's reads out of the owners' shards.
 
 #include <pybind11/pybind11.h>
 
@@ -33,21 +34,40 @@ constexpr int64_t kStreamBytes = 8 << 20;  // outputs at least this large are wr
 
 enum Store : int { PLAIN = 0, STREAM_AVX2 = 1, STREAM_AVX512 = 2 };
 
-// The prefetch cursor of one thread's range of output rows: the stream of the source rows it will read, a line at a
-// time (rows that read nothing, padding or an index outside [0, n), are skipped). line() prefetches the next line.
+// Where row i of the output comes from: a row of x by index, or a raw address (gather_rows_by_address). at(i) is
+// the source row, or nullptr for a zero row; bad(i) says whether that zero row stands for an invalid index.
 template <typename Idx>
-struct Prefetcher {
+struct IndexRows {
     const char *x;
     const Idx *index;
-    int64_t n, rb, row, end;      // the next row to enter the stream, and the range's end
+    int64_t n, rb;
+    inline const char *at(int64_t i) const {
+        const int64_t src = static_cast<int64_t>(index[i]);
+        return src >= 0 && src < n ? x + src * rb : nullptr;
+    }
+    inline bool bad(int64_t i) const { return static_cast<int64_t>(index[i]) != -1; }
+};
+
+struct AddressRows {
+    const int64_t *addrs;
+    inline const char *at(int64_t i) const { return reinterpret_cast<const char *>(addrs[i]); }
+    inline bool bad(int64_t) const { return false; }  // address 0: a zero row asked for
+};
+
+// The prefetch cursor of one thread's range of output rows: the stream of the source rows it will read, a line at a
+// time (rows that read nothing are skipped). line() prefetches the next line.
+template <typename Rows>
+struct Prefetcher {
+    const Rows &rows;
+    int64_t rb, row, end;         // the next row to enter the stream, and the range's end
     const char *p = nullptr;      // the next line of the row being prefetched
     int64_t left = 0;             // bytes of that row not yet prefetched
 
     inline void line() {
         while (left <= 0) {
             if (row >= end) return;
-            const int64_t src = static_cast<int64_t>(index[row++]);
-            if (src >= 0 && src < n) p = x + src * rb, left = rb;
+            const char *src = rows.at(row++);
+            if (src != nullptr) p = src, left = rb;
         }
         __builtin_prefetch(p, 0, 3);
         p += kLine;
@@ -61,9 +81,9 @@ struct Prefetcher {
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // A row of whole lines, streamed a line at a time, each line copied after the prefetch moves one line on.
-template <typename Idx>
+template <typename Rows>
 __attribute__((target("avx512f"))) void stream_row_avx512(char *dst, const char *src, int64_t bytes,
-                                                          Prefetcher<Idx> &pf) {
+                                                          Prefetcher<Rows> &pf) {
     for (int64_t o = 0; o < bytes; o += kLine) {
         pf.line();
         const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void *>(src + o));
@@ -71,8 +91,8 @@ __attribute__((target("avx512f"))) void stream_row_avx512(char *dst, const char 
     }
 }
 
-template <typename Idx>
-__attribute__((target("avx2"))) void stream_row_avx2(char *dst, const char *src, int64_t bytes, Prefetcher<Idx> &pf) {
+template <typename Rows>
+__attribute__((target("avx2"))) void stream_row_avx2(char *dst, const char *src, int64_t bytes, Prefetcher<Rows> &pf) {
     int64_t o = 0;
     for (; o + 2 * kLine <= bytes; o += 2 * kLine) {  // two lines a step: loads first, then stores
         pf.line();
@@ -102,13 +122,13 @@ __attribute__((target("avx2"))) void zero_row_stream(char *dst, int64_t bytes) {
 
 void fence() { _mm_sfence(); }
 #else
-template <typename Idx>
-void stream_row_avx512(char *dst, const char *src, int64_t bytes, Prefetcher<Idx> &pf) {
+template <typename Rows>
+void stream_row_avx512(char *dst, const char *src, int64_t bytes, Prefetcher<Rows> &pf) {
     pf.advance(bytes);
     std::memcpy(dst, src, bytes);
 }
-template <typename Idx>
-void stream_row_avx2(char *dst, const char *src, int64_t bytes, Prefetcher<Idx> &pf) {
+template <typename Rows>
+void stream_row_avx2(char *dst, const char *src, int64_t bytes, Prefetcher<Rows> &pf) {
     pf.advance(bytes);
     std::memcpy(dst, src, bytes);
 }
@@ -127,16 +147,15 @@ Store pick_store(uintptr_t out, int64_t rows, int64_t row_bytes) {
     return PLAIN;
 }
 
-template <typename Idx, Store S>
-void gather_range(int64_t i0, int64_t i1, char *out, const char *x, const Idx *index, int64_t n, int64_t rb,
-                  std::atomic<int64_t> &bad) {
-    Prefetcher<Idx> pf{x, index, n, rb, i0, i1};
+template <typename Rows, Store S>
+void gather_range(int64_t i0, int64_t i1, char *out, const Rows &rows, int64_t rb, std::atomic<int64_t> &bad) {
+    Prefetcher<Rows> pf{rows, rb, i0, i1};
     pf.advance(kPrefetchAhead);
     for (int64_t i = i0; i < i1; ++i) {
-        const int64_t src = static_cast<int64_t>(index[i]);
+        const char *src = rows.at(i);
         char *dst = out + i * rb;
-        if (src < 0 || src >= n) {
-            if (src != -1) {
+        if (src == nullptr) {
+            if (rows.bad(i)) {
                 int64_t none = -1;
                 bad.compare_exchange_strong(none, i);
             }
@@ -148,33 +167,30 @@ void gather_range(int64_t i0, int64_t i1, char *out, const char *x, const Idx *i
             continue;
         }
         if constexpr (S == STREAM_AVX512) {
-            stream_row_avx512(dst, x + src * rb, rb, pf);
+            stream_row_avx512(dst, src, rb, pf);
         } else if constexpr (S == STREAM_AVX2) {
-            stream_row_avx2(dst, x + src * rb, rb, pf);
+            stream_row_avx2(dst, src, rb, pf);
         } else {
             pf.advance(rb);
-            std::memcpy(dst, x + src * rb, static_cast<size_t>(rb));
+            std::memcpy(dst, src, static_cast<size_t>(rb));
         }
     }
     if constexpr (S != PLAIN) fence();
 }
 
-template <typename Idx>
-void gather(uintptr_t out, uintptr_t x, uintptr_t index, int64_t m, int64_t n, int64_t rb, int num_threads,
-            std::atomic<int64_t> &bad) {
+template <typename Rows>
+void gather(uintptr_t out, const Rows &rows, int64_t m, int64_t rb, int num_threads, std::atomic<int64_t> &bad) {
     char *o = reinterpret_cast<char *>(out);
-    const char *src = reinterpret_cast<const char *>(x);
-    const Idx *idx = reinterpret_cast<const Idx *>(index);
     const Store s = pick_store(out, m, rb);
     // chunks of ~256 KiB of rows: below that a chunk handed to another thread costs more than it saves
     const int64_t chunk_rows = std::max<int64_t>(16, (256 << 10) / std::max<int64_t>(1, rb));
     epk::parallel_chunks(m, num_threads, chunk_rows, [&](int64_t lo, int64_t hi) {
         if (s == STREAM_AVX512) {
-            gather_range<Idx, STREAM_AVX512>(lo, hi, o, src, idx, n, rb, bad);
+            gather_range<Rows, STREAM_AVX512>(lo, hi, o, rows, rb, bad);
         } else if (s == STREAM_AVX2) {
-            gather_range<Idx, STREAM_AVX2>(lo, hi, o, src, idx, n, rb, bad);
+            gather_range<Rows, STREAM_AVX2>(lo, hi, o, rows, rb, bad);
         } else {
-            gather_range<Idx, PLAIN>(lo, hi, o, src, idx, n, rb, bad);
+            gather_range<Rows, PLAIN>(lo, hi, o, rows, rb, bad);
         }
     });
 }
@@ -192,10 +208,13 @@ void register_gather_rows(py::module_ &m) {
             if (out == 0 || index == 0 || (num_rows > 0 && x == 0)) throw std::invalid_argument("null pointer");
             std::atomic<int64_t> bad{-1};
             py::gil_scoped_release release;
+            const char *src = reinterpret_cast<const char *>(x);
             if (index_bytes == 4) {
-                gather<int32_t>(out, x, index, num_out, num_rows, row_bytes, num_threads, bad);
+                const IndexRows<int32_t> rows{src, reinterpret_cast<const int32_t *>(index), num_rows, row_bytes};
+                gather(out, rows, num_out, row_bytes, num_threads, bad);
             } else {
-                gather<int64_t>(out, x, index, num_out, num_rows, row_bytes, num_threads, bad);
+                const IndexRows<int64_t> rows{src, reinterpret_cast<const int64_t *>(index), num_rows, row_bytes};
+                gather(out, rows, num_out, row_bytes, num_threads, bad);
             }
             return bad.load();
         },
@@ -204,4 +223,19 @@ void register_gather_rows(py::module_ &m) {
         "out[i] = row index[i] of x (row_bytes bytes each; contiguous out and x, int32 or int64 index), a zero row "
         "where index[i] is -1. Returns -1, or the first position found whose index is outside [-1, num_rows) "
         "(its row is zeroed).");
+    m.def(
+        "gather_rows_by_address",
+        [](uintptr_t out, uintptr_t addrs, int64_t num_rows, int64_t row_bytes, int num_threads) {
+            if (num_rows < 0 || row_bytes < 0) throw std::invalid_argument("negative size");
+            if (num_rows == 0 || row_bytes == 0) return;
+            if (out == 0 || addrs == 0) throw std::invalid_argument("null pointer");
+            const AddressRows rows{reinterpret_cast<const int64_t *>(addrs)};
+            std::atomic<int64_t> bad{-1};
+            py::gil_scoped_release release;
+            gather(out, rows, num_rows, row_bytes, num_threads, bad);
+        },
+        py::arg("out"), py::arg("addrs"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("num_threads"),
+        "out[i] = bytes at addrs[i] (row_bytes each; int64 addresses), a zero row where addrs[i] == 0; rows copied "
+        "as gather_rows copies them (a prefetch cursor ahead over the source rows, streaming stores for a large "
+        "out).");
 }

@@ -122,6 +122,17 @@ def test_row_copies_by_address():
     want = src[rows]
     want[7] = 0
     assert torch.equal(out, want)
+    # a large gather of whole-line rows (streaming stores, the prefetch cursor over zero rows too)
+    big = torch.randint(-(2**31), 2**31 - 1, (4096, 128), dtype=torch.int32, generator=gen)
+    rows = torch.randint(0, 4096, (20000,), generator=gen)
+    addrs = big.data_ptr() + rows * 512
+    addrs[::97] = 0
+    want = big[rows]
+    want[::97] = 0
+    for threads in (1, 2):
+        out = torch.full((20000, 128), 3, dtype=torch.int32)
+        _C.gather_rows_by_address(out.data_ptr(), addrs.data_ptr(), 20000, 512, threads)
+        assert torch.equal(out, want), threads
     # scatter + gather: dst[d[i]] = src[s[i]] (distinct destinations), rows not listed stay untouched
     dst = torch.full((400, 96), 5, dtype=torch.uint8)
     d_rows = torch.randperm(400, generator=gen)[:250]
