@@ -387,7 +387,9 @@ class ShardedEngramTable:
         -------
         hook : callable
             ``hook() -> Tensor [*row_ids.shape, dim]`` (table dtype), ``table[row_ids]``
-            bit for bit. Calling it again returns the same tensor.
+            bit for bit. Calling it again returns the same tensor. Without ``out``, a CPU table's
+            one-sided path takes the result from memory the table reuses once no tensor holds it
+            (its storage cannot be resized).
 
         Raises
         ------

@@ -26,7 +26,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epkit.collectives._details.ep_rows import META_MSG, align_up, by_address, decode_error, encode_error, move_rows
+from epkit.collectives._details.ep_rows import (
+    META_MSG,
+    RowPool,
+    align_up,
+    by_address,
+    decode_error,
+    encode_error,
+    move_rows,
+)
 
 __all__ = [
     "HEADER_BYTES",
@@ -97,6 +105,9 @@ class DirectShard:
         The local shard, a view of ``buf.local``.
     lookups : int
         Lookups (fetches) this rank took part in; every peer's "lookups read" word reaches it before a rewrite.
+    pool : RowPool or None
+        Memory of the results of fetches without ``out`` (CPU tables): a fresh multi-MiB result would take a page
+        fault per 4 KiB page on its first write, longer than the reads themselves.
     """
 
     def __init__(self, buf, num_per_part: int, dim: int, dtype: torch.dtype):
@@ -111,6 +122,7 @@ class DirectShard:
         adjust = [b - r * num_per_part * self.row_bytes for r, b in enumerate(self.bases)]
         self._adjust = torch.tensor(adjust, dtype=torch.int64, device=buf.local.device)
         self.lookups = 0
+        self.pool = RowPool() if buf.local.device.type == "cpu" else None
 
     def request(self, error: str | None, timeout: float, group_ranks: list[int]) -> list[tuple[int, str]]:
         """fetch's collective step: exchange the error flags (and texts); returns the bad calls' (rank, text).
@@ -198,7 +210,11 @@ class DirectHook:
         if self._result is None:
             out = self._out
             if out is None:
-                out = torch.empty((*self._shape, self._dim), dtype=self._dtype, device=self._src.device)
+                shape, pool = (*self._shape, self._dim), self._shard.pool
+                if pool is not None:
+                    out = pool.empty(shape, self._dtype)
+                else:
+                    out = torch.empty(shape, dtype=self._dtype, device=self._src.device)
             try:
                 self._shard.read(self._src, out.view(-1, self._dim))
             finally:
