@@ -6,10 +6,11 @@ and sends back its return value. The processes are forked from a
 multiprocessing fork server that has imported torch (once per parent
 process), not spawned: a spawned rank spends about 2 s importing torch,
 most of a small test's time. A rank still starts as a fresh interpreter
-would for everything else: it gets the parent's environment and working
-directory as they are at the call, and imports ``fn``'s module after taking
-that environment (epkit's own modules read the environment when called, not
-when imported). The parent hosts the TCP store on a free
+would for everything else: it gets the parent's environment, working
+directory, stdout and stderr as they are at the call, and imports ``fn``'s
+module after taking that environment (epkit's own modules read the
+environment when called, not when imported). Where the platform has no fork
+server, ranks are spawned. The parent hosts the TCP store on a free
 port chosen by the OS (no port races), waits with one deadline for all ranks,
 re-raises the first failing rank's exception with its traceback, and kills
 every rank when the deadline passes, so a test can never hang.
