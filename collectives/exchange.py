@@ -188,8 +188,8 @@ class TwoSidedExchange(Exchange):
     """Payloads staged on the sender and moved by the transport's timed ``all_to_all`` in :meth:`receive`."""
 
     def send_region(self, dst: int) -> torch.Tensor:
-        if self._staging[dst] is None:
-            self._staging[dst] = torch.empty(self.region_bytes, dtype=torch.uint8)
+        if self._staging[dst] is None:  # kept by the transport: the last exchange's sends have completed
+            self._staging[dst] = self.buf.impl.staging(dst, self.region_bytes)
         return self._staging[dst]
 
     def _send(self, dst: int, nbytes: int) -> None:

@@ -105,7 +105,8 @@ class Hierarchy:
 class HierarchyMixin:
     """The hierarchical normal mode of :class:`~epkit.collectives.ep_buffer.EPBuffer` (``self._hier``: a
     :class:`Hierarchy`, or None on a flat buffer). Uses the buffer's ``buffer`` (the flat agreement
-    exchanges), ``_agree_rows``, ``agree_on_handle``, ``_finish_dispatch`` and ``validate_dispatch``."""
+    exchanges), ``_agree_rows``, ``agree_on_handle``, ``_finish_dispatch``, ``_host_empty`` (result tensors)
+    and ``validate_dispatch``."""
 
     def _open_buffers(self, group, transport: str, sizes, kernels: str, timeout: float, hint: str) -> None:
         """Make ``self.buffer`` (``transport`` over the whole group; for :data:`HIERARCHICAL`, ``torch`` with
@@ -314,7 +315,7 @@ class HierarchyMixin:
         starts = [0]
         for c in recv_counts:
             starts.append(starts[-1] + c)
-        outs = [torch.empty((starts[-1], wd), dtype=torch.uint8) for wd in widths]
+        outs = [self._host_empty((starts[-1], wd), torch.uint8) for wd in widths]
         for src_fields, hit, s in zip(got, state["hit"], blocks[hy.local]):  # this rank's own forwards
             sel = hit[:, hy.local].nonzero().flatten()
             for f, dst_t in enumerate(outs):
@@ -348,7 +349,7 @@ class HierarchyMixin:
             rows = torch.cat([torch.arange(starts[g[lf]], starts[g[lf] + 1]) for g in hy.hosts])
             m = rows.numel()
             if m and handle.expand:
-                out = torch.empty((m, h), dtype=y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
+                out = self._host_empty((m, h), y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
                 slot = handle.expanded_slot[rows]
                 keep = torch.where(slot >= 0, 0, -1)
                 reduce_indexed(out.view(y.dtype).view(m, h), [y], keep, slot.clamp(min=0), weights[rows])
@@ -393,7 +394,7 @@ class HierarchyMixin:
         in_host = st["in_host"]
         src_of = torch.where(in_host, torch.arange(N), -1)
         row_of = (in_host.long().cumsum(0) - 1).clamp(min=0)
-        out = torch.empty((handle.num_tokens, h), dtype=y.dtype, device=y.device)
+        out = self._host_empty((handle.num_tokens, h), y.dtype)
         reduce_indexed(out, [v.view(y.dtype).view(-1, h) for v in back], src_of, row_of, None, biases)
         rail.release()
         return out

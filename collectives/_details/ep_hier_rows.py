@@ -29,6 +29,7 @@ def sum_by_host(
     send_tokens: list[torch.Tensor],
     biases: list[torch.Tensor],
     hosts: list[list[int]] | None,
+    empty=torch.empty_like,
 ) -> torch.Tensor:
     """Combine's source side in the two-level order: :func:`~epkit.collectives._details.ep_rows.sum_by_source`
     (same arguments) when ``hosts`` is None or one host, else, per host, the one-level sum over its ranks cast to
@@ -36,16 +37,15 @@ def sum_by_host(
     float32, plus the biases, cast. ``out [T, H]`` is written and returned.
 
     ``sources[r] [len(send_tokens[r]), H]``: what rank r sent back for the tokens this rank sent it
-    (``send_tokens[r]``, int64); ``hosts``: ``EPBuffer.hosts`` (lists of ranks, ascending).
+    (``send_tokens[r]``, int64); ``hosts``: ``EPBuffer.hosts`` (lists of ranks, ascending); ``empty(out)``
+    makes each host partial's tensor (like ``out``; an EPBuffer passes its pool's).
     """
     if hosts is None or len(hosts) <= 1:
         return sum_by_source(out, sources, send_tokens, biases)
     t_num, n = out.shape[0], len(hosts)
     partials, hit = [], torch.zeros((t_num, n), dtype=torch.bool)
     for h, ranks in enumerate(hosts):
-        partials.append(
-            sum_by_source(torch.empty_like(out), [sources[r] for r in ranks], [send_tokens[r] for r in ranks])
-        )
+        partials.append(sum_by_source(empty(out), [sources[r] for r in ranks], [send_tokens[r] for r in ranks]))
         for r in ranks:
             hit[send_tokens[r], h] = True
     src = torch.where(hit, torch.arange(n, dtype=torch.int64), -1)

@@ -308,6 +308,6 @@ class NormalModeMixin:
         views = ex.receive([t.numel() * row_bytes if r != me else 0 for r, t in enumerate(handle.send_tokens)])
         sources = [own if r == me else v.view(y.dtype).view(-1, h) for r, v in enumerate(views)]
         out = self._host_empty((handle.num_tokens, h), y.dtype)
-        sum_by_host(out, sources, handle.send_tokens, biases, self.hosts)
+        sum_by_host(out, sources, handle.send_tokens, biases, self.hosts, lambda t: self._host_empty(t.shape, t.dtype))
         ex.release()
         return out

@@ -55,6 +55,7 @@ class TorchTransport(Transport):
         self.local = torch.zeros(num_bytes, dtype=torch.uint8)
         #: Bytes sent to each rank of the group so far (headers and payloads; see the module docstring).
         self.bytes_sent = [0] * self.world_size
+        self._recv = torch.empty(0, dtype=torch.uint8)
         self._closed = False
 
     def _wait(self, work, deadline: float, timeout: float, src: int, what: str) -> None:
@@ -81,7 +82,7 @@ class TorchTransport(Transport):
         self._exchanges += 1
         n, me, w = self._exchanges, self.rank, self.world_size
         tag = 2 * (n % _TAGS)
-        recv = torch.empty(sum(recv_bytes), dtype=torch.uint8)
+        recv = self._receive_space(sum(recv_bytes))
         views = list(torch.split(recv, list(recv_bytes)))
         heads = [torch.zeros(_HEADER_WORDS, dtype=torch.int64) for _ in range(w)]
         got = {src: self.pg.recv([heads[src]], src, tag) for src in range(w) if src != me}
@@ -106,8 +107,17 @@ class TorchTransport(Transport):
                 self._wait(work, deadline, timeout, dst, f"{what} (receipt of this rank's)")
         except BaseException:
             _RETIRED.append((self.pg, recv, heads, sent))  # requests may still be posted into these
+            self._recv = torch.empty(0, dtype=torch.uint8)
             raise
         return views
+
+    def _receive_space(self, nbytes: int) -> torch.Tensor:
+        """``[nbytes]`` uint8 for one exchange's incoming payloads, kept between exchanges (the views of one are
+        read before the next begins: :class:`~epkit.collectives.exchange.Exchange` releases them first), so a
+        large message does not fault in fresh pages on every call."""
+        if self._recv.numel() < nbytes:
+            self._recv = torch.empty(nbytes, dtype=torch.uint8)
+        return self._recv[:nbytes]
 
     def _check_header(self, head: list[int], src: int, n: int, nbytes: int, what: str) -> None:
         buffer_id, epoch, size = head
@@ -123,4 +133,5 @@ class TorchTransport(Transport):
 
     def close(self, collective: bool) -> None:
         self._closed = True
-        self.local = torch.empty(0, dtype=torch.uint8)
+        self.local = self._recv = torch.empty(0, dtype=torch.uint8)
+        self._staging.clear()

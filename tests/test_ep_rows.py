@@ -1,0 +1,49 @@
+"""collectives/_details/ep_rows.py: the fused row reduction (``epkit._C.reduce_rows``, its AVX2 kernel for bf16 rows
+included) gives the bits of the torch formulation it stands for (``PORTABLE``: each product rounded, then added in
+float32, k ascending, the biases in order, one rounding to the output dtype). NaN payloads are the one thing compared
+by class only: a NaN is a NaN on both sides, and a bfloat16 NaN out of the fused kernels is 0x7FC0."""
+
+import pytest
+import torch
+
+from epkit.collectives._details import ep_rows
+from epkit.collectives._details.ep_rows import reduce_indexed
+
+
+def _rows(n: int, h: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Rows with the values that tell roundings apart: wide exponents, signed zeros, inf and NaN."""
+    x = torch.randn(n, h, generator=g) * torch.exp2(torch.randint(-20, 20, (n, h), generator=g).float())
+    flat = x.view(-1)
+    pick = torch.randint(0, flat.numel(), (6 * n,), generator=g)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.0e38])
+    flat[pick] = specials[torch.arange(pick.numel()) % specials.numel()]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("hidden", [2048, 200])
+def test_fused_reduction_gives_the_torch_formulation_bits(src_dtype, out_dtype, bias_dtype, weighted, hidden):
+    g = torch.Generator().manual_seed(hidden + 7 * weighted)
+    t_num, k = 67, 5
+    sources = [_rows(n, hidden, src_dtype, g) for n in (40, 9, 70)]
+    src_of = torch.randint(-1, len(sources), (t_num, k), generator=g)
+    src_of[3] = -1  # a token no row reaches: 0 plus the biases
+    row_of = torch.stack([torch.randint(0, sources[max(s, 0)].shape[0], (1,), generator=g) for s in src_of.view(-1)])
+    row_of = row_of.view(t_num, k)
+    weights = torch.randn(t_num, k, generator=g) if weighted else None
+    biases = [] if bias_dtype is None else [_rows(t_num, hidden, bias_dtype, g) for _ in range(2)]
+    fused = reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, weights, biases)
+    ep_rows.PORTABLE[0] = True
+    try:
+        want = reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, weights, biases)
+    finally:
+        ep_rows.PORTABLE[0] = False
+    nan = want.isnan()
+    assert nan.any() and torch.equal(fused.isnan(), nan)
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(fused.view(bits)[~nan], want.view(bits)[~nan])
+    if out_dtype == torch.bfloat16:  # the canonical NaN of torch's scalar rounding (its vectorised one gives 0xFFFF)
+        assert (fused.view(torch.int16)[nan] == 0x7FC0).all()
