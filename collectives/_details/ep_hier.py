@@ -10,16 +10,18 @@ layout and handle agreements and the low-latency mode):
 
 Dispatch: the layout agreement (one flat exchange; a rejected call is the same ValueError on every rank of
 every host before any row moves) tells each rank the rows each source sends it and, per source on its rail,
-the rows that source sends its host. Rank (h, l) then sends each token once to every host H holding one of
-its experts, to the rail peer (H, l): per row, its bytes, FP8 scales, global expert ids and weights (int32
-and float32, ``8 * num_topk`` bytes of metadata per row), each field block 16-byte aligned. (H, l) forwards
-each row over ``intra`` to every rank of its host holding one of the token's experts (itself included, a copy
-through its own region), with local ids; each rank puts the blocks in the flat order (source rank, then
-source token). A cached dispatch moves the rows and scales only (the routing stays in the handle).
+the rows that source sends its host. Rank (h, l) then sends each token once to every other host H holding one
+of its experts, to the rail peer (H, l): per row, its bytes, FP8 scales, global expert ids and weights (int32
+and float32, ``8 * num_topk`` bytes of metadata per row), each field block 16-byte aligned; its own host's
+tokens take no message (it forwards them from its own tensors). (H, l) forwards each row over ``intra`` to
+every rank of its host holding one of the token's experts, with local ids (its own rows straight into its
+results, through no region); each rank puts the blocks in the flat order (source rank, then source token).
+A cached dispatch moves the rows and scales only (the routing stays in the handle).
 
 Combine: each rank sends its rows (expanded: its per-rank partial, cast to ``y.dtype``) back to the rank
 that forwarded them; the forwarder sums, per rail row, its host's rows in ascending rank order in float32
-and casts (the host partial: one row per (token, host) crosses hosts); the source sums the host partials
+and casts (the host partial: one row per (token, host) crosses hosts; its own host's stays where it is
+summed); the source sums the host partials
 in host order in float32, adds the biases, casts (``ep_reference``'s two-level order, see ``ep_hier_rows``).
 
 Bytes across hosts (:meth:`HierarchyMixin.bytes_across_hosts`): every ``torch`` message carries a 24-byte
@@ -241,12 +243,13 @@ class HierarchyMixin:
         return recv_x, recv_s, recv_i, recv_w
 
     def _hier_rail_send(self, cols, widths: list[int], state: dict):
-        """Each host's tokens (``state["host_tokens"]``) to this rank's rail peer there, every field block by
-        index_select into the staging region. Returns the open exchange and the received per-peer field views
-        (``[rows, width]`` uint8 each)."""
+        """Each other host's tokens (``state["host_tokens"]``) to this rank's rail peer there, every field block
+        by index_select into the staging region; this host's own tokens take no message (they are read where
+        they are). Returns the open exchange and, per rail peer, ``(fields, rows)``: the received field views
+        (``[rows, width]`` uint8 each) and None, or for this host the sender's fields and the row of each."""
         hy = self._hier
         ex = hy.rail.exchange(hy.rail_region, tag="dispatch rail")
-        for step in range(hy.num_hosts):
+        for step in range(1, hy.num_hosts):
             H = (hy.host + step) % hy.num_hosts
             t = state["host_tokens"][H]
             n = t.numel()
@@ -256,11 +259,15 @@ class HierarchyMixin:
                 for c, wd, o in zip(cols, widths, offs):
                     torch.index_select(c, 0, t, out=region[o : o + n * wd].view(n, wd))
             ex.commit(H, end if n else 0)
+        ex.commit(hy.host, 0)
         counts = state["rail_counts"]
-        views = ex.receive([field_offsets(n, widths)[1] if n else 0 for n in counts])
+        sizes = [field_offsets(n, widths)[1] if n and hy.host != H else 0 for H, n in enumerate(counts)]
+        views = ex.receive(sizes)
         got = [
-            [v[o : o + n * wd].view(n, wd) for o, wd in zip(field_offsets(n, widths)[0], widths)]
-            for v, n in zip(views, counts)
+            (cols, state["host_tokens"][H])
+            if hy.host == H
+            else ([v[o : o + n * wd].view(n, wd) for o, wd in zip(field_offsets(n, widths)[0], widths)], None)
+            for H, (v, n) in enumerate(zip(views, counts))
         ]
         return ex, got
 
@@ -268,15 +275,19 @@ class HierarchyMixin:
         """Per rail peer, ``[rows, P]`` bool: which ranks of this host hold one of each received row's experts."""
         hy, K, L = self._hier, self.num_topk, self.num_local_experts
         out = []
-        for fields_ in got:
-            ids = fields_[-2].view(torch.int32).view(-1, K).long()
+        for fields_, rows in got:
+            ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows)
+            ids = ids.view(torch.int32).view(-1, K).long()
             rank_of = torch.where(ids >= 0, ids // L, -1)
             out.append(torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1))
         return out
 
-    def _hier_put(self, field, sel, out, to_rank: int | None) -> None:
-        """Rows ``sel`` of one received field into ``out`` (``[k, width]`` uint8); ``to_rank``: the global ids
-        field becomes that rank's local ids (-1 elsewhere); None: the bytes as they are."""
+    def _hier_put(self, field, rows, sel, out, to_rank: int | None) -> None:
+        """Received rows ``sel`` of one field (``rows``: None, or the field's row of each received row) into
+        ``out`` (``[k, width]`` uint8); ``to_rank``: the global ids field becomes that rank's local ids (-1
+        elsewhere); None: the bytes as they are."""
+        if rows is not None:
+            sel = rows.index_select(0, sel)
         if to_rank is None:
             torch.index_select(field, 0, sel, out=out)
             return
@@ -299,13 +310,13 @@ class HierarchyMixin:
             m = sum(s.numel() for s in sels)
             offs, end = field_offsets(m, widths)
             region, row = (ex.send_region(lp) if m else None), 0
-            for src_fields, sel in zip(got, sels):
+            for (src_fields, src_rows), sel in zip(got, sels):
                 k = sel.numel()
                 if not k:
                     continue
                 for f, (o, wd) in enumerate(zip(offs, widths)):
                     view = region[o + row * wd : o + (row + k) * wd].view(k, wd)
-                    self._hier_put(src_fields[f], sel, view, dst if f == id_f else None)
+                    self._hier_put(src_fields[f], src_rows, sel, view, dst if f == id_f else None)
                 row += k
             ex.commit(lp, end if m else 0)
         ex.commit(hy.local, 0)
@@ -316,10 +327,11 @@ class HierarchyMixin:
         for c in recv_counts:
             starts.append(starts[-1] + c)
         outs = [self._host_empty((starts[-1], wd), torch.uint8) for wd in widths]
-        for src_fields, hit, s in zip(got, state["hit"], blocks[hy.local]):  # this rank's own forwards
+        for (src_fields, src_rows), hit, s in zip(got, state["hit"], blocks[hy.local]):  # this rank's own forwards
             sel = hit[:, hy.local].nonzero().flatten()
             for f, dst_t in enumerate(outs):
-                self._hier_put(src_fields[f], sel, dst_t[starts[s] : starts[s + 1]], self.rank if f == id_f else None)
+                to_rank = self.rank if f == id_f else None
+                self._hier_put(src_fields[f], src_rows, sel, dst_t[starts[s] : starts[s + 1]], to_rank)
         for lf, (v, b, m) in enumerate(zip(views, blocks, sizes)):
             offs, _ = field_offsets(m, widths)
             row = 0
@@ -382,15 +394,18 @@ class HierarchyMixin:
                 row_of[:, hy.local] = remap[row_of[:, hy.local].clamp(max=remap.numel() - 1)]
             order.append((torch.where(hit, torch.arange(hy.per_host), -1), row_of))
             base = base + hit.long().sum(0)
-        for step in range(N):
-            H = (hy.host + step) % N
+        own = None
+        for step in range(N):  # this host's own partial last: it is read where it is, no message
+            H = (hy.host + step + 1) % N
             n = st["rail_counts"][H]
             if n:  # the host partial: this host's rows of each token, ranks ascending, float32, cast
-                out = rail.send_region(H)[: n * rb].view(y.dtype).view(n, h)
-                reduce_indexed(out, sources, order[H][0], order[H][1])
-            rail.commit(H, n * rb)
+                out = self._host_empty((n, h), y.dtype) if hy.host == H else rail.send_region(H)[: n * rb]
+                reduce_indexed(out.view(y.dtype).view(n, h), sources, order[H][0], order[H][1])
+                own = out if hy.host == H else own
+            rail.commit(H, 0 if hy.host == H else n * rb)
         ex.release()
-        back = rail.receive([t.numel() * rb for t in st["host_tokens"]])
+        back = rail.receive([t.numel() * rb if hy.host != H else 0 for H, t in enumerate(st["host_tokens"])])
+        back[hy.host] = own if own is not None else y[:0]
         in_host = st["in_host"]
         src_of = torch.where(in_host, torch.arange(N), -1)
         row_of = (in_host.long().cumsum(0) - 1).clamp(min=0)
