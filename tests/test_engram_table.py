@@ -273,12 +273,13 @@ def test_one_sided_reads_need_no_owner_hook_and_rewrites_wait_for_readers():
     assert run_ranks(_one_sided_worker, 2, timeout=60)[0] < 6.0
 
 
-def _pooled_worker(rank, world):
+def _pooled_worker(rank, world, transport):
     """Results of fetches without ``out`` come from reused memory (multi-MiB ones): one still held is never
     written by a later fetch, and one that was freed is reused."""
     rows, dim = 8192, 64  # 4096 ids x 64 float32 = 1 MiB per result: pooled
     full = _full_table(rows, dim, torch.float32, seed=6)
-    table = ShardedEngramTable(rows, dim, None, torch.float32, timeout=20.0, transport="shm")
+    table = ShardedEngramTable(rows, dim, None, torch.float32, timeout=20.0, transport=transport)
+    assert table.transport == transport
     lo = table.row_start
     table.load_rows(lo, full[lo : lo + table.num_per_part])
     ids = [torch.randint(0, rows, (4096,), generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
@@ -296,8 +297,9 @@ def _pooled_worker(rank, world):
     return third.data_ptr() == freed
 
 
-def test_pooled_results_are_never_reused_while_held():
-    assert run_ranks(_pooled_worker, 2, timeout=60) == [True, True]  # the freed block was taken again
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_pooled_results_are_never_reused_while_held(transport):
+    assert run_ranks(_pooled_worker, 2, transport, timeout=60) == [True, True]  # the freed block was taken again
 
 
 # Integration: hash_tokens -> fetch == full-table embedding lookup
