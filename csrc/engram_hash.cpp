@@ -6,15 +6,19 @@
 // epkit._details.engram_cpu.float_mod_table (its table [L, 6, H] float64 comes in as an address: rows c21, c42,
 // 1/d, d, offset, 1.5 * 2**52). Every value is an exact integer in float64, so the result is the reference's
 // bits with or without fused multiply-adds. A block of 16 tokens has its mixes made and split first (a loop
-// over tokens), then each token's heads go 4 at a time through vector operations (GCC vector extensions of
-// 256 bits, native on AVX2: wider ones are lowered lane by lane there, with scalar compares and spills; an
-// x86-64-v4 / AVX2 / generic clone is picked at load time). Chunks of tokens go to the calling thread and
+// over tokens), then 4 heads at a time go through vector operations for every token of the block, the step's
+// constants held in registers (GCC vector extensions of 256 bits, native on AVX2: wider ones are lowered lane
+// by lane there, with scalar compares and spills; an x86-64-v4 / x86-64-v3 (AVX2 + FMA) / generic clone is
+// picked at load time). Chunks of tokens go to the calling thread and
 // helper threads (parallel.h) with the GIL released.
 
 #include <pybind11/pybind11.h>
 
 // The vector helpers below are always inlined into their ISA clone: no vector crosses a call boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
+// The one file where contraction is wanted: every value is an exact integer in float64 but the reciprocal product,
+// whose single rounding under an FMA still leaves q the floor or one above (the other sources: -ffp-contract=off).
+#pragma GCC optimize("fp-contract=fast")
 
 #include "parallel.h"
 
@@ -81,20 +85,20 @@ Layer layer_tables(const Hash &p, int64_t l) {
 
 constexpr int64_t kBlock = 16;  // tokens whose mixes are split in one (vectorised) pass
 
-// Rows of one token's heads [s * kLanes, s * kLanes + kLanes) of one order: step i = k * steps + s of c.
-EPK_VEC_INLINE v4i head_rows(const double *__restrict c, double a2, double a1, double a0, v4d magic) {
+// Rows of one token's heads [s * kLanes, s * kLanes + kLanes) of one order, from its mix's chunks a2, a1, a0 and
+// that step's constants (c21 = 2**c mod d, c42 = 2**(2c) mod d, 1/d, d, offset).
+EPK_VEC_INLINE v4i head_rows(double a0, double a1, double a2, v4d c21, v4d c42, v4d inv, v4d d, v4d off, v4d magic) {
     const v4d zero = v4d{};
-    const v4d d = load4(c + 3 * kLanes);
-    const v4d y = (a0 + load4(c) * a1) + load4(c + kLanes) * a2;  // exact: == mix (mod d)
-    const v4d q = (magic + y * load4(c + 2 * kLanes)) - magic;   // round(y / d): floor or one above
-    const v4d r = y - q * d;                                      // exact, in (-d, d)
-    const v4l neg = r < zero;                                     // all ones where r < 0
-    const v4d fix = (v4d)((v4l)d & neg);                          // d where r < 0, else +0
-    return __builtin_convertvector((r + load4(c + 4 * kLanes)) + fix, v4i);
+    const v4d y = (a0 + c21 * a1) + c42 * a2;  // exact: == mix (mod d)
+    const v4d q = (magic + y * inv) - magic;   // round(y / d): floor or one above
+    const v4d r = y - q * d;                   // exact, in (-d, d)
+    const v4l neg = r < zero;                  // all ones where r < 0
+    const v4d fix = (v4d)((v4l)d & neg);       // d where r < 0, else +0
+    return __builtin_convertvector((r + off) + fix, v4i);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void hash_range(const Hash &p, const Layer &t, int64_t l, int64_t t0, int64_t t1) {
     const int64_t n = p.orders + 1, kh = p.heads_per_order, h_all = p.orders * kh;
@@ -121,19 +125,26 @@ void hash_range(const Hash &p, const Layer &t, int64_t l, int64_t t0, int64_t t1
                 at[2 * kBlock + b] = static_cast<double>(static_cast<int64_t>(mix[b] & mask));
             }
         }
-        for (int64_t b = 0; b < nb; ++b) {
-            int32_t *__restrict o = p.out + (l * p.tokens + b0 + b) * h_all;
-            for (int64_t k = 0; k < p.orders; ++k) {
-                const double *at = parts + k * 3 * kBlock + b;
-                const double a2 = at[0], a1 = at[kBlock], a0 = at[2 * kBlock];
-                const double *c = consts + k * steps * 5 * kLanes;
-                int32_t *dst = o + k * kh;
-                for (int64_t s = 0; s < whole; ++s) {
-                    *reinterpret_cast<v4i_u *>(dst + s * kLanes) = head_rows(c + s * 5 * kLanes, a2, a1, a0, magic);
-                }
-                if (whole < steps) {  // the last, padded step: its real heads only
-                    const v4i rows = head_rows(c + whole * 5 * kLanes, a2, a1, a0, magic);
-                    for (int64_t j = 0; j < kh - whole * kLanes; ++j) dst[whole * kLanes + j] = rows[j];
+        // One head step of one order at a time over the block's tokens: its five constant vectors stay in registers.
+        int32_t *__restrict o = p.out + (l * p.tokens + b0) * h_all;
+        for (int64_t k = 0; k < p.orders; ++k) {
+            const double *at = parts + k * 3 * kBlock;
+            for (int64_t s = 0; s < steps; ++s) {
+                const double *c = consts + (k * steps + s) * 5 * kLanes;
+                const v4d c21 = load4(c), c42 = load4(c + kLanes), inv = load4(c + 2 * kLanes);
+                const v4d d = load4(c + 3 * kLanes), off = load4(c + 4 * kLanes);
+                int32_t *dst = o + k * kh + s * kLanes;
+                if (s < whole) {
+                    for (int64_t b = 0; b < nb; ++b) {
+                        *reinterpret_cast<v4i_u *>(dst + b * h_all) =
+                            head_rows(at[2 * kBlock + b], at[kBlock + b], at[b], c21, c42, inv, d, off, magic);
+                    }
+                } else {  // the last, padded step: its real heads only
+                    for (int64_t b = 0; b < nb; ++b) {
+                        const v4i rows =
+                            head_rows(at[2 * kBlock + b], at[kBlock + b], at[b], c21, c42, inv, d, off, magic);
+                        for (int64_t j = 0; j < kh - whole * kLanes; ++j) dst[b * h_all + j] = rows[j];
+                    }
                 }
             }
         }
