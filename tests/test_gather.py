@@ -116,27 +116,66 @@ def test_env_backend_override(monkeypatch):
     assert select("gather_rows", "cpu") == "reference"
 
 
+@pytest.fixture(params=["c++", "index_select"])
+def cpu_path(request, monkeypatch):
+    """The cpu backend's two paths at any size: the C++ gather, or torch.index_select (which it takes for small
+    results on one thread, ``epkit.gather.INDEX_SELECT_BYTES``)."""
+    import epkit.gather as gather_mod
+
+    if request.param == "c++":
+        monkeypatch.setattr(gather_mod, "INDEX_SELECT_BYTES", 0)
+    else:
+        monkeypatch.setattr(gather_mod, "_index_select_faster", lambda out: True)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,m,width", [(37, 53, 5), (1, 4, 1), (0, 3, 7), (300, 129, 96)])
+@pytest.mark.parametrize("check_index", [True, False])
+def test_gather_cpu_paths_bit_exact(cpu_path, dtype, n, m, width, check_index):
+    g = torch.Generator().manual_seed(n * 1000 + m + width)
+    x = _rand((n, width), dtype, g)
+    index = (
+        torch.randint(-1, max(n, 1), (m,), generator=g, dtype=torch.int32)
+        if n
+        else torch.full((m,), -1, dtype=torch.int32)
+    )
+    got = epkit.gather_rows(x, index, backend="cpu", check_index=check_index)
+    assert_bitwise_equal(got, _expected(x, index), ctx=f"{cpu_path=} {dtype=} {n=} {m=} {width=}")
+    if n:  # no padding: the index_select path's one-pass case
+        full = index.clamp(min=0)
+        got = epkit.gather_rows(x, full, backend="cpu", check_index=check_index)
+        assert_bitwise_equal(got, _expected(x, full), ctx=f"{cpu_path=} {dtype=} no padding")
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gather_cpu_large_streaming_and_threaded(threads):
-    # 8 MiB of output on 2 threads: the C++ gather's streaming stores and thread split (tiny tests take neither).
+def test_gather_cpu_large_streaming_and_threaded(threads, monkeypatch):
+    # A 9 MiB source (past the C++ gather's cached-source size: read with its prefetch cursor), 8 MiB of output
+    # (streaming stores) and, on 2 threads, its thread split (a helper per 2 MiB); tiny tests take none of these.
+    import epkit.gather as gather_mod
+
+    monkeypatch.setattr(gather_mod, "INDEX_SELECT_BYTES", 0)
     g = torch.Generator().manual_seed(threads)
-    x = _rand((3000, 1024), torch.bfloat16, g)
-    index = torch.randint(-1, 3000, (4096,), generator=g, dtype=torch.int64)
+    x = _rand((4500, 1024), torch.bfloat16, g)
+    index = torch.randint(-1, 4500, (4096,), generator=g, dtype=torch.int64)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = epkit.gather_rows(x, index, backend="cpu")
+        few = epkit.gather_rows(x, index[:512], backend="cpu")  # 1 MiB out: plain stores, prefetched source
         odd = epkit.gather_rows(x[:, :999], index.to(torch.int32), backend="cpu")  # rows of no whole cache line
     finally:
         torch.set_num_threads(before)
     assert_bitwise_equal(got, _expected(x, index), ctx=f"{threads=}")
+    assert_bitwise_equal(few, _expected(x, index[:512]), ctx=f"{threads=} few rows")
     assert_bitwise_equal(odd, _expected(x[:, :999].contiguous(), index), ctx=f"{threads=} odd rows")
 
 
-def test_gather_cpu_unchecked_bad_index_raises():
+@pytest.mark.parametrize("bad", [4, -2])
+def test_gather_cpu_unchecked_bad_index_raises(cpu_path, bad):
     x = torch.arange(8.0).view(4, 2)
-    with pytest.raises(IndexError, match=r"index\[1\] = 4 is outside \[-1, 4\)"):
-        epkit.gather_rows(x, torch.tensor([0, 4, 1], dtype=torch.int32), backend="cpu", check_index=False)
+    with pytest.raises(IndexError, match=rf"index\[1\] = {bad} is outside \[-1, 4\)"):
+        epkit.gather_rows(x, torch.tensor([0, bad, 1], dtype=torch.int32), backend="cpu", check_index=False)
 
 
 def test_gather_cpu_without_the_extension(monkeypatch):
@@ -216,3 +255,45 @@ def test_gather_cpu_eager_call_acts_as_the_op():
         got = epkit.gather_rows(x, index)
     assert any("epkit.gather_rows" in op for op in mode.ops), mode.ops
     assert torch.equal(got, torch.tensor([[6.0, 7.0], [0.0, 0.0]]))
+
+
+def _gather_in_child(q, x, index, want):
+    # No torch op in a forked child of a process whose torch threads ran (OpenMP does not survive fork): the C++
+    # gather is called on the parent's tensors with 2 helpers, and the result compared in numpy.
+    import numpy as np
+
+    from epkit import _C
+
+    out = torch.empty_like(x)
+    bad = _C.gather_rows(out.data_ptr(), x.data_ptr(), index.data_ptr(), 8, x.shape[0], x.shape[0], 2048, 2)
+    q.put(bad == -1 and bool(np.array_equal(out.numpy(), want.numpy())))
+
+
+def test_gather_cpu_helpers_after_fork(monkeypatch):
+    # The C++ gather's helper threads sleep in a pool between calls; a forked child has none of them and must still
+    # finish, with the right rows (a gather that waited for the parent's helpers would hang here).
+    import multiprocessing as mp
+
+    import epkit.gather as gather_mod
+
+    monkeypatch.setattr(gather_mod, "INDEX_SELECT_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.arange(4096 * 512, dtype=torch.float32).view(4096, 512)
+        index = torch.arange(4095, -1, -1)
+        want = x.flip(0).contiguous()
+        assert torch.equal(epkit.gather_rows(x, index, backend="cpu"), want)  # the pool has its helper now
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_gather_in_child, args=(q, x, index, want))
+        p.start()
+        try:
+            assert q.get(timeout=60) is True
+        finally:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        assert p.exitcode == 0
+    finally:
+        torch.set_num_threads(before)

@@ -216,6 +216,8 @@ def select(op: str, device: torch.device | str, backend: str = "auto") -> str:
             _FORCED_LOGGED.add((op, dtype))
             _log.info("EPKIT_BACKEND=%s forces %s on %s tensors to the %s backend", env, op, dtype, chosen)
         return _logged(op, dtype, "auto", chosen)
+    if dtype == "cpu" and order and order[0] == "cpu":  # the cpu backend always runs on CPU tensors: no probe
+        return _logged(op, dtype, "auto", "cpu")
     reasons = []
     for cand in order:
         info = backend_info(cand)

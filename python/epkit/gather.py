@@ -72,6 +72,11 @@ def _check_index_values(x: torch.Tensor, index: torch.Tensor) -> int | None:
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Dtypes whose rows torch.index_select moves in their own type (a plain element copy, bit for bit): on the CPU
+# that is faster than the integer words of _as_words.
+_SELECT_DTYPES = frozenset(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8)
+)
 
 
 def _as_words(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -165,10 +170,19 @@ def _gather_into(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backen
     if m == 0 or out.numel() == 0:
         return
     xc = x.contiguous()
-    if impl == "cpu" and _gather_extension() is not None:
+    if impl == "cpu" and _gather_extension() is not None and not _index_select_faster(out):
         _gather_c(xc, index.contiguous(), out)
         return
-    x_words, out_words = _as_words(xc, n), _as_words(out, m)
+    if impl == "cpu" and lo is None:  # unchecked: raise on a bad index as the C++ gather does; padding decides below
+        lo, hi = (int(v) for v in torch.aminmax(index))
+        if lo < -1 or hi >= n:
+            bad = int(((index < -1) | (index >= n)).nonzero()[0])
+            raise IndexError(f"index[{bad}] = {int(index[bad])} is outside [-1, {n}) (x has {n} rows)")
+    if impl == "cpu" and xc.dtype in _SELECT_DTYPES:  # rows of a dtype index_select copies as they are
+        width = math.prod(xc.shape[1:])
+        x_words, out_words = xc.view(n, width), out.view(m, width)
+    else:
+        x_words, out_words = _as_words(xc, n), _as_words(out, m)
     if x_words.dtype != out_words.dtype:  # alignment differs: fall back to the common word
         size = min(x_words.element_size(), out_words.element_size())
         x_words = xc.reshape(-1).view(torch.uint8).view(_WORDS[size]).view(n, -1)
@@ -191,6 +205,17 @@ def _gather_into(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backen
     else:
         from epkit.kernels.tilelang.gather import gather_rows_words
     gather_rows_words(x_words, index, out_words)
+
+
+#: On one thread, output bytes below which ``torch.index_select`` is at least as fast as the C++ gather: a
+#: result that fits the caches, where prefetching has nothing to win (measured on 2 cores, quiet: level at 4 MiB,
+#: the C++ gather 1.2x ahead at 8 MiB; ``bench/README.md``). On more threads the C++ gather runs at every size
+#: (its helpers split the copy from 4 MiB).
+INDEX_SELECT_BYTES = 8 << 20
+
+
+def _index_select_faster(out: torch.Tensor) -> bool:
+    return torch.get_num_threads() == 1 and out.numel() * out.element_size() < INDEX_SELECT_BYTES
 
 
 @functools.cache
