@@ -4,8 +4,9 @@
 //
 // with int64 wrapping products and floor-mod, by the division-free scheme of
 // epkit._details.engram_cpu.float_mod_table (its table [L, 6, H] float64 comes in as an address: rows c21, c42,
-// 1/d, d, offset, 1.5 * 2**52). Every value is an exact integer in float64, so the result is the reference's
-// bits with or without fused multiply-adds. A block of 16 tokens has its mixes made and split first (a loop
+// 1/d, d, offset, 1.5 * 2**52). Every value but 1/d and y * (1/d) is an exact integer in float64 (y < 2**53), and
+// the quotient's one or two roundings leave it the floor or one above, which the fix-up corrects: the result is
+// the reference's bits with or without fused multiply-adds. A block of 16 tokens has its mixes made and split first (a loop
 // over tokens), then 4 heads at a time go through vector operations for every token of the block, the step's
 // constants held in registers (GCC vector extensions of 256 bits, native on AVX2: wider ones are lowered lane
 // by lane there, with scalar compares and spills; an x86-64-v4 / x86-64-v3 (AVX2 + FMA) / generic clone is
@@ -160,7 +161,8 @@ void register_engram_hash(py::module_ &m) {
            int64_t layers, int chunk_bits, int num_threads) {
             if (tokens < 0 || n < 2 || heads < 0 || layers < 0) throw std::invalid_argument("bad size");
             if (heads % (n - 1) != 0) throw std::invalid_argument("heads must be a multiple of N - 1");
-            if (chunk_bits < 1 || chunk_bits > 31) throw std::invalid_argument("chunk_bits must be in [1, 31]");
+            // the exactness bounds (|a1 * c21| <= 2**51, y < 2**53) are float_mod_table's, for its 21-bit split only
+            if (chunk_bits != 21) throw std::invalid_argument("chunk_bits must be 21 (float_mod_table's split)");
             if (tokens == 0 || heads == 0 || layers == 0) return;
             if (out == 0 || ids == 0 || mult == 0 || table == 0) throw std::invalid_argument("null pointer");
             const Hash p{reinterpret_cast<int32_t *>(out), reinterpret_cast<const int32_t *>(ids),

@@ -6,8 +6,9 @@
 // The caller never waits for a helper to be scheduled: on a machine shared with other jobs a woken thread can wait
 // milliseconds for a core, and meanwhile the caller takes every chunk itself. It returns once every chunk taken is
 // finished. A helper that wakes late finds no chunk left and goes back to sleep without touching the caller's data
-// (the counter lives in a shared_ptr the job holds). `fn` must not throw. After fork() the child starts with an
-// empty pool (pthread_atfork): the parent's sleeping helpers do not exist there.
+// (the counter lives in a shared_ptr the job holds). An exception in a chunk is rethrown by the caller once every
+// chunk is done. After fork() the child starts with an empty pool (pthread_atfork): the parent's sleeping helpers
+// do not exist there (and the process that forks has threads: Python 3.12+ warns of fork in such a process).
 #pragma once
 
 #include <pthread.h>
@@ -16,6 +17,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -39,10 +41,12 @@ class Pool {
         return *current();
     }
 
-    // Up to `helpers` threads call `job` (each once) as soon as they wake.
+    // Up to `helpers` threads call `job` (each once) as soon as they wake. Never blocks on a helper: when a helper
+    // holds the lock (it just woke), nothing is offered and the caller takes every chunk itself.
     void offer(std::shared_ptr<const std::function<void()>> job, int64_t helpers) {
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+            if (!lock.owns_lock()) return;
             job_ = std::move(job);
             wanted_ = helpers;
             ++generation_;
@@ -54,7 +58,7 @@ class Pool {
                 }
             }
         }
-        cv_.notify_all();
+        for (int64_t i = 0; i < helpers; ++i) cv_.notify_one();
     }
 
   private:
@@ -101,20 +105,28 @@ void parallel_chunks(int64_t n, int num_threads, int64_t chunk, const Fn &fn) {
     }
     struct State {
         std::atomic<int64_t> next{0}, done{0};
+        std::mutex error_mu;
+        std::exception_ptr error;  // the first exception of a chunk; the caller rethrows it
     };
     auto state = std::make_shared<State>();
     // a helper calls fn only for a chunk it took before the counter ran out, and the caller waits for that chunk
-    // below: fn (and what it refers to) is alive whenever a helper calls it
+    // below (a chunk that throws counts as done): fn (and what it refers to) is alive whenever a helper calls it
     const Fn *f = &fn;
     auto work = std::make_shared<const std::function<void()>>([state, n, chunk, chunks, f]() {
         for (int64_t c = state->next.fetch_add(1); c < chunks; c = state->next.fetch_add(1)) {
-            (*f)(c * chunk, std::min(n, (c + 1) * chunk));
+            try {
+                (*f)(c * chunk, std::min(n, (c + 1) * chunk));
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(state->error_mu);
+                if (!state->error) state->error = std::current_exception();
+            }
             state->done.fetch_add(1, std::memory_order_release);
         }
     });
     detail::Pool::get().offer(work, helpers);
     (*work)();
     while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+    if (state->error) std::rethrow_exception(state->error);
 }
 
 }  // namespace epk

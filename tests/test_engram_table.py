@@ -275,8 +275,9 @@ def test_one_sided_reads_need_no_owner_hook_and_rewrites_wait_for_readers():
 
 def _pooled_worker(rank, world, transport):
     """Results of fetches without ``out`` come from reused memory (multi-MiB ones): one still held is never
-    written by a later fetch, and one that was freed is reused."""
-    rows, dim = 8192, 64  # 4096 ids x 64 float32 = 1 MiB per result: pooled
+    written by a later fetch, and one that was freed is reused. On the all_to_all path the rows served and
+    received come from the same pool: they never take a held result's memory either."""
+    rows, dim = 8192, 128  # 4096 ids x 128 float32 = 2 MiB per result, ~1.6 MiB served and received: pooled
     full = _full_table(rows, dim, torch.float32, seed=6)
     table = ShardedEngramTable(rows, dim, None, torch.float32, timeout=20.0, transport=transport)
     assert table.transport == transport

@@ -459,6 +459,22 @@ def test_row_pool_reuses_a_block_only_once_every_view_of_it_is_gone():
     assert pool.empty((8, 8), torch.float32).numel() == 64  # small requests are plain torch.empty
 
 
+def test_row_pool_takes_back_blocks_freed_on_other_threads():
+    # gloo may drop the last tensor of a block on its own thread: the block still comes back to the pool
+    import threading
+
+    from epkit.collectives._details.ep_rows import RowPool
+
+    pool = RowPool(max_free=2)
+    holder = [pool.empty((1024, 1024), torch.float32)]
+    addr = holder[0].data_ptr()
+    t = threading.Thread(target=holder.clear)  # the last reference goes on the other thread
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive() and not holder
+    assert pool.empty((1024, 1024), torch.float32).data_ptr() == addr
+
+
 def _gpu_loopback(rank, world_size):
     """EPBuffer(nvshmem) on one GPU: the CUDA path against the CPU reference, bit for bit."""
     torch.cuda.set_device(0)

@@ -123,6 +123,7 @@ def cpu_path(request, monkeypatch):
     import epkit.gather as gather_mod
 
     if request.param == "c++":
+        assert gather_mod._gather_extension() is not None, "epkit._C has no gather_rows: the C++ path is not built"
         monkeypatch.setattr(gather_mod, "INDEX_SELECT_BYTES", 0)
     else:
         monkeypatch.setattr(gather_mod, "_index_select_faster", lambda out: True)
@@ -151,7 +152,7 @@ def test_gather_cpu_paths_bit_exact(cpu_path, dtype, n, m, width, check_index):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gather_cpu_large_streaming_and_threaded(threads, monkeypatch):
     # A 9 MiB source (past the C++ gather's cached-source size: read with its prefetch cursor), 8 MiB of output
-    # (streaming stores) and, on 2 threads, its thread split (a helper per 2 MiB); tiny tests take none of these.
+    # (streaming stores) and, on 2 threads, its thread split (chunks of 256 KiB); tiny tests take none of these.
     import epkit.gather as gather_mod
 
     monkeypatch.setattr(gather_mod, "INDEX_SELECT_BYTES", 0)
@@ -258,8 +259,8 @@ def test_gather_cpu_eager_call_acts_as_the_op():
 
 
 def _gather_in_child(q, x, index, want):
-    # No torch op in a forked child of a process whose torch threads ran (OpenMP does not survive fork): the C++
-    # gather is called on the parent's tensors with 2 helpers, and the result compared in numpy.
+    # No parallel torch op in a forked child of a process whose torch threads ran (OpenMP does not survive fork):
+    # the C++ gather is called on the parent's tensors with 2 threads, and the result compared in numpy.
     import numpy as np
 
     from epkit import _C
@@ -271,7 +272,8 @@ def _gather_in_child(q, x, index, want):
 
 def test_gather_cpu_helpers_after_fork(monkeypatch):
     # The C++ gather's helper threads sleep in a pool between calls; a forked child has none of them and must still
-    # finish, with the right rows (a gather that waited for the parent's helpers would hang here).
+    # finish with the right rows (a gather that waited for a helper to show up would hang here). Whether the child
+    # starts helpers of its own is not observed.
     import multiprocessing as mp
 
     import epkit.gather as gather_mod

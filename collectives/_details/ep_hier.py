@@ -298,8 +298,9 @@ class HierarchyMixin:
 
     def _hier_forward(self, got, widths: list[int], state: dict, recv_counts: list[int], with_meta: bool):
         """Forward the rail rows to the ranks of this host (``state["hit"]``), then place what this rank gets
-        from every forwarder in the flat order (its own rows straight from the rail views: no region between);
-        returns one ``[R, width]`` uint8 tensor per field."""
+        from every forwarder in the flat order (what it forwards to itself straight from the rail views, or from
+        the sender's own fields for its own host's tokens: no region between); returns one ``[R, width]`` uint8
+        tensor per field."""
         hy = self._hier
         id_f = len(widths) - 2 if with_meta else -1
         ex = hy.intra.exchange(hy.intra_region, tag="dispatch intra")

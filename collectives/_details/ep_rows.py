@@ -8,6 +8,7 @@ device path on CPU), take the same arithmetic in torch ops: bitwise the same res
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 
@@ -330,30 +331,43 @@ class RowPool:
 
     def __init__(self, max_free: int = 4):
         self.max_free = max_free
-        self._free: list[torch.Tensor] = []  # uint8 blocks no tensor uses
+        self._free: list[torch.Tensor] = []  # uint8 blocks no tensor uses (touched by empty() only)
+        # Blocks given back and not yet sorted into _free: a lease may be freed on another thread (gloo's, when
+        # it drops the last tensor it sent from) or by the garbage collector in the middle of empty(); appending
+        # to a deque is atomic, so empty() alone edits _free.
+        self._returned: collections.deque[torch.Tensor] = collections.deque()
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype`` (like ``torch.empty``)."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0 or nbytes < self.MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
+        self._take_returned()
         fit = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
         if fit:
             block = self._free.pop(min(fit, key=lambda i: self._free[i].numel()))
         else:  # an eighth more than asked: the next call's routing may need a few more rows
             block = torch.empty(align_up(nbytes + nbytes // 8, 1 << 16), dtype=torch.uint8)
+        if block.numel() < nbytes:
+            raise AssertionError(f"RowPool: a block of {block.numel()} bytes for {nbytes}")
         arr = (ctypes.c_uint8 * nbytes).from_address(block.data_ptr())
         arr._epkit_lease = _Lease(self, block)  # freed with the array, which torch.frombuffer keeps alive
         return torch.frombuffer(arr, dtype=torch.uint8).view(dtype).view(shape)
 
     def give_back(self, block: torch.Tensor) -> None:
-        """A block no tensor uses any more (called by its lease): keep it, in place of the smallest if full."""
-        if len(self._free) >= self.max_free:
-            smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
-            if self._free[smallest].numel() >= block.numel():
-                return
-            self._free.pop(smallest)
-        self._free.append(block)
+        """A block no tensor uses any more (called by its lease, from any thread): kept for the next :meth:`empty`."""
+        self._returned.append(block)
+
+    def _take_returned(self) -> None:
+        """Sort the blocks given back into the free list: at most ``max_free``, the smallest dropped first."""
+        while self._returned:
+            block = self._returned.popleft()
+            if len(self._free) >= self.max_free:
+                smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+                if self._free[smallest].numel() >= block.numel():
+                    continue
+                self._free.pop(smallest)
+            self._free.append(block)
 
 
 class _Lease:

@@ -39,7 +39,8 @@ class TorchTransport(Transport):
 
     def __init__(self, rv, hello: list[dict], num_bytes: int, num_signals: int):
         super().__init__(rv, hello, num_bytes, num_signals)
-        self.check_memory(hello, 2 * num_bytes, "the local buffer and one message's staging")
+        # local, the staging of one message per peer and the receive space, each kept between exchanges
+        self.check_memory(hello, 3 * num_bytes, "the local buffer, the per-peer staging and the receive space")
         self.buffer_id = rv.buffer_id
         self._exchanges = 0
         try:
@@ -106,8 +107,9 @@ class TorchTransport(Transport):
             for dst, _, work in sent:
                 self._wait(work, deadline, timeout, dst, f"{what} (receipt of this rank's)")
         except BaseException:
-            _RETIRED.append((self.pg, recv, heads, sent))  # requests may still be posted into these
+            _RETIRED.append((self.pg, recv, heads, sent))  # requests may still be posted into (or from) these
             self._recv = torch.empty(0, dtype=torch.uint8)
+            self._staging.clear()  # a send may still read its staging: a later exchange gets fresh memory
             raise
         return views
 

@@ -2,9 +2,10 @@
 
 The index gather that several layers share: CP mirror layouts (``to_mirror``),
 dispatch staging (tokens into send order), Engram row lookup. Bit-exact on
-every backend for every dtype: rows move as integer words (on the ``cpu`` backend as bytes, by
-``epkit._C.gather_rows``: threaded, source rows prefetched, streaming stores for outputs larger than the
-caches; ``torch.index_select`` on integer words where the extension is missing). ``torch.ops.epkit.gather_rows``
+every backend for every dtype: rows move as integer words, or in their own dtype where ``torch.index_select``
+copies them as they are (on the ``cpu`` backend as bytes by ``epkit._C.gather_rows``: helper threads from a pool,
+source rows prefetched, streaming stores for large outputs; ``torch.index_select`` for one-thread results that fit
+the caches, and where the extension is missing). ``torch.ops.epkit.gather_rows``
 / ``gather_rows_out`` (``epkit.ops``) are the op; the index check runs inside it (not during CUDA stream
 capture, where an index outside ``[-1, N)`` gives a zero row).
 """
@@ -210,7 +211,7 @@ def _gather_into(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backen
 #: On one thread, output bytes below which ``torch.index_select`` is at least as fast as the C++ gather: a
 #: result that fits the caches, where prefetching has nothing to win (measured on 2 cores, quiet: level at 4 MiB,
 #: the C++ gather 1.2x ahead at 8 MiB; ``bench/README.md``). On more threads the C++ gather runs at every size
-#: (its helpers split the copy from 4 MiB).
+#: (its helpers take chunks of 256 KiB of output).
 INDEX_SELECT_BYTES = 8 << 20
 
 
