@@ -14,6 +14,7 @@
 #include <pybind11/stl.h>
 
 #include "lowp.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,8 +22,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -43,26 +42,12 @@ EPK_INLINE float load_as(const void *row, int64_t h) {
 // The block kernel is inlined into each ISA clone of reduce_range (so it is vectorised for that ISA).
 #define EPK_BLOCK EPK_INLINE
 
-// Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= min_rows each).
+// Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= min_rows each): the calling
+// thread and helpers of parallel.h's pool (no thread started per call, none waited for).
 template <typename Fn>
-void for_row_ranges(int64_t num_rows, int num_threads, int64_t min_rows, Fn fn) {
+void for_row_ranges(int64_t num_rows, int num_threads, int64_t min_rows, const Fn &fn) {
     const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / min_rows));
-    if (n == 1) {
-        fn(int64_t{0}, num_rows);
-        return;
-    }
-    std::vector<std::thread> pool;
-    const int64_t step = (num_rows + n - 1) / n;
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t lo = i * step, hi = std::min(num_rows, lo + step);
-        if (lo >= hi) break;
-        try {
-            pool.emplace_back(fn, lo, hi);
-        } catch (const std::system_error &) {
-            fn(lo, hi);  // no thread to be had: this range runs here
-        }
-    }
-    for (auto &th : pool) th.join();
+    epk::parallel_chunks(num_rows, static_cast<int>(n), (num_rows + n - 1) / n, fn);
 }
 
 void check_dtype(int d, const char *what) {

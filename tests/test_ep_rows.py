@@ -25,7 +25,17 @@ def _rows(n: int, h: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tenso
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("hidden", [2048, 200])
-def test_fused_reduction_gives_the_torch_formulation_bits(src_dtype, out_dtype, bias_dtype, weighted, hidden):
+@pytest.mark.parametrize("threads", [1, 2])  # 2: the tokens split over the caller and a pool helper
+def test_fused_reduction_gives_the_torch_formulation_bits(src_dtype, out_dtype, bias_dtype, weighted, hidden, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hidden)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hidden):
     g = torch.Generator().manual_seed(hidden + 7 * weighted)
     t_num, k = 67, 5
     sources = [_rows(n, hidden, src_dtype, g) for n in (40, 9, 70)]
