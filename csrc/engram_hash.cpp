@@ -6,12 +6,12 @@
 // epkit._details.engram_cpu.float_mod_table (its table [L, 6, H] float64 comes in as an address: rows c21, c42,
 // 1/d, d, offset, 1.5 * 2**52). Every value but 1/d and y * (1/d) is an exact integer in float64 (y < 2**53), and
 // the quotient's one or two roundings leave it the floor or one above, which the fix-up corrects: the result is
-// the reference's bits with or without fused multiply-adds. A block of 16 tokens has its mixes made and split first (a loop
-// over tokens), then 4 heads at a time go through vector operations for every token of the block, the step's
-// constants held in registers (GCC vector extensions of 256 bits, native on AVX2: wider ones are lowered lane
-// by lane there, with scalar compares and spills; an x86-64-v4 / x86-64-v3 (AVX2 + FMA) / generic clone is
-// picked at load time). Chunks of tokens go to the calling thread and
-// helper threads (parallel.h) with the GIL released.
+// the reference's bits with or without fused multiply-adds. A block of 16 tokens has its mixes made and split
+// first (a loop over tokens), then 4 heads at a time go through vector operations for every token of the block,
+// the step's constants held in registers (GCC vector extensions of 256 bits, native on AVX2: wider ones are
+// lowered lane by lane there, with scalar compares and spills; an x86-64-v4 / x86-64-v3 (AVX2 + FMA) / generic
+// clone is picked at load time). Chunks of tokens go to the calling thread and helper threads (parallel.h) with
+// the GIL released.
 
 #include <pybind11/pybind11.h>
 
