@@ -48,17 +48,20 @@ def _expected(x, index):
     return out if x.dtype == torch.bool else out.view(x.dtype)
 
 
+def _case(n: int, m: int, width: int, dtype: torch.dtype):
+    """``x [n, width]`` of arbitrary bits and ``m`` int32 indices in ``[-1, n)`` (all -1 when ``n == 0``)."""
+    g = torch.Generator().manual_seed(n * 1000 + m + width)
+    x = _rand((n, width), dtype, g)
+    if not n:
+        return x, torch.full((m,), -1, dtype=torch.int32)
+    return x, torch.randint(-1, n, (m,), generator=g, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,m,width", [(37, 53, 5), (1, 4, 1), (0, 3, 7), (64, 0, 16), (300, 129, 96)])
 def test_gather_bit_exact(backend, dtype, n, m, width):
-    g = torch.Generator().manual_seed(n * 1000 + m + width)
-    x = _rand((n, width), dtype, g)
-    index = (
-        torch.randint(-1, max(n, 1), (m,), generator=g, dtype=torch.int32)
-        if n
-        else torch.full((m,), -1, dtype=torch.int32)
-    )
+    x, index = _case(n, m, width, dtype)
     got = epkit.gather_rows(x, index, backend=backend)
     assert_bitwise_equal(got, _expected(x, index), ctx=f"{backend=} {dtype=} {n=} {m=} {width=}")
 
@@ -134,13 +137,7 @@ def cpu_path(request, monkeypatch):
 @pytest.mark.parametrize("n,m,width", [(37, 53, 5), (1, 4, 1), (0, 3, 7), (300, 129, 96)])
 @pytest.mark.parametrize("check_index", [True, False])
 def test_gather_cpu_paths_bit_exact(cpu_path, dtype, n, m, width, check_index):
-    g = torch.Generator().manual_seed(n * 1000 + m + width)
-    x = _rand((n, width), dtype, g)
-    index = (
-        torch.randint(-1, max(n, 1), (m,), generator=g, dtype=torch.int32)
-        if n
-        else torch.full((m,), -1, dtype=torch.int32)
-    )
+    x, index = _case(n, m, width, dtype)
     got = epkit.gather_rows(x, index, backend="cpu", check_index=check_index)
     assert_bitwise_equal(got, _expected(x, index), ctx=f"{cpu_path=} {dtype=} {n=} {m=} {width=}")
     if n:  # no padding: the index_select path's one-pass case

@@ -59,16 +59,16 @@ def _validate(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None) ->
             raise ValueError("out must be contiguous")
 
 
-def _check_index_values(x: torch.Tensor, index: torch.Tensor) -> int | None:
-    """Raise when an index is outside ``[-1, N)`` (reads ``index`` on the host); returns ``index.min()``, or None
-    for an empty index."""
+def _check_index_values(x: torch.Tensor, index: torch.Tensor, error: type[Exception] = ValueError) -> int | None:
+    """Raise ``error`` when an index is outside ``[-1, N)`` (reads ``index`` on the host); returns ``index.min()``,
+    or None for an empty index."""
     if index.numel() == 0:
         return None
     lo, hi = (int(v) for v in torch.aminmax(index))
     if lo < -1 or hi >= x.shape[0]:
         bad = lo if lo < -1 else hi
         pos = int((index == bad).nonzero()[0])
-        raise ValueError(f"index[{pos}] = {bad} is outside [-1, {x.shape[0]}) (x has {x.shape[0]} rows)")
+        raise error(f"index[{pos}] = {bad} is outside [-1, {x.shape[0]}) (x has {x.shape[0]} rows)")
     return lo
 
 
@@ -174,11 +174,8 @@ def _gather_into(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, backen
     if impl == "cpu" and _gather_extension() is not None and not _index_select_faster(out):
         _gather_c(xc, index.contiguous(), out)
         return
-    if impl == "cpu" and lo is None:  # unchecked: raise on a bad index as the C++ gather does; padding decides below
-        lo, hi = (int(v) for v in torch.aminmax(index))
-        if lo < -1 or hi >= n:
-            bad = int(((index < -1) | (index >= n)).nonzero()[0])
-            raise IndexError(f"index[{bad}] = {int(index[bad])} is outside [-1, {n}) (x has {n} rows)")
+    if impl == "cpu" and lo is None:  # unchecked: a bad index raises IndexError as in the C++ gather; padding below
+        lo = _check_index_values(xc, index, IndexError)
     if impl == "cpu" and xc.dtype in _SELECT_DTYPES:  # rows of a dtype index_select copies as they are
         width = math.prod(xc.shape[1:])
         x_words, out_words = xc.view(n, width), out.view(m, width)

@@ -15,6 +15,7 @@ __all__ = ["FAMILY"]
 
 #: The dtypes gathered; each at the same row bytes (its hidden size scaled by the element size).
 DTYPES = (torch.bfloat16, torch.float32)
+_NAME = {torch.bfloat16: "bf16", torch.float32: "float32"}
 
 
 def _cases(ctx: BenchCtx) -> list[Case]:
@@ -27,9 +28,6 @@ def _cases(ctx: BenchCtx) -> list[Case]:
         for rows, hidden in sizes
         for dt in DTYPES
     ]
-
-
-_NAME = {torch.bfloat16: "bf16", torch.float32: "float32"}
 
 
 def _run(ctx: BenchCtx, rows: int, bf16_hidden: int, dtype: torch.dtype) -> None:
