@@ -1,8 +1,9 @@
-// Splitting a loop over threads for the CPU kernels of epkit._C (gather_rows.cpp, engram_hash.cpp).
+// Splitting a loop over threads for the CPU kernels of epkit._C (gather_rows.cpp, engram_hash.cpp, ep_rows.cpp).
 //
 // [0, n) is cut into chunks of `chunk` items that the calling thread and up to `num_threads - 1` helper threads
-// take from one atomic counter. Helpers come from a pool of threads that sleep on a condition variable between
-// calls (starting a thread per call cost ~0.1-0.2 ms on a shared 2-core machine, as much as a whole 8 MiB copy).
+// take from one atomic counter. Helpers come from a pool of threads that, after a job, watch for the next one for
+// up to 1 ms and then sleep on a condition variable (starting a thread per call cost ~0.1-0.2 ms on a shared 2-core
+// machine, as much as a whole 8 MiB copy; waking a sleeping one as much again, see spin_for_offer).
 // The caller never waits for a helper to be scheduled: on a machine shared with other jobs a woken thread can wait
 // milliseconds for a core, and meanwhile the caller takes every chunk itself. It returns once every chunk taken is
 // finished. A helper that wakes late finds no chunk left and goes back to sleep without touching the caller's data
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -27,6 +29,14 @@
 namespace epk {
 
 namespace detail {
+
+inline void epk_cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield" ::: "memory");
+#endif
+}
 
 // Sleeping helper threads and the one job they help with (the latest offered; a helper busy with an older one
 // looks again when it is done).
@@ -50,6 +60,7 @@ class Pool {
             job_ = std::move(job);
             wanted_ = helpers;
             ++generation_;
+            offered_.store(generation_, std::memory_order_release);
             for (; threads_ < std::min<int64_t>(helpers, kMaxThreads); ++threads_) {
                 try {
                     std::thread([this] { serve(); }).detach();
@@ -63,6 +74,7 @@ class Pool {
 
   private:
     static constexpr int64_t kMaxThreads = 64;
+    static constexpr int64_t kSpinMicros = 1000;
 
     static Pool *&current() {
         static Pool *pool = new Pool();  // never freed: helpers sleep in it for the process's life
@@ -74,7 +86,8 @@ class Pool {
         for (;;) {
             std::shared_ptr<const std::function<void()>> job;
             {
-                std::unique_lock<std::mutex> lock(mu_);
+                std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+                if (!spin_for_offer(seen, lock)) lock.lock();
                 cv_.wait(lock, [&] { return generation_ != seen && wanted_ > 0; });
                 seen = generation_;
                 --wanted_;
@@ -84,10 +97,27 @@ class Pool {
         }
     }
 
+    // Before sleeping, watch for the next offer for up to kSpinMicros and take the lock without blocking once there
+    // is one (true: `lock` is held). A helper that sleeps, on the condition variable or on the mutex, leaves its
+    // core idle, and waking an idle core (a halted vCPU on a VM) took longer than a whole 8 MiB gather on the
+    // 2-core CI machine: 2-thread gathers ran on the caller alone (418 us, as on 1 thread; index_select 172 us).
+    // 1 ms covers a few other ops between two calls (0.2 ms did not in the benchmark's interleaved rounds); it
+    // costs at most that much of one core per call, as torch's OpenMP workers spin after theirs. The ranks of
+    // epkit's multi-process runs use one thread and start no helper.
+    bool spin_for_offer(uint64_t seen, std::unique_lock<std::mutex> &lock) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+        for (int i = 1;; ++i) {
+            if (offered_.load(std::memory_order_acquire) != seen && lock.try_lock()) return true;
+            epk_cpu_relax();
+            if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return false;
+        }
+    }
+
     std::mutex mu_;
     std::condition_variable cv_;
     std::shared_ptr<const std::function<void()>> job_;
     uint64_t generation_ = 0;
+    std::atomic<uint64_t> offered_{0};  // generation_, readable without the lock (spinning helpers)
     int64_t wanted_ = 0, threads_ = 0;
 };
 
