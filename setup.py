@@ -20,7 +20,7 @@ import subprocess
 import sys
 import sysconfig
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, has_flag
 from pybind11.setup_helpers import build_ext as _pybind_build_ext
 from setuptools import Extension, find_packages, setup
 
@@ -92,6 +92,10 @@ class build_ext(_pybind_build_ext):
     def build_extension(self, ext):
         if isinstance(ext, CUDAExtension):
             return self._build_cuda(ext)
+        if ext.name == "epkit._C" and has_flag(self.compiler, "-fopenmp"):
+            # csrc/parallel.h: the CPU kernels' threads are then an OpenMP team (torch's libgomp at run time)
+            ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp"]
+            ext.extra_link_args = [*ext.extra_link_args, "-fopenmp"]
         return super().build_extension(ext)
 
     def _build_cuda(self, ext: CUDAExtension) -> None:

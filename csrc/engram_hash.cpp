@@ -10,8 +10,8 @@
 // first (a loop over tokens), then 4 heads at a time go through vector operations for every token of the block,
 // the step's constants held in registers (GCC vector extensions of 256 bits, native on AVX2: wider ones are
 // lowered lane by lane there, with scalar compares and spills; an x86-64-v4 / x86-64-v3 (AVX2 + FMA) / generic
-// clone is picked at load time). Chunks of tokens go to the calling thread and helper threads (parallel.h) with
-// the GIL released.
+// clone is picked at load time). Chunks of tokens go to the threads of parallel.h with the GIL
+// released.
 
 #include <pybind11/pybind11.h>
 

@@ -42,8 +42,8 @@ EPK_INLINE float load_as(const void *row, int64_t h) {
 // The block kernel is inlined into each ISA clone of reduce_range (so it is vectorised for that ISA).
 #define EPK_BLOCK EPK_INLINE
 
-// Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= min_rows each): the calling
-// thread and helpers of parallel.h's pool (no thread started per call, none waited for).
+// Rows [0, num_rows) split into contiguous ranges over up to num_threads threads (>= min_rows each), the
+// threads of parallel.h (an OpenMP team shared with torch's workers; in a forked child the caller and pooled helpers).
 template <typename Fn>
 void for_row_ranges(int64_t num_rows, int num_threads, int64_t min_rows, const Fn &fn) {
     const int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_rows / min_rows));

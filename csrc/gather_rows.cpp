@@ -1,7 +1,7 @@
 // epkit.gather_rows on CPU (backend "cpu"): out[i] = x[index[i]] (row_bytes each), a zero row where index[i] == -1.
 //
-// Rows are copied as bytes, so every dtype is bit-exact. Output rows are cut into chunks that the calling
-// thread and helper threads take in turn (parallel.h), with the GIL released. The rows are random, so the
+// Rows are copied as bytes, so every dtype is bit-exact. Output rows are cut into chunks that the threads
+// of parallel.h take in turn, with the GIL released. The rows are random, so the
 // hardware prefetcher cannot guess the next one (and on a new 4 KiB page it starts over): each thread runs a
 // software prefetch kPrefetchAhead bytes ahead of its copy in the stream of source rows it will read, a line at
 // a time as it copies, so that a steady number of lines is in flight across row boundaries (not for a source

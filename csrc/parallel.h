@@ -1,15 +1,25 @@
 // Splitting a loop over threads for the CPU kernels of epkit._C (gather_rows.cpp, engram_hash.cpp, ep_rows.cpp).
 //
-// [0, n) is cut into chunks of `chunk` items that the calling thread and up to `num_threads - 1` helper threads
-// take from one atomic counter. Helpers come from a pool of threads that, after a job, watch for the next one for
-// up to 1 ms and then sleep on a condition variable (starting a thread per call cost ~0.1-0.2 ms on a shared 2-core
-// machine, as much as a whole 8 MiB copy; waking a sleeping one as much again, see spin_for_offer).
-// The caller never waits for a helper to be scheduled: on a machine shared with other jobs a woken thread can wait
-// milliseconds for a core, and meanwhile the caller takes every chunk itself. It returns once every chunk taken is
-// finished. A helper that wakes late finds no chunk left and goes back to sleep without touching the caller's data
-// (the counter lives in a shared_ptr the job holds). An exception in a chunk is rethrown by the caller once every
-// chunk is done. After fork() the child starts with an empty pool (pthread_atfork): the parent's sleeping helpers
-// do not exist there (and the process that forks has threads: Python 3.12+ warns of fork in such a process).
+// [0, n) is cut into chunks of `chunk` items that up to `num_threads` threads take from one atomic counter.
+// Built with OpenMP (setup.py adds -fopenmp where the compiler has it), the threads are an OpenMP team: the
+// process's one libgomp, whose workers torch's own parallel ops (index_select, copy_) run on, so an epkit copy and
+// the torch op beside it share the same warm workers instead of two sets of threads competing for the cores (on
+// the 2-core CI machine a separate pool's helper and torch's spinning OpenMP workers took turns on one core: a
+// 2-thread 8 MiB gather ran at 0.47-0.57x index_select in one benchmark run in three, 1.1-1.5x in the others).
+// GNU OpenMP is not fork-safe: in a child forked after the parent started its OpenMP workers, the first parallel
+// region waits forever (torch's own 2-thread index_select does, tested). So in a forked child, and in a build
+// without OpenMP, the threads are the caller and helpers from a pool of epkit's own:
+//
+// helpers, after a job, watch for the next one for up to 1 ms and then sleep on a condition variable (starting a
+// thread per call cost ~0.1-0.2 ms on a shared 2-core machine, as much as a whole 8 MiB copy; waking a sleeping
+// one as much again, see spin_for_offer). The caller never waits for a helper to be scheduled: on a machine shared
+// with other jobs a woken thread can wait milliseconds for a core, and meanwhile the caller takes every chunk
+// itself. It returns once every chunk taken is finished. A helper that wakes late finds no chunk left and goes
+// back to sleep without touching the caller's data (the counter lives in a shared_ptr the job holds). After fork()
+// the child starts with an empty pool (pthread_atfork): the parent's sleeping helpers do not exist there (and the
+// process that forks has threads: Python 3.12+ warns of fork in such a process).
+//
+// Either way an exception in a chunk is rethrown to the caller once every chunk is done.
 #pragma once
 
 #include <pthread.h>
@@ -26,9 +36,24 @@
 #include <system_error>
 #include <thread>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace epk {
 
 namespace detail {
+
+// True in a process made by fork() (after this library was loaded): no OpenMP team there (see the header).
+inline std::atomic<bool> &in_forked_child() {
+    static std::atomic<bool> forked{false};
+    return forked;
+}
+
+inline const bool kForkWatch = [] {
+    ::pthread_atfork(nullptr, nullptr, [] { in_forked_child().store(true, std::memory_order_relaxed); });
+    return true;
+}();
 
 inline void epk_cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -121,6 +146,26 @@ class Pool {
     int64_t wanted_ = 0, threads_ = 0;
 };
 
+// The chunks of [0, n) taken from one counter; `done` counts the finished ones, the first exception is kept.
+struct ChunkState {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex error_mu;
+    std::exception_ptr error;
+};
+
+template <typename Fn>
+void take_chunks(ChunkState &state, int64_t n, int64_t chunk, int64_t chunks, const Fn &fn) {
+    for (int64_t c = state.next.fetch_add(1); c < chunks; c = state.next.fetch_add(1)) {
+        try {
+            fn(c * chunk, std::min(n, (c + 1) * chunk));
+        } catch (...) {
+            std::lock_guard<std::mutex> lock(state.error_mu);
+            if (!state.error) state.error = std::current_exception();
+        }
+        state.done.fetch_add(1, std::memory_order_release);
+    }
+}
+
 }  // namespace detail
 
 template <typename Fn>
@@ -133,26 +178,21 @@ void parallel_chunks(int64_t n, int num_threads, int64_t chunk, const Fn &fn) {
         fn(int64_t{0}, n);
         return;
     }
-    struct State {
-        std::atomic<int64_t> next{0}, done{0};
-        std::mutex error_mu;
-        std::exception_ptr error;  // the first exception of a chunk; the caller rethrows it
-    };
-    auto state = std::make_shared<State>();
+#ifdef _OPENMP
+    if (!detail::in_forked_child().load(std::memory_order_relaxed)) {
+        detail::ChunkState state;
+#pragma omp parallel num_threads(static_cast<int>(helpers + 1))
+        detail::take_chunks(state, n, chunk, chunks, fn);
+        if (state.error) std::rethrow_exception(state.error);
+        return;
+    }
+#endif
+    auto state = std::make_shared<detail::ChunkState>();
     // a helper calls fn only for a chunk it took before the counter ran out, and the caller waits for that chunk
     // below (a chunk that throws counts as done): fn (and what it refers to) is alive whenever a helper calls it
     const Fn *f = &fn;
-    auto work = std::make_shared<const std::function<void()>>([state, n, chunk, chunks, f]() {
-        for (int64_t c = state->next.fetch_add(1); c < chunks; c = state->next.fetch_add(1)) {
-            try {
-                (*f)(c * chunk, std::min(n, (c + 1) * chunk));
-            } catch (...) {
-                std::lock_guard<std::mutex> lock(state->error_mu);
-                if (!state->error) state->error = std::current_exception();
-            }
-            state->done.fetch_add(1, std::memory_order_release);
-        }
-    });
+    auto work = std::make_shared<const std::function<void()>>(
+        [state, n, chunk, chunks, f]() { detail::take_chunks(*state, n, chunk, chunks, *f); });
     detail::Pool::get().offer(work, helpers);
     (*work)();
     while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();

@@ -268,9 +268,11 @@ def _gather_in_child(q, x, index, want):
 
 
 def test_gather_cpu_helpers_after_fork(monkeypatch):
-    # The C++ gather's helper threads sleep in a pool between calls; a forked child has none of them and must still
-    # finish with the right rows (a gather that waited for a helper to show up would hang here). Whether the child
-    # starts helpers of its own is not observed.
+    # The parent's 2-thread gather starts OpenMP workers (csrc/parallel.h); GNU OpenMP is not fork-safe, so a child
+    # forked after that must take epkit's own pool instead (entering an OpenMP region there waits forever: this test
+    # hung with that check removed, as torch's own 2-thread index_select does in such a child). Without OpenMP the
+    # pool's helpers sleep between calls, and a forked child has none of them: it must not wait for one either.
+    # Whether the child starts helpers of its own is not observed.
     import multiprocessing as mp
 
     import epkit.gather as gather_mod

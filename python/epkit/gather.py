@@ -3,9 +3,10 @@
 The index gather that several layers share: CP mirror layouts (``to_mirror``),
 dispatch staging (tokens into send order), Engram row lookup. Bit-exact on
 every backend for every dtype: rows move as integer words, or in their own dtype where ``torch.index_select``
-copies them as they are (on the ``cpu`` backend as bytes by ``epkit._C.gather_rows``: helper threads from a pool,
-source rows prefetched, streaming stores for large outputs; ``torch.index_select`` for one-thread results that fit
-the caches, and where the extension is missing). ``torch.ops.epkit.gather_rows``
+copies them as they are (on the ``cpu`` backend as bytes by ``epkit._C.gather_rows``: on torch's OpenMP workers
+(epkit's own thread pool in a forked child, where GNU OpenMP would hang), source rows prefetched, streaming stores
+for large outputs; ``torch.index_select`` for one-thread results that fit the caches, and where the extension is
+missing). ``torch.ops.epkit.gather_rows``
 / ``gather_rows_out`` (``epkit.ops``) are the op; the index check runs inside it (not during CUDA stream
 capture, where an index outside ``[-1, N)`` gives a zero row).
 """
