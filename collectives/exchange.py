@@ -107,15 +107,21 @@ class Exchange:
     def _send(self, dst: int, nbytes: int) -> None:
         raise NotImplementedError
 
-    def receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
-        """Wait for every source's payload; ``recv_bytes[r]`` bytes from rank r. Views valid until release()."""
+    def receive(self, recv_bytes: list[int], at_most: bool = False) -> list[torch.Tensor]:
+        """Wait for every source's payload; ``recv_bytes[r]`` bytes from rank r. Views valid until release().
+
+        ``at_most``: ``recv_bytes[r]`` only bounds what rank r sends (a message that says its own size, as a
+        low-latency one whose header holds its counts). A two-sided transport then returns views of exactly the
+        bytes each source committed (a larger message is an error naming the source), so only those cross the
+        network; a one-sided one returns its ``recv_bytes[r]``-byte region views as always.
+        """
         missing = [r for r, s in enumerate(self._sizes) if s is None]
         if missing:
             raise RuntimeError(f"receive() before commit() for ranks {missing}")
-        self._recv = self._receive(recv_bytes)
+        self._recv = self._receive(recv_bytes, at_most)
         return self._recv
 
-    def _receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+    def _receive(self, recv_bytes: list[int], at_most: bool) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def release(self) -> None:
@@ -166,7 +172,7 @@ class OneSidedExchange(Exchange):
         ready = word(READY, buf.rank, buf.world_size)
         buf.impl.put_signal(dst, buf.rank * self.region_bytes, self._staging[dst], nbytes, ready, self.epoch, guarded)
 
-    def _receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+    def _receive(self, recv_bytes: list[int], at_most: bool) -> list[torch.Tensor]:
         buf = self.buf
         buf.wait_for_all(READY, self.epoch, f"{self.tag} data", self.timeout, self.deferred)
         out = []
@@ -196,11 +202,11 @@ class TwoSidedExchange(Exchange):
         if nbytes and self._staging[dst] is None:
             raise RuntimeError("commit() of a payload without send_region(): nothing was written")
 
-    def _receive(self, recv_bytes: list[int]) -> list[torch.Tensor]:
+    def _receive(self, recv_bytes: list[int], at_most: bool) -> list[torch.Tensor]:
         empty = torch.empty(0, dtype=torch.uint8)
         send = [self._staging[r][:n] if n else empty for r, n in enumerate(self._sizes)]
         try:
-            return self.buf.impl.all_to_all(send, list(recv_bytes), self.timeout, self.tag)
+            return self.buf.impl.all_to_all(send, list(recv_bytes), self.timeout, self.tag, exact=not at_most)
         except (TimeoutError, ValueError) as exc:  # a silent peer, or ranks out of step: the buffer is done
             self.buf.mark_broken(str(exc))
             raise

@@ -64,6 +64,52 @@ def test_puts_signals_exchanges(transport, world_size):
     assert _shm_names() <= before, "segments left in /dev/shm"
 
 
+def _payload(src: int, dst: int, n: int) -> torch.Tensor:
+    return ((torch.arange(n) * 7 + 13 * src + dst) % 256).to(torch.uint8)
+
+
+def _torch_message_sizes(rank, world_size):
+    from epkit.collectives.transports.torch import INLINE_BYTES
+
+    buf = SymmBuffer(dist.group.WORLD, 0, transport="torch", timeout=20)
+    sizes = [0, 1, INLINE_BYTES - 1, INLINE_BYTES, INLINE_BYTES + 1, 3 * INLINE_BYTES + 5]
+    region = max(sizes) + world_size
+    for n in sizes:  # exact sizes around the inline bound: rank src sends n + src bytes to each rank
+        send = [_payload(rank, dst, n + rank) for dst in range(world_size)]
+        got = buf.all_to_all(send, [n + src for src in range(world_size)], region_bytes=region)
+        assert all(torch.equal(g, _payload(src, rank, n + src)) for src, g in enumerate(got)), n
+    for k in range(len(sizes)):  # sizes only bounded: each source sends its own, the views have its size
+        ex = buf.exchange(region, tag="bounded")
+        for dst in range(world_size):
+            n = sizes[(k + rank) % len(sizes)]
+            ex.send_region(dst)[:n].copy_(_payload(rank, dst, n))
+            ex.commit(dst, n)
+        got = ex.receive([region] * world_size, at_most=True)
+        want = [_payload(src, rank, sizes[(k + src) % len(sizes)]) for src in range(world_size)]
+        assert all(torch.equal(g, v) for g, v in zip(got, want)), k
+        ex.release()
+    ex = buf.exchange(region, tag="too long")  # rank 1 sends 100 bytes where 10 are the bound
+    for dst in range(world_size):
+        ex.send_region(dst)[:100].copy_(_payload(rank, dst, 100))
+        ex.commit(dst, 100 if rank == 1 and dst != 1 else 10)
+    try:
+        ex.receive([10] * world_size, at_most=True)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        buf.close()
+    return None
+
+
+def test_torch_messages_exact_and_bounded():
+    # Payloads inline in their header's message and after it, of exactly the expected size or only bounded
+    # (the view has what the source sent), and a source that sends more than the bound is named.
+    res = run_ranks(_torch_message_sizes, 3, timeout=60)
+    assert res[1] is None and res[0] == res[2].replace("rank 2:", "rank 0:"), res
+    assert "rank 1's too long message is not this exchange's" in res[0] and "100 bytes" in res[0], res
+    assert "at most 10 bytes" in res[0], res
+
+
 def _segment_names(rank, world_size):
     buf = SymmBuffer(dist.group.WORLD, 64, transport="shm")
     buf.barrier()
