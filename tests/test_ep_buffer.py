@@ -399,6 +399,52 @@ def test_low_latency_rejection_leaves_buffer_usable(transport):
     assert res[0][0][:2] == [2 * 2, 2 * 2] and res[0][1] == (2, HIDDEN), res
 
 
+def _ll_bytes_on_torch(rank, world_size):
+    """Bytes this rank sends its peer for one low-latency dispatch and one combine on the torch transport."""
+    from epkit.collectives._details.ep_low_latency_layout import COMBINE_HEADER
+    from epkit.collectives._details.ep_rows import META_MSG
+
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 32, TOPK, transport="torch", timeout=20)
+    x, idx, w = _routing(rank, world_size, "minus1", 4)
+    idx = idx[:20]
+    x, w = x[:20], w[:20]
+    sent = buf.buffer.impl.bytes_sent
+    peer = 1 - rank
+    before = sent[peer]
+    recv, count, handle, _ = buf.low_latency_dispatch(x, idx, 32, use_fp8=True)
+    dispatched = sent[peer] - before
+    y = recv[0].float().mul(recv[1].repeat_interleave(128, dim=2)).to(torch.bfloat16)
+    before = sent[peer]
+    buf.low_latency_combine(y, idx, w, handle)
+    combined = sent[peer] - before
+    # What the message must hold: a 24-byte transport header, then the low-latency header (int32 status, n_max,
+    # use_fp8 and one count per local expert, 16-byte aligned, and the error text), the FP8 rows, 16-byte
+    # aligned, and their float32 scales (one per 128 values); a combine: its header (the handle's identity,
+    # padded) and the bf16 rows. Rows: the (token, expert) pairs whose expert lives on the peer.
+    # Rows: the (token, expert) pairs whose expert lives on the peer, and back, the peer's pairs whose expert
+    # lives here.
+    local = EXPERTS // world_size
+    pairs = int(((idx >= 0) & (idx // local == peer)).sum())
+    peer_idx = _routing(peer, world_size, "minus1", 4)[1][:20]
+    back = int(((peer_idx >= 0) & (peer_idx // local == rank)).sum())
+    head = -(-4 * (3 + local) // 16) * 16 + META_MSG
+    want_dispatch = 24 + head + -(-pairs * HIDDEN // 16) * 16 + pairs * 4 * (HIDDEN // 128)
+    want_combine = 24 + COMBINE_HEADER + back * 2 * HIDDEN
+    return pairs, dispatched, want_dispatch, combined, want_combine, buf.region_bytes
+
+
+def test_low_latency_messages_on_torch_carry_only_their_rows():
+    # The torch transport sends what a low-latency message holds, not its fixed-slot region (every local
+    # expert's capacity): bytes counted by the transport, predicted from the routing.
+    for pairs, dispatched, want_dispatch, combined, want_combine, region in run_ranks(
+        _ll_bytes_on_torch, 2, timeout=60
+    ):
+        assert pairs > 0
+        assert dispatched == want_dispatch, (dispatched, want_dispatch)
+        assert combined == want_combine, (combined, want_combine)
+        assert dispatched < region // 4
+
+
 def _mixed_formats(rank, world_size):
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 8, TOPK, timeout=10)
     dtype = torch.float32 if rank == 1 else torch.bfloat16

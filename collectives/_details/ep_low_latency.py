@@ -5,7 +5,8 @@ built with tensor ops (a 0 address skips a row), so neither shapes nor the host'
 on the routing. Two ways to run it, one protocol:
 
 - **host-checked** (CPU rows): the routing and the received headers are read on the host, so a bad
-  input raises ``ValueError`` on every rank in the same call; rows move through ``epkit._C``.
+  input raises ``ValueError`` on every rank in the same call; rows move through ``epkit._C``, and a message
+  holds only its rows (``ep_low_latency_packed``: the torch transport sends those bytes, not the region).
 - **stream-ordered** (CUDA rows; on CPU when ``ep_rows.PORTABLE`` is set, which is how the tests run
   it): no host read of any routing-dependent value and no waiting for the device. Waits for peers are
   timed device waits (``SymmBuffer.exchange(deferred=True)``); rows move through the Triton
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from epkit.collectives._details import ep_low_latency_packed as packed
 from epkit.collectives._details import ep_rows
 from epkit.collectives._details.ep_low_latency_layout import (
     COMBINE_HEADER,
@@ -36,6 +38,7 @@ from epkit.collectives._details.ep_low_latency_layout import (
     message_spacing,
     route_pairs,
     slot_grid,
+    unpack_slots,
 )
 from epkit.collectives._details.ep_rows import (
     META_MSG,
@@ -260,23 +263,31 @@ class LowLatencyMixin:
         head_bytes = 4 * (3 + L)
         head_src = heads.data_ptr() + torch.arange(w, device=dev) * head_bytes
         move_rows(region_addr, head_src, head_bytes, [*bases, heads.data_ptr(), head_bytes], guard)
-        # One address list per field covers every destination: pair i (token i // K) goes to slot
-        # expert * n_max + pos of its destination's region, unless it has no expert or no slot.
-        base_of = region_addr[key.clamp(max=E - 1) // L]
+        # One address list per field covers every destination: pair i (token i // K) goes to row `at` of its
+        # destination's message - slot expert * n_max + pos, or packed (host-checked: ep_low_latency_packed) the
+        # expert's first row + pos - unless it has no expert or no slot.
+        dst_of = key.clamp(max=E - 1) // L
+        base_of = region_addr[dst_of]
         live = (key < E) & (pos < n_max)
-        slot = (key % L) * n_max + pos.clamp(max=n_max - 1)
+        if self._ll_stream_ordered():
+            at = (key % L) * n_max + pos.clamp(max=n_max - 1)
+            scale_off, sizes = hdr + L * n_max * xb, [msg_bytes] * w
+        else:
+            at = packed.first_rows(counts).view(-1)[key.clamp(max=E - 1)] + pos  # key = destination * L + expert
+            scale_off, sizes = packed.dispatch_layout(counts, hdr, xb, sb)
+            scale_off = scale_off[dst_of]
         tok = torch.arange(key.numel(), device=dev) // K
-        fields = [(x_src, xb, hdr)] + ([(s_src, sb, hdr + L * n_max * xb)] if s_src is not None else [])
+        fields = [(x_src, xb, hdr)] + ([(s_src, sb, scale_off)] if s_src is not None else [])
         for src, nbytes, off in fields:
             move_rows(
-                torch.where(live, base_of + off + slot * nbytes, 0),
+                torch.where(live, base_of + off + at * nbytes, 0),
                 torch.where(live, src.data_ptr() + tok * nbytes, 0),
                 nbytes,
-                [*bases, off, src.data_ptr()],
+                [*bases, hdr + L * n_max * xb, src.data_ptr()],
                 guard,
             )
         for dst in range(w):
-            ex.commit(dst, msg_bytes)
+            ex.commit(dst, sizes[dst])
         return live
 
     def _ll_handle(self, t_num: int, key, pos, live, n_max: int) -> LowLatencyHandle:
@@ -301,10 +312,12 @@ class LowLatencyMixin:
         w, n_max = self.world_size, handle.n_max
         xb, sb = self._ll_row(use_fp8)
         hdr = self._ll_header()
+        streamed = self._ll_stream_ordered()
         with self.retire_on_failure("low-latency dispatch receive"):
-            views = ex.receive([msg_bytes] * w)
+            views = ex.receive([msg_bytes] * w, at_most=not streamed)
+            packed.check_lengths(views, [hdr] * w, "low-latency dispatch")
             heads = self._ll_heads(views)
-        if self._ll_stream_ordered():
+        if streamed:
             ok = self._ll_defer_errors(heads, views, hdr, n_max, use_fp8)
         else:
             errors = self._ll_errors(heads, views, hdr, True)
@@ -315,7 +328,10 @@ class LowLatencyMixin:
         with self.retire_on_failure("low-latency dispatch receive"):
             got = heads[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
             got = torch.where(ok[:, None], got, 0)  # [W, L]
-            self._ll_unpack(views, recv_x, got, n_max, hdr, xb, sb)
+            if streamed:
+                unpack_slots(views, recv_x, got, n_max, hdr, xb, sb)
+            else:
+                packed.unpack_rows(views, recv_x, got, n_max, hdr, xb, sb)
             recv_count.copy_(got.sum(0).to(torch.int32))
             handle.counts = got
             ex.release()  # after the reads above on the stream
@@ -325,11 +341,13 @@ class LowLatencyMixin:
         """Tell every rank, finish the exchange so the counters stay in step, then raise."""
         text = encode_error(error)
         status = torch.tensor([REJECTED], dtype=torch.int32).view(torch.uint8)
+        streamed = self._ll_stream_ordered()
         for dst in range(self.world_size):  # guarded writes: none lands behind a failed acknowledgement wait
             ex.write(dst, status, 0)
             ex.write(dst, text, hdr - META_MSG)
-            ex.commit(dst, msg_bytes)
-        views = ex.receive([msg_bytes] * self.world_size)
+            ex.commit(dst, msg_bytes if streamed else hdr)  # packed: a header with no rows
+        views = ex.receive([msg_bytes] * self.world_size, at_most=not streamed)
+        packed.check_lengths(views, [hdr] * self.world_size, "low-latency dispatch")
         self.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
         errors = self._ll_errors(self._ll_heads(views), views, hdr, False)
         ex.release()
@@ -337,28 +355,6 @@ class LowLatencyMixin:
         if self._ll_stream_ordered():  # the peers learn of it at a later call: the buffer is done on every rank
             self.buffer.mark_broken(str(exc))
         raise exc
-
-    def _ll_unpack(self, views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
-        """Received slots -> the masked layout: expert e's rows ordered by source, then slot (fixed-shape)."""
-        L = self.num_local_experts
-        src, live, slot, row = slot_grid(counts, n_max)
-        first, stride = message_spacing(views)
-        x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
-        msg = first + src * stride
-        move_rows(
-            torch.where(live, x_dst + row * xb, 0),
-            torch.where(live, msg + hdr + slot * xb, 0),
-            xb,
-            [first, stride, hdr, x_dst],
-        )
-        if sb:
-            s_dst, off = recv_x[1].data_ptr(), hdr + L * n_max * xb
-            move_rows(
-                torch.where(live, s_dst + row * sb, 0),
-                torch.where(live, msg + off + slot * sb, 0),
-                sb,
-                [first, stride, off, s_dst],
-            )
 
     def _count_load(self, per_expert: torch.Tensor) -> None:
         """Add to the EPLB load counter without a host read (a device accumulator on CUDA rows)."""
@@ -425,21 +421,26 @@ class LowLatencyMixin:
         streamed = self._ll_stream_ordered()
         ex = self.buffer.exchange(self.region_bytes, tag="ll_combine", deferred=streamed, guarded=True)
         y = y.contiguous()
-        src, live, slot, y_row = slot_grid(handle.counts.to(self.device), n_max)
+        if streamed:
+            src, live, slot, y_row = slot_grid(handle.counts.to(self.device), n_max)
+            at, sizes = head + slot * row, [msg_bytes] * w
+        else:  # packed (ep_low_latency_packed): only the rows each source's pairs get back
+            live, y_row, at, sizes = packed.combine_rows(handle.counts, n_max, head, row)
+            src = torch.arange(w).view(w, 1, 1)
         bases = [ex.send_region(s).data_ptr() for s in range(w)]
         region_addr = self._addresses(bases)
         # The handle's identity first, so the receivers can tell rows of another dispatch from this one's.
         ident = self._addresses([handle.buffer_id, handle.epoch])  # a cached device table: no host sync
         move_rows(region_addr, torch.full_like(region_addr, ident.data_ptr()), 16, [*bases, ident.data_ptr()], ex.guard)
         move_rows(
-            torch.where(live, region_addr[src] + head + slot * row, 0),
+            torch.where(live, region_addr[src] + at, 0),
             torch.where(live, y.data_ptr() + y_row * row, 0),
             row,
             [*bases, head, y.data_ptr()],
             ex.guard,
         )
         for s in range(w):
-            ex.commit(s, msg_bytes)
+            ex.commit(s, sizes[s])
         out = {}
 
         def hook():
@@ -458,17 +459,29 @@ class LowLatencyMixin:
         row, head = 2 * h, COMBINE_HEADER
         streamed = self._ll_stream_ordered()
         with self.retire_on_failure("low-latency combine receive"):
-            views = ex.receive([msg_bytes] * w)
+            views = ex.receive([msg_bytes] * w, at_most=not streamed)
+            packed.check_lengths(views, [head] * w, "low-latency combine")
             idents = torch.stack([v[:16].view(torch.int64) for v in views])  # [W, 2] buffer id, epoch
-            slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
+        if not streamed:  # the handles first: a foreign one's rows need not even fit
+            error = describe_handles(idents.tolist(), self.buffer.buffer_id, "low-latency combine")
+            if error is not None:
+                ex.release()
+                raise ValueError(error)
+        with self.retire_on_failure("low-latency combine receive"):
             if streamed:
+                slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
                 _, stride = message_spacing(views)
                 table = views[0][head:].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
                 res = reduce_gathered(table, handle.dst_of, slot, topk_weights.float()).to(torch.bfloat16)
             else:
-                sources = [v[head : head + L * n_max * row].view(torch.bfloat16).view(L * n_max, h) for v in views]
+                sent = packed.sent_counts(handle.dst_of, handle.expert_of, w, L)
+                per_src = sent.sum(1).tolist()
+                packed.check_lengths(views, [head + n * row for n in per_src], "low-latency combine")
+                at = packed.first_rows(sent)[handle.dst_of.clamp(min=0), handle.expert_of.clamp(min=0)]
+                at = at + handle.pos_of.clamp(min=0)
+                sources = [v[head : head + n * row].view(torch.bfloat16).view(n, h) for v, n in zip(views, per_src)]
                 res = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=self.device)
-                reduce_indexed(res, sources, handle.dst_of, slot, topk_weights.float())
+                reduce_indexed(res, sources, handle.dst_of, at, topk_weights.float())
         if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
             buffer_id = self.buffer.buffer_id
 
@@ -477,10 +490,5 @@ class LowLatencyMixin:
                 return None if msg is None else ValueError(msg)
 
             self.buffer.deferred.record(idents.reshape(-1).clone(), judge, self.timeout, "low-latency combine")
-            ex.release()
-            return res
-        error = describe_handles(idents.tolist(), self.buffer.buffer_id, "low-latency combine")
         ex.release()
-        if error is not None:
-            raise ValueError(error)
         return res

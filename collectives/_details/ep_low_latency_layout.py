@@ -2,7 +2,9 @@
 
 A low-latency message to one destination is ``[header | x slots | scale slots]``: the header holds int32
 ``[status, n_max, use_fp8, count per local expert]`` and the sender's error text (``ep_rows.META_MSG``
-bytes); then ``num_local_experts * n_max`` fixed slots of x rows (and of FP8 scales), expert-major.
+bytes); then ``num_local_experts * n_max`` fixed slots of x rows (and of FP8 scales), expert-major. That is
+the stream-ordered mode's layout; the host-checked mode packs the same header and rows without the empty
+slots (``ep_low_latency_packed``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 # The status words of a message header (shared with the device kernels).
+from epkit.collectives._details.ep_rows import move_rows
 from epkit.kernels.triton.ep_layout import BAD_IDS, COMBINE_HEAD, OK, OVERFLOW, REJECTED
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "route_pairs",
     "message_spacing",
     "slot_grid",
+    "unpack_slots",
 ]
 
 
@@ -158,3 +162,27 @@ def message_spacing(views: list[torch.Tensor]) -> tuple[int, int]:
     if any(b - a != stride for a, b in zip(ptrs, ptrs[1:])) or stride < 0:
         raise RuntimeError(f"low-latency messages are not evenly spaced in memory ({ptrs})")
     return ptrs[0], stride
+
+
+def unpack_slots(views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
+    """Received slot messages -> the masked layout: expert e's rows ordered by source, then slot (fixed-shape:
+    the stream-ordered mode's unpacking; ``counts [W, L]``, ``recv_x`` as ``low_latency_dispatch`` returns it)."""
+    L = counts.shape[1]
+    src, live, slot, row = slot_grid(counts, n_max)
+    first, stride = message_spacing(views)
+    x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
+    msg = first + src * stride
+    move_rows(
+        torch.where(live, x_dst + row * xb, 0),
+        torch.where(live, msg + hdr + slot * xb, 0),
+        xb,
+        [first, stride, hdr, x_dst],
+    )
+    if sb:
+        s_dst, off = recv_x[1].data_ptr(), hdr + L * n_max * xb
+        move_rows(
+            torch.where(live, s_dst + row * sb, 0),
+            torch.where(live, msg + off + slot * sb, 0),
+            sb,
+            [first, stride, off, s_dst],
+        )
