@@ -30,7 +30,7 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["Rendezvous", "SubGroup", "group_info", "host_identity", "memory_available"]
+__all__ = ["Rendezvous", "SubGroup", "group_info", "host_identity", "memory_available", "root_of"]
 
 # Buffers made so far in this process, per group (by its SubGroup name and global ranks).
 _COUNTS: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -38,7 +38,9 @@ _COUNTS: dict[tuple[str, tuple[int, ...]], int] = {}
 
 class SubGroup:
     """The ranks ``ranks`` (ascending ranks of ``parent``) as a group of their own, for :class:`Rendezvous` and
-    :class:`~epkit.collectives.symm_buffer.SymmBuffer` (gloo: the ``shm`` and ``torch`` transports). Made by the
+    :class:`~epkit.collectives.symm_buffer.SymmBuffer` (gloo: the ``shm`` and ``torch`` transports; ``nvshmem``,
+    whose allocation is collective over the whole job: every rank of the root group then makes a buffer of
+    the same size over its own SubGroup at the same time, as the hierarchy's ``intra`` and ``rail``). Made by the
     member ranks only, with no collective. ``name`` keeps buffers over the same ranks made for different
     purposes apart (their keys carry it): every member must make its buffers over one ``(name, ranks)`` in the
     same order, as over a process group.
@@ -72,6 +74,16 @@ class SubGroup:
 
     def __repr__(self) -> str:
         return f"SubGroup({self.name!r}, global ranks {list(self.global_ranks)}, rank {self.rank})"
+
+
+def root_of(group) -> tuple[object, list[int]]:
+    """``(the ProcessGroup a group is cut from, the group's members as ranks of it)``: the group itself and all
+    its ranks for a ProcessGroup (None: the world), the root of the parents and the members' ranks there for a
+    :class:`SubGroup`."""
+    if not isinstance(group, SubGroup):
+        return group, list(range(group_info(group)[1]))
+    parent, ranks = root_of(group.parent)
+    return parent, [ranks[r] for r in group.ranks]
 
 
 def group_info(group) -> tuple[int, int, tuple[int, ...], str]:

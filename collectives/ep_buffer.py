@@ -105,16 +105,16 @@ class EPBuffer(
     num_topk : int
         Experts per token.
     transport : {"auto", "shm", "torch", "nvshmem", "hierarchical"}
-        ``auto``: ``nvshmem`` for an NCCL group (CUDA ranks), ``shm`` for CPU ranks on one host, ``hierarchical``
-        for CPU ranks on several hosts of one size (see ``_details/ep_hier.py``; from one probe of the hosts;
-        else ``torch``). On several hosts every transport combines in ``ep_reference``'s two-level order
-        (``hosts``). Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the
-        rank's GPU for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves
-        and sums are torch ops with the same rounding as the CPU's fused C++ ones (tested on CPU
-        through ``ep_rows.PORTABLE``, and over nvshmem with ``epkit.testing.nvshmem_emulator``).
-        Normal mode synchronizes with the host (routing copied to the CPU, counts read back, as DeepEP's
-        normal mode reads its counts); the low-latency mode does not (see ``_details/ep_low_latency.py``:
-        on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
+        ``auto``: CUDA ranks (NCCL group) ``nvshmem`` in one NVLink domain, ``hierarchical`` across domains of
+        one size (nvshmem inside and between); CPU ranks ``shm`` on one host, ``hierarchical`` on several hosts
+        of one size (shm inside, torch between), else ``torch`` (``_details/ep_hier.py``; hosts and domains from
+        one probe). On several hosts (domains) every transport combines in ``ep_reference``'s two-level order
+        (``hosts``). Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the GPU
+        for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves and sums are torch
+        ops with the CPU's fused C++ rounding (tested on CPU through ``ep_rows.PORTABLE``, and over nvshmem
+        with ``epkit.testing.nvshmem_emulator``). Normal mode synchronizes with the host (routing copied to the
+        CPU, counts read back, as DeepEP's normal mode reads its counts); the low-latency mode does not (see
+        ``_details/ep_low_latency.py``: on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
     num_max_dispatch_tokens_per_rank : int, optional
         Capacity of the low-latency mode: the most tokens a rank sends in one low-latency dispatch (default
         ``min(num_max_tokens_per_rank, 128)``, a decode batch; every local expert reserves this many slots per
@@ -136,9 +136,9 @@ class EPBuffer(
     region_bytes : int
         Bytes of one source's region in every rank's buffer: the largest message of any mode.
     transport, device
-        The transport's name (``"hierarchical(shm+torch)"`` for the hierarchy), and where rows live.
+        The transport's name (the hierarchy's: ``"hierarchical(shm+torch)"``, ``"hierarchical(nvshmem+nvshmem)"``).
     hosts : list of list of int
-        The group's ranks by host (one list on one machine, and for NCCL groups); picks the combine order.
+        The group's ranks by host (NVLink domain for CUDA ranks; one list on one host); picks the combine order.
     """
 
     def __init__(
@@ -168,9 +168,9 @@ class EPBuffer(
             raise ValueError(
                 f"EPBuffer transport must be 'auto', 'shm', 'torch', 'nvshmem' or 'hierarchical', got {transport!r}"
             )
-        # NCCL only: CUDA ranks, whose rows move over nvshmem (BackendUnavailableError says what is missing). A gloo
-        # (or mixed cpu:gloo,cuda:nccl) group: its hosts, probed once, pick shm, the hierarchy or torch.
-        transport, self.hosts = plan_transport(group, transport, timeout)
+        # NCCL only: CUDA ranks, rows over nvshmem (BackendUnavailableError says what is missing), flat or across
+        # NVLink domains; a gloo (or mixed cpu:gloo,cuda:nccl) group: its hosts pick shm, the hierarchy or torch.
+        transport, self.hosts, rows = plan_transport(group, transport, timeout)
         self.group, self.world_size, self.rank = group, w, group_info(group)[0]
         self.hidden, self.num_experts, self.num_topk = hidden, num_experts, num_topk
         self.num_local_experts = num_experts // w
@@ -195,7 +195,7 @@ class EPBuffer(
             f"{'low-latency' if ll_sized else 'normal'} mode (num_max_tokens_per_rank={n}, "
             f"num_max_dispatch_tokens_per_rank={n_ll}, hidden={h}, num_experts={num_experts}): lower {knob}"
         )
-        self._open_buffers(group, transport, sizes, kernels, timeout, hint)
+        self._open_buffers(group, transport, rows, sizes, kernels, timeout, hint)
         #: Where rows live (x, y, received rows, outputs); routing metadata is kept on the CPU.
         self.device = self.buffer.local.device
         #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter). The

@@ -53,6 +53,13 @@ def test_cuda_extension_built_when_toolchain_present():
     assert "MEMBAR.SC.SYS" in body or "MEMBAR.SYS" in body, body[:2000]
     # The device-linked NVSHMEM put-with-signal is in the kernel, not a host fallback.
     assert "nvshmem" in sass.lower()
+    # ... and put_signal_kernel itself calls NVSHMEM's device-side transfer for a PE it cannot store to (another
+    # node, or a GPU without a P2P path: the hierarchy's rail between NVLink domains): its relocations name it.
+    relocs = subprocess.run([tool, "-elf", path], capture_output=True, text=True, timeout=300).stdout
+    sections = relocs.split(".section ")
+    own = [sec for sec in sections if sec.startswith(".rela.text.") and "put_signal_kernel" in sec.split("\n", 1)[0]]
+    assert own, "no relocation section of put_signal_kernel"
+    assert "nvshmemi_transfer_put_signal" in own[0], own[0][:2000]
 
 
 @requires_nvcc

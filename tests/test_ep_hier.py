@@ -1,6 +1,9 @@
 """EPBuffer across emulated hosts: the hierarchy (shm inside a host, torch between) and the flat torch transport,
 bit for bit against ep_reference's two-level order; the bytes that cross hosts; the two-level order itself."""
 
+import re
+
+import pytest
 import torch
 import torch.distributed as dist
 from test_hosts import check_low_latency
@@ -15,6 +18,7 @@ from epkit.quant import per_token_group_cast_to_fp8
 from epkit.testing import assert_bitwise_equal
 from epkit.testing.hosts import requires_namespaces, run_hosts
 from epkit.testing.multiprocess import run_ranks
+from epkit.testing.nvshmem_emulator import resolve_transport
 
 HIDDEN, EXPERTS, TOPK, CAP = 256, 16, 4, 32
 SIZES = [5, 32, 0, 17]  # tokens per rank (by rank % 4)
@@ -90,10 +94,18 @@ def _predicted_bytes(hosts, idx, num_rows_bytes):
     return rows, rows + remote_ranks * 2 * (24 + 24 + 192) + (len(hosts) - 1) * (2 * 24 + 3 * 15)
 
 
-def _hier_checks(rank, world_size, ranks_per_host):
+def _hier_checks(rank, world_size, ranks_per_host, names=("auto", "torch"), emulated=None, portable=False):
+    """The checks of one rank, for each transport in ``names``; ``emulated``: a test transport of
+    ``resolve_transport`` to install first (NVLink domains of the NVSHMEM emulator as the hosts); ``portable``:
+    row moves and sums through the torch formulations CUDA rows take (``ep_rows.PORTABLE``)."""
+    from epkit.collectives._details import ep_rows
+
+    ep_rows.PORTABLE[0] = portable
+    if emulated is not None:
+        resolve_transport(emulated)
     hosts = [list(range(h, h + ranks_per_host)) for h in range(0, world_size, ranks_per_host)]
     out = {}
-    for name in ("auto", "torch"):
+    for name in names:
         buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, CAP, TOPK, transport=name, timeout=20)
         out[name] = {"transport": buf.transport, "hosts": buf.hosts}
         x, idx, w = _routing(rank, SIZES[rank % 4], 1)
@@ -145,6 +157,24 @@ def test_two_hosts_of_one_rank():
     _check_hosts(1)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_nvshmem_hierarchy_across_nvlink_domains(portable):
+    # CUDA ranks in two NVLink domains of two GPUs (the NVSHMEM emulator: peer views inside a domain, puts with
+    # signal between): nvshmem inside a domain and between, each token once per destination domain, bit for bit
+    # the reference's two-level order; the flat nvshmem buffer sums in that order too and puts more bytes across.
+    # portable: with the row moves and sums CUDA rows take.
+    names = ("hierarchical", "nvshmem")
+    res = run_ranks(_hier_checks, 4, 2, names, "nvemu-dom2", portable, timeout=300)
+    for got in res:
+        assert got["hierarchical"]["transport"] == "hierarchical(nvshmem+nvshmem)", got
+        assert got["nvshmem"]["transport"] == "nvshmem", got
+        assert got["hierarchical"]["hosts"] == got["nvshmem"]["hosts"] == [[0, 1], [2, 3]], got
+    total = {name: sum(got[name]["bytes"] for got in res) for name in names}
+    rows, limit = (sum(got["hierarchical"]["predicted"][i] for got in res) for i in (0, 1))
+    assert rows <= total["hierarchical"] <= limit, (total, rows, limit)
+    assert total["hierarchical"] < total["nvshmem"], total
+
+
 def _orders(rank, world_size):
     """reference_combine's order, and sum_by_host against it (the flat transports' source-side sum)."""
     x, idx, w = _routing(rank, 32, 11)
@@ -171,3 +201,34 @@ def test_reference_order_across_hosts_differs_and_one_host_is_todays():
     for same_one_host, _, hosts, transport in res:
         assert same_one_host and hosts == [[0, 1, 2, 3]] and transport == "shm"
     assert any(differs for _, differs, _, _ in res)  # the two-level order is a different order: the test can fail
+
+
+def _killed_in_nvshmem_hierarchy(rank, world_size):
+    import os
+    import signal
+    import time
+
+    resolve_transport("nvemu-dom2")
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, CAP, TOPK, transport="hierarchical", timeout=3)
+    x, idx, w = _routing(rank, 16, 9)
+    idx[:, 0] = (rank * 7 + 5) % EXPERTS  # every rank sends to both domains
+    buf.dispatch(x, idx, w)  # one good round
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies before the second dispatch
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, idx, w)
+    except (TimeoutError, RuntimeError) as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", 0.0
+
+
+def test_nvshmem_hierarchy_names_a_dead_rank_within_the_timeout():
+    res = run_ranks(_killed_in_nvshmem_hierarchy, 4, timeout=90, may_die=(3,))
+    assert res[3] is None
+    for rank in (0, 1, 2):
+        kind, msg, waited = res[rank]
+        # Its own timeout, or a survivor's notice (PeerFailedError, a RuntimeError) passed on.
+        assert kind in ("TimeoutError", "PeerFailedError"), res[rank]
+        assert re.search(r"rank 3 sent no .* (within 3 s|within its timeout)", msg), res[rank]
+        assert waited < 6, res[rank]

@@ -51,11 +51,12 @@ def _expert_outputs(recv_x, counts, use_fp8, world_size):
 def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2, transport="shm", calls=None):
     """Dispatch + combine under the detector; the outputs against the reference outside it.
 
-    ``calls``: a function whose result is returned with the events, taken before the buffer closes (the
-    close's timed barrier is a host wait of its own)."""
+    ``calls``: a function returning counts of calls, whose increase over the dispatches and combines is returned
+    with the events (not the construction's nor the close's: their timed barriers are host waits of their own)."""
     ep_rows.PORTABLE[0] = portable
     transport = resolve_transport(transport)
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=20)
+    before = calls() if calls is not None else {}
     events = []
     for r in range(rounds):  # the second round goes through the acknowledgements and the deferred checks
         x, idx, wts = _inputs(rank, [N_MAX, 5, 0, 9][(rank + r) % 4], seed=r)
@@ -79,7 +80,7 @@ def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2, transport="
     with HostSyncDetector() as det:
         buf.synchronize()  # nothing pending failed
     events += det.events
-    counted = calls() if calls is not None else None
+    counted = {k: v - before.get(k, 0) for k, v in calls().items() if v > before.get(k, 0)} if calls else None
     buf.close()
     return events if calls is None else (events, counted)
 

@@ -1,12 +1,17 @@
-"""EPBuffer across hosts: hierarchical normal-mode dispatch and combine (``shm`` inside a host, ``torch`` between).
+"""EPBuffer across hosts: hierarchical normal-mode dispatch and combine (CPU ranks: ``shm`` inside a host,
+``torch`` between; CUDA ranks: ``nvshmem`` for both, peer views inside an NVLink domain, puts with signal between
+domains; ``ep_hier_rows.PARTS``).
 
-With N hosts of P ranks each (``EPBuffer.hosts``; rank l of host h is ``hosts[h][l]``), a rank has two
-buffers besides the EPBuffer's own (a flat ``torch`` buffer over the whole group, which carries the
-layout and handle agreements and the low-latency mode):
+With N hosts (NVLink domains) of P ranks each (``EPBuffer.hosts``; rank l of host h is ``hosts[h][l]``), a rank
+has two buffers besides the EPBuffer's own (a flat buffer over the whole group, ``torch`` or ``nvshmem``, which
+carries the layout and handle agreements and the low-latency mode):
 
-* ``rail``: ``torch`` over rank l of every host (a :class:`~epkit.collectives.bootstrap.SubGroup` named
-  ``ep-rail``);
-* ``intra``: ``shm`` over the ranks of this host (``ep-intra``).
+* ``rail``: over rank l of every host (a :class:`~epkit.collectives.bootstrap.SubGroup` named ``ep-rail``);
+* ``intra``: over the ranks of this host (``ep-intra``).
+
+On CUDA the protocol is the host-driven one (the routing read on the host, the rows moved by torch ops and the
+transport's puts, as the flat nvshmem buffer's ``kernels="host"`` path); the puts between domains are NVSHMEM
+put-with-signal kernels (``csrc/cuda``: device-initiated, through the job's remote transport).
 
 Dispatch: the layout agreement (one flat exchange; a rejected call is the same ValueError on every rank of
 every host before any row moves) tells each rank the rows each source sends it and, per source on its rail,
@@ -38,15 +43,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, field_offsets
+from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, PARTS, field_offsets
 from epkit.collectives._details.ep_normal import DispatchHandle
 from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
 from epkit.collectives.symm_buffer import SymmBuffer
 
-__all__ = ["HIER_TRANSPORT", "HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
-
-#: ``EPBuffer.transport`` of a hierarchical buffer.
-HIER_TRANSPORT = "hierarchical(shm+torch)"
+__all__ = ["HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
 
 
 @dataclass
@@ -67,9 +69,13 @@ def flat_region(sizes, hidden: int, num_topk: int, num_local_experts: int, n_ll:
 
 
 class Hierarchy:
-    """The ``rail`` and ``intra`` buffers of one rank of a hierarchical EPBuffer (collective over ``group``)."""
+    """The ``rail`` and ``intra`` buffers of one rank of a hierarchical EPBuffer (collective over ``group``), over
+    the transports ``parts`` names (:data:`~epkit.collectives._details.ep_hier_rows.PARTS`: shm and torch for
+    CPU rows, nvshmem for both on CUDA, where every rank of the group makes both buffers at once)."""
 
-    def __init__(self, group, hosts: list[list[int]], hidden: int, num_topk: int, n: int, timeout: float, hint=""):
+    def __init__(
+        self, group, hosts: list[list[int]], hidden: int, num_topk: int, n: int, timeout: float, parts, hint=""
+    ):
         from epkit.collectives.bootstrap import SubGroup, group_info
 
         rank = group_info(group)[0]
@@ -83,15 +89,21 @@ class Hierarchy:
         self.rail_region = align_up(max(field_offsets(n, widths)[1], n * 4 * hidden), 4096)
         m = self.num_hosts * n
         self.intra_region = align_up(max(field_offsets(m, widths)[1], m * 4 * hidden), 4096)
+        _, intra, rail = parts
         self.intra = SymmBuffer(
             SubGroup(group, hosts[self.host], "ep-intra"),
             self.per_host * self.intra_region,
-            transport="shm",
+            transport=intra,
             timeout=timeout,
             memory_hint=hint,
         )
-        try:  # the torch transport needs no memory of its own: its messages are staged per exchange
-            self.rail = SymmBuffer(SubGroup(group, self.rail_ranks, "ep-rail"), 0, transport="torch", timeout=timeout)
+        # The torch transport needs no memory of its own (its messages are staged per exchange); a one-sided one
+        # a region per source.
+        rail_bytes = 0 if rail == "torch" else self.num_hosts * self.rail_region
+        try:
+            self.rail = SymmBuffer(
+                SubGroup(group, self.rail_ranks, "ep-rail"), rail_bytes, transport=rail, timeout=timeout
+            )
         except BaseException:
             self.intra.close()
             raise
@@ -110,16 +122,17 @@ class HierarchyMixin:
     exchanges), ``_agree_rows``, ``agree_on_handle``, ``_finish_dispatch``, ``_host_empty`` (result tensors)
     and ``validate_dispatch``."""
 
-    def _open_buffers(self, group, transport: str, sizes, kernels: str, timeout: float, hint: str) -> None:
-        """Make ``self.buffer`` (``transport`` over the whole group; for :data:`HIERARCHICAL`, ``torch`` with
-        regions for the agreements and the low-latency mode only) and ``self._hier``; set ``transport``,
-        ``region_bytes`` and the device kernels' ``_kernel_mode`` / ``_kernel_layout``."""
+    def _open_buffers(self, group, transport: str, rows: str, sizes, kernels: str, timeout: float, hint: str):
+        """Make ``self.buffer`` (``transport`` over the whole group; for :data:`HIERARCHICAL`, the flat transport
+        of ``PARTS[rows]`` with regions for the agreements and the low-latency mode only) and ``self._hier``; set
+        ``transport``, ``region_bytes`` and the device kernels' ``_kernel_mode`` / ``_kernel_layout``."""
         self._hier = None
         if transport == HIERARCHICAL:
             n_ll, n = self.num_max_dispatch_tokens_per_rank, self.num_max_tokens_per_rank
             self.region_bytes = flat_region(sizes, self.hidden, self.num_topk, self.num_local_experts, n_ll)
-            self._hier = Hierarchy(group, self.hosts, self.hidden, self.num_topk, n, timeout, hint)
-            transport = "torch"
+            parts = PARTS[rows]
+            self._hier = Hierarchy(group, self.hosts, self.hidden, self.num_topk, n, timeout, parts, hint)
+            transport = parts[0]
         try:
             self._kernel_mode, self._kernel_layout = self._kernel_area(kernels, transport, group)
             num_bytes = self.region_bytes * self.world_size + self._kernel_layout.get("total", 0)
@@ -128,12 +141,16 @@ class HierarchyMixin:
             if self._hier is not None:
                 self._hier.close()
             raise
-        self.transport = self.buffer.transport if self._hier is None else HIER_TRANSPORT
+        if self._hier is not None:
+            self.transport = f"{HIERARCHICAL}({self._hier.intra.transport}+{self._hier.rail.transport})"
+        else:
+            self.transport = self.buffer.transport
 
     def bytes_across_hosts(self) -> int:
-        """Bytes this rank has sent to ranks on other hosts through this EPBuffer so far: headers and payloads
-        of its ``torch`` transports (the flat buffer's messages to ranks of other hosts, every rail message to
-        another host). 0 on ``shm``; the nvshmem transport is not counted (0). Sum over the ranks for a job's."""
+        """Bytes this rank has sent to ranks on other hosts (NVLink domains) through this EPBuffer so far: the
+        flat buffer's messages to ranks of other hosts and every rail message to another host - headers and
+        payloads on ``torch``, the payloads put with a signal on ``nvshmem`` (its peer views stay inside a
+        domain). 0 on ``shm``. Sum over the ranks for a job's."""
         host_of = {r: h for h, g in enumerate(self.hosts) for r in g}
         me = host_of[self.rank]
         sent = getattr(self.buffer.impl, "bytes_sent", None) or []
@@ -180,9 +197,8 @@ class HierarchyMixin:
         meta = (topk_idx.to(torch.int32), weights.float())
         with self._hier_retire("dispatch"):
             recv_x, recv_s, recv_i, recv_w = self._hier_move(x, scales, meta, state, recv_counts)
-        out = self._finish_dispatch(
-            recv_x, recv_s, recv_i.to(topk_idx.dtype), recv_w, tokens, recv_counts, x.shape[0], expand, alignment
-        )
+        recv_i, recv_w = recv_i.cpu().to(topk_idx.dtype), recv_w.cpu()  # the routing stays on the host
+        out = self._finish_dispatch(recv_x, recv_s, recv_i, recv_w, tokens, recv_counts, x.shape[0], expand, alignment)
         handle = out[4]
         handle = HierDispatchHandle(**{f.name: getattr(handle, f.name) for f in fields(handle)}, hier=state)
         return (*out[:4], handle)
@@ -226,8 +242,8 @@ class HierarchyMixin:
         cols = [x.contiguous().view(torch.uint8).view(x.shape[0], xb)]
         if scales is not None:
             cols.append(scales.contiguous().view(torch.uint8).view(x.shape[0], 4 * scales.shape[1]))
-        if meta is not None:
-            cols += [m.contiguous().view(torch.uint8).view(x.shape[0], 4 * K) for m in meta]
+        if meta is not None:  # the routing (host tensors) travels with the rows, in their memory
+            cols += [m.to(x.device).contiguous().view(torch.uint8).view(x.shape[0], 4 * K) for m in meta]
         widths = [c.shape[1] for c in cols]
         rail, got = self._hier_rail_send(cols, widths, state)
         if meta is not None:
@@ -251,7 +267,7 @@ class HierarchyMixin:
         ex = hy.rail.exchange(hy.rail_region, tag="dispatch rail")
         for step in range(1, hy.num_hosts):
             H = (hy.host + step) % hy.num_hosts
-            t = state["host_tokens"][H]
+            t = state["host_tokens"][H].to(cols[0].device)
             n = t.numel()
             offs, end = field_offsets(n, widths)
             if n:
@@ -279,7 +295,7 @@ class HierarchyMixin:
             ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows)
             ids = ids.view(torch.int32).view(-1, K).long()
             rank_of = torch.where(ids >= 0, ids // L, -1)
-            out.append(torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1))
+            out.append(torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1).cpu())
         return out
 
     def _hier_put(self, field, rows, sel, out, to_rank: int | None) -> None:
@@ -288,6 +304,7 @@ class HierarchyMixin:
         elsewhere); None: the bytes as they are."""
         if rows is not None:
             sel = rows.index_select(0, sel)
+        sel = sel.to(field.device)
         if to_rank is None:
             torch.index_select(field, 0, sel, out=out)
             return
@@ -368,7 +385,7 @@ class HierarchyMixin:
                 reduce_indexed(out.view(y.dtype).view(m, h), [y], keep, slot.clamp(min=0), weights[rows])
                 own = out if lf == hy.local else own
             elif m and lf != hy.local:
-                torch.index_select(y_bytes, 0, rows, out=ex.send_region(lf)[: m * rb].view(m, rb))
+                torch.index_select(y_bytes, 0, rows.to(y.device), out=ex.send_region(lf)[: m * rb].view(m, rb))
             elif lf == hy.local and not handle.expand:
                 own, remap = y, rows
             ex.commit(lf, 0 if lf == hy.local else m * rb)

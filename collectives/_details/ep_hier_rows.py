@@ -16,11 +16,15 @@ import torch
 
 from epkit.collectives._details.ep_rows import align_up, reduce_indexed, sum_by_source
 
-__all__ = ["HIERARCHICAL", "field_offsets", "plan_transport", "sum_by_host"]
+__all__ = ["HIERARCHICAL", "PARTS", "field_offsets", "nvshmem_domains", "plan_transport", "sum_by_host"]
 
-#: The transport name an EPBuffer takes for ranks on several hosts (``EPBuffer.transport`` then reads
-#: ``"hierarchical(shm+torch)"``).
+#: The transport name an EPBuffer takes for ranks on several hosts (``EPBuffer.transport`` then names the
+#: parts: ``"hierarchical(shm+torch)"``, ``"hierarchical(nvshmem+nvshmem)"``).
 HIERARCHICAL = "hierarchical"
+#: The buffers of a hierarchy, by where its rows live: ``(flat, intra, rail)`` transports. CPU ranks: shared
+#: memory inside a host, torch between hosts and for the flat buffer (the agreements and the low-latency mode);
+#: CUDA ranks: nvshmem for all three (peer views inside an NVLink domain, puts with signal between domains).
+PARTS = {"cpu": ("torch", "shm", "torch"), "cuda": ("nvshmem", "nvshmem", "nvshmem")}
 
 
 def sum_by_host(
@@ -63,29 +67,60 @@ def field_offsets(n: int, widths: list[int]) -> tuple[list[int], int]:
     return offs, at
 
 
-def plan_transport(group, transport: str, timeout: float) -> tuple[str, list[list[int]]]:
-    """``(transport, hosts)`` for an EPBuffer on ``group`` asking for ``transport``; collective over the group.
+def nvshmem_domains(group, timeout: float) -> list[list[int]]:
+    """The group's NVLink domains (collective over ``group``): the ranks each rank reaches directly through
+    NVSHMEM (``nvshmem_ptr`` of a small probe allocation, freed again), gathered; ascending lists, by first rank.
+    When those sets are not a partition (a rank that reaches a peer which does not reach it back, or reaches a
+    rank the peer does not), the whole group is one list: no hierarchy is built on a topology it cannot
+    describe, and the sums keep the one-level order."""
+    from epkit.collectives.bootstrap import Rendezvous
+    from epkit.collectives.symm_buffer import SymmBuffer
 
-    A gloo group meets once (a rendezvous: every rank gets the same answer) to find its hosts
-    (:func:`~epkit.collectives.transports.host_groups`, confirmed by a shared segment). ``auto`` then takes
+    probe = SymmBuffer(group, 0, transport="nvshmem", num_signals=0, timeout=timeout)
+    try:
+        reach = [r for r, addr in enumerate(probe.impl.peer_data) if addr]
+    finally:
+        probe.close()
+    sets = [tuple(s) for s in Rendezvous(group, timeout, "EPBuffer domain probe").gather("reach", reach)]
+    if any(r not in s or any(sets[q] != s for q in s) for r, s in enumerate(sets)):
+        return [list(range(len(sets)))]
+    return [list(s) for s in sorted(set(sets))]
+
+
+def plan_transport(group, transport: str, timeout: float) -> tuple[str, list[list[int]], str]:
+    """``(transport, hosts, rows)`` for an EPBuffer on ``group`` asking for ``transport``; collective over the group.
+    ``rows``: ``"cpu"`` or ``"cuda"``, the kind of ranks (the key of :data:`PARTS` a hierarchy is made of).
+
+    CUDA ranks (an NCCL-only group, or a gloo group of CPU stand-ins for them when the NVSHMEM emulator is
+    installed and ``nvshmem`` or ``hierarchical`` is asked for) find their NVLink domains
+    (:func:`nvshmem_domains`): ``auto`` and ``hierarchical`` take :data:`HIERARCHICAL` over domains of one size
+    with more than one rank each, else ``nvshmem``; ``nvshmem`` stays flat (two-level sums when there are several
+    domains). CPU ranks of a gloo group meet once (a rendezvous: every rank gets the same answer) to find their
+    hosts (:func:`~epkit.collectives.transports.host_groups`, confirmed by a shared segment). ``auto`` then takes
     ``shm`` on one host, :data:`HIERARCHICAL` on several hosts of equal size, ``torch`` on hosts of unequal
     sizes (the hierarchy pairs rank l of every host: flat ``torch`` instead). An explicit ``hierarchical``
-    on one host is ``shm``, on unequal hosts ``torch``; an explicit ``shm`` is one host, unprobed. An
-    NCCL-only group (CUDA rows) is not probed: its ranks count as one host (``nvshmem`` sums in the one-level order).
+    on one host is ``shm``, on unequal hosts ``torch``; an explicit ``shm`` is one host, unprobed.
     """
     from epkit.collectives.bootstrap import Rendezvous, group_info, host_identity
-    from epkit.collectives.transports import host_groups
+    from epkit.collectives.transports import host_groups, nvshmem_job
 
     _, w, _, backend = group_info(group)
-    if "nccl" in backend and "gloo" not in backend:
-        return ("nvshmem" if transport == "auto" else transport), [list(range(w))]
+    nccl_only = "nccl" in backend and "gloo" not in backend
+    if nccl_only or (nvshmem_job.emulated() and transport in ("nvshmem", HIERARCHICAL)):
+        if transport not in ("auto", "nvshmem", HIERARCHICAL):
+            return transport, [list(range(w))], "cuda"
+        domains = nvshmem_domains(group, timeout)
+        sizes = {len(d) for d in domains}
+        if transport != "nvshmem" and len(domains) > 1 and len(sizes) == 1 and sizes.pop() > 1:
+            return HIERARCHICAL, domains, "cuda"
+        return "nvshmem", domains, "cuda"
     if transport == "shm":  # shared memory is one host by definition (SymmBuffer refuses it otherwise): no probe
-        return transport, [list(range(w))]
+        return transport, [list(range(w))], "cpu"
     rv = Rendezvous(group, timeout, "EPBuffer host probe")
     hellos = rv.gather("hello", {"host": host_identity(), "pid": os.getpid()})
     hosts = host_groups(hellos, rv)
     if transport not in ("auto", HIERARCHICAL):
-        return transport, hosts
+        return transport, hosts, "cpu"
     if len(hosts) == 1:
-        return "shm", hosts
-    return (HIERARCHICAL if len({len(g) for g in hosts}) == 1 else "torch"), hosts
+        return "shm", hosts, "cpu"
+    return (HIERARCHICAL if len({len(g) for g in hosts}) == 1 else "torch"), hosts, "cpu"

@@ -39,6 +39,12 @@ class NvshmemTransport(Transport):
         Why torch's symmetric memory was not used, or "".
     peer_data : list of int
         Address of each rank's data as seen from this GPU; 0 where the peer is not directly addressable.
+    pes : list of int
+        The NVSHMEM PE of each rank of the group (its rank in the root group: a SubGroup's members are PEs of the
+        job over the root).
+    bytes_sent : list of int
+        Bytes this rank has put to each rank through put-with-signal (the peers out of direct reach, across
+        NVLink domains); what moves through peer views is not counted.
     """
 
     name = "nvshmem"
@@ -48,14 +54,24 @@ class NvshmemTransport(Transport):
 
     def __init__(self, rv, hello: list[dict], num_bytes: int, num_signals: int):
         super().__init__(rv, hello, num_bytes, num_signals)
+        from epkit.collectives.bootstrap import group_info, root_of
+
         rank = self.rank
         num_words, self.data_offset, alloc = layout(self.world_size, num_signals, num_bytes)
-        got = nvshmem_job.allocate(self.group, rank, self.world_size, alloc)
+        # The allocation is collective over the job, whose PEs are the root group's ranks: a SubGroup's buffer
+        # is allocated with every rank of the root (each making its own SubGroup's buffer of this size).
+        root, members = root_of(self.group)
+        root_rank, root_world = group_info(root)[:2]
+        got = nvshmem_job.allocate(root, root_rank, root_world, alloc)
         self.provider, self.note, self.cc = got.provider, got.note, got.cc
+        #: The NVSHMEM PE of each rank of the group (puts and signals address PEs).
+        self.pes = members
+        self.bytes_sent = [0] * self.world_size
         self._torch_memory = got.torch_memory
         dev = got.device
-        self.base = got.bases[rank]
-        self.peer_data = [b + self.data_offset if b else 0 for b in got.bases]
+        bases = [got.bases[m] for m in members]
+        self.base = bases[rank]
+        self.peer_data = [b + self.data_offset if b else 0 for b in bases]
         self.views = [nvshmem_job.device_view(p, num_bytes, dev) if p else None for p in self.peer_data]
         self.local = self.views[rank]
         self.words = nvshmem_job.device_view(self.base, num_words * 8, dev).view(torch.int64)
@@ -102,7 +118,7 @@ class NvshmemTransport(Transport):
             if self._urgent is None:
                 self._urgent = torch.cuda.Stream(self.device, priority=-1)
             stream = self._urgent.cuda_stream
-        self.cc.signal_op(self.base + off, value, op, dst, stream, self._sticky.data_ptr() if guarded else 0)
+        self.cc.signal_op(self.base + off, value, op, self.pes[dst], stream, self._sticky.data_ptr() if guarded else 0)
 
     def put_signal(self, dst: int, dst_off: int, src: torch.Tensor, nbytes: int, sig_off: int, value: int, guarded):
         """Copy ``nbytes`` of ``src`` to data offset ``dst_off`` on ``dst``, then set its word at ``sig_off``
@@ -124,10 +140,11 @@ class NvshmemTransport(Transport):
             self.base + sig_off,
             value,
             "set",
-            dst,
+            self.pes[dst],
             self._stream(),
             self._sticky.data_ptr() if guarded else 0,
         )
+        self.bytes_sent[dst] += nbytes
 
     def wait(
         self, off: int, count: int, cmp: str, value: int, timeout: float, abort_words: int = 0

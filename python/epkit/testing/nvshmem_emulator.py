@@ -15,19 +15,17 @@ Model
   sparse), every PE maps every heap. ``malloc`` is collective and deterministic, so an allocation
   has the same offset in every heap: a symmetric address is an address in the caller's heap, and
   on PE ``pe`` it is ``heap[pe] + (addr - heap[me])``.
-- ``peer_ptr`` returns that translated address (``p2p=True``, one NVLink domain) or 0 for every
-  other PE (``p2p=False``, as across nodes), which sends the transport through ``put_signal``.
+- ``peer_ptr`` returns that translated address for the PEs of the caller's NVLink domain (every PE
+  with ``p2p=True``, unless ``domain_size`` splits them) and 0 for any other (every other PE with
+  ``p2p=False``, as across nodes), which sends the transport through ``put_signal``.
 - The "stream" is the calling thread: every op has completed when it returns, so a wait blocks
   the host (GIL released) for at most its timeout, like a stream-ordered kernel followed by a sync.
 - Errors the real extension raises (bad pe, unaligned signal word, ``init`` twice, use before
   ``init``) are raised the same way; collective steps that would hang in NVSHMEM (a missing peer
   in ``init`` or ``barrier_all``) raise RuntimeError after ``EPKIT_NVEMU_TIMEOUT`` seconds (60).
 
-Use it in a rank process (``run_ranks``) before the first nvshmem buffer::
-
-    from epkit.testing import nvshmem_emulator
-    nvshmem_emulator.install(p2p=True)
-    buf = SymmBuffer(group, nbytes, transport="nvshmem")   # runs the nvshmem transport on CPU
+Use it in a rank process (``run_ranks``) before the first nvshmem buffer: after
+``nvshmem_emulator.install(p2p=True)``, ``SymmBuffer(group, nbytes, transport="nvshmem")`` runs on CPU.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ _CANON = {"eq": "==", "ne": "!=", "ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 # "job": the process's NVSHMEM job exists (the host library's state, whoever started it); "initialized":
 # this module may use it (epkit._C_cuda's own flag: set by init, or by attach to a job torch started).
-_state: dict = {"job": False, "initialized": False, "finalized": False, "device": 0, "p2p": True}
+_state: dict = {"job": False, "initialized": False, "finalized": False, "device": 0, "p2p": True, "domain_size": 0}
 #: Calls per function of the extension's interface, and deferred waits (those given a sticky word).
 _calls: dict[str, int] = {}
 
@@ -325,8 +323,8 @@ def _peer_ptr(ptr: int, pe: int) -> int:
     _require_job("peer_ptr")
     _count("peer_ptr")
     _require_pe(pe, "peer_ptr")
-    me = _state["me"]
-    if pe != me and not _state["p2p"]:
+    me, size = _state["me"], _state["domain_size"]
+    if pe != me and (not _state["p2p"] or (size and pe // size != me // size)):
         return 0
     return _state["heaps"][pe].addr + (ptr - _state["heaps"][me].addr)
 
@@ -454,7 +452,7 @@ def _seconds(timeout: float) -> float:
 # Installation
 
 
-def install(p2p: bool = True) -> None:
+def install(p2p: bool = True, domain_size: int = 0) -> None:
     """Make the nvshmem transport use this emulator in this process (call before any nvshmem buffer).
 
     Parameters
@@ -462,10 +460,12 @@ def install(p2p: bool = True) -> None:
     p2p : bool
         True: every PE directly addressable (one NVLink domain: ``peer()`` views, one-sided stores);
         False: only this PE (``peer_ptr`` gives 0), so puts go through staging and ``put_signal``.
+    domain_size : int
+        With ``p2p``: PEs reach only their NVLink domain's (``pe // domain_size``) directly; 0: one domain.
     """
     from epkit.collectives.transports import nvshmem_job
 
-    _state["p2p"] = bool(p2p)
+    _state["p2p"], _state["domain_size"] = bool(p2p), max(int(domain_size), 0)
     nvshmem_job.use_extension(sys.modules[__name__])
 
 
@@ -484,11 +484,12 @@ def installed() -> bool:
 
 def resolve_transport(transport: str) -> str:
     """Test parameter -> SymmBuffer transport: ``"nvemu"`` / ``"nvemu-nop2p"`` install the emulator
-    (with / without peer views) and give ``"nvshmem"``; ``"nvemu-torch"`` / ``"nvemu-torch-nop2p"`` also
-    install torch's symmetric-memory stand-in, so that the memory comes through the torch provider; any
-    other name is returned unchanged."""
-    if transport in ("nvemu", "nvemu-nop2p"):
-        install(p2p=transport == "nvemu")
+    (with / without peer views) and give ``"nvshmem"``, as ``"nvemu-domN"`` does with NVLink domains of N
+    PEs; ``"nvemu-torch"`` / ``"nvemu-torch-nop2p"`` also install torch's symmetric-memory stand-in, so that
+    the memory comes through the torch provider; any other name is returned unchanged."""
+    size = transport[9:] if transport.startswith("nvemu-dom") else ""  # "nvemu-dom2": domains of 2 PEs
+    if transport in ("nvemu", "nvemu-nop2p") or size.isdigit():
+        install(p2p=transport != "nvemu-nop2p", domain_size=int(size or 0))
         return "nvshmem"
     if transport in ("nvemu-torch", "nvemu-torch-nop2p"):
         from epkit.testing import torch_symm_emulator
