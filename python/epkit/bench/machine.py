@@ -38,13 +38,23 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _has_amx() -> bool:
+    """The CPU reports AMX tiles (``amx_tile`` among its flags in ``/proc/cpuinfo``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
 def machine_kind(device: torch.device) -> str:
-    """``cpu-<cores>core`` for a CPU run, the GPU's model in lower case (``h200``) for a CUDA run."""
+    """``cpu-<cores>core`` for a CPU run (``cpu-<cores>core-amx`` on a CPU with AMX tiles, whose bf16 matmuls
+    and fused grouped GEMM are another machine's), the GPU's model in lower case (``h200``) for a CUDA run."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         model = re.findall(r"\b[A-Za-z]{1,3}\d{2,4}[A-Za-z]*\b", name)
         return (model[0] if model else re.sub(r"\W+", "-", name)).lower()
-    return f"cpu-{os.cpu_count()}core"
+    return f"cpu-{os.cpu_count()}core" + ("-amx" if _has_amx() else "")
 
 
 def load_average() -> list[float] | None:
