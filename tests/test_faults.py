@@ -94,15 +94,18 @@ def _resumed_after_stop(rank, world_size):
     pids = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
     buf = _buffer("torch", timeout=1.5)
-    if rank == 2:  # freezes inside its first exchange, with its messages half sent
-        original = torch_transport.TorchTransport._check_header
+    if rank == 2:  # freezes as the dispatch's row exchange (its second) begins, then goes on with it when woken
+        original = torch_transport.TorchTransport.all_to_all
+        calls = []
 
-        def freeze(self, *args):
-            torch_transport.TorchTransport._check_header = original
-            os.kill(os.getpid(), signal.SIGSTOP)
-            return original(self, *args)
+        def freeze(self, *args, **kwargs):
+            calls.append(args)
+            if len(calls) == 2:  # the layout's exchange is complete: no survivor waits for rank 2 there (a
+                torch_transport.TorchTransport.all_to_all = original  # survivor stuck in it would be named first)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original(self, *args, **kwargs)
 
-        torch_transport.TorchTransport._check_header = freeze
+        torch_transport.TorchTransport.all_to_all = freeze
     x, idx, w = _inputs(rank, 0)
     first = _raised(lambda: buf.dispatch(x, idx, w))
     buf.close()
