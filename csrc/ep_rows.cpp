@@ -157,7 +157,9 @@ EPK_AVX2 __m256i bf16_bits_x8(__m256 v) {  // f32_to_bf16 per lane, in the low 1
     return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
 }
 
-template <int OUT, int BIAS>
+// STREAM: the output rows are written with streaming stores (a result too large for the caches, read later by
+// someone else: the cache lines need not be read for ownership first), 32-byte aligned; a fence ends the range.
+template <int OUT, int BIAS, bool STREAM>
 __attribute__((target("avx2"))) void reduce_range_bf16_avx2(int64_t t0, int64_t t1, void *out, const int64_t *src, int64_t K,
                                                             int64_t H, const float *weights, const uintptr_t *bias,
                                                             int64_t nb) {
@@ -191,36 +193,57 @@ __attribute__((target("avx2"))) void reduce_range_bf16_avx2(int64_t t0, int64_t 
                 uint16_t *o = static_cast<uint16_t *>(out) + t * H + h0;
                 for (int i = 0; i < 8; i += 2) {
                     const __m256i packed = _mm256_packus_epi32(bf16_bits_x8(acc[i]), bf16_bits_x8(acc[i + 1]));
-                    _mm256_storeu_si256(reinterpret_cast<__m256i *>(o + 8 * i), _mm256_permute4x64_epi64(packed, 0xD8));
+                    __m256i *dst = reinterpret_cast<__m256i *>(o + 8 * i);
+                    if (STREAM) _mm256_stream_si256(dst, _mm256_permute4x64_epi64(packed, 0xD8));
+                    else _mm256_storeu_si256(dst, _mm256_permute4x64_epi64(packed, 0xD8));
                 }
             } else {
                 float *o = static_cast<float *>(out) + t * H + h0;
-                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
+                for (int i = 0; i < 8; ++i) {
+                    if (STREAM) _mm256_stream_ps(o + 8 * i, acc[i]);
+                    else _mm256_storeu_ps(o + 8 * i, acc[i]);
+                }
             }
         }
     }
 }
 
 // The AVX2 kernel for these rows, or false (another layout or CPU: reduce_range then).
+template <bool STREAM>
+void reduce_bf16_avx2(int64_t t0, int64_t t1, void *o, int out_dtype, const int64_t *src, int64_t K, int64_t H,
+                      const float *weights, const uintptr_t *b, int64_t nb, int bias_dtype) {
+    if (out_dtype == BF16) {
+        if (bias_dtype == BF16) reduce_range_bf16_avx2<BF16, BF16, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
+        else reduce_range_bf16_avx2<BF16, F32, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
+    } else {
+        if (bias_dtype == BF16) reduce_range_bf16_avx2<F32, BF16, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
+        else reduce_range_bf16_avx2<F32, F32, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
+    }
+    if (STREAM) _mm_sfence();  // the streamed rows are visible before the call returns
+}
+
+// Results of at least this many bytes are written with streaming stores.
+constexpr int64_t STREAM_BYTES = 8 << 20;
+
+// The AVX2 kernel for these rows, or false (another layout or CPU: reduce_range then). `total_bytes`: the whole
+// output's (all threads' ranges).
 bool reduce_range_fast(int64_t t0, int64_t t1, uintptr_t out, int out_dtype, const int64_t *src, int64_t K, int64_t H,
-                       int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype) {
+                       int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype,
+                       int64_t total_bytes) {
     static const bool avx2 = __builtin_cpu_supports("avx2");
     if (!avx2 || src_dtype != BF16 || H % CH != 0) return false;
     void *o = reinterpret_cast<void *>(out);
     const uintptr_t *b = bias.data();
     const int64_t nb = static_cast<int64_t>(bias.size());
-    if (out_dtype == BF16) {
-        if (bias_dtype == BF16) reduce_range_bf16_avx2<BF16, BF16>(t0, t1, o, src, K, H, weights, b, nb);
-        else reduce_range_bf16_avx2<BF16, F32>(t0, t1, o, src, K, H, weights, b, nb);
-    } else {
-        if (bias_dtype == BF16) reduce_range_bf16_avx2<F32, BF16>(t0, t1, o, src, K, H, weights, b, nb);
-        else reduce_range_bf16_avx2<F32, F32>(t0, t1, o, src, K, H, weights, b, nb);
-    }
+    if (total_bytes >= STREAM_BYTES && (out & 31) == 0)  // H % 64 == 0: every row and block is 32-byte aligned too
+        reduce_bf16_avx2<true>(t0, t1, o, out_dtype, src, K, H, weights, b, nb, bias_dtype);
+    else
+        reduce_bf16_avx2<false>(t0, t1, o, out_dtype, src, K, H, weights, b, nb, bias_dtype);
     return true;
 }
 #else
 bool reduce_range_fast(int64_t, int64_t, uintptr_t, int, const int64_t *, int64_t, int64_t, int, const float *,
-                       const std::vector<uintptr_t> &, int) {
+                       const std::vector<uintptr_t> &, int, int64_t) {
     return false;
 }
 #endif
@@ -241,8 +264,9 @@ void register_reduce_rows(py::module_ &m) {
             const int64_t *src = reinterpret_cast<const int64_t *>(src_addrs);
             const float *w = reinterpret_cast<const float *>(weights);
             py::gil_scoped_release release;
+            const int64_t total = T * H * (out_dtype == BF16 ? 2 : 4);
             for_row_ranges(T, num_threads, 16, [&](int64_t a, int64_t b) {
-                if (!reduce_range_fast(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype))
+                if (!reduce_range_fast(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype, total))
                     reduce_range(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype);
             });
         },

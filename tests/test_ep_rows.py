@@ -35,9 +35,21 @@ def test_fused_reduction_gives_the_torch_formulation_bits(src_dtype, out_dtype, 
         torch.set_num_threads(before)
 
 
-def _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hidden):
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_result_of_8_mib_or_more_gets_the_same_bits(out_dtype, threads):
+    # Results this large are written with streaming stores (csrc/ep_rows.cpp, STREAM_BYTES): the same values.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_fused_against_portable(torch.bfloat16, out_dtype, torch.bfloat16, True, 2048, t_num=2048)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hidden, t_num=67):
     g = torch.Generator().manual_seed(hidden + 7 * weighted)
-    t_num, k = 67, 5
+    k = 5
     sources = [_rows(n, hidden, src_dtype, g) for n in (40, 9, 70)]
     src_of = torch.randint(-1, len(sources), (t_num, k), generator=g)
     src_of[3] = -1  # a token no row reaches: 0 plus the biases
