@@ -40,8 +40,6 @@ from epkit.collectives._details.ep_rows import (
     META_MSG,
     align_up,
     check_biases,
-    check_formats,
-    format_code,
 )
 from epkit.collectives.bootstrap import group_info
 from epkit.utils import check_topk_idx
@@ -139,6 +137,10 @@ class EPBuffer(
         The transport's name (the hierarchy's: ``"hierarchical(shm+torch)"``, ``"hierarchical(nvshmem+nvshmem)"``).
     hosts : list of list of int
         The group's ranks by host (NVLink domain for CUDA ranks; one list on one host); picks the combine order.
+    result_slots : ResultSlots or None
+        On ``shm`` (host kernels): where the senders of a normal dispatch write its x and scale rows straight into
+        this rank's results (``_details/ep_result_slots.py``: 2 slots of every row a rank can receive, past the
+        regions; ``result_slots.nbytes`` of the buffer; a result held keeps its slot). None elsewhere.
     """
 
     def __init__(
@@ -390,7 +392,6 @@ class EPBuffer(
             return self._dev_dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand)
         # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
         self._dispatches += 1
-        w, L = self.world_size, self.num_local_experts
         error = None
         try:
             if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
@@ -402,33 +403,7 @@ class EPBuffer(
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         if self._hier is not None:  # across hosts: the layout agreement, then rows over the rail and inside hosts
             return self._hier_dispatch(error, x, scales, topk_idx, topk_weights, expert_alignment, expand)
-        meta_rows = []
-        if error is None:
-            # Routing metadata lives on the CPU (one copy of topk per call); rows stay on self.device.
-            topk_idx = topk_idx.cpu()
-            topk_weights = topk_weights.cpu() if topk_weights is not None else None
-            # Word 0 of the layout message: the row format, which every rank must share.
-            fmt = format_code(x.dtype, scales is not None)
-            _, _, in_rank = self.get_dispatch_layout(topk_idx)
-            tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
-            ids = topk_idx.long()
-            for r in range(w):
-                loc = ids[tokens[r]] - r * L
-                counts = torch.bincount(loc[(loc >= 0) & (loc < L)], minlength=L)
-                meta_rows.append(torch.cat([torch.tensor([fmt, tokens[r].numel()]), counts]))
-        # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
-        got = self._agree_rows(error, meta_rows, 2 + L)
-        check_formats([int(g[0]) for g in got])
-        recv_counts = [int(g[1]) for g in got]
-        if topk_weights is None:
-            topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
-        with self.retire_on_failure("dispatch"):
-            recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts)
-        recv_x, recv_scales, recv_idx, recv_w = recv
-        recv_idx = recv_idx.to(topk_idx.dtype)
-        return self._finish_dispatch(
-            recv_x, recv_scales, recv_idx, recv_w, tokens, recv_counts, x.shape[0], expand, expert_alignment
-        )
+        return self._flat_dispatch(error, x, scales, topk_idx, topk_weights, expert_alignment, expand)
 
     @staticmethod
     def m_indices(handle: DispatchHandle) -> torch.Tensor:

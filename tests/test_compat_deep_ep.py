@@ -158,10 +158,11 @@ def _vllm_low_latency(rank: int, world: int, num_experts: int, use_fp8_dispatch:
     )
     want = reference_low_latency_combine([y[e, : ref["counts"][e]] for e in range(local)], topk_ids, topk_weights, ref)
     _same(output, want, "low-latency combine")
-    # the byte count is what the EPBuffer allocated (its symmetric buffer; on CPU no kernel area), and the size
-    # hint, which assumes a top-k of 8, covers this call's top-k of 4
+    # the byte count is what the EPBuffer allocated (its symmetric buffer; on CPU no kernel area, and on shm its
+    # result slots besides), and the size hint, which assumes a top-k of 8, covers this call's top-k of 4
     made = buffer._made[-1]
-    assert epbuffer_bytes(HIDDEN, num_experts, world, MAX_TOKENS, TOPK, MAX_TOKENS) == made.buffer.local.numel()
+    slots = made.result_slots.nbytes if made.result_slots is not None else 0
+    assert epbuffer_bytes(HIDDEN, num_experts, world, MAX_TOKENS, TOPK, MAX_TOKENS) + slots == made.buffer.local.numel()
     assert made.num_max_tokens_per_rank == made.num_max_dispatch_tokens_per_rank == MAX_TOKENS
     assert num_rdma_bytes >= made.region_bytes * world
 

@@ -488,6 +488,40 @@ def test_pooled_results_match_reference_and_are_never_reused_while_held():
     assert run_ranks(_pooled, 4, _compare_cases, "shm", timeout=180) == [True] * 4
 
 
+def _result_slots(rank, world_size):
+    """shm dispatch results live in the receiver's result slots (ep_result_slots) while one is free; a held result
+    (or any view of it) keeps its slot, later results take the other or go through the region, and a result stays
+    readable past the buffer's close."""
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 64, TOPK, transport="shm", timeout=20)
+    local = buf.buffer.local
+    lo, hi = local.data_ptr(), local.data_ptr() + local.numel()
+
+    def call(seed):
+        x, idx, w = _routing(rank, world_size, "full", seed)
+        recv = buf.dispatch(x, idx, w)[0]
+        return recv, reference_dispatch(x, idx, w, EXPERTS)["recv_x"], lo <= recv.data_ptr() < hi
+
+    held = [call(seed) for seed in range(4)]  # two slots: the 3rd and 4th results cannot take one
+    where = [in_slot for _, _, in_slot in held]
+    part = held[0][0][3:9]  # a view of the first: its slot stays taken after the tensor itself is dropped
+    part_want = held[0][1][3:9]
+    del held[1]  # the second's slot is free again
+    del held[0]
+    fifth = call(4)
+    where.append(fifth[2])
+    same = [torch.equal(r, want) for r, want, _ in held] + [torch.equal(fifth[0], fifth[1])]
+    same.append(torch.equal(part, part_want))
+    buf.close()
+    same.append(torch.equal(fifth[0], fifth[1]))  # still readable: the memory stays mapped while held
+    return where, same
+
+
+def test_shm_results_are_written_into_free_result_slots_and_never_reused_while_held():
+    for where, same in run_ranks(_result_slots, 2, timeout=60):
+        assert where == [True, True, False, False, True], where
+        assert all(same), same
+
+
 def test_row_pool_reuses_a_block_only_once_every_view_of_it_is_gone():
     from epkit.collectives._details.ep_rows import RowPool
 

@@ -45,10 +45,15 @@ import torch
 
 from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, PARTS, field_offsets
 from epkit.collectives._details.ep_normal import DispatchHandle
+from epkit.collectives._details.ep_result_slots import ResultSlots
 from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
 from epkit.collectives.symm_buffer import SymmBuffer
 
-__all__ = ["HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
+__all__ = ["RESULT_SLOTS", "HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
+
+#: Result slots of a flat ``shm`` buffer (``ep_result_slots``): results a caller may hold with the next dispatch
+#: still writing straight into a free one.
+RESULT_SLOTS = 2
 
 
 @dataclass
@@ -136,7 +141,18 @@ class HierarchyMixin:
         try:
             self._kernel_mode, self._kernel_layout = self._kernel_area(kernels, transport, group)
             num_bytes = self.region_bytes * self.world_size + self._kernel_layout.get("total", 0)
+            self.result_slots = None
+            if transport == "shm" and not self._kernel_layout:  # normal-mode results written by the senders
+                cap, h = self.world_size * self.num_max_tokens_per_rank, self.hidden
+                self.result_slots = ResultSlots(num_bytes, RESULT_SLOTS, cap, 4 * h, 4 * -(-h // 128))
+                num_bytes += self.result_slots.nbytes
+                hint += (
+                    f"; {RESULT_SLOTS} result slots add {self.result_slots.nbytes} bytes (every row a rank can "
+                    f"receive, world_size * num_max_tokens_per_rank, twice)"
+                )
             self.buffer = SymmBuffer(group, num_bytes, transport=transport, timeout=timeout, memory_hint=hint)
+            if self.result_slots is not None:
+                self.result_slots.buffer = self.buffer
         except BaseException:
             if self._hier is not None:
                 self._hier.close()

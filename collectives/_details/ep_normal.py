@@ -24,9 +24,11 @@ from epkit.collectives._details.ep_rows import (
     META_MSG,
     RowPool,
     align_up,
+    check_formats,
     decode_error,
     encode_error,
     expanded_layout,
+    format_code,
     reduce_indexed,
 )
 
@@ -77,6 +79,54 @@ class NormalModeMixin:
             raise ValueError("dispatch rejected on every rank before any data moved: " + "; ".join(errors))
         return [g[: num_words * 8].view(torch.int64) for g in got]
 
+    def _flat_dispatch(self, error, x, scales, topk_idx, topk_weights, alignment: int, expand: bool):
+        """Normal dispatch on a flat buffer; ``error``: this rank's validation verdict (None: valid). The layout
+        agreement tells each destination the row format, the rows and the rows per local expert it gets from here;
+        with result slots (``self.result_slots``, ``ep_result_slots``) also the slot this rank's results take (-1: none
+        free) and the rows this rank sends every rank, so that a sender knows where its rows start in each
+        receiver's result."""
+        w, L, me = self.world_size, self.num_local_experts, self.rank
+        slot = self.result_slots.take() if self.result_slots is not None else -1
+        try:
+            meta_rows, tokens = [], []
+            if error is None:
+                # Routing metadata lives on the CPU (one copy of topk per call); rows stay on self.device.
+                topk_idx = topk_idx.cpu()
+                topk_weights = topk_weights.cpu() if topk_weights is not None else None
+                fmt = format_code(x.dtype, scales is not None)  # word 0: the row format every rank must share
+                _, _, in_rank = self.get_dispatch_layout(topk_idx)
+                tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
+                sent = [t.numel() for t in tokens]
+                ids = topk_idx.long()
+                for r in range(w):
+                    loc = ids[tokens[r]] - r * L
+                    counts = torch.bincount(loc[(loc >= 0) & (loc < L)], minlength=L)
+                    extra = torch.tensor([slot, *sent] if self.result_slots is not None else [], dtype=torch.int64)
+                    meta_rows.append(torch.cat([torch.tensor([fmt, sent[r]]), counts, extra]))
+            # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
+            got = self._agree_rows(error, meta_rows, 2 + L + (1 + w if self.result_slots is not None else 0))
+            check_formats([int(g[0]) for g in got])
+            recv_counts = [int(g[1]) for g in got]
+            place = None
+            if self.result_slots is not None:
+                matrix = torch.stack([g[3 + L :] for g in got])  # [source, destination] rows
+                if matrix[:, me].tolist() != recv_counts:
+                    raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
+                place = ([int(g[2 + L]) for g in got], matrix[:me].sum(0).tolist())
+        except BaseException:
+            if self.result_slots is not None:
+                self.result_slots.give_back(slot)  # no result took it
+            raise
+        if topk_weights is None:
+            topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
+        with self.retire_on_failure("dispatch"):
+            recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts, place)
+        recv_x, recv_scales, recv_idx, recv_w = recv
+        recv_idx = recv_idx.to(topk_idx.dtype)
+        return self._finish_dispatch(
+            recv_x, recv_scales, recv_idx, recv_w, tokens, recv_counts, x.shape[0], expand, alignment
+        )
+
     def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A result tensor for rows on the buffer's device; on the CPU from the buffer's :class:`RowPool`."""
         if self.device.type != "cpu":
@@ -98,11 +148,13 @@ class NormalModeMixin:
         out_i.copy_(torch.where((loc >= 0) & (loc < L), loc, -1))
         out_w.copy_(topk_weights[t])  # the views may be on the rows' device; the routing is on the CPU
 
-    def _send_rows(self, x, scales, topk_idx, topk_weights, tokens, recv_counts):
+    def _send_rows(self, x, scales, topk_idx, topk_weights, tokens, recv_counts, place=None):
         """Move rows; returns (recv_x, recv_scales, recv_idx int32, recv_w float32), rows by source then token.
 
         Each peer's rows are written into its region (one copy) and copied out by it into the results (the
-        second); this rank's own rows go from ``x`` straight into the results, through no region."""
+        second); this rank's own rows go from ``x`` straight into the results, through no region. ``place``:
+        ``(slots, starts)``, each rank's result slot (-1: none) and where this rank's rows start in each rank's
+        result: a peer with a slot gets the x and scale rows written straight into it (``ep_result_slots``)."""
         w, K, h, me = self.world_size, self.num_topk, self.hidden, self.rank
         xb, sb = x.element_size() * h, (4 * scales.shape[1] if scales is not None else 0)
         x_bytes = x.contiguous().view(torch.uint8).view(x.shape[0], xb)
@@ -110,14 +162,19 @@ class NormalModeMixin:
         ids, topk_weights = topk_idx.long(), topk_weights.float().contiguous()
         total = sum(recv_counts)
         offs = [sum(recv_counts[:r]) for r in range(w + 1)]
-        recv_x = self._host_empty((total, xb), torch.uint8)
-        recv_s = self._host_empty((total, sb), torch.uint8) if s_bytes is not None else None
+        slots, starts = place if place is not None else ([-1] * w, None)
+        if slots[me] >= 0:  # the senders write the x and scale rows straight into these
+            recv_x, recv_s = self.result_slots.results(slots[me], total, xb, sb)
+        else:
+            recv_x = self._host_empty((total, xb), torch.uint8)
+            recv_s = self._host_empty((total, sb), torch.uint8) if s_bytes is not None else None
         recv_i = torch.empty((total, K), dtype=torch.int32)
         recv_w = torch.empty((total, K), dtype=torch.float32)
 
-        def blocks(n):  # byte offsets of the field blocks of an n-row message, and its end
-            o_s = align_up(n * xb)
-            o_i = align_up(o_s + n * sb)
+        def blocks(n, slot):  # byte offsets of the field blocks of an n-row message, and its end
+            xw, sw = (0, 0) if slot >= 0 else (xb, sb)  # with a slot: the routing fields only
+            o_s = align_up(n * xw)
+            o_i = align_up(o_s + n * sw)
             o_w = align_up(o_i + n * 4 * K)
             return o_s, o_i, o_w, align_up(o_w + n * 4 * K)
 
@@ -125,11 +182,12 @@ class NormalModeMixin:
             s = buf_s[lo : lo + n] if buf_s is not None else None
             return buf_x[lo : lo + n], s, buf_i[lo : lo + n], buf_w[lo : lo + n]
 
-        def in_region(v, n):  # the field views of an n-row message in region (or view) v
-            o_s, o_i, o_w, _ = blocks(n)
-            s = v[o_s : o_s + n * sb].view(n, sb) if s_bytes is not None else None
+        def in_region(v, n, slot):  # the field views of an n-row message in region (or view) v
+            o_s, o_i, o_w, _ = blocks(n, slot)
+            s = v[o_s : o_s + n * sb].view(n, sb) if s_bytes is not None and slot < 0 else None
             i = v[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K)
-            return v[: n * xb].view(n, xb), s, i, v[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K)
+            x_rows = v[: n * xb].view(n, xb) if slot < 0 else None
+            return x_rows, s, i, v[o_w : o_w + n * 4 * K].view(torch.float32).view(n, K)
 
         ex = self.buffer.exchange(self.region_bytes, tag="dispatch")
         for step in range(1, w + 1):  # the peers first: they can start copying out sooner
@@ -138,20 +196,24 @@ class NormalModeMixin:
             if n == 0 or dst == me:
                 ex.commit(dst, 0)
                 continue
-            end = blocks(n)[3]
-            o_x, o_s, o_i, o_w = in_region(ex.send_region(dst)[:end], n)
+            end = blocks(n, slots[dst])[3]
+            o_x, o_s, o_i, o_w = in_region(ex.send_region(dst)[:end], n, slots[dst])
+            if slots[dst] >= 0:  # x and scales into the peer's result
+                o_x = self.result_slots.area(dst, slots[dst], 0, starts[dst], n, xb)
+                o_s = self.result_slots.area(dst, slots[dst], 1, starts[dst], n, sb) if s_bytes is not None else None
             self._pack(dst, tokens[dst], x_bytes, s_bytes, ids, topk_weights, o_x, o_s, o_i, o_w)
             ex.commit(dst, end)
         if recv_counts[me]:
             own = fields(recv_x, recv_s, recv_i, recv_w, offs[me], recv_counts[me])
             self._pack(me, tokens[me], x_bytes, s_bytes, ids, topk_weights, *own)
-        views = ex.receive([blocks(n)[3] if n and src != me else 0 for src, n in enumerate(recv_counts)])
+        sizes = [blocks(n, slots[me])[3] if n and src != me else 0 for src, n in enumerate(recv_counts)]
+        views = ex.receive(sizes)
         for src, v in enumerate(views):
             n = recv_counts[src]
             if n and src != me:
-                got = in_region(v, n)
+                got = in_region(v, n, slots[me])
                 for out, part in zip(fields(recv_x, recv_s, recv_i, recv_w, offs[src], n), got):
-                    if out is not None:
+                    if part is not None:
                         out.copy_(part)
         ex.release()
         recv_x = recv_x.view(x.dtype).view(total, h)

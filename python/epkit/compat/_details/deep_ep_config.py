@@ -91,8 +91,8 @@ class Config:
 
 def epbuffer_bytes(hidden: int, num_experts: int, num_ranks: int, tokens: int, num_topk: int, ll_tokens: int) -> int:
     """Bytes an :class:`~epkit.collectives.ep_buffer.EPBuffer` allocates on each rank (``num_ranks`` regions) for
-    these capacities (:func:`~epkit.collectives.ep_buffer.region_sizes`; the CUDA device kernels' own area is
-    not counted)."""
+    these capacities (:func:`~epkit.collectives.ep_buffer.region_sizes`; the CUDA device kernels' own area and
+    the ``shm`` transport's result slots, ``EPBuffer.result_slots``, are not counted)."""
     for name, v in (("hidden", hidden), ("num_experts", num_experts), ("num_ranks", num_ranks), ("tokens", tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
