@@ -39,8 +39,10 @@ _COUNTS: dict[tuple[str, tuple[int, ...]], int] = {}
 class SubGroup:
     """The ranks ``ranks`` (ascending ranks of ``parent``) as a group of their own, for :class:`Rendezvous` and
     :class:`~epkit.collectives.symm_buffer.SymmBuffer` (gloo: the ``shm`` and ``torch`` transports; ``nvshmem``,
-    whose allocation is collective over the whole job: every rank of the root group then makes a buffer of
-    the same size over its own SubGroup at the same time, as the hierarchy's ``intra`` and ``rail``). Made by the
+    whose allocation and free are collective over the whole job: every rank of the root group then makes, and
+    closes, a buffer of the same size over its own SubGroup at the same time, as the hierarchy's ``intra`` and
+    ``rail``; a buffer's timed barrier before the free meets its SubGroup only, so a rank of another SubGroup that
+    never closes would hold the free up: an EPBuffer closes its flat buffer, over every rank, first). Made by the
     member ranks only, with no collective. ``name`` keeps buffers over the same ranks made for different
     purposes apart (their keys carry it): every member must make its buffers over one ``(name, ranks)`` in the
     same order, as over a process group.

@@ -140,7 +140,8 @@ class EPBuffer(
     result_slots : ResultSlots or None
         On ``shm`` (host kernels): where the senders of a normal dispatch write its x and scale rows straight into
         this rank's results (``_details/ep_result_slots.py``: 2 slots of every row a rank can receive, past the
-        regions; ``result_slots.nbytes`` of the buffer; a result held keeps its slot). None elsewhere.
+        regions; ``result_slots.nbytes`` of the buffer; a result held keeps its slot; the environment variable
+        ``EPKIT_RESULT_SLOTS`` sets the number, 0 for none). None elsewhere.
     """
 
     def __init__(
@@ -214,7 +215,8 @@ class EPBuffer(
         """Release the symmetric buffer; the EPBuffer cannot be used afterwards (DeepEP's ``destroy``).
 
         Collective on nvshmem: every rank closes its buffer (see :meth:`SymmBuffer.close`). Tensors that
-        the calls returned stay valid (none is a view of the symmetric memory); closing twice is harmless,
+        the calls returned stay valid (on shm, results in the result slots keep their memory mapped while they
+        live; none on nvshmem is a view of the symmetric memory); closing twice is harmless,
         and a dispatch or combine afterwards raises ``RuntimeError``. Also ``with EPBuffer(...) as buf:``
         (leaving it by an exception skips the collective free, which could wait for the other ranks).
         """

@@ -113,7 +113,8 @@ class Exchange:
         ``at_most``: ``recv_bytes[r]`` only bounds what rank r sends (a message that says its own size, as a
         low-latency one whose header holds its counts). A two-sided transport then returns views of exactly the
         bytes each source committed (a larger message is an error naming the source), so only those cross the
-        network; a one-sided one returns its ``recv_bytes[r]``-byte region views as always.
+        network; a one-sided one returns its ``recv_bytes[r]``-byte region views as always, so the caller reads
+        what a message holds from the message itself (and checks it against the view's length).
         """
         missing = [r for r, s in enumerate(self._sizes) if s is None]
         if missing:

@@ -522,6 +522,24 @@ def test_shm_results_are_written_into_free_result_slots_and_never_reused_while_h
         assert all(same), same
 
 
+def _no_slots(rank, world_size):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 64, TOPK, transport="shm", timeout=20)
+    x, idx, w = _routing(rank, world_size, "full", 1)
+    recv = buf.dispatch(x, idx, w)[0]
+    same = torch.equal(recv, reference_dispatch(x, idx, w, EXPERTS)["recv_x"])
+    buf.close()
+    return buf.result_slots is None, same
+
+
+def test_result_slots_can_be_turned_off(monkeypatch):
+    # EPKIT_RESULT_SLOTS=0: no slot memory, the rows take the regions and the receiver's copy; the same rows.
+    monkeypatch.setenv("EPKIT_RESULT_SLOTS", "0")
+    assert run_ranks(_no_slots, 2, timeout=60) == [(True, True)] * 2
+    monkeypatch.setenv("EPKIT_RESULT_SLOTS", "two")
+    with pytest.raises(RankError, match="EPKIT_RESULT_SLOTS must be an integer >= 0, got 'two'"):
+        run_ranks(_no_slots, 2, timeout=60)
+
+
 def test_row_pool_reuses_a_block_only_once_every_view_of_it_is_gone():
     from epkit.collectives._details.ep_rows import RowPool
 

@@ -39,6 +39,7 @@ a combine's or cached dispatch's handle agreement, plus a header each).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -49,11 +50,20 @@ from epkit.collectives._details.ep_result_slots import ResultSlots
 from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
 from epkit.collectives.symm_buffer import SymmBuffer
 
-__all__ = ["RESULT_SLOTS", "HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
+__all__ = ["RESULT_SLOTS", "HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region", "result_slot_count"]
 
 #: Result slots of a flat ``shm`` buffer (``ep_result_slots``): results a caller may hold with the next dispatch
-#: still writing straight into a free one.
+#: still writing straight into a free one. ``EPKIT_RESULT_SLOTS`` sets another number (0: none, the rows go through
+#: the regions and a copy; each slot costs every row a rank can receive in shared memory).
 RESULT_SLOTS = 2
+
+
+def result_slot_count() -> int:
+    """The result slots a new ``shm`` EPBuffer makes: ``EPKIT_RESULT_SLOTS`` (an int >= 0) or :data:`RESULT_SLOTS`."""
+    raw = os.environ.get("EPKIT_RESULT_SLOTS", str(RESULT_SLOTS)).strip()
+    if not raw.isdigit():
+        raise ValueError(f"EPKIT_RESULT_SLOTS must be an integer >= 0, got {raw!r}")
+    return int(raw)
 
 
 @dataclass
@@ -142,13 +152,14 @@ class HierarchyMixin:
             self._kernel_mode, self._kernel_layout = self._kernel_area(kernels, transport, group)
             num_bytes = self.region_bytes * self.world_size + self._kernel_layout.get("total", 0)
             self.result_slots = None
-            if transport == "shm" and not self._kernel_layout:  # normal-mode results written by the senders
+            count = result_slot_count()
+            if transport == "shm" and not self._kernel_layout and count:  # normal-mode results written by senders
                 cap, h = self.world_size * self.num_max_tokens_per_rank, self.hidden
-                self.result_slots = ResultSlots(num_bytes, RESULT_SLOTS, cap, 4 * h, 4 * -(-h // 128))
+                self.result_slots = ResultSlots(num_bytes, count, cap, 4 * h, 4 * -(-h // 128))
                 num_bytes += self.result_slots.nbytes
                 hint += (
-                    f"; {RESULT_SLOTS} result slots add {self.result_slots.nbytes} bytes (every row a rank can "
-                    f"receive, world_size * num_max_tokens_per_rank, twice)"
+                    f"; {count} result slots add {self.result_slots.nbytes} bytes (every row a rank can receive, "
+                    f"world_size * num_max_tokens_per_rank, each; EPKIT_RESULT_SLOTS=0 turns them off)"
                 )
             self.buffer = SymmBuffer(group, num_bytes, transport=transport, timeout=timeout, memory_hint=hint)
             if self.result_slots is not None:
@@ -308,7 +319,7 @@ class HierarchyMixin:
         hy, K, L = self._hier, self.num_topk, self.num_local_experts
         out = []
         for fields_, rows in got:
-            ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows)
+            ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows.to(fields_[-2].device))
             ids = ids.view(torch.int32).view(-1, K).long()
             rank_of = torch.where(ids >= 0, ids // L, -1)
             out.append(torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1).cpu())

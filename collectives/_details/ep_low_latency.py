@@ -154,8 +154,8 @@ class LowLatencyMixin:
     ):
         """Fixed-slot dispatch into the masked layout (decode).
 
-        Each (token, expert) pair goes to the expert's rank; every message has a
-        fixed size, so shapes never depend on the routing. On CUDA rows the call never
+        Each (token, expert) pair goes to the expert's rank into fixed slots, so shapes never
+        depend on the routing (on CUDA rows neither do the messages' sizes). On CUDA rows the call never
         waits for the device (see the module docstring: errors found on the device are
         raised by a later call on every rank, or by :meth:`EPBuffer.synchronize`).
 
@@ -190,8 +190,8 @@ class LowLatencyMixin:
         xb, sb = self._ll_row(use_fp8)
         hdr = self._ll_header()
         streamed = self._ll_stream_ordered()
-        # Every message has the same size on every rank (the buffer's capacity, bf16 rows), so a rank that
-        # rejects its input still takes part in the exchange, whatever it passed.
+        # Every message has the same bound on every rank (the buffer's capacity, bf16 rows: a stream-ordered
+        # message's size, a packed one's limit), so a rank that rejects its input still takes part, whatever it passed.
         msg_bytes = min(self.region_bytes, align_up(hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h))
         error, route = self._ll_prepare(x, topk_idx, n_max, hdr + L * n_max * (xb + sb) > msg_bytes, streamed)
         ex = self.buffer.exchange(self.region_bytes, tag="ll_dispatch", deferred=streamed, guarded=True)

@@ -107,19 +107,19 @@ class NormalModeMixin:
             got = self._agree_rows(error, meta_rows, 2 + L + (1 + w if self.result_slots is not None else 0))
             check_formats([int(g[0]) for g in got])
             recv_counts = [int(g[1]) for g in got]
-            place = None
+            place = matrix = None
             if self.result_slots is not None:
                 matrix = torch.stack([g[3 + L :] for g in got])  # [source, destination] rows
-                if matrix[:, me].tolist() != recv_counts:
-                    raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
                 place = ([int(g[2 + L]) for g in got], matrix[:me].sum(0).tolist())
-        except BaseException:
+        except BaseException:  # rejected on every rank (or a peer failed): no row moved, no result took the slot
             if self.result_slots is not None:
-                self.result_slots.give_back(slot)  # no result took it
+                self.result_slots.give_back(slot)
             raise
         if topk_weights is None:
             topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
         with self.retire_on_failure("dispatch"):
+            if matrix is not None and matrix[:, me].tolist() != recv_counts:  # peers may write into the slot now:
+                raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")  # retired
             recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts, place)
         recv_x, recv_scales, recv_idx, recv_w = recv
         recv_idx = recv_idx.to(topk_idx.dtype)
