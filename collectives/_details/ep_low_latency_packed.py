@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from epkit.collectives._details.ep_low_latency_layout import slot_grid
 from epkit.collectives._details.ep_rows import align_up, move_rows
 
 __all__ = ["check_lengths", "combine_rows", "dispatch_layout", "first_rows", "sent_counts", "unpack_rows"]
@@ -53,14 +54,11 @@ def check_lengths(views: list[torch.Tensor], need: list[int], what: str) -> None
 def unpack_rows(views, recv_x, got: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
     """Received packed messages -> the masked layout (expert ``e``'s rows by source, then slot); ``got [W, L]``:
     the headers' counts, already judged."""
-    w, L = got.shape
+    w = got.shape[0]
     scale_off, need = dispatch_layout(got, hdr, xb, sb)
     check_lengths(views, need, "low-latency dispatch")
-    starts = torch.cumsum(got, 0) - got  # [W, L]: where each source's rows start per expert
-    i = torch.arange(n_max).view(1, 1, n_max)
-    live = i < got[:, :, None]
-    row = torch.arange(L).view(1, L, 1) * (n_max * w) + starts[:, :, None] + i
-    at = first_rows(got)[:, :, None] + i  # row within its message
+    _, live, _, row = slot_grid(got, n_max)  # which slots hold a row, and its row in the masked layout
+    at = first_rows(got)[:, :, None] + torch.arange(n_max)  # its row within its message
     msg = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64).view(w, 1, 1)
     x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
     move_rows(torch.where(live, x_dst + row * xb, 0), torch.where(live, msg + hdr + at * xb, 0), xb, [hdr, x_dst])
@@ -82,10 +80,6 @@ def combine_rows(counts: torch.Tensor, n_max: int, head: int, row_bytes: int):
     """Where an expert rank's combine rows go: ``(live, y_row, dst_row, sizes)`` over the ``[W, L, n_max]`` slot
     grid of ``counts [W, L]`` (rows received from each source per local expert): which slots hold a row, its
     row in the masked ``y``, its byte offset in the message to its source, and each message's bytes."""
-    w, L = counts.shape
-    starts = torch.cumsum(counts, 0) - counts
-    i = torch.arange(n_max).view(1, 1, n_max)
-    live = i < counts[:, :, None]
-    y_row = torch.arange(L).view(1, L, 1) * (n_max * w) + starts[:, :, None] + i
-    at = head + (first_rows(counts)[:, :, None] + i) * row_bytes
+    _, live, _, y_row = slot_grid(counts, n_max)
+    at = head + (first_rows(counts)[:, :, None] + torch.arange(n_max)) * row_bytes
     return live, y_row, at, (head + counts.sum(1) * row_bytes).tolist()
