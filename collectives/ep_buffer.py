@@ -141,7 +141,8 @@ class EPBuffer(
         On ``shm`` (host kernels): where the senders of a normal dispatch write its x and scale rows straight into
         this rank's results (``_details/ep_result_slots.py``: 2 slots of every row a rank can receive, past the
         regions; ``result_slots.nbytes`` of the buffer; a result held keeps its slot; the environment variable
-        ``EPKIT_RESULT_SLOTS`` sets the number, 0 for none). None elsewhere.
+        ``EPKIT_RESULT_SLOTS`` sets the number, 0 for none). None elsewhere; a hierarchy on CPU ranks has its
+        own in its ``intra`` buffer (the forwarders write into them).
     """
 
     def __init__(

@@ -77,8 +77,8 @@ def _predicted_bytes(hosts, idx, num_rows_bytes):
     """This rank's share of what one plain bf16 dispatch + combine sends across hosts with per-host dedup: per
     token and remote host it touches, the row, 8 bytes per expert slot of metadata (global id, weight) and the
     row back (its host partial, sent by the rail peer: only the job's total is this rank's); per remote rank
-    the layout (3 words + 192 bytes of error text) and handle agreements (3 words + 192) with a 24-byte header
-    each; per remote rail peer two 24-byte headers and up to 15 bytes of padding for each of the dispatch
+    the layout (4 + world_size words + 192 bytes of error text) and handle agreements (3 words + 192) with a
+    24-byte header each; per remote rail peer two 24-byte headers and up to 15 bytes of padding for each of the dispatch
     message's 3 field blocks."""
     me, w, L = dist.get_rank(), dist.get_world_size(), EXPERTS // dist.get_world_size()
     host_of = {r: h for h, g in enumerate(hosts) for r in g}
@@ -91,7 +91,8 @@ def _predicted_bytes(hosts, idx, num_rows_bytes):
     remote_rows = int(touched.sum())
     remote_ranks = sum(1 for r in range(w) if host_of[r] != host_of[me])
     rows = remote_rows * (2 * num_rows_bytes + 8 * TOPK)
-    return rows, rows + remote_ranks * 2 * (24 + 24 + 192) + (len(hosts) - 1) * (2 * 24 + 3 * 15)
+    agreements = 24 + 8 * (4 + w) + 192 + 24 + 24 + 192
+    return rows, rows + remote_ranks * agreements + (len(hosts) - 1) * (2 * 24 + 3 * 15)
 
 
 def _hier_checks(rank, world_size, ranks_per_host, names=("auto", "torch"), emulated=None, portable=False):
@@ -155,6 +156,46 @@ def test_two_hosts_of_two_ranks():
 @requires_namespaces
 def test_two_hosts_of_one_rank():
     _check_hosts(1)
+
+
+def _hier_slots(rank, world_size, count):
+    """Hierarchical dispatch results in the receiver's intra result slots while one is free (``count`` of them:
+    ``EPKIT_RESULT_SLOTS``); held results keep theirs, later ones go through the intra regions; the same rows."""
+    import os
+
+    os.environ["EPKIT_RESULT_SLOTS"] = str(count)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, CAP, TOPK, transport="hierarchical", timeout=20)
+    made = buf._hier.result_slots is not None
+    local = buf._hier.intra.local
+    lo, hi = local.data_ptr(), local.data_ptr() + local.numel()
+
+    def call(seed, fp8=False):
+        x, idx, w = _routing(rank, CAP, seed)
+        scales = per_token_group_cast_to_fp8(x.float(), 128)[1] if fp8 else None
+        if fp8:
+            x = per_token_group_cast_to_fp8(x.float(), 128)[0]
+        recv = buf.dispatch((x, scales) if fp8 else x, idx, w)[0]
+        ref = reference_dispatch(x, idx, w, EXPERTS, None, x_scales=scales)
+        rows = recv[0] if fp8 else recv
+        same = torch.equal(rows.view(torch.uint8), ref["recv_x"].view(torch.uint8))
+        if fp8:
+            same = same and torch.equal(recv[1], ref["recv_scales"])
+        return recv, same, lo <= rows.data_ptr() < hi
+
+    held = [call(seed, fp8=seed == 1) for seed in range(4)]  # two slots: the 3rd and 4th results take none
+    where = [in_slot for _, _, in_slot in held]
+    del held[:2]  # their slots are free again
+    fifth = call(4)
+    buf.close()
+    return made, where + [fifth[2]], [same for _, same, _ in held] + [fifth[1]]
+
+
+@requires_namespaces
+@pytest.mark.parametrize("count", [2, 0])
+def test_hierarchy_forwards_rows_into_free_result_slots(count):
+    for made, where, same in run_hosts(_hier_slots, 2, 2, count, timeout=120):
+        assert made == (count > 0) and all(same), (made, same)
+        assert where == ([True, True, False, False, True] if count else [False] * 5), where
 
 
 @pytest.mark.parametrize("portable", [False, True])

@@ -20,7 +20,9 @@ of its experts, to the rail peer (H, l): per row, its bytes, FP8 scales, global 
 and float32, ``8 * num_topk`` bytes of metadata per row), each field block 16-byte aligned; its own host's
 tokens take no message (it forwards them from its own tensors). (H, l) forwards each row over ``intra`` to
 every rank of its host holding one of the token's experts, with local ids (its own rows straight into its
-results, through no region); each rank puts the blocks in the flat order (source rank, then source token).
+results, through no region); each rank puts the blocks in the flat order (source rank, then source token). On CPU
+ranks the x and scale rows go straight into the receiver's result slot (``ep_result_slots``; the layout agreement
+names each rank's slot and the rows each source sends each rank), the ids and weights through the region.
 A cached dispatch moves the rows and scales only (the routing stays in the handle).
 
 Combine: each rank sends its rows (expanded: its per-rank partial, cast to ``y.dtype``) back to the rank
@@ -32,38 +34,24 @@ in host order in float32, adds the biases, casts (``ep_reference``'s two-level o
 Bytes across hosts (:meth:`HierarchyMixin.bytes_across_hosts`): every ``torch`` message carries a 24-byte
 header; per remote rail peer a dispatch message is ``rows * (row bytes + scales + 8 * num_topk)`` plus at
 most 15 bytes of padding per field block, a combine message ``rows * hidden * y.element_size()``; the
-agreements cross hosts too (per remote rank: 24 + ``META_MSG`` bytes for the layout, 24 + ``META_MSG`` for
-a combine's or cached dispatch's handle agreement, plus a header each).
+agreements cross hosts too (per remote rank: ``8 * (4 + world_size) + META_MSG`` bytes for the layout, 24 +
+``META_MSG`` for a combine's or cached dispatch's handle agreement, plus a header each).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, fields
 
 import torch
 
 from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, PARTS, field_offsets
 from epkit.collectives._details.ep_normal import DispatchHandle
-from epkit.collectives._details.ep_result_slots import ResultSlots
+from epkit.collectives._details.ep_result_slots import ResultSlots, result_slot_count
 from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
 from epkit.collectives.symm_buffer import SymmBuffer
 
-__all__ = ["RESULT_SLOTS", "HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region", "result_slot_count"]
-
-#: Result slots of a flat ``shm`` buffer (``ep_result_slots``): results a caller may hold with the next dispatch
-#: still writing straight into a free one. ``EPKIT_RESULT_SLOTS`` sets another number (0: none, the rows go through
-#: the regions and a copy; each slot costs every row a rank can receive in shared memory).
-RESULT_SLOTS = 2
-
-
-def result_slot_count() -> int:
-    """The result slots a new ``shm`` EPBuffer makes: ``EPKIT_RESULT_SLOTS`` (an int >= 0) or :data:`RESULT_SLOTS`."""
-    raw = os.environ.get("EPKIT_RESULT_SLOTS", str(RESULT_SLOTS)).strip()
-    if not raw.isdigit():
-        raise ValueError(f"EPKIT_RESULT_SLOTS must be an integer >= 0, got {raw!r}")
-    return int(raw)
+__all__ = ["HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
 
 
 @dataclass
@@ -105,13 +93,24 @@ class Hierarchy:
         m = self.num_hosts * n
         self.intra_region = align_up(max(field_offsets(m, widths)[1], m * 4 * hidden), 4096)
         _, intra, rail = parts
+        intra_bytes, count = self.per_host * self.intra_region, result_slot_count()
+        #: Result slots in the ``intra`` buffer (``shm`` only): forwarders write x and scale rows straight into
+        #: the receiver's result (``ep_result_slots``), as the senders of a flat ``shm`` buffer do.
+        self.result_slots = None
+        if intra == "shm" and count:
+            rows = self.num_hosts * self.per_host * n
+            self.result_slots = ResultSlots(intra_bytes, count, rows, 4 * hidden, 4 * -(-hidden // 128))
+            intra_bytes += self.result_slots.nbytes
+            hint += f"; {count} result slots of the intra buffer add {self.result_slots.nbytes} bytes"
         self.intra = SymmBuffer(
             SubGroup(group, hosts[self.host], "ep-intra"),
-            self.per_host * self.intra_region,
+            intra_bytes,
             transport=intra,
             timeout=timeout,
             memory_hint=hint,
         )
+        if self.result_slots is not None:
+            self.result_slots.buffer = self.intra
         # The torch transport needs no memory of its own (its messages are staged per exchange); a one-sided one
         # a region per source.
         rail_bytes = 0 if rail == "torch" else self.num_hosts * self.rail_region
@@ -203,8 +202,10 @@ class HierarchyMixin:
 
     def _hier_dispatch(self, error, x, scales, topk_idx, topk_weights, alignment: int, expand: bool):
         """Normal dispatch through the hierarchy; ``error``: this rank's validation verdict (None: valid)."""
-        hy, w = self._hier, self.world_size
+        hy, w, me = self._hier, self.world_size, self.rank
         rows, state = [], {}
+        slots = hy.result_slots
+        slot = slots.take() if slots is not None else -1
         if error is None:
             topk_idx = topk_idx.cpu()
             weights = torch.zeros(topk_idx.shape) if topk_weights is None else topk_weights.cpu()
@@ -215,15 +216,25 @@ class HierarchyMixin:
             state["in_host"] = in_host
             fmt = format_code(x.dtype, scales is not None)
             per_rank, per_host = in_rank.sum(0).tolist(), in_host.sum(0).tolist()
-            rows = [torch.tensor([fmt, per_rank[r], per_host[hy.host_of[r]]]) for r in range(w)]
-        # Word 1: rows for that rank, word 2: rows for its host (its rail peer's receive). A bad call fails here.
-        got = self._agree_rows(error, rows, 3)
-        check_formats([int(g[0]) for g in got])
+            rows = [torch.tensor([fmt, per_rank[r], per_host[hy.host_of[r]], slot, *per_rank]) for r in range(w)]
+        # Word 1: rows for that rank, word 2: rows for its host (its rail peer's receive), word 3: the sender's
+        # result slot (-1: none), then the rows it sends each rank (where a forwarder's rows start in a result).
+        try:  # a bad call fails here, on every rank
+            got = self._agree_rows(error, rows, 4 + w)
+            check_formats([int(g[0]) for g in got])
+        except BaseException:  # no row moved: the slot was never written
+            if slots is not None:
+                slots.give_back(slot)
+            raise
         recv_counts = [int(g[1]) for g in got]
         state["rail_counts"] = [int(got[r][2]) for r in hy.rail_ranks]
+        matrix = torch.stack([g[4:] for g in got])  # [source, destination] rows
+        place = [(int(got[r][3]), matrix[:, r]) for r in hy.hosts[hy.host]]  # per rank of this host
         meta = (topk_idx.to(torch.int32), weights.float())
-        with self._hier_retire("dispatch"):
-            recv_x, recv_s, recv_i, recv_w = self._hier_move(x, scales, meta, state, recv_counts)
+        with self._hier_retire("dispatch"):  # peers may write into the announced slot now: a failure retires
+            if matrix[:, me].tolist() != recv_counts:
+                raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
+            recv_x, recv_s, recv_i, recv_w = self._hier_move(x, scales, meta, state, recv_counts, place)
         recv_i, recv_w = recv_i.cpu().to(topk_idx.dtype), recv_w.cpu()  # the routing stays on the host
         out = self._finish_dispatch(recv_x, recv_s, recv_i, recv_w, tokens, recv_counts, x.shape[0], expand, alignment)
         handle = out[4]
@@ -259,11 +270,12 @@ class HierarchyMixin:
         aligned = [-(-c // a) * a for c in per_expert]
         return x_out, ids.to(self.device), handle.recv_topk_weights.to(self.device), aligned, handle
 
-    def _hier_move(self, x, scales, meta, state: dict, recv_counts: list[int]):
+    def _hier_move(self, x, scales, meta, state: dict, recv_counts: list[int], place=None):
         """Rows over the rail, then forwarded inside the host. ``meta``: (global ids int32, weights float32)
         ``[T, K]`` of a dispatch (the routing is then found from them and stored in ``state``), or None for a
-        cached dispatch (``state`` holds it). Returns (recv_x, recv_scales, recv_idx int32, recv_w) in the flat
-        order (the last two None without ``meta``)."""
+        cached dispatch (``state`` holds it); ``place``: per rank of this host, its result slot (-1: none) and
+        the rows each source sends it (None: no slots). Returns (recv_x, recv_scales, recv_idx int32, recv_w)
+        in the flat order (the last two None without ``meta``)."""
         h, K = self.hidden, self.num_topk
         xb = x.element_size() * h
         cols = [x.contiguous().view(torch.uint8).view(x.shape[0], xb)]
@@ -275,7 +287,7 @@ class HierarchyMixin:
         rail, got = self._hier_rail_send(cols, widths, state)
         if meta is not None:
             state["hit"] = self._hier_hits(got)
-        outs = self._hier_forward(got, widths, state, recv_counts, meta is not None)
+        outs = self._hier_forward(got, widths, state, recv_counts, meta is not None, place)
         rail.release()
         total = sum(recv_counts)
         recv_x = outs[0].view(x.dtype).view(total, h)
@@ -340,50 +352,72 @@ class HierarchyMixin:
         loc = torch.where((ids >= 0) & (ids // L == to_rank), ids - to_rank * L, -1)
         out.view(torch.int32).view(-1, K).copy_(loc)
 
-    def _hier_forward(self, got, widths: list[int], state: dict, recv_counts: list[int], with_meta: bool):
+    def _hier_forward(self, got, widths: list[int], state: dict, recv_counts: list[int], with_meta: bool, place):
         """Forward the rail rows to the ranks of this host (``state["hit"]``), then place what this rank gets
         from every forwarder in the flat order (what it forwards to itself straight from the rail views, or from
         the sender's own fields for its own host's tokens: no region between); returns one ``[R, width]`` uint8
-        tensor per field."""
+        tensor per field. A receiver with a result slot (``place``, see ``_hier_move``) gets the x and scale rows
+        written straight into it, in the flat order; the other fields (and every field without a slot) travel
+        through the region and are copied out."""
         hy = self._hier
         id_f = len(widths) - 2 if with_meta else -1
+        n_rows = len(widths) - (2 if with_meta else 0)  # the x (and scale) fields: a slot takes these
+        no_slot = (-1, None)
         ex = hy.intra.exchange(hy.intra_region, tag="dispatch intra")
         for step in range(1, hy.per_host):
             lp = (hy.local + step) % hy.per_host
             dst = hy.hosts[hy.host][lp]
+            slot, rows_from = place[lp] if place is not None else no_slot
+            in_region = list(range(n_rows if slot >= 0 else 0, len(widths)))
             sels = [hit[:, lp].nonzero().flatten() for hit in state["hit"]]
-            m = sum(s.numel() for s in sels)
-            offs, end = field_offsets(m, widths)
+            m = sum(sel.numel() for sel in sels)
+            offs, end = field_offsets(m, [widths[f] for f in in_region])
             region, row = (ex.send_region(lp) if m else None), 0
-            for (src_fields, src_rows), sel in zip(got, sels):
+            for (src_fields, src_rows), sel, source in zip(got, sels, hy.rail_ranks):
                 k = sel.numel()
+                if rows_from is not None and k != int(rows_from[source]):
+                    raise RuntimeError(
+                        f"rank {self.rank}: forwards {k} rows of rank {source} to rank {dst}, the "
+                        f"layout agreement said {int(rows_from[source])}"
+                    )
                 if not k:
                     continue
-                for f, (o, wd) in enumerate(zip(offs, widths)):
-                    view = region[o + row * wd : o + (row + k) * wd].view(k, wd)
+                for f, wd in enumerate(widths):
+                    if f < n_rows and slot >= 0:  # straight into dst's result, where source's rows start
+                        view = hy.result_slots.area(lp, slot, f, int(rows_from[:source].sum()), k, wd)
+                    else:
+                        o = offs[in_region.index(f)]
+                        view = region[o + row * wd : o + (row + k) * wd].view(k, wd)
                     self._hier_put(src_fields[f], src_rows, sel, view, dst if f == id_f else None)
                 row += k
             ex.commit(lp, end if m else 0)
         ex.commit(hy.local, 0)
+        slot = place[hy.local][0] if place is not None else -1
+        in_region = list(range(n_rows if slot >= 0 else 0, len(widths)))
         blocks = [[g[lf] for g in hy.hosts] for lf in range(hy.per_host)]  # forwarder lf's sources, by host
         sizes = [0 if lf == hy.local else sum(recv_counts[s] for s in b) for lf, b in enumerate(blocks)]
-        views = ex.receive([field_offsets(m, widths)[1] if m else 0 for m in sizes])
+        views = ex.receive([field_offsets(m, [widths[f] for f in in_region])[1] if m else 0 for m in sizes])
         starts = [0]
         for c in recv_counts:
             starts.append(starts[-1] + c)
-        outs = [self._host_empty((starts[-1], wd), torch.uint8) for wd in widths]
+        outs = [None] * (len(widths) - len(in_region))
+        if slot >= 0:
+            sb = widths[1] if n_rows == 2 else 0
+            outs = [o for o in hy.result_slots.results(slot, starts[-1], widths[0], sb) if o is not None]
+        outs += [self._host_empty((starts[-1], widths[f]), torch.uint8) for f in in_region]
         for (src_fields, src_rows), hit, s in zip(got, state["hit"], blocks[hy.local]):  # this rank's own forwards
             sel = hit[:, hy.local].nonzero().flatten()
             for f, dst_t in enumerate(outs):
                 to_rank = self.rank if f == id_f else None
                 self._hier_put(src_fields[f], src_rows, sel, dst_t[starts[s] : starts[s + 1]], to_rank)
         for lf, (v, b, m) in enumerate(zip(views, blocks, sizes)):
-            offs, _ = field_offsets(m, widths)
+            offs, _ = field_offsets(m, [widths[f] for f in in_region])
             row = 0
             for s in b if lf != hy.local else ():
                 n = recv_counts[s]
-                for dst_t, o, wd in zip(outs, offs, widths):
-                    dst_t[starts[s] : starts[s] + n].copy_(v[o + row * wd : o + (row + n) * wd].view(n, wd))
+                for f, o in zip(in_region, offs):
+                    wd = widths[f]
+                    outs[f][starts[s] : starts[s] + n].copy_(v[o + row * wd : o + (row + n) * wd].view(n, wd))
                 row += n
         ex.release()
         return outs
