@@ -6,6 +6,10 @@
 // the add (no FMA contraction: the file is compiled with -ffp-contract=off), so
 // results are bitwise equal to the torch formulation
 //   acc = zeros; for k: acc += w[:, k] * rows_k; for b: acc += b; out = acc.to(dtype).
+// With groups (group_end[k] != 0: term k ends a group; the last term ends one) the terms of each group are
+// summed as above, the group's sum is cast to the output dtype and back (a partial sum of that dtype, as if
+// written out and read again), and the groups' sums that had a row are added in order: the two-level combine
+// of a hierarchy (a host's rows, then the hosts) in one pass, with no partial in memory.
 // Rows are given as raw addresses (0 = no row), which lets combine read straight
 // from shared-memory receive regions with no staging copy.
 
@@ -60,25 +64,42 @@ void check_dtype(int d, const char *what) {
 // their order are those of the formula above (0, then each product rounded and added, k ascending).
 constexpr int64_t CH = 64;
 
+// A float32 value cast to the output dtype and back (bf16: round to nearest even, NaN -> 0x7FC0).
+template <int OUT>
+EPK_INLINE float as_out(float v) {
+    return OUT == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
 template <int SRC, int OUT, int BIAS>
 EPK_BLOCK void reduce_block(int64_t t, int64_t h0, int64_t n, void *out, const int64_t *src, int64_t K, int64_t H,
-                            const float *weights, const uintptr_t *bias, int64_t num_bias) {
-    float acc[CH];
-    for (int64_t j = 0; j < n; ++j) acc[j] = 0.0f;
+                            const float *weights, const uintptr_t *bias, int64_t num_bias, const uint8_t *group_end) {
+    float acc[CH], tot[CH];
+    for (int64_t j = 0; j < n; ++j) acc[j] = tot[j] = 0.0f;
+    bool any = false;  // the group so far has a row
     for (int64_t k = 0; k < K; ++k) {
         const int64_t addr = src[t * K + k];
-        if (addr == 0) continue;
-        const void *row = reinterpret_cast<const void *>(addr);
-        if (weights != nullptr) {
-            const float w = weights[t * K + k];
-            for (int64_t j = 0; j < n; ++j) {
-                const float p = w * load_as<SRC>(row, h0 + j);
-                acc[j] = acc[j] + p;
+        if (addr != 0) {
+            const void *row = reinterpret_cast<const void *>(addr);
+            any = true;
+            if (weights != nullptr) {
+                const float w = weights[t * K + k];
+                for (int64_t j = 0; j < n; ++j) {
+                    const float p = w * load_as<SRC>(row, h0 + j);
+                    acc[j] = acc[j] + p;
+                }
+            } else {
+                for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + load_as<SRC>(row, h0 + j);
             }
-        } else {
-            for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + load_as<SRC>(row, h0 + j);
+        }
+        if (group_end != nullptr && group_end[k] != 0) {
+            if (any)
+                for (int64_t j = 0; j < n; ++j) tot[j] = tot[j] + as_out<OUT>(acc[j]);
+            for (int64_t j = 0; j < n; ++j) acc[j] = 0.0f;
+            any = false;
         }
     }
+    if (group_end != nullptr)
+        for (int64_t j = 0; j < n; ++j) acc[j] = tot[j];
     for (int64_t b = 0; b < num_bias; ++b) {
         const char *base = reinterpret_cast<const char *>(bias[b]) + t * H * (BIAS == BF16 ? 2 : 4);
         for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + load_as<BIAS>(base, h0 + j);
@@ -107,16 +128,16 @@ EPK_INLINE void prefetch_block(const int64_t *next, int64_t K, int64_t h0) {
 
 template <int SRC, int OUT, int BIAS>
 EPK_BLOCK void reduce_range_t(int64_t t0, int64_t t1, void *out, const int64_t *src, int64_t K, int64_t H, const float *weights,
-                    const std::vector<uintptr_t> &bias) {
+                    const std::vector<uintptr_t> &bias, const uint8_t *group_end) {
     const uintptr_t *b = bias.data();
     const int64_t nb = static_cast<int64_t>(bias.size()), full = H - H % CH;
     for (int64_t t = t0; t < t1; ++t) {
         const int64_t *next = t + 1 < t1 ? src + (t + 1) * K : nullptr;
         for (int64_t h0 = 0; h0 < full; h0 += CH) {
             if (next != nullptr) prefetch_block<SRC>(next, K, h0);
-            reduce_block<SRC, OUT, BIAS>(t, h0, CH, out, src, K, H, weights, b, nb);
+            reduce_block<SRC, OUT, BIAS>(t, h0, CH, out, src, K, H, weights, b, nb, group_end);
         }
-        if (full < H) reduce_block<SRC, OUT, BIAS>(t, full, H - full, out, src, K, H, weights, b, nb);
+        if (full < H) reduce_block<SRC, OUT, BIAS>(t, full, H - full, out, src, K, H, weights, b, nb, group_end);
     }
 }
 
@@ -125,13 +146,14 @@ EPK_BLOCK void reduce_range_t(int64_t t0, int64_t t1, void *out, const int64_t *
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void reduce_range(int64_t t0, int64_t t1, uintptr_t out, int out_dtype, const int64_t *src, int64_t K, int64_t H,
-                  int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype) {
+                  int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype,
+                  const uint8_t *group_end) {
     void *o = reinterpret_cast<void *>(out);
     const int code = src_dtype * 4 + out_dtype * 2 + bias_dtype;
     switch (code) {
 #define EPK_CASE(S, O, B)                                                        \
     case S * 4 + O * 2 + B:                                                    \
-        reduce_range_t<S, O, B>(t0, t1, o, src, K, H, weights, bias); \
+        reduce_range_t<S, O, B>(t0, t1, o, src, K, H, weights, bias, group_end); \
         break;
         EPK_CASE(0, 0, 0) EPK_CASE(0, 0, 1) EPK_CASE(0, 1, 0) EPK_CASE(0, 1, 1)
         EPK_CASE(1, 0, 0) EPK_CASE(1, 0, 1) EPK_CASE(1, 1, 0) EPK_CASE(1, 1, 1)
@@ -159,27 +181,49 @@ EPK_AVX2 __m256i bf16_bits_x8(__m256 v) {  // f32_to_bf16 per lane, in the low 1
 
 // STREAM: the output rows are written with streaming stores (a result too large for the caches, read later by
 // someone else: the cache lines need not be read for ownership first), 32-byte aligned; a fence ends the range.
+// A group's sum cast to the output dtype and back (as_out).
+template <int OUT>
+EPK_AVX2 __m256 as_out_x8(__m256 v) {
+    return OUT == BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits_x8(v), 16)) : v;
+}
+
 template <int OUT, int BIAS, bool STREAM>
 __attribute__((target("avx2"))) void reduce_range_bf16_avx2(int64_t t0, int64_t t1, void *out, const int64_t *src, int64_t K,
                                                             int64_t H, const float *weights, const uintptr_t *bias,
-                                                            int64_t nb) {
+                                                            int64_t nb, const uint8_t *group_end) {
+    alignas(32) float tot[CH];  // the groups' sums so far (groups only): in L1, the accumulator stays in registers
     for (int64_t t = t0; t < t1; ++t) {
         const int64_t *next = t + 1 < t1 ? src + (t + 1) * K : nullptr;
         for (int64_t h0 = 0; h0 < H; h0 += CH) {
             if (next != nullptr) prefetch_block<BF16>(next, K, h0);
             __m256 acc[8];
             for (auto &a : acc) a = _mm256_setzero_ps();
+            if (group_end != nullptr)
+                for (int i = 0; i < 8; ++i) _mm256_store_ps(tot + 8 * i, _mm256_setzero_ps());
+            bool any = false;
             for (int64_t k = 0; k < K; ++k) {
                 const int64_t addr = src[t * K + k];
-                if (addr == 0) continue;
-                const uint16_t *row = reinterpret_cast<const uint16_t *>(addr) + h0;
-                if (weights != nullptr) {
-                    const __m256 w = _mm256_set1_ps(weights[t * K + k]);
-                    for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(w, bf16x8(row + 8 * i)));
-                } else {
-                    for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(acc[i], bf16x8(row + 8 * i));
+                if (addr != 0) {
+                    any = true;
+                    const uint16_t *row = reinterpret_cast<const uint16_t *>(addr) + h0;
+                    if (weights != nullptr) {
+                        const __m256 w = _mm256_set1_ps(weights[t * K + k]);
+                        for (int i = 0; i < 8; ++i)
+                            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(w, bf16x8(row + 8 * i)));
+                    } else {
+                        for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(acc[i], bf16x8(row + 8 * i));
+                    }
+                }
+                if (group_end != nullptr && group_end[k] != 0) {
+                    for (int i = 0; i < 8; ++i) {
+                        if (any) _mm256_store_ps(tot + 8 * i, _mm256_add_ps(_mm256_load_ps(tot + 8 * i), as_out_x8<OUT>(acc[i])));
+                        acc[i] = _mm256_setzero_ps();
+                    }
+                    any = false;
                 }
             }
+            if (group_end != nullptr)
+                for (int i = 0; i < 8; ++i) acc[i] = _mm256_load_ps(tot + 8 * i);
             for (int64_t b = 0; b < nb; ++b) {
                 if (BIAS == BF16) {
                     const uint16_t *base = reinterpret_cast<const uint16_t *>(bias[b]) + t * H + h0;
@@ -211,13 +255,13 @@ __attribute__((target("avx2"))) void reduce_range_bf16_avx2(int64_t t0, int64_t 
 // The AVX2 kernel for these rows, or false (another layout or CPU: reduce_range then).
 template <bool STREAM>
 void reduce_bf16_avx2(int64_t t0, int64_t t1, void *o, int out_dtype, const int64_t *src, int64_t K, int64_t H,
-                      const float *weights, const uintptr_t *b, int64_t nb, int bias_dtype) {
+                      const float *weights, const uintptr_t *b, int64_t nb, int bias_dtype, const uint8_t *g) {
     if (out_dtype == BF16) {
-        if (bias_dtype == BF16) reduce_range_bf16_avx2<BF16, BF16, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
-        else reduce_range_bf16_avx2<BF16, F32, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
+        if (bias_dtype == BF16) reduce_range_bf16_avx2<BF16, BF16, STREAM>(t0, t1, o, src, K, H, weights, b, nb, g);
+        else reduce_range_bf16_avx2<BF16, F32, STREAM>(t0, t1, o, src, K, H, weights, b, nb, g);
     } else {
-        if (bias_dtype == BF16) reduce_range_bf16_avx2<F32, BF16, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
-        else reduce_range_bf16_avx2<F32, F32, STREAM>(t0, t1, o, src, K, H, weights, b, nb);
+        if (bias_dtype == BF16) reduce_range_bf16_avx2<F32, BF16, STREAM>(t0, t1, o, src, K, H, weights, b, nb, g);
+        else reduce_range_bf16_avx2<F32, F32, STREAM>(t0, t1, o, src, K, H, weights, b, nb, g);
     }
     if (STREAM) _mm_sfence();  // the streamed rows are visible before the call returns
 }
@@ -229,21 +273,21 @@ constexpr int64_t STREAM_BYTES = 8 << 20;
 // output's (all threads' ranges).
 bool reduce_range_fast(int64_t t0, int64_t t1, uintptr_t out, int out_dtype, const int64_t *src, int64_t K, int64_t H,
                        int src_dtype, const float *weights, const std::vector<uintptr_t> &bias, int bias_dtype,
-                       int64_t total_bytes) {
+                       int64_t total_bytes, const uint8_t *group_end) {
     static const bool avx2 = __builtin_cpu_supports("avx2");
     if (!avx2 || src_dtype != BF16 || H % CH != 0) return false;
     void *o = reinterpret_cast<void *>(out);
     const uintptr_t *b = bias.data();
     const int64_t nb = static_cast<int64_t>(bias.size());
     if (total_bytes >= STREAM_BYTES && (out & 31) == 0)  // H % 64 == 0: every row and block is 32-byte aligned too
-        reduce_bf16_avx2<true>(t0, t1, o, out_dtype, src, K, H, weights, b, nb, bias_dtype);
+        reduce_bf16_avx2<true>(t0, t1, o, out_dtype, src, K, H, weights, b, nb, bias_dtype, group_end);
     else
-        reduce_bf16_avx2<false>(t0, t1, o, out_dtype, src, K, H, weights, b, nb, bias_dtype);
+        reduce_bf16_avx2<false>(t0, t1, o, out_dtype, src, K, H, weights, b, nb, bias_dtype, group_end);
     return true;
 }
 #else
 bool reduce_range_fast(int64_t, int64_t, uintptr_t, int, const int64_t *, int64_t, int64_t, int, const float *,
-                       const std::vector<uintptr_t> &, int, int64_t) {
+                       const std::vector<uintptr_t> &, int, int64_t, const uint8_t *) {
     return false;
 }
 #endif
@@ -254,7 +298,7 @@ void register_reduce_rows(py::module_ &m) {
     m.def(
         "reduce_rows",
         [](uintptr_t out, int out_dtype, uintptr_t src_addrs, int64_t T, int64_t K, int64_t H, int src_dtype,
-           uintptr_t weights, std::vector<uintptr_t> bias, int bias_dtype, int num_threads) {
+           uintptr_t weights, std::vector<uintptr_t> bias, int bias_dtype, int num_threads, uintptr_t group_end) {
             check_dtype(out_dtype, "out");
             check_dtype(src_dtype, "src");
             check_dtype(bias_dtype, "bias");
@@ -263,17 +307,20 @@ void register_reduce_rows(py::module_ &m) {
             if (out == 0 || (K > 0 && src_addrs == 0)) throw std::invalid_argument("null pointer");
             const int64_t *src = reinterpret_cast<const int64_t *>(src_addrs);
             const float *w = reinterpret_cast<const float *>(weights);
+            const uint8_t *g = reinterpret_cast<const uint8_t *>(group_end);
+            if (g != nullptr && K > 0 && g[K - 1] == 0) throw std::invalid_argument("group_end: the last term must end a group");
             py::gil_scoped_release release;
             const int64_t total = T * H * (out_dtype == BF16 ? 2 : 4);
             for_row_ranges(T, num_threads, 16, [&](int64_t a, int64_t b) {
-                if (!reduce_range_fast(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype, total))
-                    reduce_range(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype);
+                if (!reduce_range_fast(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype, total, g))
+                    reduce_range(a, b, out, out_dtype, src, K, H, src_dtype, w, bias, bias_dtype, g);
             });
         },
         py::arg("out"), py::arg("out_dtype"), py::arg("src_addrs"), py::arg("num_tokens"), py::arg("k"),
         py::arg("hidden"), py::arg("src_dtype"), py::arg("weights"), py::arg("bias"), py::arg("bias_dtype"),
-        py::arg("num_threads"),
-        "out[t] = cast(sum_k (w[t,k] *) row(t,k) + sum biases) in float32, k ascending; rows by address (0 = none).");
+        py::arg("num_threads"), py::arg("group_end") = 0,
+        "out[t] = cast(sum_k (w[t,k] *) row(t,k) + sum biases) in float32, k ascending; rows by address (0 = none); "
+        "group_end (uint8 [K] address, 0 = none): each group's sum cast to the output dtype before the groups add.");
 }
 
 namespace {

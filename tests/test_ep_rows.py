@@ -69,3 +69,52 @@ def _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hi
     assert torch.equal(fused.view(bits)[~nan], want.view(bits)[~nan])
     if out_dtype == torch.bfloat16:  # the canonical NaN of torch's scalar rounding (its vectorised one gives 0xFFFF)
         assert (fused.view(torch.int16)[nan] == 0x7FC0).all()
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [2048, 200])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_groups_give_the_bits_of_partials_written_out_and_summed(src_dtype, out_dtype, hidden, weighted):
+    # groups=[2, 1, 2]: each group's sum cast to out's dtype, then the groups with a row summed in order, then the
+    # biases - what the hierarchy computed with each host's partial in memory (two calls through the torch
+    # formulation here, the oracle); the fused kernels (AVX2 for bf16 rows, the generic ones) and PORTABLE agree.
+    g = torch.Generator().manual_seed(hidden + 3 * weighted)
+    t_num, groups = 67, [2, 1, 2]
+    sources = [_rows(n, hidden, src_dtype, g) for n in (40, 9, 70)]
+    src_of = torch.randint(-1, len(sources), (t_num, 5), generator=g)
+    src_of[3] = -1  # no row at all
+    src_of[5, :2] = -1  # the first group without a row
+    row_of = torch.stack([torch.randint(0, sources[max(s, 0)].shape[0], (1,), generator=g) for s in src_of.view(-1)])
+    row_of = row_of.view(t_num, 5)
+    weights = torch.randn(t_num, 5, generator=g) if weighted else None
+    biases = [_rows(t_num, hidden, torch.bfloat16, g)]
+
+    def run(portable):
+        ep_rows.PORTABLE[0] = portable
+        try:
+            out = torch.empty(t_num, hidden, dtype=out_dtype)
+            return reduce_indexed(out, sources, src_of, row_of, weights, biases, groups)
+        finally:
+            ep_rows.PORTABLE[0] = False
+
+    ep_rows.PORTABLE[0] = True
+    try:
+        partials, cols = [], [slice(0, 2), slice(2, 3), slice(3, 5)]
+        for c in cols:
+            w = weights[:, c] if weighted else None
+            out = torch.empty(t_num, hidden, dtype=out_dtype)
+            partials.append(reduce_indexed(out, sources, src_of[:, c], row_of[:, c], w))
+        had = torch.stack([(src_of[:, c] >= 0).any(1) for c in cols], 1)
+        p_src = torch.where(had, torch.arange(3), -1)
+        p_row = torch.arange(t_num).unsqueeze(1).expand(t_num, 3)
+        want = reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), partials, p_src, p_row, None, biases)
+    finally:
+        ep_rows.PORTABLE[0] = False
+    nan = want.isnan()
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    for got in (run(False), run(True)):
+        assert nan.any() and torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+    with pytest.raises(ValueError, match="add up to the 5 terms"):
+        reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, groups=[2, 2])

@@ -473,22 +473,36 @@ class HierarchyMixin:
                 row_of[:, hy.local] = remap[row_of[:, hy.local].clamp(max=remap.numel() - 1)]
             order.append((torch.where(hit, torch.arange(hy.per_host), -1), row_of))
             base = base + hit.long().sum(0)
-        own = None
-        for step in range(N):  # this host's own partial last: it is read where it is, no message
-            H = (hy.host + step + 1) % N
+        for step in range(1, N):  # the host partials of the other hosts' tokens, over the rail
+            H = (hy.host + step) % N
             n = st["rail_counts"][H]
-            if n:  # the host partial: this host's rows of each token, ranks ascending, float32, cast
-                out = self._host_empty((n, h), y.dtype) if hy.host == H else rail.send_region(H)[: n * rb]
-                reduce_indexed(out.view(y.dtype).view(n, h), sources, order[H][0], order[H][1])
-                own = out if hy.host == H else own
-            rail.commit(H, 0 if hy.host == H else n * rb)
-        ex.release()
+            if n:  # this host's rows of each token, ranks ascending, float32, cast
+                out = rail.send_region(H)[: n * rb].view(y.dtype).view(n, h)
+                reduce_indexed(out, sources, order[H][0], order[H][1])
+            rail.commit(H, n * rb)
+        rail.commit(hy.host, 0)
         back = rail.receive([t.numel() * rb if hy.host != H else 0 for H, t in enumerate(st["host_tokens"])])
-        back[hy.host] = own if own is not None else y[:0]
-        in_host = st["in_host"]
-        src_of = torch.where(in_host, torch.arange(N), -1)
-        row_of = (in_host.long().cumsum(0) - 1).clamp(min=0)
+        # The last sum, per token in host order: another host's partial as it came; this host's own rows as a group
+        # (its partial cast in the sum, never written out: reduce_indexed's groups).
+        in_host, P = st["in_host"], hy.per_host
+        rails = [H for H in range(N) if hy.host != H]
+        parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
+        src_cols, row_cols = [], []
+        for H in range(N):
+            rr = (in_host[:, H].long().cumsum(0) - 1).clamp(min=0)
+            if hy.host != H:
+                src_cols.append(torch.where(in_host[:, H], rails.index(H), -1).unsqueeze(1))
+                row_cols.append(rr.unsqueeze(1))
+            elif st["rail_counts"][H]:
+                src_of, row_of = order[H][0][rr], order[H][1][rr]
+                src_cols.append(torch.where(in_host[:, H : H + 1] & (src_of >= 0), src_of + len(rails), -1))
+                row_cols.append(row_of)
+            else:
+                src_cols.append(torch.full((in_host.shape[0], P), -1, dtype=torch.int64))
+                row_cols.append(torch.zeros((in_host.shape[0], P), dtype=torch.int64))
         out = self._host_empty((handle.num_tokens, h), y.dtype)
-        reduce_indexed(out, [v.view(y.dtype).view(-1, h) for v in back], src_of, row_of, None, biases)
+        groups = [P if hy.host == H else 1 for H in range(N)]
+        reduce_indexed(out, parts, torch.cat(src_cols, 1), torch.cat(row_cols, 1), None, biases, groups)
+        ex.release()  # the rows the peers sent back were read in place
         rail.release()
         return out

@@ -101,13 +101,14 @@ def reduce_rows(
     src_dtype: torch.dtype,
     weights: torch.Tensor | None = None,
     biases: list[torch.Tensor] = (),
+    groups: list[int] | None = None,
 ) -> torch.Tensor:
     """``out[t] = cast(sum_k (w[t, k] *) row(addrs[t, k]) + sum biases)`` in float32, k ascending.
 
     ``addrs [T, K]`` int64 holds row addresses (0: no row) of ``src_dtype`` rows of
     ``out.shape[1]`` elements in CPU memory; ``epkit._C.reduce_rows`` reads them in place
     (multi-threaded). bf16 / float32 rows, output and biases (:func:`reduce_indexed` takes the
-    other dtypes and devices).
+    other dtypes and devices). ``groups``: see :func:`reduce_indexed`.
     """
     t_num, h = out.shape
     if t_num == 0:
@@ -123,6 +124,7 @@ def reduce_rows(
     addrs = addrs.contiguous()
     w = weights.float().contiguous() if weights is not None else None
     bs = [b.contiguous() for b in biases]
+    ends = _group_ends(groups, k)
     _C.reduce_rows(
         out.data_ptr(),
         _DTYPE_CODE[out.dtype],
@@ -135,8 +137,20 @@ def reduce_rows(
         [b.data_ptr() for b in bs],
         _DTYPE_CODE[bs[0].dtype] if bs else 0,
         torch.get_num_threads(),
+        ends.data_ptr() if ends is not None else 0,
     )
     return out
+
+
+def _group_ends(groups: list[int] | None, k: int) -> torch.Tensor | None:
+    """``[K]`` uint8, 1 where a group ends, from the group sizes (None: no groups)."""
+    if groups is None:
+        return None
+    if sum(groups) != k or any(g < 1 for g in groups):
+        raise ValueError(f"groups {list(groups)} must be sizes >= 1 that add up to the {k} terms")
+    ends = torch.zeros(k, dtype=torch.uint8)
+    ends[torch.tensor(groups).cumsum(0) - 1] = 1
+    return ends
 
 
 def _fused_ok(out: torch.Tensor, src_dtype: torch.dtype, biases) -> bool:
@@ -164,8 +178,14 @@ def reduce_indexed(
     row_of: torch.Tensor,
     weights: torch.Tensor | None = None,
     biases: list[torch.Tensor] = (),
+    groups: list[int] | None = None,
 ) -> torch.Tensor:
     """``out[t] = cast(sum_k (w[t, k] *) sources[src_of[t, k]][row_of[t, k]] + sum biases)``, float32, k ascending.
+
+    With ``groups`` (sizes of consecutive runs of k, adding up to K) the sum is two-level: each group's terms
+    summed as above and cast to ``out.dtype`` (a partial of that dtype), then the partials of the groups with a
+    row added in group order in float32, then the biases, cast: the hierarchy's two-level combine without the
+    partials in memory.
 
     Parameters
     ----------
@@ -174,6 +194,7 @@ def reduce_indexed(
     src_of, row_of : Tensor [T, K] int64; ``src_of < 0`` means no row (the term is skipped)
     weights : Tensor [T, K] float32, optional
     biases : up to two Tensor [T, H], added after the sum in order
+    groups : list of int, optional
 
     CPU rows of bf16/float32 are read in place by ``epkit._C.reduce_rows``; other dtypes, other devices
     (or ``PORTABLE``) use torch ops with the same rounding (each product rounded, then added), so the
@@ -193,11 +214,14 @@ def reduce_indexed(
             addrs = torch.where(src_of >= 0, bases[sel] + row_of * strides[sel], 0)
         else:
             addrs = torch.zeros((t_num, 0), dtype=torch.int64)
-        return reduce_rows(out, addrs, dtype, weights, biases)
+        return reduce_rows(out, addrs, dtype, weights, biases, groups)
     dev = out.device
+    ends = _group_ends(groups, src_of.shape[1])
     acc = torch.zeros((t_num, h), dtype=torch.float32, device=dev)
+    total = torch.zeros_like(acc) if ends is not None else None
     src_of_d, row_of_d = src_of.to(dev), row_of.to(dev)
     w_d = weights.float().to(dev) if weights is not None else None
+    start = 0
     for k in range(src_of.shape[1]):  # k ascending: the order the fused reduction adds in
         for s, src in enumerate(sources):
             sel = (src_of_d[:, k] == s).nonzero().flatten()
@@ -207,6 +231,13 @@ def reduce_indexed(
             if w_d is not None:
                 rows = w_d[sel, k].unsqueeze(1) * rows
             acc.index_add_(0, sel, rows)  # one row per (t, k): a plain, ordered add
+        if ends is not None and ends[k]:  # the group's partial, in out's dtype, joins the groups' sum
+            had = (src_of_d[:, start : k + 1] >= 0).any(1).nonzero().flatten()
+            total.index_add_(0, had, acc[had].to(out.dtype).float())
+            acc.zero_()
+            start = k + 1
+    if total is not None:
+        acc = total
     for b in biases:
         acc += b.to(dev).float()
     return out.copy_(acc.to(out.dtype))
