@@ -307,15 +307,18 @@ class EPBuffer(
         many of its experts live there.
         """
         self._check_topk(topk_idx, topk_idx.shape[0] if topk_idx.dim() == 2 else -1)
-        dev, topk_idx = topk_idx.device, topk_idx.cpu()
-        valid = topk_idx >= 0
-        ids = topk_idx.long()
-        rank_of = torch.where(valid, ids // self.num_local_experts, torch.full_like(ids, self.world_size))
-        in_rank = torch.zeros(topk_idx.shape[0], self.world_size + 1, dtype=torch.bool)
-        in_rank.scatter_(1, rank_of, True)
-        in_rank = in_rank[:, : self.world_size].contiguous()
-        per_expert = torch.bincount(ids[valid], minlength=self.num_experts).to(torch.int32)
-        return in_rank.sum(0).to(torch.int32).to(dev), per_expert.to(dev), in_rank.to(dev)
+        dev, ids = topk_idx.device, topk_idx.cpu().long().contiguous()
+        t, w = ids.shape[0], self.world_size
+        in_rank = torch.empty((t, w), dtype=torch.bool)
+        per_rank = torch.empty(w, dtype=torch.int32)
+        per_expert = torch.empty(self.num_experts, dtype=torch.int32)
+        from epkit import _C  # one pass over the routing (ids checked above)
+
+        _C.dispatch_layout(
+            ids.data_ptr(), t, ids.shape[1], self.num_local_experts, w, self.num_experts,
+            in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(),
+        )  # fmt: skip
+        return per_rank.to(dev), per_expert.to(dev), in_rank.to(dev)
 
     # validation
 

@@ -356,3 +356,38 @@ void register_gather_by_address(py::module_ &m) {
         "overlap); a row where either address is 0 is skipped. Nothing is copied if the int64 word at `guard` "
         "(0: none) is nonzero.");
 }
+
+// A dispatch's routing layout in one pass over topk_idx [T, K] (int64, every entry -1 or in [0, E), checked
+// by the caller): in_rank[t, r] = 1 when one of token t's experts lives on rank r (expert / L), per_rank[r]
+// the tokens with in_rank[t, r], per_expert[e] the (token, slot) pairs naming e. The outputs are zeroed here.
+void register_dispatch_layout(py::module_ &m) {
+    m.def(
+        "dispatch_layout",
+        [](uintptr_t topk_idx, int64_t T, int64_t K, int64_t L, int64_t W, int64_t E, uintptr_t in_rank,
+           uintptr_t per_rank, uintptr_t per_expert) {
+            if (T < 0 || K < 0 || L < 1 || W < 1 || E != L * W) throw std::invalid_argument("dispatch_layout: bad sizes");
+            const int64_t *idx = reinterpret_cast<const int64_t *>(topk_idx);
+            uint8_t *in = reinterpret_cast<uint8_t *>(in_rank);
+            int32_t *pr = reinterpret_cast<int32_t *>(per_rank);
+            int32_t *pe = reinterpret_cast<int32_t *>(per_expert);
+            py::gil_scoped_release release;
+            if (T > 0) std::memset(in, 0, static_cast<size_t>(T * W));
+            std::memset(pr, 0, static_cast<size_t>(W) * sizeof(int32_t));
+            std::memset(pe, 0, static_cast<size_t>(E) * sizeof(int32_t));
+            for (int64_t t = 0; t < T; ++t) {
+                uint8_t *row = in + t * W;
+                for (int64_t k = 0; k < K; ++k) {
+                    const int64_t e = idx[t * K + k];
+                    if (e < 0 || e >= E) continue;
+                    pe[e] += 1;
+                    const int64_t r = e / L;
+                    pr[r] += row[r] == 0;
+                    row[r] = 1;
+                }
+            }
+        },
+        py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_local_experts"),
+        py::arg("world_size"), py::arg("num_experts"), py::arg("in_rank"), py::arg("per_rank"), py::arg("per_expert"),
+        "A dispatch's routing layout in one pass: in_rank [T, W] bool, per_rank [W] int32, per_expert [E] int32 "
+        "(addresses of contiguous CPU tensors; topk_idx [T, K] int64, -1 = no expert).");
+}

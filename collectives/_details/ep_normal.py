@@ -94,15 +94,13 @@ class NormalModeMixin:
                 topk_idx = topk_idx.cpu()
                 topk_weights = topk_weights.cpu() if topk_weights is not None else None
                 fmt = format_code(x.dtype, scales is not None)  # word 0: the row format every rank must share
-                _, _, in_rank = self.get_dispatch_layout(topk_idx)
+                per_rank, per_expert, in_rank = self.get_dispatch_layout(topk_idx)
                 tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
-                sent = [t.numel() for t in tokens]
-                ids = topk_idx.long()
-                for r in range(w):
-                    loc = ids[tokens[r]] - r * L
-                    counts = torch.bincount(loc[(loc >= 0) & (loc < L)], minlength=L)
-                    extra = torch.tensor([slot, *sent] if self.result_slots is not None else [], dtype=torch.int64)
-                    meta_rows.append(torch.cat([torch.tensor([fmt, sent[r]]), counts, extra]))
+                sent = per_rank.tolist()
+                extra = [slot, *sent] if self.result_slots is not None else []
+                for r in range(w):  # rank r's experts' counts: every (token, slot) naming one was sent there
+                    counts = per_expert[r * L : (r + 1) * L].long()
+                    meta_rows.append(torch.cat([torch.tensor([fmt, sent[r]]), counts, torch.tensor(extra).long()]))
             # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
             got = self._agree_rows(error, meta_rows, 2 + L + (1 + w if self.result_slots is not None else 0))
             check_formats([int(g[0]) for g in got])
@@ -224,8 +222,7 @@ class NormalModeMixin:
         self, recv_x, recv_scales, recv_idx, recv_w, tokens, recv_counts, num_tokens, expand, alignment
     ):
         L = self.num_local_experts
-        valid = recv_idx >= 0
-        counts = torch.bincount(recv_idx[valid].long(), minlength=L)
+        counts = torch.bincount(recv_idx.reshape(-1).long() + 1, minlength=L + 1)[1:]  # bin 0: the -1 entries
         self.recv_tokens_per_expert_total += counts
         aligned = [int(-(-c // alignment) * alignment) for c in counts.tolist()]
         rows = slot = None
