@@ -357,9 +357,10 @@ void register_gather_by_address(py::module_ &m) {
         "(0: none) is nonzero.");
 }
 
-// A dispatch's routing layout in one pass over topk_idx [T, K] (int64, every entry -1 or in [0, E), checked
-// by the caller): in_rank[t, r] = 1 when one of token t's experts lives on rank r (expert / L), per_rank[r]
-// the tokens with in_rank[t, r], per_expert[e] the (token, slot) pairs naming e. The outputs are zeroed here.
+// A dispatch's routing layout in one pass over topk_idx [T, K] (int64): in_rank[t, r] = 1 when one of token
+// t's experts lives on rank r (expert / L), per_rank[r] the tokens with in_rank[t, r], per_expert[e] the
+// (token, slot) pairs naming e; -1 names no expert. The caller checks the ids first (its message names the
+// entry); another value here is std::out_of_range (an IndexError). The outputs are zeroed here.
 void register_dispatch_layout(py::module_ &m) {
     m.def(
         "dispatch_layout",
@@ -378,7 +379,8 @@ void register_dispatch_layout(py::module_ &m) {
                 uint8_t *row = in + t * W;
                 for (int64_t k = 0; k < K; ++k) {
                     const int64_t e = idx[t * K + k];
-                    if (e < 0 || e >= E) continue;
+                    if (e == -1) continue;
+                    if (e < -1 || e >= E) throw std::out_of_range("dispatch_layout: an expert id outside [-1, E)");
                     pe[e] += 1;
                     const int64_t r = e / L;
                     pr[r] += row[r] == 0;

@@ -185,17 +185,33 @@ def _hier_slots(rank, world_size, count):
     held = [call(seed, fp8=seed == 1) for seed in range(4)]  # two slots: the 3rd and 4th results take none
     where = [in_slot for _, _, in_slot in held]
     del held[:2]  # their slots are free again
-    fifth = call(4)
+    same = []
+    for seed in (4, 5):  # each takes a free slot; rank 0 keeps both results, the others let them go at once
+        got = call(seed)
+        where.append(got[2])
+        same.append(got[1])
+        if rank == 0:
+            held.append(got)
+        del got
+    last = call(6)  # rank 0 names no slot (both held), its host peer does: one exchange with both kinds of receiver
+    where.append(last[2])
     buf.close()
-    return made, where + [fifth[2]], [same for _, same, _ in held] + [fifth[1]]
+    same += [s for _, s, _ in held] + [last[1]]
+    x, idx, w = _routing(rank, CAP, 6)  # a result held past the buffer's close is still readable
+    same.append(
+        torch.equal(last[0].view(torch.uint8), reference_dispatch(x, idx, w, EXPERTS)["recv_x"].view(torch.uint8))
+    )
+    return made, where, same
 
 
 @requires_namespaces
 @pytest.mark.parametrize("count", [2, 0])
 def test_hierarchy_forwards_rows_into_free_result_slots(count):
-    for made, where, same in run_hosts(_hier_slots, 2, 2, count, timeout=120):
+    for rank, (made, where, same) in enumerate(run_hosts(_hier_slots, 2, 2, count, timeout=120)):
         assert made == (count > 0) and all(same), (made, same)
-        assert where == ([True, True, False, False, True] if count else [False] * 5), where
+        # The last call: rank 0 (two results held in slots) names none, its host peer does; every result correct.
+        want = [True, True, False, False, True, True, rank != 0] if count else [False] * 7
+        assert where == want, (rank, where)
 
 
 @pytest.mark.parametrize("portable", [False, True])

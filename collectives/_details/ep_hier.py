@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, PARTS, field_offsets
+from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, PARTS, field_offsets, last_sum_layout
 from epkit.collectives._details.ep_normal import DispatchHandle
 from epkit.collectives._details.ep_result_slots import ResultSlots, result_slot_count
 from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
@@ -206,23 +206,23 @@ class HierarchyMixin:
         rows, state = [], {}
         slots = hy.result_slots
         slot = slots.take() if slots is not None else -1
-        if error is None:
-            topk_idx = topk_idx.cpu()
-            weights = torch.zeros(topk_idx.shape) if topk_weights is None else topk_weights.cpu()
-            _, _, in_rank = self.get_dispatch_layout(topk_idx)
-            in_host = torch.stack([in_rank[:, g].any(1) for g in hy.hosts], 1)
-            tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
-            state["host_tokens"] = [in_host[:, H].nonzero().flatten() for H in range(hy.num_hosts)]
-            state["in_host"] = in_host
-            fmt = format_code(x.dtype, scales is not None)
-            per_rank, per_host = in_rank.sum(0).tolist(), in_host.sum(0).tolist()
-            rows = [torch.tensor([fmt, per_rank[r], per_host[hy.host_of[r]], slot, *per_rank]) for r in range(w)]
-        # Word 1: rows for that rank, word 2: rows for its host (its rail peer's receive), word 3: the sender's
-        # result slot (-1: none), then the rows it sends each rank (where a forwarder's rows start in a result).
-        try:  # a bad call fails here, on every rank
-            got = self._agree_rows(error, rows, 4 + w)
+        try:  # until the agreement no row moves: the slot was never written, whatever fails
+            if error is None:
+                topk_idx = topk_idx.cpu()
+                weights = torch.zeros(topk_idx.shape) if topk_weights is None else topk_weights.cpu()
+                per_rank, _, in_rank = self.get_dispatch_layout(topk_idx)
+                in_host = torch.stack([in_rank[:, g].any(1) for g in hy.hosts], 1)
+                tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
+                state["host_tokens"] = [in_host[:, H].nonzero().flatten() for H in range(hy.num_hosts)]
+                state["in_host"] = in_host
+                fmt = format_code(x.dtype, scales is not None)
+                per_rank, per_host = per_rank.tolist(), in_host.sum(0).tolist()
+                rows = [torch.tensor([fmt, per_rank[r], per_host[hy.host_of[r]], slot, *per_rank]) for r in range(w)]
+            # Word 1: rows for that rank, word 2: rows for its host (its rail peer's receive), word 3: the sender's
+            # result slot (-1: none), then the rows it sends each rank (where a forwarder's rows start in a result).
+            got = self._agree_rows(error, rows, 4 + w)  # a bad call fails here, on every rank
             check_formats([int(g[0]) for g in got])
-        except BaseException:  # no row moved: the slot was never written
+        except BaseException:
             if slots is not None:
                 slots.give_back(slot)
             raise
@@ -484,25 +484,12 @@ class HierarchyMixin:
         back = rail.receive([t.numel() * rb if hy.host != H else 0 for H, t in enumerate(st["host_tokens"])])
         # The last sum, per token in host order: another host's partial as it came; this host's own rows as a group
         # (its partial cast in the sum, never written out: reduce_indexed's groups).
-        in_host, P = st["in_host"], hy.per_host
         rails = [H for H in range(N) if hy.host != H]
         parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
-        src_cols, row_cols = [], []
-        for H in range(N):
-            rr = (in_host[:, H].long().cumsum(0) - 1).clamp(min=0)
-            if hy.host != H:
-                src_cols.append(torch.where(in_host[:, H], rails.index(H), -1).unsqueeze(1))
-                row_cols.append(rr.unsqueeze(1))
-            elif st["rail_counts"][H]:
-                src_of, row_of = order[H][0][rr], order[H][1][rr]
-                src_cols.append(torch.where(in_host[:, H : H + 1] & (src_of >= 0), src_of + len(rails), -1))
-                row_cols.append(row_of)
-            else:
-                src_cols.append(torch.full((in_host.shape[0], P), -1, dtype=torch.int64))
-                row_cols.append(torch.zeros((in_host.shape[0], P), dtype=torch.int64))
+        own = order[hy.host] if st["rail_counts"][hy.host] else None
+        src_of, row_of, groups = last_sum_layout(st["in_host"], hy.host, hy.per_host, own)
         out = self._host_empty((handle.num_tokens, h), y.dtype)
-        groups = [P if hy.host == H else 1 for H in range(N)]
-        reduce_indexed(out, parts, torch.cat(src_cols, 1), torch.cat(row_cols, 1), None, biases, groups)
+        reduce_indexed(out, parts, src_of, row_of, None, biases, groups)
         ex.release()  # the rows the peers sent back were read in place
         rail.release()
         return out

@@ -16,7 +16,15 @@ import torch
 
 from epkit.collectives._details.ep_rows import align_up, reduce_indexed, sum_by_source
 
-__all__ = ["HIERARCHICAL", "PARTS", "field_offsets", "nvshmem_domains", "plan_transport", "sum_by_host"]
+__all__ = [
+    "HIERARCHICAL",
+    "PARTS",
+    "field_offsets",
+    "last_sum_layout",
+    "nvshmem_domains",
+    "plan_transport",
+    "sum_by_host",
+]
 
 #: The transport name an EPBuffer takes for ranks on several hosts (``EPBuffer.transport`` then names the
 #: parts: ``"hierarchical(shm+torch)"``, ``"hierarchical(nvshmem+nvshmem)"``).
@@ -55,6 +63,35 @@ def sum_by_host(
     src = torch.where(hit, torch.arange(n, dtype=torch.int64), -1)
     row = torch.arange(t_num, dtype=torch.int64).unsqueeze(1).expand(t_num, n)
     return reduce_indexed(out, partials, src, row, None, biases)
+
+
+def last_sum_layout(in_host: torch.Tensor, host: int, per_host: int, own):
+    """The terms of a hierarchical combine's last sum at the source, for ``reduce_indexed`` with groups: per token,
+    in host order, one term per other host (its partial, as received: source ``k`` for the k-th other host, row =
+    the token's place among the tokens sent there) and a group of ``per_host`` terms for this host (the rows its
+    ranks sent back, sources after the other hosts', summed and cast as that host's partial would be).
+
+    ``in_host [T, N]`` bool: which hosts each token went to; ``own``: ``(src_of, row_of)`` ``[rows, per_host]`` of
+    this host's rail rows (its own tokens that stay here, in token order; src -1: that rank got none), or None when
+    none stay. Returns ``(src_of, row_of, groups)``: ``[T, N - 1 + per_host]`` int64 each, and the group sizes.
+    """
+    t_num, n = in_host.shape
+    src_cols, row_cols = [], []
+    for h in range(n):
+        rr = (in_host[:, h].long().cumsum(0) - 1).clamp(min=0)
+        if h != host:
+            k = h - (h > host)  # its place among the other hosts
+            src_cols.append(torch.where(in_host[:, h], k, -1).unsqueeze(1))
+            row_cols.append(rr.unsqueeze(1))
+        elif own is not None:
+            src_of, row_of = own[0][rr], own[1][rr]
+            src_cols.append(torch.where(in_host[:, h : h + 1] & (src_of >= 0), src_of + n - 1, -1))
+            row_cols.append(row_of)
+        else:
+            src_cols.append(torch.full((t_num, per_host), -1, dtype=torch.int64))
+            row_cols.append(torch.zeros((t_num, per_host), dtype=torch.int64))
+    groups = [per_host if h == host else 1 for h in range(n)]
+    return torch.cat(src_cols, 1), torch.cat(row_cols, 1), groups
 
 
 def field_offsets(n: int, widths: list[int]) -> tuple[list[int], int]:

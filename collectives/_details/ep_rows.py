@@ -149,7 +149,7 @@ def _group_ends(groups: list[int] | None, k: int) -> torch.Tensor | None:
     if sum(groups) != k or any(g < 1 for g in groups):
         raise ValueError(f"groups {list(groups)} must be sizes >= 1 that add up to the {k} terms")
     ends = torch.zeros(k, dtype=torch.uint8)
-    ends[torch.tensor(groups).cumsum(0) - 1] = 1
+    ends[torch.tensor(groups, dtype=torch.int64).cumsum(0) - 1] = 1
     return ends
 
 
