@@ -400,7 +400,7 @@ class HierarchyMixin:
         starts = [0]
         for c in recv_counts:
             starts.append(starts[-1] + c)
-        outs = [None] * (len(widths) - len(in_region))
+        outs = []  # with a slot: its x (and scale) rows first, then the fields that came through the regions
         if slot >= 0:
             sb = widths[1] if n_rows == 2 else 0
             outs = [o for o in hy.result_slots.results(slot, starts[-1], widths[0], sb) if o is not None]
