@@ -118,3 +118,32 @@ def test_groups_give_the_bits_of_partials_written_out_and_summed(src_dtype, out_
         assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
     with pytest.raises(ValueError, match="add up to the 5 terms"):
         reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, groups=[2, 2])
+
+
+def test_dispatch_layout_pass_matches_the_reference_and_refuses_ids_out_of_range():
+    # epkit._C.dispatch_layout (EPBuffer.get_dispatch_layout's one pass) against ep_reference.reference_layout on
+    # routing with -1 entries, a token naming two experts of one rank and an empty batch; an id outside [-1, E)
+    # is an IndexError, not a skipped entry (the Python caller checks first; the pass must not count garbage).
+    from epkit import _C
+    from epkit.collectives.ep_reference import reference_layout
+
+    def layout(idx, experts, world):
+        t = idx.shape[0]
+        in_rank = torch.empty((t, world), dtype=torch.bool)
+        per_rank, per_expert = torch.empty(world, dtype=torch.int32), torch.empty(experts, dtype=torch.int32)
+        ptrs = (in_rank.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr())
+        _C.dispatch_layout(idx.data_ptr(), t, idx.shape[1], experts // world, world, experts, *ptrs)
+        return per_rank, per_expert, in_rank
+
+    g = torch.Generator().manual_seed(3)
+    idx = torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(50)])
+    idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+    idx[0] = torch.tensor([0, 1, -1, 9])  # two experts of rank 0: the token counts once there
+    for case in (idx, idx[:0]):
+        for got, want in zip(layout(case.contiguous(), 32, 4), reference_layout(case, 32, 4)):
+            assert torch.equal(got, want)
+    for bad in (32, -2):
+        wrong = idx.clone()
+        wrong[7, 2] = bad
+        with pytest.raises(IndexError, match="outside"):
+            layout(wrong, 32, 4)
