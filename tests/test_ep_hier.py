@@ -169,39 +169,36 @@ def _hier_slots(rank, world_size, count):
     local = buf._hier.intra.local
     lo, hi = local.data_ptr(), local.data_ptr() + local.numel()
 
-    def call(seed, fp8=False):
+    def call(seed, fp8=False):  # (the received rows, and scales; the reference's; whether they are in a slot)
         x, idx, w = _routing(rank, CAP, seed)
         scales = per_token_group_cast_to_fp8(x.float(), 128)[1] if fp8 else None
         if fp8:
             x = per_token_group_cast_to_fp8(x.float(), 128)[0]
         recv = buf.dispatch((x, scales) if fp8 else x, idx, w)[0]
         ref = reference_dispatch(x, idx, w, EXPERTS, None, x_scales=scales)
-        rows = recv[0] if fp8 else recv
-        same = torch.equal(rows.view(torch.uint8), ref["recv_x"].view(torch.uint8))
-        if fp8:
-            same = same and torch.equal(recv[1], ref["recv_scales"])
-        return recv, same, lo <= rows.data_ptr() < hi
+        got, want = (recv if fp8 else (recv,)), (ref["recv_x"], ref["recv_scales"])[: 2 if fp8 else 1]
+        return got, want, lo <= got[0].data_ptr() < hi
+
+    def same(got, want):
+        return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
 
     held = [call(seed, fp8=seed == 1) for seed in range(4)]  # two slots: the 3rd and 4th results take none
     where = [in_slot for _, _, in_slot in held]
+    checks = [same(*c[:2]) for c in held]
     del held[:2]  # their slots are free again
-    same = []
     for seed in (4, 5):  # each takes a free slot; rank 0 keeps both results, the others let them go at once
         got = call(seed)
         where.append(got[2])
-        same.append(got[1])
+        checks.append(same(*got[:2]))
         if rank == 0:
             held.append(got)
         del got
     last = call(6)  # rank 0 names no slot (both held), its host peer does: one exchange with both kinds of receiver
     where.append(last[2])
+    checks += [same(*c[:2]) for c in held] + [same(*last[:2])]  # held results untouched by the later calls
     buf.close()
-    same += [s for _, s, _ in held] + [last[1]]
-    x, idx, w = _routing(rank, CAP, 6)  # a result held past the buffer's close is still readable
-    same.append(
-        torch.equal(last[0].view(torch.uint8), reference_dispatch(x, idx, w, EXPERTS)["recv_x"].view(torch.uint8))
-    )
-    return made, where, same
+    checks += [same(*c[:2]) for c in held] + [same(*last[:2])]  # and still readable past the buffer's close
+    return made, where, checks
 
 
 @requires_namespaces
