@@ -382,9 +382,10 @@ class HierarchyMixin:
                     )
                 if not k:
                     continue
+                first = int(rows_from[:source].sum()) if slot >= 0 else 0  # where source's rows start in dst's
                 for f, wd in enumerate(widths):
-                    if f < n_rows and slot >= 0:  # straight into dst's result, where source's rows start
-                        view = hy.result_slots.area(lp, slot, f, int(rows_from[:source].sum()), k, wd)
+                    if f < n_rows and slot >= 0:  # straight into dst's result
+                        view = hy.result_slots.area(lp, slot, f, first, k, wd)
                     else:
                         o = offs[in_region.index(f)]
                         view = region[o + row * wd : o + (row + k) * wd].view(k, wd)

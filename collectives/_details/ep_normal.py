@@ -97,10 +97,10 @@ class NormalModeMixin:
                 per_rank, per_expert, in_rank = self.get_dispatch_layout(topk_idx)
                 tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
                 sent = per_rank.tolist()
-                extra = [slot, *sent] if self.result_slots is not None else []
+                extra = torch.tensor([slot, *sent] if self.result_slots is not None else [], dtype=torch.int64)
                 for r in range(w):  # rank r's experts' counts: every (token, slot) naming one was sent there
                     counts = per_expert[r * L : (r + 1) * L].long()
-                    meta_rows.append(torch.cat([torch.tensor([fmt, sent[r]]), counts, torch.tensor(extra).long()]))
+                    meta_rows.append(torch.cat([torch.tensor([fmt, sent[r]]), counts, extra]))
             # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
             got = self._agree_rows(error, meta_rows, 2 + L + (1 + w if self.result_slots is not None else 0))
             check_formats([int(g[0]) for g in got])

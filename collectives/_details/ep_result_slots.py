@@ -10,10 +10,11 @@ agreement a rank takes a slot that no result of its own uses any more and names 
 together with how many rows it sends each rank; from those, every sender knows where its rows start in each
 receiver's result (after the rows of the lower ranks) and writes its x and scale rows there, and the receiver
 returns views of its slot as ``recv_x`` (and the scales). The routing fields (local ids, weights) still travel
-in the region. A slot is free again once no tensor or view of its rows is alive (a lease on the ctypes array the
-result tensors are made from, as :class:`~epkit.collectives._details.ep_rows.RowPool` does), which also keeps
-the shared memory mapped past the buffer's close. While the caller holds ``count`` results, a rank names no
-slot and its rows take the region and the copy, as before. The rows, their order and every sum are the same.
+in the region. A slot is free again once no tensor or view of its rows is alive (a lease on the memory the
+result tensors are made from, ``ep_rows.leased_bytes``, as :class:`~epkit.collectives._details.ep_rows.RowPool`
+does), which also keeps the shared memory mapped past the buffer's close. While the caller holds ``count``
+results, a rank names no slot and its rows take the region and the copy, as before. The rows, their order and
+every sum are the same.
 
 A hierarchical buffer on CPU ranks (``ep_hier``) has slots of the same kind in its ``intra`` buffer: the rank that
 forwards a rail row (or its own token) to another rank of its host writes the x and scale rows into that rank's
@@ -22,12 +23,11 @@ slot, where the row's source starts (2 hosts x 2 ranks, 4096 tokens: ~6% of a di
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import torch
 
-from epkit.collectives._details.ep_rows import align_up
+from epkit.collectives._details.ep_rows import align_up, leased_bytes
 
 __all__ = ["RESULT_SLOTS", "ResultSlots", "result_slot_count"]
 
@@ -100,12 +100,10 @@ class ResultSlots:
                 out.append(None)
                 continue
             nbytes = total * width
-            if nbytes == 0:  # ctypes has no zero-length arrays: an empty result holds nothing
+            if nbytes == 0:  # no zero-length leases: an empty result holds nothing
                 out.append(torch.empty((0, width), dtype=torch.uint8))
                 continue
-            arr = (ctypes.c_uint8 * nbytes).from_address(base + at)
-            arr._epkit_hold = hold  # freed with the array, which torch.frombuffer keeps alive
-            out.append(torch.frombuffer(arr, dtype=torch.uint8).view(total, width))
+            out.append(leased_bytes(base + at, nbytes, hold).view(total, width))
         return out[0], out[1]
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "encode_error",
     "expanded_layout",
     "format_code",
+    "leased_bytes",
     "move_rows",
     "reduce_gathered",
     "reduce_indexed",
@@ -381,9 +382,7 @@ class RowPool:
             block = torch.empty(align_up(nbytes + nbytes // 8, 1 << 16), dtype=torch.uint8)
         if block.numel() < nbytes:
             raise AssertionError(f"RowPool: a block of {block.numel()} bytes for {nbytes}")
-        arr = (ctypes.c_uint8 * nbytes).from_address(block.data_ptr())
-        arr._epkit_lease = _Lease(self, block)  # freed with the array, which torch.frombuffer keeps alive
-        return torch.frombuffer(arr, dtype=torch.uint8).view(dtype).view(shape)
+        return leased_bytes(block.data_ptr(), nbytes, _Lease(self, block)).view(dtype).view(shape)
 
     def give_back(self, block: torch.Tensor) -> None:
         """A block no tensor uses any more (called by its lease, from any thread): kept for the next :meth:`empty`."""
@@ -399,6 +398,15 @@ class RowPool:
                     continue
                 self._free.pop(smallest)
             self._free.append(block)
+
+
+def leased_bytes(address: int, nbytes: int, lease: object) -> torch.Tensor:
+    """``[nbytes]`` uint8 CPU tensor over the memory at ``address`` (``nbytes`` > 0) that holds ``lease`` until the
+    last tensor or view over it is freed (it owns a ctypes array, which ``torch.frombuffer`` keeps alive): the
+    lease's ``__del__`` says the memory is free again, and any reference it keeps keeps the memory valid."""
+    arr = (ctypes.c_uint8 * nbytes).from_address(address)
+    arr._epkit_lease = lease
+    return torch.frombuffer(arr, dtype=torch.uint8)
 
 
 class _Lease:
