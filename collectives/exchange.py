@@ -55,6 +55,7 @@ class Exchange:
         self._on_done = on_done
         w = buf.world_size
         self._sizes: list[int | None] = [None] * w
+        self._splits = [0] * w
         self._staging: list[torch.Tensor | None] = [None] * w
         self._recv = None
 
@@ -97,18 +98,30 @@ class Exchange:
         """``[region_bytes]`` uint8 view to fill with the payload for ``dst``."""
         raise NotImplementedError
 
-    def commit(self, dst: int, nbytes: int) -> None:
-        """The payload for ``dst`` (``nbytes`` at the start of its region) is complete."""
-        if not 0 <= nbytes <= self.region_bytes:
-            raise ValueError(f"payload of {nbytes} bytes for rank {dst} exceeds the {self.region_bytes}-byte region")
+    def commit(self, dst: int, nbytes: int, split: int = 0) -> None:
+        """The payload for ``dst`` (``nbytes`` at the start of its region) is complete. ``split`` (two-sided
+        transports): its first ``split`` bytes travel as a part of their own, which ``dst`` receives into memory of
+        its choosing (:meth:`receive`'s ``into``)."""
+        if not 0 <= nbytes <= self.region_bytes or not 0 <= split <= nbytes:
+            raise ValueError(f"payload of {nbytes} bytes for rank {dst} (split {split}) exceeds the region or itself")
+        if split and not isinstance(self, TwoSidedExchange):
+            raise ValueError(f"{self.tag}: a payload in two parts needs a two-sided transport")
         self._send(dst, nbytes)
-        self._sizes[dst] = nbytes
+        self._sizes[dst], self._splits[dst] = nbytes, split
 
     def _send(self, dst: int, nbytes: int) -> None:
         raise NotImplementedError
 
-    def receive(self, recv_bytes: list[int], at_most: bool = False) -> list[torch.Tensor]:
+    def receive(self, recv_bytes: list[int], at_most: bool = False, into=None, meanwhile=None) -> list[torch.Tensor]:
         """Wait for every source's payload; ``recv_bytes[r]`` bytes from rank r. Views valid until release().
+
+        ``into[r]`` (two-sided transports, not ``at_most``; None, or contiguous uint8 memory): rank r committed its
+        payload split after ``into[r].numel()`` bytes (:meth:`commit`), and that first part is received straight
+        there, not into the buffer's memory; rank r's view holds the rest.
+
+        ``meanwhile``: work of the caller's to run while the payloads move (called once, before the wait; on a
+        two-sided transport with every receive already posted, so ``recv_bytes`` must be sizes every rank agreed on
+        before, not ``at_most``).
 
         ``at_most``: ``recv_bytes[r]`` only bounds what rank r sends (a message that says its own size, as a
         low-latency one whose header holds its counts). A two-sided transport then returns views of exactly the
@@ -119,10 +132,12 @@ class Exchange:
         missing = [r for r, s in enumerate(self._sizes) if s is None]
         if missing:
             raise RuntimeError(f"receive() before commit() for ranks {missing}")
-        self._recv = self._receive(recv_bytes, at_most)
+        if into is not None and any(t is not None for t in into) and not isinstance(self, TwoSidedExchange):
+            raise ValueError(f"{self.tag}: receiving into the caller's memory needs a two-sided transport")
+        self._recv = self._receive(recv_bytes, at_most, into, meanwhile)
         return self._recv
 
-    def _receive(self, recv_bytes: list[int], at_most: bool) -> list[torch.Tensor]:
+    def _receive(self, recv_bytes: list[int], at_most: bool, into, meanwhile) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def release(self) -> None:
@@ -173,8 +188,10 @@ class OneSidedExchange(Exchange):
         ready = word(READY, buf.rank, buf.world_size)
         buf.impl.put_signal(dst, buf.rank * self.region_bytes, self._staging[dst], nbytes, ready, self.epoch, guarded)
 
-    def _receive(self, recv_bytes: list[int], at_most: bool) -> list[torch.Tensor]:
+    def _receive(self, recv_bytes: list[int], at_most: bool, into, meanwhile) -> list[torch.Tensor]:
         buf = self.buf
+        if meanwhile is not None:
+            meanwhile()
         buf.wait_for_all(READY, self.epoch, f"{self.tag} data", self.timeout, self.deferred)
         out = []
         for src, n in enumerate(recv_bytes):
@@ -203,11 +220,12 @@ class TwoSidedExchange(Exchange):
         if nbytes and self._staging[dst] is None:
             raise RuntimeError("commit() of a payload without send_region(): nothing was written")
 
-    def _receive(self, recv_bytes: list[int], at_most: bool) -> list[torch.Tensor]:
+    def _receive(self, recv_bytes: list[int], at_most: bool, into, meanwhile) -> list[torch.Tensor]:
         empty = torch.empty(0, dtype=torch.uint8)
         send = [self._staging[r][:n] if n else empty for r, n in enumerate(self._sizes)]
         try:
-            return self.buf.impl.all_to_all(send, list(recv_bytes), self.timeout, self.tag, exact=not at_most)
+            impl, args = self.buf.impl, (list(recv_bytes), self.timeout, self.tag, not at_most)
+            return impl.all_to_all(send, *args, into=into, split=self._splits, meanwhile=meanwhile)
         except (TimeoutError, ValueError) as exc:  # a silent peer, or ranks out of step: the buffer is done
             self.buf.mark_broken(str(exc))
             raise

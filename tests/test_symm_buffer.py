@@ -110,6 +110,57 @@ def test_torch_messages_exact_and_bounded():
     assert "at most 10 bytes" in res[0], res
 
 
+def _torch_parts(rank, world_size):
+    """Payloads in two parts (``commit``'s ``split``), the first received into memory of the receiver's (``into``),
+    with and without ``meanwhile``; then a receiver that expects another split, and one that expects none."""
+    from epkit.collectives.transports.torch import INLINE_BYTES
+
+    buf = SymmBuffer(dist.group.WORLD, 0, transport="torch", timeout=20)
+    sizes = [(10, 4), (INLINE_BYTES + 3, 5), (3 * INLINE_BYTES, 2 * INLINE_BYTES), (INLINE_BYTES, INLINE_BYTES)]
+    region = max(n for n, _ in sizes) + world_size
+    ran = []
+    for i, (n, first) in enumerate(sizes):
+        for meanwhile in (None, lambda i=i: ran.append(i)):
+            ex = buf.exchange(region, tag="parts")
+            for dst in range(world_size):
+                ex.send_region(dst)[: n + rank].copy_(_payload(rank, dst, n + rank))
+                ex.commit(dst, n + rank, split=first if dst != rank else 0)
+            into = [None if src == rank else torch.full((first,), 255, dtype=torch.uint8) for src in range(world_size)]
+            got = ex.receive([n + src for src in range(world_size)], into=into, meanwhile=meanwhile)
+            for src in range(world_size):
+                want = _payload(src, rank, n + src)
+                head, rest = (want[:0], want) if src == rank else (into[src], got[src])
+                assert torch.equal(torch.cat([head, rest]), want) and rest.numel() == want.numel() - head.numel()
+            ex.release()
+    assert ran == list(range(len(sizes))), ran  # each meanwhile ran once
+    errors = []
+    for theirs, mine in ((6, 5), (6, 0)):  # rank 1 splits after 6 bytes; the others expect 5, or no split
+        buf = SymmBuffer(dist.group.WORLD, 0, transport="torch", timeout=20)
+        ex = buf.exchange(64, tag="misplit", timeout=3)
+        for dst in range(world_size):
+            ex.send_region(dst)[:40].copy_(_payload(rank, dst, 40))
+            ex.commit(dst, 40, split=theirs if rank == 1 and dst != 1 else 0)
+        into = [torch.empty(mine, dtype=torch.uint8) if mine and src == 1 and rank != 1 else None for src in range(3)]
+        try:
+            ex.receive([40] * world_size, into=into)
+            errors.append(None)
+        except (ValueError, TimeoutError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        buf.close()
+    return errors
+
+
+def test_torch_payload_parts():
+    # A payload split in two messages lands, its first part in the receiver's memory, the rest in its view; a
+    # receiver whose expected split differs (another place, or none) gets a ValueError naming the sender, which
+    # sees its parts unreceived (a TimeoutError within the exchange's timeout), never a wrong byte.
+    res = run_ranks(_torch_parts, 3, timeout=90)
+    assert all(e.startswith("TimeoutError") and "receipt of this rank's" in e for e in res[1]), res
+    for errors in (res[0], res[2]):
+        assert "rank 1's misplit message is not this exchange's" in errors[0] and "split after 5 bytes" in errors[0]
+        assert "rank 1's misplit message" in errors[1] and "in one part" in errors[1], errors
+
+
 def _segment_names(rank, world_size):
     buf = SymmBuffer(dist.group.WORLD, 64, transport="shm")
     buf.barrier()

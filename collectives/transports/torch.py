@@ -11,7 +11,11 @@ never data. A payload of at most :data:`INLINE_BYTES` travels in its header's me
 one message per peer instead of two, and no second wait); a larger one follows its header, and its
 receive is posted only once the header is checked, because gloo ends the process (``terminate``) when
 a message is longer than the receive posted for it (seen with torch 2.13's gloo). The header's receive
-is always posted with room for a header and an inline payload, which no sender exceeds. Since the size
+is always posted with room for a header and an inline payload, which no sender exceeds (an exchange whose sizes
+every rank agreed on before may post its payloads' receives at once, to overlap work with their transfer:
+``all_to_all``'s ``meanwhile``). A payload may travel in two parts, the first received straight into memory of the
+receiver's choosing (``split`` / ``into``; the header then has a fourth word, where the parts meet, which the
+receiver checks against where it expects them to). Since the size
 travels in the header, a receiver may also take a message whose size it only bounds (``exact=False``:
 a low-latency message, whose own header says how many rows follow), so that only the bytes a sender
 filled cross the network, not its whole region.
@@ -30,10 +34,13 @@ import torch.distributed as dist
 
 from epkit.collectives.transports.base import Transport
 
-__all__ = ["INLINE_BYTES", "TorchTransport"]
+__all__ = ["INLINE_BYTES", "SPLIT_HEAD", "TorchTransport"]
 
 _HEADER_WORDS = 3  # buffer id, exchange number, payload bytes
 _HEAD = 8 * _HEADER_WORDS
+#: Header bytes of a payload sent in two parts (``all_to_all``'s ``split``): a fourth word, where they meet.
+SPLIT_HEAD = _HEAD + 8
+_SPLIT = 1 << 62  # in the size word: the header has the fourth word
 #: Payloads up to this many bytes travel inside their header's message (see the module docstring).
 INLINE_BYTES = 16384
 _TAGS = 1 << 20
@@ -86,58 +93,102 @@ class TorchTransport(Transport):
             [torch.empty(0, dtype=torch.uint8)] * self.world_size, [0] * self.world_size, timeout, "barrier"
         )
 
-    def all_to_all(self, send: list[torch.Tensor], recv_bytes: list[int], timeout: float, what: str, exact=True):
+    def all_to_all(
+        self,
+        send: list[torch.Tensor],
+        recv_bytes: list[int],
+        timeout: float,
+        what: str,
+        exact=True,
+        into=None,
+        split=None,
+        meanwhile=None,
+    ):
         """``send[r]`` (uint8, 1-D) to rank r; returns views of one receive tensor, ``recv_bytes[r]`` from rank r
         (evenly spaced when the sizes are equal). ``exact`` False: ``recv_bytes[r]`` bounds what rank r sends and
         its view holds what it sent (the header's size; each view starts where it would with the bounds).
-        TimeoutError names a silent peer; ValueError a peer whose message was not this exchange's (or larger
-        than its bound)."""
-        own = send[self.rank].numel()
-        if own > recv_bytes[self.rank] or (exact and own != recv_bytes[self.rank]):
-            raise ValueError(
-                f"rank {self.rank}: its own {what} payload has {own} bytes, its receive {recv_bytes[self.rank]}"
-            )
+
+        A payload in two parts, the first received straight into the caller's memory (``exact`` only):
+        ``split[r]`` (0: one part) sends the first ``split[r]`` bytes of ``send[r]`` as a message of their own
+        (the header then says where the parts meet: :data:`SPLIT_HEAD` bytes); ``into[r]`` (None, or a contiguous
+        uint8 tensor) receives the first ``into[r].numel()`` bytes of rank r's ``recv_bytes[r]``, no copy between,
+        and rank r's view holds the rest.
+
+        ``meanwhile`` (``exact`` only): called once the sends are posted, before any wait, with every payload's
+        receive posted too (not only after its header arrived, as otherwise), so that the payloads move while it
+        runs. The sizes must then be ones every rank agreed on before: a payload longer than its posted receive
+        ends the process in gloo (module docstring), not in a ValueError. TimeoutError names a silent peer;
+        ValueError a peer whose message was not this exchange's (or larger than its bound, or not split where
+        ``into`` says)."""
+        me, w = self.rank, self.world_size
+        own = send[me].numel()
+        if own > recv_bytes[me] or (exact and own != recv_bytes[me]):
+            raise ValueError(f"rank {me}: its own {what} payload has {own} bytes, its receive {recv_bytes[me]}")
+        into, split = into or [None] * w, split or [0] * w
+        first = [0 if t is None else t.numel() for t in into]
+        for r, t in enumerate(into):
+            if t is not None and not (exact and t.dtype == torch.uint8 and t.is_contiguous() and r != me):
+                raise ValueError(f"{what}: the memory for rank {r}'s first part must be contiguous bytes of a peer's")
+            if not 0 <= first[r] <= recv_bytes[r] or not 0 <= split[r] <= send[r].numel():
+                raise ValueError(f"{what}: a part of rank {r}'s payload is larger than the payload")
         deadline = time.monotonic() + timeout
         self._exchanges += 1
-        n, me, w = self._exchanges, self.rank, self.world_size
-        tag = 2 * (n % _TAGS)
-        recv = self._receive_space(sum(recv_bytes))
-        views = list(torch.split(recv, list(recv_bytes)))
+        n = self._exchanges
+        tag = 3 * (n % _TAGS)
+        rest = [b - f for b, f in zip(recv_bytes, first)]
+        views = list(torch.split(self._receive_space(sum(rest)), rest))
         if self._heads is None:
             self._heads = torch.empty((w, _HEAD + INLINE_BYTES), dtype=torch.uint8)
         heads = self._heads
         got = {src: self.pg.recv([heads[src]], src, tag) for src in range(w) if src != me}
+
+        def parts(src: int) -> list:  # a payload's receives: none when it travels in its header's message
+            if first[src]:
+                return [(p, tag + 1 + i) for i, p in enumerate((into[src], views[src])) if p.numel()]
+            return [(views[src], tag + 1)] if views[src].numel() > INLINE_BYTES else []
+
+        if meanwhile is not None and not exact:
+            raise ValueError(f"{what}: posting receives before the headers needs exact sizes")
+        posted = {src: [self.pg.recv([p.view(-1)], src, t) for p, t in parts(src)] for src in got if meanwhile}
         sent = []
         for k in range(1, w):
             dst = (me + k) % w
-            nbytes = send[dst].numel()
-            head = torch.tensor([self.buffer_id, n, nbytes], dtype=torch.int64).view(torch.uint8)
-            if nbytes <= INLINE_BYTES:  # one message: the header and the payload
+            nbytes, s1 = send[dst].numel(), split[dst]
+            words = [self.buffer_id, n, nbytes | _SPLIT, s1] if s1 else [self.buffer_id, n, nbytes]
+            head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+            if not s1 and nbytes <= INLINE_BYTES:  # one message: the header and the payload
                 msg = torch.cat([head, send[dst].reshape(-1)]) if nbytes else head
                 sent.append((dst, msg, self.pg.send([msg], dst, tag)))
             else:
                 sent.append((dst, head, self.pg.send([head], dst, tag)))
                 payload = send[dst].contiguous()
-                sent.append((dst, payload, self.pg.send([payload], dst, tag + 1)))
-            self.bytes_sent[dst] += _HEAD + nbytes
+                for part, t in ((payload[:s1], tag + 1), (payload[s1:], tag + 2)) if s1 else ((payload, tag + 1),):
+                    if part.numel():
+                        sent.append((dst, part, self.pg.send([part], dst, t)))
+            self.bytes_sent[dst] += head.numel() + nbytes
         views[me] = views[me][:own]
         if own:
             views[me].copy_(send[me])
         try:
+            if meanwhile is not None:
+                meanwhile()
             for src, work in got.items():
                 self._wait(work, deadline, timeout, src, what)
-                nbytes = self._check_header(
-                    heads[src][:_HEAD].view(torch.int64).tolist(), src, n, recv_bytes[src], exact, what
-                )
-                views[src] = views[src][:nbytes]
-                if nbytes and nbytes <= INLINE_BYTES:
+                head = heads[src][:SPLIT_HEAD].view(torch.int64).tolist()
+                nbytes = self._check_header(head, src, n, recv_bytes[src], exact, what, first[src])
+                if not first[src]:
+                    views[src] = views[src][:nbytes]
+                if nbytes and nbytes <= INLINE_BYTES and not head[2] & _SPLIT:
                     views[src].copy_(heads[src][_HEAD : _HEAD + nbytes])
-                elif nbytes:
-                    self._wait(self.pg.recv([views[src]], src, tag + 1), deadline, timeout, src, what)
+                    continue
+                works = posted[src] if src in posted else [self.pg.recv([p.view(-1)], src, t) for p, t in parts(src)]
+                for work in works:
+                    self._wait(work, deadline, timeout, src, what)
             for dst, _, work in sent:
                 self._wait(work, deadline, timeout, dst, f"{what} (receipt of this rank's)")
         except BaseException:
-            _RETIRED.append((self.pg, recv, heads, sent))  # requests may still be posted into (or from) these
+            # requests may still be posted into (or from) these: never freed
+            _RETIRED.append((self.pg, self._recv, heads, sent, into, posted))
             self._recv = torch.empty(0, dtype=torch.uint8)
             self._heads = None
             self._staging.clear()  # a send may still read its staging: a later exchange gets fresh memory
@@ -152,12 +203,20 @@ class TorchTransport(Transport):
             self._recv = torch.empty(nbytes, dtype=torch.uint8)
         return self._recv[:nbytes]
 
-    def _check_header(self, head: list[int], src: int, n: int, nbytes: int, exact: bool, what: str) -> int:
+    def _check_header(
+        self, head: list[int], src: int, n: int, nbytes: int, exact: bool, what: str, first: int = 0
+    ) -> int:
         """The payload bytes a header announces, checked: this buffer's, this exchange's, ``nbytes`` (``exact``)
-        or at most ``nbytes``."""
-        buffer_id, epoch, size = head
-        if buffer_id != self.buffer_id or epoch != n or not (size == nbytes if exact else 0 <= size <= nbytes):
+        or at most ``nbytes``; split after ``first`` bytes when ``first``, else not split (``head``: the
+        header's words and the word after)."""
+        buffer_id, epoch, size = head[:3]
+        split = head[3] if size & _SPLIT else 0
+        size &= ~_SPLIT
+        ok = size == nbytes if exact else 0 <= size <= nbytes
+        if buffer_id != self.buffer_id or epoch != n or not ok or split != first:
             expected = f"{nbytes} bytes" if exact else f"at most {nbytes} bytes"
+            if split != first:
+                expected += f" split after {first} bytes" if first else " in one part"
             raise ValueError(
                 f"rank {self.rank}: rank {src}'s {what} message is not this exchange's (buffer {buffer_id:x}, exchange "
                 f"{epoch}, {size} bytes; expected buffer {self.buffer_id:x}, exchange {n}, {expected}): the ranks' "

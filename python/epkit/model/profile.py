@@ -153,9 +153,9 @@ class CollectiveLedger:
             ledger.calls.append(entry)  # type: ignore[arg-type]  # filled in as the payloads are committed
             commit = ex.commit
 
-            def counted(dst, nbytes):
+            def counted(dst, nbytes, split=0):
                 entry[1] += int(nbytes)
-                return commit(dst, nbytes)
+                return commit(dst, nbytes, split)
 
             ex.commit = counted
             return ex
