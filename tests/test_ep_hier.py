@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from test_hosts import check_low_latency
 
-from epkit.collectives._details.ep_hier_rows import sum_by_host
+from epkit.collectives._details import ep_rows
+from epkit.collectives._details.ep_hier_rows import put_split_rows, rail_order, sum_by_host, token_order
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import (
     reference_combine,
@@ -78,8 +79,9 @@ def _predicted_bytes(hosts, idx, num_rows_bytes):
     token and remote host it touches, the row, 8 bytes per expert slot of metadata (global id, weight) and the
     row back (its host partial, sent by the rail peer: only the job's total is this rank's); per remote rank
     the layout (4 + world_size words + 192 bytes of error text) and handle agreements (3 words + 192) with a
-    24-byte header each; per remote rail peer two 24-byte headers and up to 15 bytes of padding for each of the dispatch
-    message's 3 field blocks."""
+    24-byte header each; per remote rail peer the dispatch message's header (32 bytes: in two parts) and the combine
+    message's (24), up to 15 bytes of padding for each of the dispatch message's 4 field blocks, and its order mask
+    (a bit per token, at most)."""
     me, w, L = dist.get_rank(), dist.get_world_size(), EXPERTS // dist.get_world_size()
     host_of = {r: h for h, g in enumerate(hosts) for r in g}
     touched = torch.zeros(idx.shape[0], len(hosts), dtype=torch.bool)
@@ -92,7 +94,8 @@ def _predicted_bytes(hosts, idx, num_rows_bytes):
     remote_ranks = sum(1 for r in range(w) if host_of[r] != host_of[me])
     rows = remote_rows * (2 * num_rows_bytes + 8 * TOPK)
     agreements = 24 + 8 * (4 + w) + 192 + 24 + 24 + 192
-    return rows, rows + remote_ranks * agreements + (len(hosts) - 1) * (2 * 24 + 3 * 15)
+    mask = -(-idx.shape[0] // 8)
+    return rows, rows + remote_ranks * agreements + (len(hosts) - 1) * (32 + 24 + 4 * 15 + mask)
 
 
 def _hier_checks(rank, world_size, ranks_per_host, names=("auto", "torch"), emulated=None, portable=False):
@@ -112,6 +115,8 @@ def _hier_checks(rank, world_size, ranks_per_host, names=("auto", "torch"), emul
         x, idx, w = _routing(rank, SIZES[rank % 4], 1)
         before = buf.bytes_across_hosts()
         _, _, _, _, handle = buf.dispatch(x, idx, w)
+        # A rail message in two parts whose order had to be sent (rail_order's mask), on some rank of the job.
+        out[name]["split"] = any(t is not None for t in (getattr(handle, "hier", None) or {}).get("tok_order", []))
         ref = reference_dispatch(x, idx, w, EXPERTS)
         buf.combine(ref["recv_x"].clone(), handle)
         out[name]["bytes"] = buf.bytes_across_hosts() - before
@@ -143,6 +148,7 @@ def _check_hosts(ranks_per_host):
     assert rows <= total["auto"] <= limit, (total, rows, limit)  # per-host dedup (and the rows did cross)
     if ranks_per_host > 1:  # a token for two ranks of the other host crosses once, not twice
         assert total["auto"] < total["torch"], total
+        assert any(got["auto"]["split"] for got in res)  # the x rows straight into a result, out of token order
     else:
         assert total["auto"] <= total["torch"], total
     return res
@@ -286,3 +292,28 @@ def test_nvshmem_hierarchy_names_a_dead_rank_within_the_timeout():
         assert kind in ("TimeoutError", "PeerFailedError"), res[rank]
         assert re.search(r"rank 3 sent no .* (within 3 s|within its timeout)", msg), res[rank]
         assert waited < 6, res[rank]
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_rail_order_and_split_rows(portable):
+    # A rail message's order (the rail peer's tokens first) undone by its mask, and rows read across the two parts
+    # (the first received elsewhere), against plain indexing.
+    g = torch.Generator().manual_seed(3)
+    ep_rows.PORTABLE[0] = portable
+    try:
+        for n in (0, 1, 8, 37, 200):
+            to_host = torch.rand(n, generator=g) < 0.8
+            to_peer = to_host & (torch.rand(n, generator=g) < 0.5)
+            order, mask = rail_order(to_host, to_peer, True)
+            tokens = to_host.nonzero().flatten()
+            k = int(to_peer.sum())
+            assert torch.equal(order[:k], to_peer.nonzero().flatten()) and mask.numel() == -(-tokens.numel() // 8)
+            assert torch.equal(order[token_order(mask, tokens.numel())], tokens)
+            assert torch.equal(rail_order(to_host, to_peer, False)[0], tokens)
+            full = torch.randint(0, 256, (tokens.numel(), 24), dtype=torch.uint8, generator=g)
+            sel = torch.randperm(tokens.numel(), generator=g)[: tokens.numel() // 2]
+            out = torch.zeros((sel.numel(), 24), dtype=torch.uint8)
+            put_split_rows(full[:k].clone(), full[k:].clone(), sel, out)
+            assert torch.equal(out, full[sel])
+    finally:
+        ep_rows.PORTABLE[0] = False

@@ -23,7 +23,12 @@ every rank of its host holding one of the token's experts, with local ids (its o
 results, through no region); each rank puts the blocks in the flat order (source rank, then source token). On CPU
 ranks the x and scale rows go straight into the receiver's result slot (``ep_result_slots``; the layout agreement
 names each rank's slot and the rows each source sends each rank), the ids and weights through the region.
-A cached dispatch moves the rows and scales only (the routing stays in the handle).
+There, too, a rail message to a receiver with a slot begins with the x rows of the receiver's own tokens (in
+token order: where they are contiguous in its result), sent as a part of their own that the receiver's transport
+receives straight into its slot (``Exchange.receive``'s ``into``); the rest of the message holds the host's other
+tokens, and a mask (a bit per token, ``rail_order``) lets the receiver forward every row in token order. While the
+rail messages move, each rank forwards its own tokens to the ranks of its host (``ep_hier_forward``).
+A cached dispatch moves the rows and scales only (the routing and the messages' order stay in the handle).
 
 Combine: each rank sends its rows (expanded: its per-rank partial, cast to ``y.dtype``) back to the rank
 that forwarded them; the forwarder sums, per rail row, its host's rows in ascending rank order in float32
@@ -32,8 +37,9 @@ summed); the source sums the host partials
 in host order in float32, adds the biases, casts (``ep_reference``'s two-level order, see ``ep_hier_rows``).
 
 Bytes across hosts (:meth:`HierarchyMixin.bytes_across_hosts`): every ``torch`` message carries a 24-byte
-header; per remote rail peer a dispatch message is ``rows * (row bytes + scales + 8 * num_topk)`` plus at
-most 15 bytes of padding per field block, a combine message ``rows * hidden * y.element_size()``; the
+header (32 for one in two parts); per remote rail peer a dispatch message is ``rows * (row bytes + scales + 8 *
+num_topk)`` plus at most 15 bytes of padding per field block and, when split, ``ceil(rows / 8)`` bytes of mask, a
+combine message ``rows * hidden * y.element_size()``; the
 agreements cross hosts too (per remote rank: ``8 * (4 + world_size) + META_MSG`` bytes for the layout, 24 +
 ``META_MSG`` for a combine's or cached dispatch's handle agreement, plus a header each).
 """
@@ -45,7 +51,15 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from epkit.collectives._details.ep_hier_rows import HIERARCHICAL, PARTS, field_offsets, last_sum_layout
+from epkit.collectives._details.ep_hier_forward import Forward
+from epkit.collectives._details.ep_hier_rows import (
+    HIERARCHICAL,
+    PARTS,
+    field_offsets,
+    last_sum_layout,
+    rail_order,
+    token_order,
+)
 from epkit.collectives._details.ep_normal import DispatchHandle
 from epkit.collectives._details.ep_result_slots import ResultSlots, result_slot_count
 from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
@@ -57,9 +71,10 @@ __all__ = ["HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
 @dataclass
 class HierDispatchHandle(DispatchHandle):
     """A :class:`DispatchHandle` of a hierarchical buffer; ``hier`` holds what this rank forwarded and sent:
-    ``host_tokens`` (per host, the source tokens sent there), ``in_host`` ``[T, N]`` bool, ``rail_counts``
-    (rows received from each rail peer) and ``hit`` (per rail peer, ``[rows, P]`` bool: which ranks of
-    this host got each row)."""
+    ``host_tokens`` (per host, the source tokens sent there, in their message's order), ``in_host`` ``[T, N]``
+    bool, ``rail_counts`` (rows received from each rail peer), ``hit`` (per rail peer, ``[rows, P]`` bool: which
+    ranks of this host got each row) and ``tok_order`` (per rail peer, its message's rows in token order; None:
+    the message was in token order)."""
 
     hier: dict | None = None
 
@@ -213,7 +228,6 @@ class HierarchyMixin:
                 per_rank, _, in_rank = self.get_dispatch_layout(topk_idx)
                 in_host = torch.stack([in_rank[:, g].any(1) for g in hy.hosts], 1)
                 tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
-                state["host_tokens"] = [in_host[:, H].nonzero().flatten() for H in range(hy.num_hosts)]
                 state["in_host"] = in_host
                 fmt = format_code(x.dtype, scales is not None)
                 per_rank, per_host = per_rank.tolist(), in_host.sum(0).tolist()
@@ -227,19 +241,38 @@ class HierarchyMixin:
                 slots.give_back(slot)
             raise
         recv_counts = [int(g[1]) for g in got]
-        state["rail_counts"] = [int(got[r][2]) for r in hy.rail_ranks]
-        matrix = torch.stack([g[4:] for g in got])  # [source, destination] rows
-        place = [(int(got[r][3]), matrix[:, r]) for r in hy.hosts[hy.host]]  # per rank of this host
         meta = (topk_idx.to(torch.int32), weights.float())
         with self._hier_retire("dispatch"):  # peers may write into the announced slot now: a failure retires
-            if matrix[:, me].tolist() != recv_counts:
+            call = self._hier_route(got, in_host, in_rank, state)
+            if call["matrix"][:, me].tolist() != recv_counts:
                 raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
-            recv_x, recv_s, recv_i, recv_w = self._hier_move(x, scales, meta, state, recv_counts, place)
+            recv_x, recv_s, recv_i, recv_w = self._hier_move(x, scales, meta, state, recv_counts, call)
         recv_i, recv_w = recv_i.cpu().to(topk_idx.dtype), recv_w.cpu()  # the routing stays on the host
         out = self._finish_dispatch(recv_x, recv_s, recv_i, recv_w, tokens, recv_counts, x.shape[0], expand, alignment)
         handle = out[4]
         handle = HierDispatchHandle(**{f.name: getattr(handle, f.name) for f in fields(handle)}, hier=state)
         return (*out[:4], handle)
+
+    def _hier_route(self, got, in_host, in_rank, state: dict) -> dict:
+        """After the layout agreement (``got``): each rail message's tokens in its order (``state``), and the call's
+        ``matrix`` ([source, destination] rows), ``place`` (per rank of this host: its result slot, -1: none, and
+        the rows each source sends it), ``direct`` (the rows a rail message puts straight into its receiver's
+        result: the x rows of the receiver's own tokens, for a receiver with a slot; ``[from host][to host]``, the
+        same table on every rank) and ``masks`` (``rail_order``'s, per host)."""
+        hy = self._hier
+        state["rail_counts"] = [int(got[r][2]) for r in hy.rail_ranks]
+        matrix = torch.stack([g[4:] for g in got])
+        place = [(int(got[r][3]), matrix[:, r]) for r in hy.hosts[hy.host]]
+        slot_of = [int(g[3]) for g in got]
+        rail = hy.rail_ranks
+        direct = [[int(matrix[a, b]) if a != b and slot_of[b] >= 0 else 0 for b in rail] for a in rail]
+        masks, state["host_tokens"] = [None] * hy.num_hosts, []
+        for H, g in enumerate(hy.hosts):
+            split = hy.host != H and 0 < direct[hy.host][H] < int(in_host[:, H].sum())
+            host_tokens, masks[H] = rail_order(in_host[:, H], in_rank[:, g[hy.local]], split)
+            state["host_tokens"].append(host_tokens)
+        state["tok_order"] = [None] * hy.num_hosts  # per rail peer: its message's rows in token order (None: as sent)
+        return {"matrix": matrix, "place": place, "direct": direct, "masks": masks}
 
     def _hier_dispatch_cached(self, x, scales, handle):
         """A dispatch along an earlier one's routing (``handle``): rows and scales only cross hosts."""
@@ -270,12 +303,12 @@ class HierarchyMixin:
         aligned = [-(-c // a) * a for c in per_expert]
         return x_out, ids.to(self.device), handle.recv_topk_weights.to(self.device), aligned, handle
 
-    def _hier_move(self, x, scales, meta, state: dict, recv_counts: list[int], place=None):
+    def _hier_move(self, x, scales, meta, state: dict, recv_counts: list[int], call=None):
         """Rows over the rail, then forwarded inside the host. ``meta``: (global ids int32, weights float32)
         ``[T, K]`` of a dispatch (the routing is then found from them and stored in ``state``), or None for a
-        cached dispatch (``state`` holds it); ``place``: per rank of this host, its result slot (-1: none) and
-        the rows each source sends it (None: no slots). Returns (recv_x, recv_scales, recv_idx int32, recv_w)
-        in the flat order (the last two None without ``meta``)."""
+        cached dispatch (``state`` holds it); ``call``: ``_hier_route``'s (None: no result slots, no rows straight
+        into a result). Returns (recv_x, recv_scales, recv_idx int32, recv_w) in the flat order (the last two None
+        without ``meta``)."""
         h, K = self.hidden, self.num_topk
         xb = x.element_size() * h
         cols = [x.contiguous().view(torch.uint8).view(x.shape[0], xb)]
@@ -284,10 +317,24 @@ class HierarchyMixin:
         if meta is not None:  # the routing (host tensors) travels with the rows, in their memory
             cols += [m.to(x.device).contiguous().view(torch.uint8).view(x.shape[0], 4 * K) for m in meta]
         widths = [c.shape[1] for c in cols]
-        rail, got = self._hier_rail_send(cols, widths, state)
+        hy, fw = self._hier, []
         if meta is not None:
-            state["hit"] = self._hier_hits(got)
-        outs = self._hier_forward(got, widths, state, recv_counts, meta is not None, place)
+            state["hit"] = [None] * hy.num_hosts
+
+        def own_host():  # while the rail messages arrive: this host's own tokens, to every rank of the host
+            here = hy.host
+            if meta is not None:
+                state["hit"][here] = self._hier_hits(cols, state["host_tokens"][here])
+            fw.append(Forward(self, widths, state, recv_counts, meta is not None, call and call["place"]))
+            fw[0].source(here, cols, state["host_tokens"][here], None)
+
+        rail, got = self._hier_rail_send(cols, widths, state, call, own_host)
+        for H, (fields_, rows, head) in enumerate(got):
+            if hy.host != H:
+                if meta is not None:
+                    state["hit"][H] = self._hier_hits(fields_, None)
+                fw[0].source(H, fields_, rows, head)
+        outs = fw[0].finish()
         rail.release()
         total = sum(recv_counts)
         recv_x = outs[0].view(x.dtype).view(total, h)
@@ -297,131 +344,66 @@ class HierarchyMixin:
         recv_i, recv_w = (outs[-2 + i].view(dt).view(total, K) for i, dt in enumerate((torch.int32, torch.float32)))
         return recv_x, recv_s, recv_i, recv_w
 
-    def _hier_rail_send(self, cols, widths: list[int], state: dict):
-        """Each other host's tokens (``state["host_tokens"]``) to this rank's rail peer there, every field block
-        by index_select into the staging region; this host's own tokens take no message (they are read where
-        they are). Returns the open exchange and, per rail peer, ``(fields, rows)``: the received field views
-        (``[rows, width]`` uint8 each) and None, or for this host the sender's fields and the row of each."""
+    def _hier_rail_send(self, cols, widths: list[int], state: dict, call, meanwhile):
+        """Each other host's tokens (``state["host_tokens"]``, in their message's order) to this rank's rail peer
+        there, every field block by index_select into the staging region; this host's own tokens take no message
+        (they are read where they are). Where ``call["direct"]`` says so, a message begins with the x rows of the
+        peer's own tokens as a part of its own, which the peer receives straight into its result, and the rest
+        holds the other x rows, the other fields' rows and ``rail_order``'s mask. Returns the open exchange and,
+        per rail peer, ``(fields, rows, head)``: the received field views (``[rows, width]`` uint8 each; the x
+        field without the rows in ``head``), None and the x rows received into this rank's result (None: none);
+        for this host the sender's fields, the row of each, None. ``meanwhile``: run while the messages move."""
         hy = self._hier
+        N, here, xb = hy.num_hosts, hy.host, widths[0]
+        direct = call["direct"] if call is not None else [[0] * N] * N
+        k_out, k_in = direct[here], [d[here] for d in direct]
+
+        def layout(n: int, k: int):  # the fields after the first part: fewer x rows by k, and a split's mask
+            rows = [n - k] + [n] * (len(widths) - 1) + ([1] if 0 < k < n else [])
+            return field_offsets(rows, widths + ([-(-n // 8)] if 0 < k < n else [])), rows
+
         ex = hy.rail.exchange(hy.rail_region, tag="dispatch rail")
-        for step in range(1, hy.num_hosts):
-            H = (hy.host + step) % hy.num_hosts
+        for step in range(1, N):
+            H = (here + step) % N
             t = state["host_tokens"][H].to(cols[0].device)
-            n = t.numel()
-            offs, end = field_offsets(n, widths)
+            n, k = t.numel(), k_out[H]
+            (offs, end), rows = layout(n, k)
             if n:
                 region = ex.send_region(H)
-                for c, wd, o in zip(cols, widths, offs):
-                    torch.index_select(c, 0, t, out=region[o : o + n * wd].view(n, wd))
-            ex.commit(H, end if n else 0)
-        ex.commit(hy.host, 0)
-        counts = state["rail_counts"]
-        sizes = [field_offsets(n, widths)[1] if n and hy.host != H else 0 for H, n in enumerate(counts)]
-        views = ex.receive(sizes)
-        got = [
-            (cols, state["host_tokens"][H])
-            if hy.host == H
-            else ([v[o : o + n * wd].view(n, wd) for o, wd in zip(field_offsets(n, widths)[0], widths)], None)
-            for H, (v, n) in enumerate(zip(views, counts))
-        ]
+                torch.index_select(cols[0], 0, t[:k], out=region[: k * xb].view(k, xb))
+                body = region[k * xb :]
+                for c, wd, o, m in zip(cols, widths, offs, rows):
+                    torch.index_select(c, 0, t[n - m :], out=body[o : o + m * wd].view(m, wd))
+                if 0 < k < n:
+                    body[offs[-1] : offs[-1] + call["masks"][H].numel()].copy_(call["masks"][H])
+            ex.commit(H, k * xb + end if n else 0, split=k * xb)
+        ex.commit(here, 0)
+        counts, heads = state["rail_counts"], [None] * N
+        for H, k in enumerate(k_in):
+            if k:  # where that source's rows start in this rank's result
+                first = int(call["place"][hy.local][1][: hy.rail_ranks[H]].sum())
+                heads[H] = hy.result_slots.area(hy.local, call["place"][hy.local][0], 0, first, k, xb)
+        lays = [layout(n, k_in[H]) for H, n in enumerate(counts)]
+        sizes = [k_in[H] * xb + lay[0][1] if n and here != H else 0 for H, (lay, n) in enumerate(zip(lays, counts))]
+        views = ex.receive(sizes, into=[None if h is None else h.view(-1) for h in heads], meanwhile=meanwhile)
+        got = []
+        for H, (v, n, ((offs, _), rows)) in enumerate(zip(views, counts, lays)):
+            if here == H:
+                got.append((cols, state["host_tokens"][H], None))
+                continue
+            if 0 < k_in[H] < n:
+                state["tok_order"][H] = token_order(v[offs[-1] : offs[-1] + -(-n // 8)].cpu(), n)
+            got.append(([v[o : o + m * wd].view(m, wd) for o, wd, m in zip(offs, widths, rows)], None, heads[H]))
         return ex, got
 
-    def _hier_hits(self, got) -> list[torch.Tensor]:
-        """Per rail peer, ``[rows, P]`` bool: which ranks of this host hold one of each received row's experts."""
+    def _hier_hits(self, fields_, rows) -> torch.Tensor:
+        """``[rows, P]`` bool: which ranks of this host hold one of each of a rail message's rows' experts
+        (``fields_``, ``rows``: as in ``_hier_rail_send``'s result)."""
         hy, K, L = self._hier, self.num_topk, self.num_local_experts
-        out = []
-        for fields_, rows in got:
-            ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows.to(fields_[-2].device))
-            ids = ids.view(torch.int32).view(-1, K).long()
-            rank_of = torch.where(ids >= 0, ids // L, -1)
-            out.append(torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1).cpu())
-        return out
-
-    def _hier_put(self, field, rows, sel, out, to_rank: int | None) -> None:
-        """Received rows ``sel`` of one field (``rows``: None, or the field's row of each received row) into
-        ``out`` (``[k, width]`` uint8); ``to_rank``: the global ids field becomes that rank's local ids (-1
-        elsewhere); None: the bytes as they are."""
-        if rows is not None:
-            sel = rows.index_select(0, sel)
-        sel = sel.to(field.device)
-        if to_rank is None:
-            torch.index_select(field, 0, sel, out=out)
-            return
-        K, L = self.num_topk, self.num_local_experts
-        ids = field.view(torch.int32).view(-1, K).index_select(0, sel).long()
-        loc = torch.where((ids >= 0) & (ids // L == to_rank), ids - to_rank * L, -1)
-        out.view(torch.int32).view(-1, K).copy_(loc)
-
-    def _hier_forward(self, got, widths: list[int], state: dict, recv_counts: list[int], with_meta: bool, place):
-        """Forward the rail rows to the ranks of this host (``state["hit"]``), then place what this rank gets
-        from every forwarder in the flat order (what it forwards to itself straight from the rail views, or from
-        the sender's own fields for its own host's tokens: no region between); returns one ``[R, width]`` uint8
-        tensor per field. A receiver with a result slot (``place``, see ``_hier_move``) gets the x and scale rows
-        written straight into it, in the flat order; the other fields (and every field without a slot) travel
-        through the region and are copied out."""
-        hy = self._hier
-        id_f = len(widths) - 2 if with_meta else -1
-        n_rows = len(widths) - (2 if with_meta else 0)  # the x (and scale) fields: a slot takes these
-        no_slot = (-1, None)
-        ex = hy.intra.exchange(hy.intra_region, tag="dispatch intra")
-        for step in range(1, hy.per_host):
-            lp = (hy.local + step) % hy.per_host
-            dst = hy.hosts[hy.host][lp]
-            slot, rows_from = place[lp] if place is not None else no_slot
-            in_region = list(range(n_rows if slot >= 0 else 0, len(widths)))
-            sels = [hit[:, lp].nonzero().flatten() for hit in state["hit"]]
-            m = sum(sel.numel() for sel in sels)
-            offs, end = field_offsets(m, [widths[f] for f in in_region])
-            region, row = (ex.send_region(lp) if m else None), 0
-            for (src_fields, src_rows), sel, source in zip(got, sels, hy.rail_ranks):
-                k = sel.numel()
-                if rows_from is not None and k != int(rows_from[source]):
-                    raise RuntimeError(
-                        f"rank {self.rank}: forwards {k} rows of rank {source} to rank {dst}, the "
-                        f"layout agreement said {int(rows_from[source])}"
-                    )
-                if not k:
-                    continue
-                first = int(rows_from[:source].sum()) if slot >= 0 else 0  # where source's rows start in dst's
-                for f, wd in enumerate(widths):
-                    if f < n_rows and slot >= 0:  # straight into dst's result
-                        view = hy.result_slots.area(lp, slot, f, first, k, wd)
-                    else:
-                        o = offs[in_region.index(f)]
-                        view = region[o + row * wd : o + (row + k) * wd].view(k, wd)
-                    self._hier_put(src_fields[f], src_rows, sel, view, dst if f == id_f else None)
-                row += k
-            ex.commit(lp, end if m else 0)
-        ex.commit(hy.local, 0)
-        slot = place[hy.local][0] if place is not None else -1
-        in_region = list(range(n_rows if slot >= 0 else 0, len(widths)))
-        blocks = [[g[lf] for g in hy.hosts] for lf in range(hy.per_host)]  # forwarder lf's sources, by host
-        sizes = [0 if lf == hy.local else sum(recv_counts[s] for s in b) for lf, b in enumerate(blocks)]
-        views = ex.receive([field_offsets(m, [widths[f] for f in in_region])[1] if m else 0 for m in sizes])
-        starts = [0]
-        for c in recv_counts:
-            starts.append(starts[-1] + c)
-        outs = []  # with a slot: its x (and scale) rows first, then the fields that came through the regions
-        if slot >= 0:
-            sb = widths[1] if n_rows == 2 else 0
-            outs = [o for o in hy.result_slots.results(slot, starts[-1], widths[0], sb) if o is not None]
-        outs += [self._host_empty((starts[-1], widths[f]), torch.uint8) for f in in_region]
-        for (src_fields, src_rows), hit, s in zip(got, state["hit"], blocks[hy.local]):  # this rank's own forwards
-            sel = hit[:, hy.local].nonzero().flatten()
-            for f, dst_t in enumerate(outs):
-                to_rank = self.rank if f == id_f else None
-                self._hier_put(src_fields[f], src_rows, sel, dst_t[starts[s] : starts[s + 1]], to_rank)
-        for lf, (v, b, m) in enumerate(zip(views, blocks, sizes)):
-            offs, _ = field_offsets(m, [widths[f] for f in in_region])
-            row = 0
-            for s in b if lf != hy.local else ():
-                n = recv_counts[s]
-                for f, o in zip(in_region, offs):
-                    wd = widths[f]
-                    outs[f][starts[s] : starts[s] + n].copy_(v[o + row * wd : o + (row + n) * wd].view(n, wd))
-                row += n
-        ex.release()
-        return outs
+        ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows.to(fields_[-2].device))
+        ids = ids.view(torch.int32).view(-1, K).long()
+        rank_of = torch.where(ids >= 0, ids // L, -1)
+        return torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1).cpu()
 
     def _hier_combine_intra(self, y, handle, weights):
         """Combine's first step: each rank's rows (expanded: its partial per received row, its local experts, k
@@ -468,8 +450,11 @@ class HierarchyMixin:
         rail = hy.rail.exchange(hy.rail_region, tag="combine rail")
         base = torch.zeros(hy.per_host, dtype=torch.int64)
         order = []  # per rail peer: (src_of, row_of) into the rows each rank of this host sent back
-        for hit in st["hit"]:
-            row_of = (base + hit.long().cumsum(0) - 1).clamp(min=0)
+        for hit, to in zip(st["hit"], st["tok_order"]):  # each rank's rows came back in token order
+            at = hit.long().cumsum(0) - 1 if to is None else hit.index_select(0, to).long().cumsum(0) - 1
+            if to is not None:
+                at = torch.empty_like(at).index_copy_(0, to, at)  # to the message's order
+            row_of = (base + at).clamp(min=0)
             if remap is not None and remap.numel():  # this rank's own: rows of y
                 row_of[:, hy.local] = remap[row_of[:, hy.local].clamp(max=remap.numel() - 1)]
             order.append((torch.where(hit, torch.arange(hy.per_host), -1), row_of))
@@ -488,7 +473,7 @@ class HierarchyMixin:
         rails = [H for H in range(N) if hy.host != H]
         parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
         own = order[hy.host] if st["rail_counts"][hy.host] else None
-        src_of, row_of, groups = last_sum_layout(st["in_host"], hy.host, hy.per_host, own)
+        src_of, row_of, groups = last_sum_layout(st["in_host"], hy.host, hy.per_host, own, st["host_tokens"])
         out = self._host_empty((handle.num_tokens, h), y.dtype)
         reduce_indexed(out, parts, src_of, row_of, None, biases, groups)
         ex.release()  # the rows the peers sent back were read in place

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from epkit.collectives._details.ep_rows import align_up, reduce_indexed, sum_by_source
+from epkit.collectives._details.ep_rows import align_up, by_address, move_rows, reduce_indexed, sum_by_source
 
 __all__ = [
     "HIERARCHICAL",
@@ -23,7 +23,10 @@ __all__ = [
     "last_sum_layout",
     "nvshmem_domains",
     "plan_transport",
+    "put_split_rows",
+    "rail_order",
     "sum_by_host",
+    "token_order",
 ]
 
 #: The transport name an EPBuffer takes for ranks on several hosts (``EPBuffer.transport`` then names the
@@ -65,25 +68,28 @@ def sum_by_host(
     return reduce_indexed(out, partials, src, row, None, biases)
 
 
-def last_sum_layout(in_host: torch.Tensor, host: int, per_host: int, own):
+def last_sum_layout(in_host: torch.Tensor, host: int, per_host: int, own, host_tokens: list[torch.Tensor]):
     """The terms of a hierarchical combine's last sum at the source, for ``reduce_indexed`` with groups: per token,
     in host order, one term per other host (its partial, as received: source ``k`` for the k-th other host, row =
-    the token's place among the tokens sent there) and a group of ``per_host`` terms for this host (the rows its
+    the token's place in the message sent there) and a group of ``per_host`` terms for this host (the rows its
     ranks sent back, sources after the other hosts', summed and cast as that host's partial would be).
 
     ``in_host [T, N]`` bool: which hosts each token went to; ``own``: ``(src_of, row_of)`` ``[rows, per_host]`` of
     this host's rail rows (its own tokens that stay here, in token order; src -1: that rank got none), or None when
-    none stay. Returns ``(src_of, row_of, groups)``: ``[T, N - 1 + per_host]`` int64 each, and the group sizes.
+    none stay; ``host_tokens[h]``: the tokens sent to host h, in their message's order. Returns ``(src_of, row_of,
+    groups)``: ``[T, N - 1 + per_host]`` int64 each, and the group sizes.
     """
     t_num, n = in_host.shape
     src_cols, row_cols = [], []
     for h in range(n):
-        rr = (in_host[:, h].long().cumsum(0) - 1).clamp(min=0)
         if h != host:
             k = h - (h > host)  # its place among the other hosts
+            rr = torch.zeros(t_num, dtype=torch.int64)
+            rr[host_tokens[h]] = torch.arange(host_tokens[h].numel())
             src_cols.append(torch.where(in_host[:, h], k, -1).unsqueeze(1))
             row_cols.append(rr.unsqueeze(1))
         elif own is not None:
+            rr = (in_host[:, h].long().cumsum(0) - 1).clamp(min=0)
             src_of, row_of = own[0][rr], own[1][rr]
             src_cols.append(torch.where(in_host[:, h : h + 1] & (src_of >= 0), src_of + n - 1, -1))
             row_cols.append(row_of)
@@ -94,13 +100,13 @@ def last_sum_layout(in_host: torch.Tensor, host: int, per_host: int, own):
     return torch.cat(src_cols, 1), torch.cat(row_cols, 1), groups
 
 
-def field_offsets(n: int, widths: list[int]) -> tuple[list[int], int]:
+def field_offsets(n, widths: list[int]) -> tuple[list[int], int]:
     """Byte offsets of the field blocks of an ``n``-row message (``widths``: bytes per row of each field, each
-    block aligned to ``FIELD_ALIGN``) and the message's size."""
+    block aligned to ``FIELD_ALIGN``) and the message's size; ``n`` a list: each field's rows."""
     offs, at = [], 0
-    for wd in widths:
+    for f, wd in enumerate(widths):
         offs.append(at)
-        at = align_up(at + n * wd)
+        at = align_up(at + (n[f] if isinstance(n, list) else n) * wd)
     return offs, at
 
 
@@ -161,3 +167,46 @@ def plan_transport(group, transport: str, timeout: float) -> tuple[str, list[lis
     if len(hosts) == 1:
         return "shm", hosts, "cpu"
     return (HIERARCHICAL if len({len(g) for g in hosts}) == 1 else "torch"), hosts, "cpu"
+
+
+def rail_order(to_host: torch.Tensor, to_peer: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens of a dispatch's rail message to another host, in the message's order, and its order mask.
+
+    ``to_host``, ``to_peer`` ``[T]`` bool: the tokens for that host, and for the rail peer itself (a subset). With
+    ``split``, the peer's own tokens first (their x rows are received straight into its result, where they are
+    contiguous), then the host's others, each ascending, and the mask: ``[ceil(n / 8)]`` uint8, bit j (little
+    endian within a byte) set when the message's j-th token in token order is one of the first part, so that the
+    peer can forward every row in token order (:func:`token_order`). Without: ascending, None.
+    """
+    tokens = to_host.nonzero().flatten()
+    if not split:
+        return tokens, None
+    bits = to_peer[tokens]
+    padded = torch.zeros(-(-bits.numel() // 8) * 8, dtype=torch.uint8)
+    padded[: bits.numel()] = bits.to(torch.uint8)
+    mask = (padded.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+    return torch.cat([tokens[bits], tokens[~bits]]), mask
+
+
+def token_order(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` int64: the message row of each of an ``n``-row rail message's tokens, in token order (the inverse of
+    :func:`rail_order`'s reordering, from its mask)."""
+    bits = ((mask.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:n].bool()
+    first = bits.long().cumsum(0) - 1
+    return torch.where(bits, first, int(bits.sum()) + (~bits).long().cumsum(0) - 1)
+
+
+def put_split_rows(head: torch.Tensor, rest: torch.Tensor, sel: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] =`` row ``sel[i]`` of a message field whose first ``len(head)`` rows are ``head`` and whose others
+    are ``rest`` (``[rows, width]`` uint8 each, rows contiguous; ``sel`` int64 in any order)."""
+    k, wd = head.shape[0], out.shape[1]
+    if not sel.numel():
+        return
+    if by_address(head, rest, out):
+        addr = torch.where(sel < k, head.data_ptr() + sel * wd, rest.data_ptr() + (sel - k) * wd)
+        dst = out.data_ptr() + torch.arange(sel.numel(), dtype=torch.int64) * wd
+        move_rows(dst, addr, wd, [head.data_ptr(), rest.data_ptr(), out.data_ptr(), wd])
+        return
+    in_head = sel < k
+    out[in_head] = head[sel[in_head]]
+    out[~in_head] = rest[sel[~in_head] - k]
