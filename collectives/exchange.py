@@ -231,7 +231,7 @@ class TwoSidedExchange(Exchange):
             raise
 
 
-def exchange_payloads(buf, send, recv_bytes, region_bytes: int, tag: str, timeout: float | None):
+def exchange_payloads(buf, send, recv_bytes, region_bytes: int, tag: str, timeout: float | None, meanwhile=None):
     """:meth:`SymmBuffer.all_to_all`: one exchange of ``send[r]`` to rank r; copies of what arrived."""
     w = buf.world_size
     if len(send) != w or len(recv_bytes) != w:
@@ -250,6 +250,6 @@ def exchange_payloads(buf, send, recv_bytes, region_bytes: int, tag: str, timeou
         if n:
             ex.send_region(dst)[:n].copy_(send[dst].reshape(-1))
         ex.commit(dst, n)
-    out = [v.clone() for v in ex.receive(recv_bytes)]
+    out = [v.clone() for v in ex.receive(recv_bytes, meanwhile=meanwhile)]
     ex.release()
     return out

@@ -400,13 +400,15 @@ class SymmBuffer(FailureNotices):
         region_bytes: int,
         tag: str = "exchange",
         timeout: float | None = None,
+        meanwhile=None,
     ) -> list[torch.Tensor]:
         """Exchange byte payloads: ``send[r]`` (uint8, 1-D) goes to rank r; returns copies of what each rank sent.
 
         ``recv_bytes[r]`` is the size rank r sends here (known from an earlier exchange
-        or fixed by the protocol).
+        or fixed by the protocol). ``meanwhile``: the caller's work, run while the payloads move
+        (:meth:`Exchange.receive`).
         """
-        return exchange_payloads(self, send, recv_bytes, region_bytes, tag, timeout)
+        return exchange_payloads(self, send, recv_bytes, region_bytes, tag, timeout, meanwhile)
 
     def close(self) -> None:
         """Release the buffer: it cannot be used afterwards. On shm, views taken before stay valid memory

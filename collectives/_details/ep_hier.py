@@ -23,11 +23,13 @@ every rank of its host holding one of the token's experts, with local ids (its o
 results, through no region); each rank puts the blocks in the flat order (source rank, then source token). On CPU
 ranks the x and scale rows go straight into the receiver's result slot (``ep_result_slots``; the layout agreement
 names each rank's slot and the rows each source sends each rank), the ids and weights through the region.
-There, too, a rail message to a receiver with a slot begins with the x rows of the receiver's own tokens (in
-token order: where they are contiguous in its result), sent as a part of their own that the receiver's transport
-receives straight into its slot (``Exchange.receive``'s ``into``); the rest of the message holds the host's other
-tokens, and a mask (a bit per token, ``rail_order``) lets the receiver forward every row in token order. While the
-rail messages move, each rank forwards its own tokens to the ranks of its host (``ep_hier_forward``).
+There, too (a two-sided rail), a rail message begins with the x rows of the receiver's own tokens (in token
+order: where they are contiguous in its result), sent as a part of their own that the receiver's transport
+receives straight into its slot (``Exchange.receive``'s ``into``; without a slot, into memory of its own); the rest
+of the message holds the host's other tokens, and a mask (a bit per token, ``rail_order``) lets the receiver
+forward every row in token order. The messages are staged while the layout agreement is under way (its
+``meanwhile``; nothing is sent before the verdict), and while they move each rank forwards its own tokens to the
+ranks of its host (``ep_hier_forward``).
 A cached dispatch moves the rows and scales only (the routing and the messages' order stay in the handle).
 
 Combine: each rank sends its rows (expanded: its per-rank partial, cast to ``y.dtype``) back to the rank
@@ -51,18 +53,18 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from epkit.collectives._details.ep_hier_combine import HierCombineMixin
 from epkit.collectives._details.ep_hier_forward import Forward
 from epkit.collectives._details.ep_hier_rows import (
     HIERARCHICAL,
     PARTS,
     field_offsets,
-    last_sum_layout,
     rail_order,
     token_order,
 )
 from epkit.collectives._details.ep_normal import DispatchHandle
 from epkit.collectives._details.ep_result_slots import ResultSlots, result_slot_count
-from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
+from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code
 from epkit.collectives.symm_buffer import SymmBuffer
 
 __all__ = ["HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
@@ -145,11 +147,11 @@ class Hierarchy:
             buf.close()
 
 
-class HierarchyMixin:
+class HierarchyMixin(HierCombineMixin):
     """The hierarchical normal mode of :class:`~epkit.collectives.ep_buffer.EPBuffer` (``self._hier``: a
-    :class:`Hierarchy`, or None on a flat buffer). Uses the buffer's ``buffer`` (the flat agreement
-    exchanges), ``_agree_rows``, ``agree_on_handle``, ``_finish_dispatch``, ``_host_empty`` (result tensors)
-    and ``validate_dispatch``."""
+    :class:`Hierarchy`, or None on a flat buffer; the combine in ``ep_hier_combine``). Uses the buffer's
+    ``buffer`` (the flat agreement exchanges), ``_agree_rows``, ``agree_on_handle``, ``_finish_dispatch``,
+    ``_host_empty`` (result tensors) and ``validate_dispatch``."""
 
     def _open_buffers(self, group, transport: str, rows: str, sizes, kernels: str, timeout: float, hint: str):
         """Make ``self.buffer`` (``transport`` over the whole group; for :data:`HIERARCHICAL`, the flat transport
@@ -216,11 +218,15 @@ class HierarchyMixin:
             raise
 
     def _hier_dispatch(self, error, x, scales, topk_idx, topk_weights, alignment: int, expand: bool):
-        """Normal dispatch through the hierarchy; ``error``: this rank's validation verdict (None: valid)."""
+        """Normal dispatch through the hierarchy; ``error``: this rank's validation verdict (None: valid). On a
+        two-sided rail (``torch``) the rail messages are staged while the layout agreement is under way; nothing
+        leaves the rank before it, and a rejected call drops them."""
         hy, w, me = self._hier, self.world_size, self.rank
-        rows, state = [], {}
+        rows, state, cols, masks = [], {}, None, None
         slots = hy.result_slots
         slot = slots.take() if slots is not None else -1
+        rail = None if hy.rail.impl.direct else hy.rail.exchange(hy.rail_region, tag="dispatch rail")
+        failed = []  # the staging's failure: raised once every rank has the agreement's verdict
         try:  # until the agreement no row moves: the slot was never written, whatever fails
             if error is None:
                 topk_idx = topk_idx.cpu()
@@ -232,47 +238,57 @@ class HierarchyMixin:
                 fmt = format_code(x.dtype, scales is not None)
                 per_rank, per_host = per_rank.tolist(), in_host.sum(0).tolist()
                 rows = [torch.tensor([fmt, per_rank[r], per_host[hy.host_of[r]], slot, *per_rank]) for r in range(w)]
+                cols = self._hier_cols(x, scales, (topk_idx.to(torch.int32), weights.float()))
+                k_out = [
+                    per_rank[g[hy.local]] if rail is not None and hy.host != H else 0 for H, g in enumerate(hy.hosts)
+                ]
+                masks, state["host_tokens"] = [None] * hy.num_hosts, []
+                for H, g in enumerate(hy.hosts):  # a message split before the rail peer's own x rows: rail_order
+                    order, masks[H] = rail_order(in_host[:, H], in_rank[:, g[hy.local]], 0 < k_out[H] < per_host[H])
+                    state["host_tokens"].append(order)
+
+            def stage():
+                try:
+                    self._hier_stage(rail, cols, state, k_out, masks)
+                except Exception as exc:  # noqa: BLE001 -- after the verdict, so that every rank learns of it
+                    failed.append(exc)
+
             # Word 1: rows for that rank, word 2: rows for its host (its rail peer's receive), word 3: the sender's
             # result slot (-1: none), then the rows it sends each rank (where a forwarder's rows start in a result).
-            got = self._agree_rows(error, rows, 4 + w)  # a bad call fails here, on every rank
-            check_formats([int(g[0]) for g in got])
+            got = self._agree_rows(error, rows, 4 + w, stage if rail is not None and cols is not None else None)
+            check_formats([int(g[0]) for g in got])  # a bad call failed on every rank above
         except BaseException:
             if slots is not None:
                 slots.give_back(slot)
+            if rail is not None:
+                rail.release()
             raise
         recv_counts = [int(g[1]) for g in got]
-        meta = (topk_idx.to(torch.int32), weights.float())
         with self._hier_retire("dispatch"):  # peers may write into the announced slot now: a failure retires
-            call = self._hier_route(got, in_host, in_rank, state)
+            if failed:
+                raise failed[0]
+            call = self._hier_route(got, state, rail is not None)
             if call["matrix"][:, me].tolist() != recv_counts:
                 raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
-            recv_x, recv_s, recv_i, recv_w = self._hier_move(x, scales, meta, state, recv_counts, call)
+            recv_x, recv_s, recv_i, recv_w = self._hier_move(cols, x.dtype, scales, state, recv_counts, call, rail)
         recv_i, recv_w = recv_i.cpu().to(topk_idx.dtype), recv_w.cpu()  # the routing stays on the host
         out = self._finish_dispatch(recv_x, recv_s, recv_i, recv_w, tokens, recv_counts, x.shape[0], expand, alignment)
         handle = out[4]
         handle = HierDispatchHandle(**{f.name: getattr(handle, f.name) for f in fields(handle)}, hier=state)
         return (*out[:4], handle)
 
-    def _hier_route(self, got, in_host, in_rank, state: dict) -> dict:
-        """After the layout agreement (``got``): each rail message's tokens in its order (``state``), and the call's
-        ``matrix`` ([source, destination] rows), ``place`` (per rank of this host: its result slot, -1: none, and
-        the rows each source sends it), ``direct`` (the rows a rail message puts straight into its receiver's
-        result: the x rows of the receiver's own tokens, for a receiver with a slot; ``[from host][to host]``, the
-        same table on every rank) and ``masks`` (``rail_order``'s, per host)."""
+    def _hier_route(self, got, state: dict, split: bool) -> dict:
+        """After the layout agreement (``got``): the call's ``matrix`` ([source, destination] rows), ``place`` (per
+        rank of this host: its result slot, -1: none, and the rows each source sends it) and ``k_in`` (per host, the
+        x rows its rail message begins with, received straight into this rank's result: its own; ``split``: the
+        rail is two-sided)."""
         hy = self._hier
         state["rail_counts"] = [int(got[r][2]) for r in hy.rail_ranks]
+        state["tok_order"] = [None] * hy.num_hosts  # per rail peer: its message's rows in token order (None: as sent)
         matrix = torch.stack([g[4:] for g in got])
         place = [(int(got[r][3]), matrix[:, r]) for r in hy.hosts[hy.host]]
-        slot_of = [int(g[3]) for g in got]
-        rail = hy.rail_ranks
-        direct = [[int(matrix[a, b]) if a != b and slot_of[b] >= 0 else 0 for b in rail] for a in rail]
-        masks, state["host_tokens"] = [None] * hy.num_hosts, []
-        for H, g in enumerate(hy.hosts):
-            split = hy.host != H and 0 < direct[hy.host][H] < int(in_host[:, H].sum())
-            host_tokens, masks[H] = rail_order(in_host[:, H], in_rank[:, g[hy.local]], split)
-            state["host_tokens"].append(host_tokens)
-        state["tok_order"] = [None] * hy.num_hosts  # per rail peer: its message's rows in token order (None: as sent)
-        return {"matrix": matrix, "place": place, "direct": direct, "masks": masks}
+        k_in = [int(matrix[r, self.rank]) if split and hy.host != H else 0 for H, r in enumerate(hy.rail_ranks)]
+        return {"matrix": matrix, "place": place, "k_in": k_in}
 
     def _hier_dispatch_cached(self, x, scales, handle):
         """A dispatch along an earlier one's routing (``handle``): rows and scales only cross hosts."""
@@ -289,7 +305,8 @@ class HierarchyMixin:
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         self.agree_on_handle("cached dispatch", handle, error)  # a handle of another buffer is rejected here
         with self._hier_retire("cached dispatch"):
-            recv_x, recv_s, _, _ = self._hier_move(x, scales, None, handle.hier, handle.recv_counts)
+            cols = self._hier_cols(x, scales, None)
+            recv_x, recv_s, _, _ = self._hier_move(cols, x.dtype, scales, handle.hier, handle.recv_counts)
         if handle.expand:
             from epkit.gather import gather_rows
 
@@ -303,71 +320,79 @@ class HierarchyMixin:
         aligned = [-(-c // a) * a for c in per_expert]
         return x_out, ids.to(self.device), handle.recv_topk_weights.to(self.device), aligned, handle
 
-    def _hier_move(self, x, scales, meta, state: dict, recv_counts: list[int], call=None):
-        """Rows over the rail, then forwarded inside the host. ``meta``: (global ids int32, weights float32)
-        ``[T, K]`` of a dispatch (the routing is then found from them and stored in ``state``), or None for a
-        cached dispatch (``state`` holds it); ``call``: ``_hier_route``'s (None: no result slots, no rows straight
-        into a result). Returns (recv_x, recv_scales, recv_idx int32, recv_w) in the flat order (the last two None
-        without ``meta``)."""
-        h, K = self.hidden, self.num_topk
-        xb = x.element_size() * h
+    def _hier_cols(self, x, scales, meta) -> list[torch.Tensor]:
+        """The fields of a rail message, as ``[T, width]`` uint8 views: the rows, their FP8 scales, and for a dispatch
+        (``meta``: global ids int32, weights float32 ``[T, K]``) the routing, in the rows' memory."""
+        xb = x.element_size() * self.hidden
         cols = [x.contiguous().view(torch.uint8).view(x.shape[0], xb)]
         if scales is not None:
             cols.append(scales.contiguous().view(torch.uint8).view(x.shape[0], 4 * scales.shape[1]))
-        if meta is not None:  # the routing (host tensors) travels with the rows, in their memory
-            cols += [m.to(x.device).contiguous().view(torch.uint8).view(x.shape[0], 4 * K) for m in meta]
-        widths = [c.shape[1] for c in cols]
-        hy, fw = self._hier, []
         if meta is not None:
+            cols += [m.to(x.device).contiguous().view(torch.uint8).view(x.shape[0], 4 * self.num_topk) for m in meta]
+        return cols
+
+    def _hier_move(self, cols, dtype, scales, state: dict, recv_counts: list[int], call=None, rail=None):
+        """Rows over the rail, then forwarded inside the host. ``cols``: ``_hier_cols``'s (with the routing for a
+        dispatch, which is then found from it and stored in ``state``; without for a cached dispatch, whose
+        ``state`` holds it); ``call``: ``_hier_route``'s (None: no result slots, no rows straight into a result);
+        ``rail``: the rail exchange with the messages staged (None: opened and staged here). Returns (recv_x,
+        recv_scales, recv_idx int32, recv_w) in the flat order (the last two None without the routing)."""
+        h, K, hy = self.hidden, self.num_topk, self._hier
+        meta = len(cols) - (scales is not None) > 1
+        widths, fw = [c.shape[1] for c in cols], []
+        if meta:
             state["hit"] = [None] * hy.num_hosts
+        if rail is None:
+            rail = hy.rail.exchange(hy.rail_region, tag="dispatch rail")
+            self._hier_stage(rail, cols, state, [0] * hy.num_hosts, None)
 
         def own_host():  # while the rail messages arrive: this host's own tokens, to every rank of the host
             here = hy.host
-            if meta is not None:
+            if meta:
                 state["hit"][here] = self._hier_hits(cols, state["host_tokens"][here])
-            fw.append(Forward(self, widths, state, recv_counts, meta is not None, call and call["place"]))
+            fw.append(Forward(self, widths, state, recv_counts, meta, call and call["place"]))
             fw[0].source(here, cols, state["host_tokens"][here], None)
 
-        rail, got = self._hier_rail_send(cols, widths, state, call, own_host)
+        got = self._hier_rail_receive(rail, cols, widths, state, call, own_host)
         for H, (fields_, rows, head) in enumerate(got):
             if hy.host != H:
-                if meta is not None:
+                if meta:
                     state["hit"][H] = self._hier_hits(fields_, None)
                 fw[0].source(H, fields_, rows, head)
         outs = fw[0].finish()
         rail.release()
         total = sum(recv_counts)
-        recv_x = outs[0].view(x.dtype).view(total, h)
+        recv_x = outs[0].view(dtype).view(total, h)
         recv_s = outs[1].view(torch.float32).view(total, scales.shape[1]) if scales is not None else None
-        if meta is None:
+        if not meta:
             return recv_x, recv_s, None, None
         recv_i, recv_w = (outs[-2 + i].view(dt).view(total, K) for i, dt in enumerate((torch.int32, torch.float32)))
         return recv_x, recv_s, recv_i, recv_w
 
-    def _hier_rail_send(self, cols, widths: list[int], state: dict, call, meanwhile):
-        """Each other host's tokens (``state["host_tokens"]``, in their message's order) to this rank's rail peer
-        there, every field block by index_select into the staging region; this host's own tokens take no message
-        (they are read where they are). Where ``call["direct"]`` says so, a message begins with the x rows of the
-        peer's own tokens as a part of its own, which the peer receives straight into its result, and the rest
-        holds the other x rows, the other fields' rows and ``rail_order``'s mask. Returns the open exchange and,
-        per rail peer, ``(fields, rows, head)``: the received field views (``[rows, width]`` uint8 each; the x
-        field without the rows in ``head``), None and the x rows received into this rank's result (None: none);
-        for this host the sender's fields, the row of each, None. ``meanwhile``: run while the messages move."""
+    def _rail_layout(self, widths: list[int], n: int, k: int):
+        """A rail message of ``n`` rows whose first part is the x rows of ``k`` (``rail_order``): the byte offsets of
+        the field blocks after it (fewer x rows by ``k``; the mask last when ``0 < k < n``), its bytes, and the
+        rows of each block."""
+        mask = 0 < k < n
+        rows = [n - k] + [n] * (len(widths) - 1) + ([1] if mask else [])
+        offs, end = field_offsets(rows, widths + ([-(-n // 8)] if mask else []))
+        return offs, end, rows
+
+    def _hier_stage(self, ex, cols, state: dict, k_out: list[int], masks) -> None:
+        """Each other host's tokens (``state["host_tokens"]``, in their message's order) for this rank's rail peer
+        there, every field block by index_select into the staging region, and committed (a two-sided exchange sends
+        nothing before its receive); this host's own tokens take no message (they are read where they are). A
+        message with ``k_out[H]`` begins with the x rows of the peer's own tokens, as a part of its own that the
+        peer receives straight into its result; the rest holds the other x rows, the other fields' rows and, when
+        split, ``masks[H]``."""
         hy = self._hier
-        N, here, xb = hy.num_hosts, hy.host, widths[0]
-        direct = call["direct"] if call is not None else [[0] * N] * N
-        k_out, k_in = direct[here], [d[here] for d in direct]
-
-        def layout(n: int, k: int):  # the fields after the first part: fewer x rows by k, and a split's mask
-            rows = [n - k] + [n] * (len(widths) - 1) + ([1] if 0 < k < n else [])
-            return field_offsets(rows, widths + ([-(-n // 8)] if 0 < k < n else [])), rows
-
-        ex = hy.rail.exchange(hy.rail_region, tag="dispatch rail")
+        N, here, widths = hy.num_hosts, hy.host, [c.shape[1] for c in cols]
+        xb = widths[0]
         for step in range(1, N):
             H = (here + step) % N
             t = state["host_tokens"][H].to(cols[0].device)
             n, k = t.numel(), k_out[H]
-            (offs, end), rows = layout(n, k)
+            offs, end, rows = self._rail_layout(widths, n, k)
             if n:
                 region = ex.send_region(H)
                 torch.index_select(cols[0], 0, t[:k], out=region[: k * xb].view(k, xb))
@@ -375,26 +400,36 @@ class HierarchyMixin:
                 for c, wd, o, m in zip(cols, widths, offs, rows):
                     torch.index_select(c, 0, t[n - m :], out=body[o : o + m * wd].view(m, wd))
                 if 0 < k < n:
-                    body[offs[-1] : offs[-1] + call["masks"][H].numel()].copy_(call["masks"][H])
+                    body[offs[-1] : offs[-1] + masks[H].numel()].copy_(masks[H])
             ex.commit(H, k * xb + end if n else 0, split=k * xb)
         ex.commit(here, 0)
-        counts, heads = state["rail_counts"], [None] * N
+
+    def _hier_rail_receive(self, ex, cols, widths: list[int], state: dict, call, meanwhile):
+        """The staged rail exchange's messages (``meanwhile`` run while they move). Returns, per rail peer, ``(fields,
+        rows, head)``: the received field views (``[rows, width]`` uint8 each; the x field without the rows in
+        ``head``), None, and the x rows received straight into this rank's result (its slot; without one, memory
+        of its own) or None; for this host the sender's fields, the row of each, None."""
+        hy = self._hier
+        N, here, xb = hy.num_hosts, hy.host, widths[0]
+        k_in, counts, heads = call["k_in"] if call is not None else [0] * N, state["rail_counts"], [None] * N
         for H, k in enumerate(k_in):
-            if k:  # where that source's rows start in this rank's result
-                first = int(call["place"][hy.local][1][: hy.rail_ranks[H]].sum())
-                heads[H] = hy.result_slots.area(hy.local, call["place"][hy.local][0], 0, first, k, xb)
-        lays = [layout(n, k_in[H]) for H, n in enumerate(counts)]
-        sizes = [k_in[H] * xb + lay[0][1] if n and here != H else 0 for H, (lay, n) in enumerate(zip(lays, counts))]
+            slot, rows_from = call["place"][hy.local] if k else (-1, None)
+            if k and slot >= 0:  # where that source's rows start in this rank's result
+                heads[H] = hy.result_slots.area(hy.local, slot, 0, int(rows_from[: hy.rail_ranks[H]].sum()), k, xb)
+            elif k:
+                heads[H] = self._host_empty((k, xb), torch.uint8)
+        lays = [self._rail_layout(widths, n, k) for n, k in zip(counts, k_in)]
+        sizes = [k * xb + lay[1] if n and here != H else 0 for H, (lay, n, k) in enumerate(zip(lays, counts, k_in))]
         views = ex.receive(sizes, into=[None if h is None else h.view(-1) for h in heads], meanwhile=meanwhile)
         got = []
-        for H, (v, n, ((offs, _), rows)) in enumerate(zip(views, counts, lays)):
+        for H, (v, n, (offs, _, rows)) in enumerate(zip(views, counts, lays)):
             if here == H:
                 got.append((cols, state["host_tokens"][H], None))
                 continue
             if 0 < k_in[H] < n:
                 state["tok_order"][H] = token_order(v[offs[-1] : offs[-1] + -(-n // 8)].cpu(), n)
             got.append(([v[o : o + m * wd].view(m, wd) for o, wd, m in zip(offs, widths, rows)], None, heads[H]))
-        return ex, got
+        return got
 
     def _hier_hits(self, fields_, rows) -> torch.Tensor:
         """``[rows, P]`` bool: which ranks of this host hold one of each of a rail message's rows' experts
@@ -404,78 +439,3 @@ class HierarchyMixin:
         ids = ids.view(torch.int32).view(-1, K).long()
         rank_of = torch.where(ids >= 0, ids // L, -1)
         return torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1).cpu()
-
-    def _hier_combine_intra(self, y, handle, weights):
-        """Combine's first step: each rank's rows (expanded: its partial per received row, its local experts, k
-        ascending, cast) to the rank that forwarded them; returns the open exchange and, per rank of this host,
-        the ``[rows, hidden]`` rows it sent back here in this rank's forwarding order, with ``remap`` (the rows of
-        ``y`` standing for this rank's own, which take no region; None when they are a partial of their own)."""
-        hy, h = self._hier, self.hidden
-        rb = h * y.element_size()
-        ex = hy.intra.exchange(hy.intra_region, tag="combine intra")
-        starts = [0]
-        for c in handle.recv_counts:
-            starts.append(starts[-1] + c)
-        y_bytes = y.view(torch.uint8).view(-1, rb)
-        own = remap = None
-        for step in range(hy.per_host):
-            lf = (hy.local + step) % hy.per_host
-            rows = torch.cat([torch.arange(starts[g[lf]], starts[g[lf] + 1]) for g in hy.hosts])
-            m = rows.numel()
-            if m and handle.expand:
-                out = self._host_empty((m, h), y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
-                slot = handle.expanded_slot[rows]
-                keep = torch.where(slot >= 0, 0, -1)
-                reduce_indexed(out.view(y.dtype).view(m, h), [y], keep, slot.clamp(min=0), weights[rows])
-                own = out if lf == hy.local else own
-            elif m and lf != hy.local:
-                torch.index_select(y_bytes, 0, rows.to(y.device), out=ex.send_region(lf)[: m * rb].view(m, rb))
-            elif lf == hy.local and not handle.expand:
-                own, remap = y, rows
-            ex.commit(lf, 0 if lf == hy.local else m * rb)
-        hits = handle.hier["hit"]
-        sizes = [0 if lp == hy.local else int(sum(hit[:, lp].sum() for hit in hits)) * rb for lp in range(hy.per_host)]
-        views = ex.receive(sizes)
-        sources = [v.view(y.dtype).view(-1, h) for v in views]
-        sources[hy.local] = own if own is not None else y[:0]
-        return ex, sources, remap
-
-    def _hier_combine(self, y, handle, weights, biases) -> torch.Tensor:
-        """Rows back to their forwarders, host partials over the rail, the last sum at the source (the module
-        docstring's order); ``weights``: the expanded mode's (None otherwise)."""
-        hy, st, h, N = self._hier, handle.hier, self.hidden, self._hier.num_hosts
-        y = y.contiguous()
-        rb = h * y.element_size()
-        ex, sources, remap = self._hier_combine_intra(y, handle, weights)
-        rail = hy.rail.exchange(hy.rail_region, tag="combine rail")
-        base = torch.zeros(hy.per_host, dtype=torch.int64)
-        order = []  # per rail peer: (src_of, row_of) into the rows each rank of this host sent back
-        for hit, to in zip(st["hit"], st["tok_order"]):  # each rank's rows came back in token order
-            at = hit.long().cumsum(0) - 1 if to is None else hit.index_select(0, to).long().cumsum(0) - 1
-            if to is not None:
-                at = torch.empty_like(at).index_copy_(0, to, at)  # to the message's order
-            row_of = (base + at).clamp(min=0)
-            if remap is not None and remap.numel():  # this rank's own: rows of y
-                row_of[:, hy.local] = remap[row_of[:, hy.local].clamp(max=remap.numel() - 1)]
-            order.append((torch.where(hit, torch.arange(hy.per_host), -1), row_of))
-            base = base + hit.long().sum(0)
-        for step in range(1, N):  # the host partials of the other hosts' tokens, over the rail
-            H = (hy.host + step) % N
-            n = st["rail_counts"][H]
-            if n:  # this host's rows of each token, ranks ascending, float32, cast
-                out = rail.send_region(H)[: n * rb].view(y.dtype).view(n, h)
-                reduce_indexed(out, sources, order[H][0], order[H][1])
-            rail.commit(H, n * rb)
-        rail.commit(hy.host, 0)
-        back = rail.receive([t.numel() * rb if hy.host != H else 0 for H, t in enumerate(st["host_tokens"])])
-        # The last sum, per token in host order: another host's partial as it came; this host's own rows as a group
-        # (its partial cast in the sum, never written out: reduce_indexed's groups).
-        rails = [H for H in range(N) if hy.host != H]
-        parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
-        own = order[hy.host] if st["rail_counts"][hy.host] else None
-        src_of, row_of, groups = last_sum_layout(st["in_host"], hy.host, hy.per_host, own, st["host_tokens"])
-        out = self._host_empty((handle.num_tokens, h), y.dtype)
-        reduce_indexed(out, parts, src_of, row_of, None, biases, groups)
-        ex.release()  # the rows the peers sent back were read in place
-        rail.release()
-        return out

@@ -86,10 +86,13 @@ class Forward:
                 )
             if not k:
                 continue
-            if lp == hy.local:  # this rank's own: straight into its result (where they are not already)
+            if lp == hy.local:  # this rank's own: into its result (the x rows of head are there with a slot)
                 for f, dst_t in enumerate(self.outs):
-                    if not (f == 0 and head is not None):
-                        at = dst_t[self.starts[source] : self.starts[source + 1]]
+                    at = dst_t[self.starts[source] : self.starts[source + 1]]
+                    if f == 0 and head is not None:
+                        if self.slots[lp] < 0:
+                            at.copy_(head)
+                    else:
                         self._put(fields[f], rows, sel, at, dst if f == self.id_f else None)
                 continue
             in_region, offs, region, _ = self.dest[lp]

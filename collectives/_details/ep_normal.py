@@ -57,8 +57,9 @@ class DispatchHandle:
 class NormalModeMixin:
     """The row-moving half of :class:`~epkit.collectives.ep_buffer.EPBuffer`'s dispatch and combine."""
 
-    def _agree_rows(self, error: str | None, rows: list[torch.Tensor], num_words: int) -> list[torch.Tensor]:
-        """Send each destination its int64 meta row (or this rank's error); raise if any rank failed."""
+    def _agree_rows(self, error: str | None, rows: list[torch.Tensor], num_words: int, meanwhile=None):
+        """Send each destination its int64 meta row (or this rank's error); raise if any rank failed. ``meanwhile``:
+        work of this rank's to do while the messages move (``Exchange.receive``'s). Returns the rows received."""
         w = self.world_size
         nbytes = num_words * 8 + META_MSG
         send = []
@@ -70,7 +71,7 @@ class NormalModeMixin:
                 msg[:8].view(torch.int64)[0] = -1
                 msg[num_words * 8 :].copy_(encode_error(error))
             send.append(msg)
-        got = self.buffer.all_to_all(send, [nbytes] * w, self.region_bytes, tag="layout")
+        got = self.buffer.all_to_all(send, [nbytes] * w, self.region_bytes, tag="layout", meanwhile=meanwhile)
         errors = []
         for src, g in enumerate(got):
             if int(g[:8].view(torch.int64)[0]) == -1:

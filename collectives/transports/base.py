@@ -202,17 +202,7 @@ class Transport(abc.ABC):
         transports meet through their BARRIER words instead, in the protocol)."""
         raise NotImplementedError(f"the {self.name} transport meets through its signal words")
 
-    def all_to_all(
-        self,
-        send: list[torch.Tensor],
-        recv_bytes: list[int],
-        timeout: float,
-        what: str,
-        exact=True,
-        into=None,
-        split=None,
-        meanwhile=None,
-    ):
+    def all_to_all(self, send, recv_bytes, timeout, what: str, exact=True, into=None, split=None, meanwhile=None):
         """Two-sided exchange of uint8 payloads (transports without one-sided puts); returns per-source views
         (``exact`` False: ``recv_bytes[r]`` bounds rank r's payload, and its view has the size rank r sent;
         ``split[r]``: the first bytes of ``send[r]`` travel as a part of their own; ``into[r]``: the caller's

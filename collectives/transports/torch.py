@@ -122,15 +122,8 @@ class TorchTransport(Transport):
         ``into`` says)."""
         me, w = self.rank, self.world_size
         own = send[me].numel()
-        if own > recv_bytes[me] or (exact and own != recv_bytes[me]):
-            raise ValueError(f"rank {me}: its own {what} payload has {own} bytes, its receive {recv_bytes[me]}")
         into, split = into or [None] * w, split or [0] * w
-        first = [0 if t is None else t.numel() for t in into]
-        for r, t in enumerate(into):
-            if t is not None and not (exact and t.dtype == torch.uint8 and t.is_contiguous() and r != me):
-                raise ValueError(f"{what}: the memory for rank {r}'s first part must be contiguous bytes of a peer's")
-            if not 0 <= first[r] <= recv_bytes[r] or not 0 <= split[r] <= send[r].numel():
-                raise ValueError(f"{what}: a part of rank {r}'s payload is larger than the payload")
+        first = self._check_call(send, recv_bytes, what, exact, into, split, meanwhile)
         deadline = time.monotonic() + timeout
         self._exchanges += 1
         n = self._exchanges
@@ -147,25 +140,8 @@ class TorchTransport(Transport):
                 return [(p, tag + 1 + i) for i, p in enumerate((into[src], views[src])) if p.numel()]
             return [(views[src], tag + 1)] if views[src].numel() > INLINE_BYTES else []
 
-        if meanwhile is not None and not exact:
-            raise ValueError(f"{what}: posting receives before the headers needs exact sizes")
         posted = {src: [self.pg.recv([p.view(-1)], src, t) for p, t in parts(src)] for src in got if meanwhile}
-        sent = []
-        for k in range(1, w):
-            dst = (me + k) % w
-            nbytes, s1 = send[dst].numel(), split[dst]
-            words = [self.buffer_id, n, nbytes | _SPLIT, s1] if s1 else [self.buffer_id, n, nbytes]
-            head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
-            if not s1 and nbytes <= INLINE_BYTES:  # one message: the header and the payload
-                msg = torch.cat([head, send[dst].reshape(-1)]) if nbytes else head
-                sent.append((dst, msg, self.pg.send([msg], dst, tag)))
-            else:
-                sent.append((dst, head, self.pg.send([head], dst, tag)))
-                payload = send[dst].contiguous()
-                for part, t in ((payload[:s1], tag + 1), (payload[s1:], tag + 2)) if s1 else ((payload, tag + 1),):
-                    if part.numel():
-                        sent.append((dst, part, self.pg.send([part], dst, t)))
-            self.bytes_sent[dst] += head.numel() + nbytes
+        sent = self._send_all(send, split, n, tag)
         views[me] = views[me][:own]
         if own:
             views[me].copy_(send[me])
@@ -194,6 +170,43 @@ class TorchTransport(Transport):
             self._staging.clear()  # a send may still read its staging: a later exchange gets fresh memory
             raise
         return views
+
+    def _check_call(self, send, recv_bytes, what: str, exact: bool, into, split, meanwhile) -> list[int]:
+        """``all_to_all``'s arguments checked (ValueError); returns the bytes of each source's first part."""
+        me = self.rank
+        own = send[me].numel()
+        if own > recv_bytes[me] or (exact and own != recv_bytes[me]):
+            raise ValueError(f"rank {me}: its own {what} payload has {own} bytes, its receive {recv_bytes[me]}")
+        if meanwhile is not None and not exact:
+            raise ValueError(f"{what}: posting receives before the headers needs exact sizes")
+        first = [0 if t is None else t.numel() for t in into]
+        for r, t in enumerate(into):
+            if t is not None and not (exact and t.dtype == torch.uint8 and t.is_contiguous() and r != me):
+                raise ValueError(f"{what}: the memory for rank {r}'s first part must be contiguous bytes of a peer's")
+            if not 0 <= first[r] <= recv_bytes[r] or not 0 <= split[r] <= send[r].numel():
+                raise ValueError(f"{what}: a part of rank {r}'s payload is larger than the payload")
+        return first
+
+    def _send_all(self, send, split, n: int, tag: int) -> list:
+        """Post exchange ``n``'s messages to every peer (header, then the payload in one part or two, or both in one
+        message when small); returns ``(dst, tensor, work)`` per message sent."""
+        me, w, sent = self.rank, self.world_size, []
+        for k in range(1, w):
+            dst = (me + k) % w
+            nbytes, s1 = send[dst].numel(), split[dst]
+            words = [self.buffer_id, n, nbytes | _SPLIT, s1] if s1 else [self.buffer_id, n, nbytes]
+            head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+            if not s1 and nbytes <= INLINE_BYTES:  # one message: the header and the payload
+                msg = torch.cat([head, send[dst].reshape(-1)]) if nbytes else head
+                sent.append((dst, msg, self.pg.send([msg], dst, tag)))
+            else:
+                sent.append((dst, head, self.pg.send([head], dst, tag)))
+                payload = send[dst].contiguous()
+                for part, t in ((payload[:s1], tag + 1), (payload[s1:], tag + 2)) if s1 else ((payload, tag + 1),):
+                    if part.numel():
+                        sent.append((dst, part, self.pg.send([part], dst, t)))
+            self.bytes_sent[dst] += head.numel() + nbytes
+        return sent
 
     def _receive_space(self, nbytes: int) -> torch.Tensor:
         """``[nbytes]`` uint8 for one exchange's incoming payloads, kept between exchanges (the views of one are
