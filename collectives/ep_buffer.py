@@ -471,10 +471,19 @@ class EPBuffer(
                     )
         except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        self.agree_on_handle("combine", handle, error)
+        plan = {}  # the hierarchy's routing for this combine, from the handle, while the agreement is under way
+
+        def prepare():
+            try:
+                self._hier_combine_plan(handle, plan)
+            except Exception:  # noqa: BLE001 -- a handle the agreement rejects; a valid one's plan is made again
+                plan.clear()
+
+        valid = error is None and getattr(handle, "hier", None) is not None
+        self.agree_on_handle("combine", handle, error, prepare if self._hier is not None and valid else None)
         if self._hier is not None:
             with self._hier_retire("combine"):
-                return self._hier_combine(y, handle, weights, biases)
+                return self._hier_combine(y, handle, weights, biases, plan)
         with self.retire_on_failure("combine"):
             if self._dev is not None:
                 return self._dev_combine(y, handle, weights, biases)

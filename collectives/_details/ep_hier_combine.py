@@ -16,22 +16,47 @@ class HierCombineMixin:
     """The combine half of :class:`~epkit.collectives._details.ep_hier.HierarchyMixin` (uses ``self._hier`` and the
     buffer's ``_host_empty``)."""
 
-    def _hier_combine_intra(self, y, handle, weights):
-        """Combine's first step: each rank's rows (expanded: its partial per received row, its local experts, k
-        ascending, cast) to the rank that forwarded them; returns the open exchange and, per rank of this host,
-        the ``[rows, hidden]`` rows it sent back here in this rank's forwarding order, with ``remap`` (the rows of
-        ``y`` standing for this rank's own, which take no region; None when they are a partial of their own)."""
-        hy, h = self._hier, self.hidden
-        rb = h * y.element_size()
-        ex = hy.intra.exchange(hy.intra_region, tag="combine intra")
+    def _hier_forwarded_by(self, handle, lf: int) -> torch.Tensor:
+        """The received rows (in the flat order) that rank ``lf`` of this host forwarded here: its rail's sources'."""
         starts = [0]
         for c in handle.recv_counts:
             starts.append(starts[-1] + c)
+        return torch.cat([torch.arange(starts[g[lf]], starts[g[lf] + 1]) for g in self._hier.hosts])
+
+    def _hier_combine_plan(self, handle, plan: dict) -> None:
+        """The combine's routing, from the handle alone (run while the handle agreement is under way): ``order``, per
+        rail peer ``(src_of, row_of)`` ``[rows, P]`` into the rows each rank of this host sends back (this rank's own:
+        rows of ``y``, unless expanded), and ``last``, the last sum's terms (``last_sum_layout``)."""
+        hy, st = self._hier, handle.hier
+        remap = None if handle.expand else self._hier_forwarded_by(handle, hy.local)
+        base = torch.zeros(hy.per_host, dtype=torch.int64)
+        order = []
+        for hit, to in zip(st["hit"], st["tok_order"]):  # each rank's rows came back in token order
+            at = hit.long().cumsum(0) - 1 if to is None else hit.index_select(0, to).long().cumsum(0) - 1
+            if to is not None:
+                at = torch.empty_like(at).index_copy_(0, to, at)  # to the message's order
+            row_of = (base + at).clamp(min=0)
+            if remap is not None and remap.numel():  # this rank's own: rows of y
+                row_of[:, hy.local] = remap[row_of[:, hy.local].clamp(max=remap.numel() - 1)]
+            order.append((torch.where(hit, torch.arange(hy.per_host), -1), row_of))
+            base = base + hit.long().sum(0)
+        own = order[hy.host] if st["rail_counts"][hy.host] else None
+        plan["order"] = order
+        plan["last"] = last_sum_layout(st["in_host"], hy.host, hy.per_host, own, st["host_tokens"])
+
+    def _hier_combine_intra(self, y, handle, weights):
+        """Combine's first step: each rank's rows (expanded: its partial per received row, its local experts, k
+        ascending, cast) to the rank that forwarded them; returns the open exchange and, per rank of this host,
+        the ``[rows, hidden]`` rows it sent back here in this rank's forwarding order (this rank's own: ``y``
+        itself, unless expanded)."""
+        hy, h = self._hier, self.hidden
+        rb = h * y.element_size()
+        ex = hy.intra.exchange(hy.intra_region, tag="combine intra")
         y_bytes = y.view(torch.uint8).view(-1, rb)
-        own = remap = None
+        own = None
         for step in range(hy.per_host):
             lf = (hy.local + step) % hy.per_host
-            rows = torch.cat([torch.arange(starts[g[lf]], starts[g[lf] + 1]) for g in hy.hosts])
+            rows = self._hier_forwarded_by(handle, lf)
             m = rows.numel()
             if m and handle.expand:
                 out = self._host_empty((m, h), y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
@@ -42,34 +67,28 @@ class HierCombineMixin:
             elif m and lf != hy.local:
                 torch.index_select(y_bytes, 0, rows.to(y.device), out=ex.send_region(lf)[: m * rb].view(m, rb))
             elif lf == hy.local and not handle.expand:
-                own, remap = y, rows
+                own = y
             ex.commit(lf, 0 if lf == hy.local else m * rb)
         hits = handle.hier["hit"]
         sizes = [0 if lp == hy.local else int(sum(hit[:, lp].sum() for hit in hits)) * rb for lp in range(hy.per_host)]
         views = ex.receive(sizes)
         sources = [v.view(y.dtype).view(-1, h) for v in views]
         sources[hy.local] = own if own is not None else y[:0]
-        return ex, sources, remap
+        return ex, sources
 
-    def _hier_combine(self, y, handle, weights, biases) -> torch.Tensor:
+    def _hier_combine(self, y, handle, weights, biases, plan: dict | None = None) -> torch.Tensor:
         """Rows back to their forwarders, host partials over the rail, the last sum at the source (the module
-        docstring's order); ``weights``: the expanded mode's (None otherwise)."""
+        docstring's order); ``weights``: the expanded mode's (None otherwise); ``plan``: ``_hier_combine_plan``'s
+        (made here when empty)."""
         hy, st, h, N = self._hier, handle.hier, self.hidden, self._hier.num_hosts
         y = y.contiguous()
         rb = h * y.element_size()
-        ex, sources, remap = self._hier_combine_intra(y, handle, weights)
+        plan = plan if plan else {}
+        if not plan:
+            self._hier_combine_plan(handle, plan)
+        order = plan["order"]
+        ex, sources = self._hier_combine_intra(y, handle, weights)
         rail = hy.rail.exchange(hy.rail_region, tag="combine rail")
-        base = torch.zeros(hy.per_host, dtype=torch.int64)
-        order = []  # per rail peer: (src_of, row_of) into the rows each rank of this host sent back
-        for hit, to in zip(st["hit"], st["tok_order"]):  # each rank's rows came back in token order
-            at = hit.long().cumsum(0) - 1 if to is None else hit.index_select(0, to).long().cumsum(0) - 1
-            if to is not None:
-                at = torch.empty_like(at).index_copy_(0, to, at)  # to the message's order
-            row_of = (base + at).clamp(min=0)
-            if remap is not None and remap.numel():  # this rank's own: rows of y
-                row_of[:, hy.local] = remap[row_of[:, hy.local].clamp(max=remap.numel() - 1)]
-            order.append((torch.where(hit, torch.arange(hy.per_host), -1), row_of))
-            base = base + hit.long().sum(0)
         for step in range(1, N):  # the host partials of the other hosts' tokens, over the rail
             H = (hy.host + step) % N
             n = st["rail_counts"][H]
@@ -83,8 +102,7 @@ class HierCombineMixin:
         # (its partial cast in the sum, never written out: reduce_indexed's groups).
         rails = [H for H in range(N) if hy.host != H]
         parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
-        own = order[hy.host] if st["rail_counts"][hy.host] else None
-        src_of, row_of, groups = last_sum_layout(st["in_host"], hy.host, hy.per_host, own, st["host_tokens"])
+        src_of, row_of, groups = plan["last"]
         out = self._host_empty((handle.num_tokens, h), y.dtype)
         reduce_indexed(out, parts, src_of, row_of, None, biases, groups)
         ex.release()  # the rows the peers sent back were read in place

@@ -260,13 +260,16 @@ class NormalModeMixin:
         ]
         return tuple(out) if len(out) == 2 else out[0]
 
-    def agree_on_handle(self, what: str, handle, error: str | None) -> None:
+    def agree_on_handle(self, what: str, handle, error: str | None, meanwhile=None) -> None:
         """Before any row of a combine or cached dispatch moves: every rank tells every rank which dispatch its
         handle comes from, or why its call is invalid (one small exchange; on the device path one kernel).
         Raises the same ValueError on every rank unless every call is valid and every handle is this buffer's,
         from one and the same dispatch (a handle of another buffer, or a stale one on some ranks, would pair
-        rows that do not belong together). The buffer stays usable either way."""
+        rows that do not belong together). The buffer stays usable either way. ``meanwhile``: work of this rank's
+        to do while the messages move."""
         if self._dev is not None:
+            if meanwhile is not None:
+                meanwhile()
             self._dev_agree(what, handle, error)
             return
         w = self.world_size
@@ -276,7 +279,9 @@ class NormalModeMixin:
         else:
             head[0] = -1
         msg = torch.cat([head.view(torch.uint8), encode_error(error or "")])
-        got = self.buffer.all_to_all([msg] * w, [msg.numel()] * w, self.region_bytes, tag=f"{what} agreement")
+        got = self.buffer.all_to_all(
+            [msg] * w, [msg.numel()] * w, self.region_bytes, tag=f"{what} agreement", meanwhile=meanwhile
+        )
         heads = [g[:24].view(torch.int64).tolist() for g in got]
         self.judge_agreement(what, heads, lambda r: decode_error(got[r][24:]))
 
