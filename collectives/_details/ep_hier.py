@@ -224,10 +224,10 @@ class HierarchyMixin(HierCombineMixin):
         hy, w, me = self._hier, self.world_size, self.rank
         rows, state, cols, masks = [], {}, None, None
         slots = hy.result_slots
-        slot = slots.take() if slots is not None else -1
-        rail = None if hy.rail.impl.direct else hy.rail.exchange(hy.rail_region, tag="dispatch rail")
+        slot, rail = (slots.take() if slots is not None else -1), None
         failed = []  # the staging's failure: raised once every rank has the agreement's verdict
         try:  # until the agreement no row moves: the slot was never written, whatever fails
+            rail = None if hy.rail.impl.direct else hy.rail.exchange(hy.rail_region, tag="dispatch rail")
             if error is None:
                 topk_idx = topk_idx.cpu()
                 weights = torch.zeros(topk_idx.shape) if topk_weights is None else topk_weights.cpu()
@@ -353,7 +353,11 @@ class HierarchyMixin(HierCombineMixin):
             fw.append(Forward(self, widths, state, recv_counts, meta, call and call["place"]))
             fw[0].source(here, cols, state["host_tokens"][here], None)
 
-        got = self._hier_rail_receive(rail, cols, widths, state, call, own_host)
+        # Every receive posted before the headers arrive needs sizes every rank agreed on: a dispatch's come from the
+        # layout agreement; a cached dispatch's from each rank's own x (its agreement compares the handles only).
+        got = self._hier_rail_receive(rail, cols, widths, state, call, own_host if call is not None else None)
+        if call is None:
+            own_host()
         for H, (fields_, rows, head) in enumerate(got):
             if hy.host != H:
                 if meta:
@@ -433,7 +437,7 @@ class HierarchyMixin(HierCombineMixin):
 
     def _hier_hits(self, fields_, rows) -> torch.Tensor:
         """``[rows, P]`` bool: which ranks of this host hold one of each of a rail message's rows' experts
-        (``fields_``, ``rows``: as in ``_hier_rail_send``'s result)."""
+        (``fields_``, ``rows``: as in ``_hier_rail_receive``'s result)."""
         hy, K, L = self._hier, self.num_topk, self.num_local_experts
         ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows.to(fields_[-2].device))
         ids = ids.view(torch.int32).view(-1, K).long()

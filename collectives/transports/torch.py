@@ -148,6 +148,7 @@ class TorchTransport(Transport):
         try:
             if meanwhile is not None:
                 meanwhile()
+                deadline = time.monotonic() + timeout  # the caller's work is not the peers' time
             for src, work in got.items():
                 self._wait(work, deadline, timeout, src, what)
                 head = heads[src][:SPLIT_HEAD].view(torch.int64).tolist()
