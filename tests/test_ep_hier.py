@@ -190,6 +190,80 @@ def test_cached_dispatch_with_other_rows_fails_cleanly():
     assert any(kind == "ValueError" and "not this exchange's" in text for kind, text in res), res
 
 
+def _three_hosts_routing(rank, L, seed, mode):
+    """Tokens of one rank of 3 hosts x 2 ranks (top-3 of 6 * L experts, a quarter of the slots -1). ``edge``: every
+    token rank 0 sends host 1 is for rank 2, its rail peer there (the message's x rows all in its first part, k ==
+    n), none it sends host 2 is for rank 4 (k == 0 < n); every token of rank 3 is for rank 1, its rail peer on host
+    0 (k == n)."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    n = 0 if mode == "zero" else [30, 7, 0, 40, 1, 12][rank]
+    idx = torch.stack([torch.randperm(6 * L, generator=g)[:3] for _ in range(n)]) if n else torch.empty((0, 3))
+    idx = idx.long()
+    idx[torch.rand(idx.shape, generator=g) < 0.25] = -1
+    if mode == "edge" and rank in (0, 3):
+        idx[:] = -1
+    for i in range(n if mode == "edge" and rank == 0 else 0):
+        if i % 3 == 0:  # ranks 2 and 3 (host 1)
+            idx[i, 0], idx[i, 1] = 2 * L + i % L, 3 * L
+        elif i % 3 == 1:  # rank 5 only (host 2)
+            idx[i, 0] = 5 * L + 1
+        else:  # rank 2 (host 1) and rank 1 (this host)
+            idx[i, 0], idx[i, 2] = 2 * L, L
+    if mode == "edge" and rank == 3:
+        idx[:, 1] = L + 2
+    return torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16), idx, torch.rand(n, 3, generator=g)
+
+
+def _three_hosts(rank, world_size, slots):
+    import os
+
+    os.environ["EPKIT_RESULT_SLOTS"] = str(slots)
+    hosts, L = [[0, 1], [2, 3], [4, 5]], 4
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, 6 * L, 40, 3, transport="auto", timeout=20)
+    assert buf.transport == "hierarchical(shm+torch)", buf.transport
+    split = {}
+    for mode in ("edge", "rand", "zero"):
+        for expand, fp8 in ((False, False), (True, False), (False, True), (True, True)):
+            x, idx, w = _three_hosts_routing(rank, L, 7 + expand + 2 * fp8, mode)
+            scales = per_token_group_cast_to_fp8(x.float(), 128)[1] if fp8 else None
+            x = per_token_group_cast_to_fp8(x.float(), 128)[0] if fp8 else x
+            a, key, ctx = (4 if expand else 1), ("expanded_x" if expand else "recv_x"), f"rank {rank} {mode} {fp8=}"
+            recv, ri, rw, _, handle = buf.dispatch((x, scales) if fp8 else x, idx, w, a, expand)
+            ref = reference_dispatch(x, idx, w, 6 * L, None, expand=expand, expert_alignment=a, x_scales=scales)
+            for got, want in (
+                (recv[0] if fp8 else recv, ref[key]),
+                (ri, ref["recv_topk_idx"]),
+                (rw, ref["recv_topk_weights"]),
+            ):
+                assert_bitwise_equal(got, want, ctx)
+            if fp8 and not expand:
+                assert_bitwise_equal(recv[1], ref["recv_scales"], ctx)
+            x2 = x if fp8 else (x.float() * -2).to(x.dtype)
+            again = buf.dispatch((x2, scales) if fp8 else x2, handle=handle)
+            ref2 = reference_dispatch(x2, idx, w, 6 * L, None, expand=expand, expert_alignment=a, x_scales=scales)
+            assert_bitwise_equal(again[0][0] if fp8 else again[0], ref2[key], ctx + " cached")
+            y = (ref[key].float() * (0.5 + 0.125 * rank) + 1).to(torch.bfloat16)
+            want = reference_combine(y, ref, x.shape[0], None, expand=expand, hosts=hosts)
+            assert_bitwise_equal(buf.combine(y, handle), want, ctx + " combine")
+            split[mode] = [t is not None for t in handle.hier["tok_order"]], handle.hier["rail_counts"]
+    buf.close()
+    return split
+
+
+@requires_namespaces
+@pytest.mark.parametrize("slots", [2, 0])
+def test_three_hosts_edge_messages(slots):
+    # 3 hosts x 2 ranks, with result slots and without: rail messages wholly in their first part (k == n), with
+    # none in it (k == 0 < n), split with a mask, empty, and ranks with no tokens; FP8, expand, cached, combine,
+    # bit for bit against the reference in the three-host order.
+    res = run_hosts(_three_hosts, 3, 2, slots, timeout=240)
+    edge = [r["edge"] for r in res]  # per rank: (whether each rail peer's message had a mask, its rows)
+    assert edge[2][1][0] == 20 and not edge[2][0][0]  # rank 0's 20 tokens for host 1, all rank 2's: k == n
+    assert edge[4][1][0] == 10 and not edge[4][0][0]  # rank 0's 10 for host 2, none rank 4's: k == 0 < n
+    assert edge[1][1][1] == 40 and not edge[1][0][1]  # rank 3's 40, all rank 1's: k == n
+    assert any(any(r["rand"][0]) for r in res)  # and some message split with a mask
+
+
 def _hier_slots(rank, world_size, count):
     """Hierarchical dispatch results in the receiver's intra result slots while one is free (``count`` of them:
     ``EPKIT_RESULT_SLOTS``); held results keep theirs, later ones go through the intra regions; the same rows."""
