@@ -325,9 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(argv: list[str]) -> int:
+    from epkit.model.run import end_process
     from epkit.model.run import main as run_main
 
-    return run_main(argv, prog="epkit run")
+    return end_process(run_main(argv, prog="epkit run"))
 
 
 def main(argv: list[str] | None = None) -> int:

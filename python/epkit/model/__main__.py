@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from epkit.model.run import end_process
 from epkit.model.run import main as run_main
 
 __all__ = ["main"]
@@ -14,4 +15,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(end_process(main()))
