@@ -4,6 +4,8 @@ their forwarders inside the host, one host partial per (token, host) over the ra
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from epkit.collectives._details.ep_hier_rows import last_sum_layout
@@ -18,9 +20,7 @@ class HierCombineMixin:
 
     def _hier_forwarded_by(self, handle, lf: int) -> torch.Tensor:
         """The received rows (in the flat order) that rank ``lf`` of this host forwarded here: its rail's sources'."""
-        starts = [0]
-        for c in handle.recv_counts:
-            starts.append(starts[-1] + c)
+        starts = list(accumulate(handle.recv_counts, initial=0))
         return torch.cat([torch.arange(starts[g[lf]], starts[g[lf] + 1]) for g in self._hier.hosts])
 
     def _hier_combine_plan(self, handle, plan: dict) -> None:

@@ -9,6 +9,8 @@ fixed when the intra exchange opens.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from epkit.collectives._details.ep_hier_rows import field_offsets, put_split_rows
@@ -57,9 +59,7 @@ class Forward:
             offs, end = field_offsets(m, [widths[f] for f in in_region])
             region = self.ex.send_region(lp) if m and lp != hy.local else None
             self.dest[lp] = (in_region, offs, region, end if m else 0)
-        self.starts = [0]
-        for c in recv_counts:
-            self.starts.append(self.starts[-1] + c)
+        self.starts = list(accumulate(recv_counts, initial=0))
         self.recv_counts = recv_counts
         total, slot = self.starts[-1], self.slots[hy.local]
         self.outs = []  # with a slot: its x (and scale) rows first, then the fields that came through the regions

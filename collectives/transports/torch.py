@@ -49,6 +49,11 @@ _TAGS = 1 << 20
 _RETIRED: list = []
 
 
+def _inline(nbytes: int, split: int) -> bool:
+    """Whether a payload travels inside its header's message (small and in one part), on both sides' word."""
+    return not split and nbytes <= INLINE_BYTES
+
+
 class TorchTransport(Transport):
     """Host memory for ``local`` plus a gloo group of the buffer's own (see the module docstring)."""
 
@@ -138,7 +143,7 @@ class TorchTransport(Transport):
         def parts(src: int) -> list:  # a payload's receives: none when it travels in its header's message
             if first[src]:
                 return [(p, tag + 1 + i) for i, p in enumerate((into[src], views[src])) if p.numel()]
-            return [(views[src], tag + 1)] if views[src].numel() > INLINE_BYTES else []
+            return [] if _inline(views[src].numel(), 0) else [(views[src], tag + 1)]
 
         posted = {src: [self.pg.recv([p.view(-1)], src, t) for p, t in parts(src)] for src in got if meanwhile}
         sent = self._send_all(send, split, n, tag)
@@ -155,7 +160,7 @@ class TorchTransport(Transport):
                 nbytes = self._check_header(head, src, n, recv_bytes[src], exact, what, first[src])
                 if not first[src]:
                     views[src] = views[src][:nbytes]
-                if nbytes and nbytes <= INLINE_BYTES and not head[2] & _SPLIT:
+                if nbytes and _inline(nbytes, head[2] & _SPLIT):
                     views[src].copy_(heads[src][_HEAD : _HEAD + nbytes])
                     continue
                 works = posted[src] if src in posted else [self.pg.recv([p.view(-1)], src, t) for p, t in parts(src)]
@@ -197,7 +202,7 @@ class TorchTransport(Transport):
             nbytes, s1 = send[dst].numel(), split[dst]
             words = [self.buffer_id, n, nbytes | _SPLIT, s1] if s1 else [self.buffer_id, n, nbytes]
             head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
-            if not s1 and nbytes <= INLINE_BYTES:  # one message: the header and the payload
+            if _inline(nbytes, s1):  # one message: the header and the payload
                 msg = torch.cat([head, send[dst].reshape(-1)]) if nbytes else head
                 sent.append((dst, msg, self.pg.send([msg], dst, tag)))
             else:
