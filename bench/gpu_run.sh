@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Rung 4 in one call on a lent GPU machine: build, bench/gpu_check.py, GPU tests; logs + JSON to $OUT.
+# Rung 4 in one call on a lent GPU machine: build, warm Triton's cache, bench/gpu_check.py, GPU tests; logs + JSON
+# to $OUT.
 #
 # Made for a machine that has a CUDA torch, nvcc, an nvidia-nvshmem wheel, einops, pybind11, setuptools
 # (>= 77), pytest, pytest-timeout and hypothesis, but no network and no epkit: nothing is installed into
@@ -9,14 +10,16 @@
 # assembled afresh at every run in build/gpu_run/site, goes first on PYTHONPATH. TileLang need not be
 # there: its backends then say "unavailable" and its tests skip.
 #
-#   bash bench/gpu_run.sh          # typically ~1 min build, ~5 min checks, ~1.5 min tests
+#   bash bench/gpu_run.sh          # typically ~1 min build, ~1 min warm, ~5 min checks, ~1.5 min tests
 #   GPU_RUN_STEPS=check GPU_RUN_SECTIONS=nvshmem bash bench/gpu_run.sh   # rerun one section, libraries kept
 #
 # Knobs (environment):
 #   PYTHON            the Python that holds the CUDA torch (default python3)
 #   OUT               where logs, gpu_check.json and gpu_check.bench.{json,md} (epkit bench's report) go
 #                     (default build/gpu_run/out; the device tool sets it)
-#   GPU_RUN_STEPS     comma list of build,check,tests (default all three, run in that order)
+#   GPU_RUN_STEPS     comma list of build,warm,check,tests (default all four, run in that order); warm compiles
+#                     every Triton kernel at the run's sizes into Triton's cache first (compile.json: seconds
+#                     and resources), so that the checks' timings hold no compile
 #   GPU_RUN_SECTIONS  gpu_check sections in the order to run them (default: env and nvshmem first, bench last)
 #   GPU_RUN_BUDGET    gpu_check's total seconds (default 300): nvshmem gets 150 s (the open issue's
 #                     evidence, two child processes), the other sections share the rest in proportion
@@ -33,7 +36,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/build/gpu_run/out}
-STEPS=",${GPU_RUN_STEPS:-build,check,tests},"
+STEPS=",${GPU_RUN_STEPS:-build,warm,check,tests},"
 SECTIONS=${GPU_RUN_SECTIONS:-env,nvshmem,grouped_gemm,gather_rows,logical_to_physical,prepare_cp_mirror,engram_hash,bench}
 BUDGET=${GPU_RUN_BUDGET:-300}
 LIMIT=${GPU_RUN_LIMIT:-540}
@@ -146,6 +149,13 @@ fi
 "$PY" -c "import epkit._C_cuda" >>"$OUT/env.txt" 2>&1 || failed "importing epkit._C_cuda (see env.txt)" 3
 tail -n 1 "$OUT/env.txt"
 
+if [[ $STEPS == *,warm,* ]] && time_for warm 150; then
+    say "warm: every Triton kernel at the run's sizes, compiled into Triton's cache (log: $OUT/warm.log)"
+    timeout -k 10 120 "$PY" -m epkit.testing.rung3 warm --out "$OUT/compile.json" >"$OUT/warm.log" 2>&1
+    rc=$?
+    tail -n 5 "$OUT/warm.log"
+    [ "$rc" -eq 0 ] || failed warm "$rc"
+fi
 if [[ $STEPS == *,check,* ]] && time_for check 90; then
     fixed=()
     [[ ",$SECTIONS," != *,nvshmem,* ]] || fixed=(--section-budget nvshmem=150)

@@ -42,6 +42,8 @@ from epkit.collectives._details.ep_rows import (
     check_biases,
 )
 from epkit.collectives.bootstrap import group_info
+from epkit.kernels.triton.ep_layout import check_aligned
+from epkit.ops import refuse_capture
 from epkit.utils import check_topk_idx
 
 __all__ = [
@@ -388,6 +390,7 @@ class EPBuffer(
         num_recv_tokens_per_expert : list[int], per local expert, aligned to ``expert_alignment``
         handle : DispatchHandle (``handle.m_indices`` when expanded: see :attr:`DispatchHandle`)
         """
+        refuse_capture("dispatch", self.device)
         scales = None
         if isinstance(x, (tuple, list)):
             x, scales = x
@@ -445,6 +448,7 @@ class EPBuffer(
         -------
         Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order.
         """
+        refuse_capture("combine", self.device)
         h = self.hidden
         error, biases, weights = None, [], None
         try:
@@ -463,6 +467,9 @@ class EPBuffer(
                     f"y must be bf16/fp16/fp32 [{want_rows}, {h}] on {self.device}, got {getattr(y, 'dtype', None)} "
                     f"{tuple(getattr(y, 'shape', ()))} on {getattr(y, 'device', None)}"
                 )
+            if self._dev is not None:
+                for what, t in (("y", y), *((f"bias {i}", b) for i, b in enumerate(biases))):
+                    check_aligned(what, t)
             if handle.expand:
                 weights = handle.recv_topk_weights if topk_weights is None else topk_weights.float()
                 if tuple(weights.shape) != tuple(handle.recv_topk_idx.shape):

@@ -35,6 +35,7 @@ from epkit.collectives._details.ep_rows import (
     reduce_indexed,
 )
 from epkit.collectives.ep_buffer import EPBuffer
+from epkit.ops import refuse_capture
 
 __all__ = ["fused_moe"]
 
@@ -89,6 +90,7 @@ def fused_moe(
             f"fused_moe needs every EP peer directly addressable (shm on one host, or nvshmem within one NVLink "
             f"domain); this buffer ({buffer.transport!r}) is not: compose dispatch -> expert_mlp -> combine instead"
         )
+    refuse_capture("fused_moe", buffer.device)
     error, biases = _check_call(x, topk_idx, topk_weights, buffer, bias, expert_alignment)
     if buffer.uses_device_kernels:  # dispatch and combine on the device kernels, the expert MLP between them
         from epkit.moe import expert_mlp

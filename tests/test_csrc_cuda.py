@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from epkit.testing.ladder import _cuda_tool
+from epkit.testing.ladder import cuda_tool
 from epkit.testing.markers import requires_cuda, requires_nvcc
 from epkit.testing.multiprocess import run_ranks
 
@@ -34,7 +34,7 @@ def test_cuda_extension_built_when_toolchain_present():
         pytest.skip("EPKIT_CUDA=0 turned the CUDA build off")
     path = _ext_path()
     assert path, "nvcc and nvshmem are present, so setup.py must have built epkit._C_cuda"
-    tool = _cuda_tool("cuobjdump")
+    tool = cuda_tool("cuobjdump")
     assert tool, "cuobjdump (bundled with triton) is needed to inspect the extension"
     elf = subprocess.run([tool, "-lelf", path], capture_output=True, text=True, timeout=120).stdout
     assert "sm_90" in elf, elf

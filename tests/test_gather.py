@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 import epkit
 from epkit.backends import BackendUnavailableError, select
 from epkit.gather import gather_rows_reference
-from epkit.testing import assert_bitwise_equal, compile_triton, tilelang_compile_cuda
+from epkit.testing import assert_bitwise_equal, tilelang_compile_cuda
 from epkit.testing.markers import requires_cuda, requires_nvcc, requires_tilelang, requires_triton
 
 CPU_BACKENDS = [
@@ -187,19 +187,6 @@ def test_gather_cpu_without_the_extension(monkeypatch):
 
 
 # Rung 3: compiled for sm_90 without a GPU.
-
-
-@requires_triton
-@pytest.mark.parametrize("word,index", [("i32", "i32"), ("i16", "i64"), ("i64", "i32")])
-def test_gather_triton_compiles_for_sm90(word, index):
-    from epkit.kernels.triton.gather import compile_signature
-
-    k = compile_triton(*compile_signature(word, index, 1024))
-    assert ".target sm_90" in k.ptx
-    assert "ld.global" in k.ptx and "st.global" in k.ptx, "the gather must load and store global memory"
-    assert k.cubin and len(k.cubin) > 1000
-    if k.sass is not None:
-        assert "LDG" in k.sass and "STG" in k.sass
 
 
 @requires_tilelang

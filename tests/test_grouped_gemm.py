@@ -4,7 +4,7 @@ import torch
 import epkit._details.grouped_gemm_cpu as gemm_cpu
 import epkit.grouped_gemm as gemm
 from epkit.grouped_gemm import build_m_indices, get_mk_alignment_for_contiguous_layout, make_inputs
-from epkit.testing import assert_bitwise_equal, assert_diff, calc_diff, compile_triton
+from epkit.testing import assert_bitwise_equal, assert_diff, calc_diff
 from epkit.testing.markers import requires_triton
 
 KINDS = ["fp8", "fp8_fp4", "bf16"]
@@ -265,52 +265,6 @@ def test_tile_schedule():
     assert grp.tolist() == [0, 0, -1, 2, 2, 2]
     assert start.tolist() == [0, 2, 3, 4, 6, 8]
     assert end.tolist() == [3, 3, 4, 9, 9, 9]
-
-
-# Rung 3: compiled for sm_90 without a GPU.
-
-#: Shared memory one block may use on sm_90 (227 KiB, with the opt-in the launcher makes).
-SM90_MAX_SHARED = 232448
-
-
-@requires_triton
-@pytest.mark.parametrize(
-    "kind,masked,g,rows",
-    [("fp8", False, 4, 8192), ("fp8", True, 4, 32), ("fp8_fp4", False, 4, 8192), ("bf16", False, 4, 8192)],
-)
-def test_triton_as_launched_at_benchmark_shapes_fits_sm90(kind, masked, g, rows):
-    """The binary a GPU launch at gpu_check's shapes would run (same specialization, warps and stages):
-    its shared memory fits an sm_90 block, its loads are pipelined (cp.async) into wgmma."""
-    from epkit.kernels.triton.grouped_gemm import get_config, launched_compile_args
-    from epkit.testing import compile_triton_as_launched
-
-    k = compile_triton_as_launched(*launched_compile_args(kind, masked, g, rows, 4096, 7168))
-    cfg = get_config(kind, 4096, 7168, rows, "cuda")
-    assert cfg["kernel"] == "persistent", cfg
-    assert 0 < k.shared <= SM90_MAX_SHARED, (k.shared, cfg)
-    assert k.num_warps == cfg["num_warps"]
-    assert "cp.async.bulk.tensor" in k.ptx and "wgmma.mma_async" in k.ptx, cfg  # TMA loads into wgmma
-
-
-@requires_triton
-@pytest.mark.parametrize(
-    "kind,masked,block_m,out",
-    [
-        ("fp8", False, 128, "bf16"),
-        ("fp8", True, 64, "bf16"),
-        ("fp8", True, 64, "fp32"),
-        ("fp8_fp4", False, 128, "bf16"),
-    ],
-)
-def test_triton_compiles_for_sm90_with_wgmma(kind, masked, block_m, out):
-    from epkit.kernels.triton.grouped_gemm import compile_signature
-
-    k = compile_triton(*compile_signature(kind, masked, block_m, out=out))
-    assert ".target sm_90" in k.ptx
-    assert "wgmma.mma_async" in k.ptx, f"{kind}: the grouped GEMM must use Hopper wgmma"
-    if kind == "fp8":
-        assert "e4m3" in k.ptx, "FP8 operands must feed the tensor cores directly"
-    assert k.cubin and len(k.cubin) > 1000
 
 
 def test_ops_registered_with_selfchecks():

@@ -211,7 +211,9 @@ class DeviceState:
         self.status = torch.zeros(STATUS_WORDS + STATUS_DETAIL * w, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.status._epkit_host = True  # host memory by design: read without a device sync
         self._status = self.status.numpy()
-        self.clock = host_clock().data_ptr() if dev.type == "cpu" else 0
+        # The clock word's address: the interpreter's waits read it; a GPU's read %globaltimer and never touch it,
+        # but the argument is still a real 64-bit address (a 0 would launch as an i32).
+        self.clock = host_clock().data_ptr() if dev.type == "cpu" else self.status.data_ptr()
         self.timeout_ns = int(ep.timeout * 1e9)
         self.no_text = torch.zeros(META_MSG, dtype=torch.uint8, device=dev)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from epkit.collectives._details.ep_low_latency_layout import LowLatencyHandle
+from epkit.kernels.triton.ep_layout import check_aligned
 
 __all__ = ["DeviceLowLatencyMixin"]
 
@@ -73,6 +74,7 @@ class DeviceLowLatencyMixin:
         error = None
         try:
             self._ll_check_host(x, topk_idx, n_max)
+            check_aligned("x", x)
         except ValueError as exc:  # every rank must learn of it through the message header
             error = str(exc)
         if error is not None:  # nothing of this call is read: placeholders of the right kinds

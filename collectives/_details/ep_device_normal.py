@@ -20,7 +20,7 @@ import torch
 from epkit.collectives._details.ep_low_latency_layout import describe_header
 from epkit.collectives._details.ep_normal import DispatchHandle
 from epkit.collectives._details.ep_rows import META_MSG, check_formats, decode_error, format_code
-from epkit.kernels.triton.ep_layout import OK, REJECTED
+from epkit.kernels.triton.ep_layout import OK, REJECTED, check_aligned
 
 __all__ = ["DeviceNormalMixin"]
 
@@ -73,26 +73,28 @@ class DeviceNormalMixin:
             )
             pinned = self.device.type == "cuda"
             summary = torch.zeros(summary_words(w, self.num_local_experts), dtype=torch.int64, pin_memory=pinned)
-            agreed = torch.zeros(3 * w, dtype=torch.int64, pin_memory=pinned)
+            agreed = torch.zeros(3 * w + 1, dtype=torch.int64, pin_memory=pinned)  # + the ready word
             dev.normal = (normal, combine, summary, agreed)
             dev.exchanges = {"notify": 0, "agree": 0}
         return dev.normal
 
-    def _read_back(self, host: torch.Tensor) -> list[int]:
-        """Wait (bounded) for this rank's queued kernels, then read ``host`` (the one host read of the call)."""
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+    def _read_back(self, host: torch.Tensor, ready: int) -> list[int]:
+        """The words of ``host`` but its last (the one host read of the call), once the kernel that writes them
+        has written ``ready`` into that last word, which it does after every other (a system-scope release):
+        a busy poll of pinned memory, no stream synchronisation, bounded by the buffer's timeout and a grace."""
+        words = host.numpy()
+        if words[-1] != ready and self.device.type == "cuda":
             deadline = time.monotonic() + self.timeout + _GRACE_S
-            while not event.query():
+            while words[-1] != ready:
                 if time.monotonic() > deadline:
                     exc = TimeoutError(f"rank {self.rank}: the CUDA stream did not reach the dispatch summary")
                     self.buffer.mark_broken(str(exc), culprit=self.rank)
                     raise exc
-                time.sleep(20e-6)
-        values = host.tolist()
+        values = words.tolist()
+        if values[-1] != ready:  # a kernel that ran without publishing: a fault of epkit's, never a peer's
+            raise RuntimeError(f"rank {self.rank}: the summary's ready word is {values[-1]}, expected {ready}")
         self._dev.poll()  # a wait that failed left its record; the summary is not to be trusted then
-        return values
+        return values[:-1]
 
     def _slot_text(self, area: str, src: int, offset: int) -> str:
         """The error text of source ``src``'s latest ``area`` message ("notify" / "agree"), from this rank's area."""
@@ -108,6 +110,7 @@ class DeviceNormalMixin:
             if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
                 raise ValueError(f"expert_alignment must be an int >= 1, got {alignment!r}")
             self.validate_dispatch(x, scales, topk_idx, topk_weights, self.num_max_tokens_per_rank, False)
+            check_aligned("x", x)
             if topk_weights is not None and not isinstance(topk_weights, torch.Tensor):
                 raise ValueError(f"topk_weights must be a tensor, got {type(topk_weights).__name__}")
         except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the notify exchange
@@ -134,9 +137,10 @@ class DeviceNormalMixin:
         layout(geo, idx, counts)
         lay = torch.empty(geo.layout_words(), dtype=torch.int64, device=dev)
         code = OK if error is None else REJECTED
-        notify(geo, counts, lay, self._dev.error_text(error), summary, code, fmt, alignment)
         self._dev.exchanges["notify"] += 1
-        got = self._read_back(summary)
+        ready = self._dev.exchanges["notify"]
+        notify(geo, counts, lay, self._dev.error_text(error), summary, code, fmt, alignment, ready)
+        got = self._read_back(summary, ready)
         w = self.world_size
         num_rows, num_expanded = got[0], got[1]
         codes, fmts, recv_n = got[2 : 2 + w], got[2 + w : 2 + 2 * w], got[2 + 2 * w : 2 + 3 * w]
@@ -219,9 +223,10 @@ class DeviceNormalMixin:
         self._dev.poll()
         _, cgeo, _, agreed = self._normal_geometries()
         ident = (handle.buffer_id, handle.epoch) if error is None else (0, 0)
-        agree(cgeo, self._dev.error_text(error), agreed, OK if error is None else REJECTED, ident)
         self._dev.exchanges["agree"] += 1
-        got, w = self._read_back(agreed), self.world_size
+        ready = self._dev.exchanges["agree"]
+        agree(cgeo, self._dev.error_text(error), agreed, OK if error is None else REJECTED, ident, ready)
+        got, w = self._read_back(agreed, ready), self.world_size
         heads = [[got[r], got[w + r], got[2 * w + r]] for r in range(w)]
         self.judge_agreement(what, heads, lambda src: self._slot_text("agree", src, 32))
 
@@ -238,8 +243,9 @@ class DeviceNormalMixin:
             # An exchange between the dispatch's rows and the combine's, which share memory: the agreement,
             # whose verdict is known (every handle is this call's) and so never read back.
             _, cgeo, _, agreed = self._normal_geometries()
-            agree(cgeo, self._dev.error_text(None), agreed, 0, (handle.buffer_id, handle.epoch))
             self._dev.exchanges["agree"] += 1
+            agree(cgeo, self._dev.error_text(None), agreed, 0, (handle.buffer_id, handle.epoch),
+                  self._dev.exchanges["agree"])  # fmt: skip
             return self._dev_combine(y, handle, handle.recv_topk_weights, biases)
 
     def _dev_combine(self, y, handle, weights, biases) -> torch.Tensor:

@@ -50,6 +50,7 @@ from epkit.collectives._details.ep_rows import (
     reduce_gathered,
     reduce_indexed,
 )
+from epkit.kernels.triton.ep_layout import check_aligned
 
 __all__ = ["LowLatencyMixin"]
 
@@ -407,6 +408,8 @@ class LowLatencyMixin:
                 raise ValueError(f"topk_idx and topk_weights must be [{t_num}, {K}]")
             if self._ll_stream_ordered() and topk_weights.device != self.device:
                 raise ValueError(f"topk_weights is on {topk_weights.device}; the low-latency path needs {self.device}")
+            if self._dev is not None:
+                check_aligned("y", y)
         except ValueError as exc:
             self._reject_locally("low-latency combine", exc)
         with self.retire_on_failure("low-latency combine"):

@@ -16,15 +16,13 @@ runs under the Triton interpreter (the addresses are host addresses then).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton.launch import for_device
+from epkit.kernels.triton.launch import launch, launcher
 
-__all__ = ["copy_rows_by_address", "compile_signature", "word_bytes_for"]
+__all__ = ["copy_rows_by_address", "word_bytes_for"]
 
 
 @triton.jit
@@ -77,6 +75,7 @@ def _blocks(num_words: int) -> tuple[int, int]:
     return max(1, 2048 // block_w), block_w
 
 
+@launcher
 def copy_rows_by_address(
     dst_addrs: torch.Tensor,
     src_addrs: torch.Tensor,
@@ -108,35 +107,18 @@ def copy_rows_by_address(
         raise ValueError(f"guard must be an int64 tensor on {dst_addrs.device}, got {guard.dtype} on {guard.device}")
     block_m, block_w = _blocks(w)
     grid = (triton.cdiv(n, block_m), triton.cdiv(w, block_w))
-    kernel = for_device(_copy_rows_kernel, dst_addrs.device)
-    on_device = torch.cuda.device(dst_addrs.device) if dst_addrs.is_cuda else contextlib.nullcontext()
-    with on_device:  # launch on the lists' device's current stream, where the caller's waits are ordered
-        kernel[grid](
-            dst_addrs.contiguous(),
-            src_addrs.contiguous(),
-            dst_addrs if guard is None else guard,  # not read without a guard
-            n,
-            w,
-            HAS_GUARD=guard is not None,
-            WORD_BYTES=word_bytes,
-            BLOCK_M=block_m,
-            BLOCK_W=block_w,
-        )
-
-
-def compile_signature(word_bytes: int = 8, num_words: int = 512, guarded: bool = True):
-    """(kernel, signature, constexprs) for an ahead-of-time compile (see epkit.testing.compile_triton)."""
-    block_m, block_w = _blocks(num_words)
-    sig = {
-        "dst_addr_ptr": "*i64",
-        "src_addr_ptr": "*i64",
-        "guard_ptr": "*i64",
-        "N": "i32",
-        "W": "i32",
-        "HAS_GUARD": "constexpr",
-        "WORD_BYTES": "constexpr",
-        "BLOCK_M": "constexpr",
-        "BLOCK_W": "constexpr",
-    }
-    consts = {"HAS_GUARD": guarded, "WORD_BYTES": word_bytes, "BLOCK_M": block_m, "BLOCK_W": block_w}
-    return _copy_rows_kernel, sig, consts
+    # on the lists' device's current stream, where the caller's waits are ordered
+    launch(
+        _copy_rows_kernel,
+        grid,
+        dst_addrs.device,
+        dst_addrs.contiguous(),
+        src_addrs.contiguous(),
+        dst_addrs if guard is None else guard,  # not read without a guard
+        n,
+        w,
+        HAS_GUARD=guard is not None,
+        WORD_BYTES=word_bytes,
+        BLOCK_M=block_m,
+        BLOCK_W=block_w,
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton.launch import for_device
+from epkit.kernels.triton.launch import launch, launcher
 
 BLOCK = 256
 
@@ -73,6 +73,7 @@ def _prepare_cp_mirror_kernel(
             tl.store(reverse_ptr + first + ps * blk + j, base + j, mask=live)
 
 
+@launcher
 def prepare_cp_mirror_launch(
     q_start, q_len, prefix, mirror_off, key_start, ratios, cp_size, cp_rank, index, reverse, ks, ke
 ) -> None:
@@ -80,8 +81,10 @@ def prepare_cp_mirror_launch(
     num_seqs = q_len.numel()
     if num_seqs == 0 or index.numel() == 0:
         return
-    kernel = for_device(_prepare_cp_mirror_kernel, index.device)
-    kernel[(num_seqs,)](
+    launch(
+        _prepare_cp_mirror_kernel,
+        (num_seqs,),
+        index.device,
         q_start,
         q_len,
         prefix,
@@ -98,12 +101,3 @@ def prepare_cp_mirror_launch(
         ratios.numel(),
         BLOCK=BLOCK,
     )
-
-
-def compile_signature(block: int = BLOCK):
-    """(kernel, signature, constexprs) for an ahead-of-time compile (see epkit.testing.compile_triton)."""
-    names = ["q_start_ptr", "q_len_ptr", "prefix_ptr", "mirror_off_ptr", "key_start_ptr", "ratios_ptr"]
-    names += ["index_ptr", "reverse_ptr", "ks_ptr", "ke_ptr"]
-    sig = {n: "*i32" for n in names}
-    sig.update({"cp_size": "i32", "cp_rank": "i32", "mirror_len": "i32", "num_ratios": "i32", "BLOCK": "constexpr"})
-    return _prepare_cp_mirror_kernel, sig, {"BLOCK": block}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton.launch import for_device
+from epkit.kernels.triton.launch import launch, launcher
 
 
 @triton.jit
@@ -63,6 +63,7 @@ def _engram_hash_kernel(
 BLOCK_T = 128
 
 
+@launcher
 def engram_hash_tokens(ids, mult, vocab, inv, off, out) -> None:
     """Launch on validated, contiguous tensors: ``ids [T, N] int32``, ``mult [L, N] int64``,
     ``vocab / off [L, H] int64``, ``inv [L, H] float64``, ``out [L, T, H] int32``."""
@@ -72,8 +73,10 @@ def engram_hash_tokens(ids, mult, vocab, inv, off, out) -> None:
         return
     heads = num_heads // (ngram - 1)
     grid = (triton.cdiv(num_tokens, BLOCK_T), num_layers)
-    kernel = for_device(_engram_hash_kernel, ids.device)
-    kernel[grid](
+    launch(
+        _engram_hash_kernel,
+        grid,
+        ids.device,
         ids,
         mult,
         vocab,
@@ -86,22 +89,3 @@ def engram_hash_tokens(ids, mult, vocab, inv, off, out) -> None:
         BLOCK_T=BLOCK_T,
         BLOCK_K=triton.next_power_of_2(heads),
     )
-
-
-def compile_signature(ngram: int = 3, heads: int = 8):
-    """(kernel, signature, constexprs) for an ahead-of-time compile (see epkit.testing.compile_triton)."""
-    sig = {
-        "ids_ptr": "*i32",
-        "mult_ptr": "*i64",
-        "vocab_ptr": "*i64",
-        "inv_ptr": "*fp64",
-        "off_ptr": "*i64",
-        "out_ptr": "*i32",
-        "num_tokens": "i32",
-        "NGRAM": "constexpr",
-        "HEADS": "constexpr",
-        "BLOCK_T": "constexpr",
-        "BLOCK_K": "constexpr",
-    }
-    consts = {"NGRAM": ngram, "HEADS": heads, "BLOCK_T": BLOCK_T, "BLOCK_K": triton.next_power_of_2(heads)}
-    return _engram_hash_kernel, sig, consts

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from epkit.kernels.triton import ep_common
 from epkit.kernels.triton.ep_common import (
     alive,
     begin_send,
@@ -30,6 +31,7 @@ from epkit.kernels.triton.ep_common import (
     next_epoch,
     programs,
     ptr,
+    publish_ready,
     row_words,
     sent_epoch,
     signal_peers,
@@ -39,8 +41,9 @@ from epkit.kernels.triton.ep_common import (
     wide,
 )
 from epkit.kernels.triton.ep_layout import KINDS
+from epkit.kernels.triton.launch import launcher, target
 
-__all__ = ["DTYPE_CODES", "KERNELS", "CombineGeometry", "agree", "combine_reduce", "combine_send"]
+__all__ = ["DTYPE_CODES", "CombineGeometry", "agree", "combine_reduce", "combine_send"]
 
 _AGREE = tl.constexpr(KINDS.index("agree"))
 _COMBINE = tl.constexpr(KINDS.index("combine"))
@@ -48,10 +51,10 @@ _COMBINE = tl.constexpr(KINDS.index("combine"))
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_ns", "me", "W", "code", "ident0", "ident1", "ready"])
 def _agree(text_ptr, agree_table, ctrl_table, ctrl_addr, notice_addr, status_addr, clock_addr, host_addr,
-           timeout_ns, me, W, code, ident0, ident1, area_bytes, msg_bytes, W_P2: tl.constexpr, TEXT: tl.constexpr,
-           TEXT_P2: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
+           ready_addr, ready, timeout_ns, me, W, code, ident0, ident1, area_bytes, msg_bytes, W_P2: tl.constexpr,
+           TEXT: tl.constexpr, TEXT_P2: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = next_epoch(ctrl, _AGREE, W)
@@ -62,10 +65,10 @@ def _agree(text_ptr, agree_table, ctrl_table, ctrl_addr, notice_addr, status_add
             slot = tl.load(agree_table + d) + off + wide(me) * msg_bytes
             w = ptr(slot, tl.int64)
             tl.store(ptr(slot + 32, tl.int8) + tj, text, mask=tj < TEXT)
-            tl.store(w + 1, ident0)
-            tl.store(w + 2, ident1)
-            tl.store(w, code)
-        signal_peers(ctrl_table, W, _AGREE * W + me)
+            tl.store(w + 1, wide(ident0))
+            tl.store(w + 2, wide(ident1))
+            tl.store(w, wide(code))
+        signal_peers(ctrl_table, W, _AGREE * W + wide(me))
         if wait_sources(ctrl, _AGREE, W, e, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             s = tl.arange(0, W_P2)
             at = ptr(tl.load(agree_table + me) + off + wide(s) * msg_bytes, tl.int64)
@@ -73,6 +76,7 @@ def _agree(text_ptr, agree_table, ctrl_table, ctrl_addr, notice_addr, status_add
             for j in tl.static_range(3):
                 tl.store(h + j * W + s, tl.load(at + j, mask=s < W), mask=s < W)
         end_exchange(ctrl, _AGREE, W, e)
+    publish_ready(ready_addr, ready)
 
 
 @triton.jit
@@ -84,7 +88,7 @@ def _source_of(j, rs, rn, s):
     return src, j - vsum(tl.where(hit, rs[None, :], 0), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["me", "W", "R", "n_max", "tail"])
 def _combine_send(y_addr, slot_ptr, w_ptr, layout_ptr, rows_table, ctrl_table, ctrl_addr, me, W, R, n_max, tail,
                   K: tl.constexpr, K_P2: tl.constexpr, H: tl.constexpr, DT: tl.constexpr, EXPAND: tl.constexpr,
                   W_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BW: tl.constexpr):  # fmt: skip
@@ -100,7 +104,7 @@ def _combine_send(y_addr, slot_ptr, w_ptr, layout_ptr, rows_table, ctrl_table, c
         for r0 in range(tl.program_id(0) * BLOCK_R, R, tl.num_programs(0) * BLOCK_R):
             j = wide(r0 + tl.arange(0, BLOCK_R))
             src, i = _source_of(j, rs, rn, s)
-            dst = vsum(tl.where(src[:, None] == s[None, :], bases[None, :], 0), 1) + (me * n_max + i) * row
+            dst = vsum(tl.where(src[:, None] == s[None, :], bases[None, :], 0), 1) + (wide(me) * n_max + i) * row
             if EXPAND:
                 kk = tl.arange(0, K_P2)
                 inside = (j < R)[:, None] & (kk < K)[None, :]
@@ -118,10 +122,10 @@ def _combine_send(y_addr, slot_ptr, w_ptr, layout_ptr, rows_table, ctrl_table, c
                     store_f32(dst, cols, acc, m, DT)
             else:
                 copy_rows_at(dst, y_addr + j * row, j < R, row // 4, BW, 16)
-        signal_peers(ctrl_table, W, _COMBINE * W + me)
+        signal_peers(ctrl_table, W, _COMBINE * W + wide(me))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "timeout_ns", "W", "n_max", "p_send"])
 def _combine_reduce(out_ptr, send_pos_ptr, b1_ptr, b2_ptr, status_addr, rows_addr, ctrl_addr, notice_addr,
                     clock_addr, T, timeout_ns, W, n_max, p_send, H: tl.constexpr, DT: tl.constexpr,
                     NB: tl.constexpr, BDT: tl.constexpr, BDT2: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -179,46 +183,56 @@ class CombineGeometry:
     clock: int
     timeout_ns: int
     device: torch.device
+    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; every rank must use the same
+    #: count: a receiver counts its senders' programs). :func:`~epkit.kernels.triton.ep_common.programs`.
+    ctas: int = ep_common.DEFAULT_CTAS
 
 
-def agree(geo: CombineGeometry, text, host, code: int, ident: tuple[int, int]) -> None:
-    """The agreement exchange (one program): ``host`` gets ``[status[W], buffer id[W], epoch[W]]``."""
+@launcher
+def agree(geo: CombineGeometry, text, host, code: int, ident: tuple[int, int], ready: int) -> None:
+    """The agreement exchange (one program): ``host`` gets ``[status[W], buffer id[W], epoch[W], ready]`` (``ready``,
+    the caller's call number, written after every other word)."""
     launch(
         _agree, (1,), geo.device, text, geo.agree_table, geo.ctrl_table, geo.ctrl, geo.notices, geo.status, geo.clock,
-        host.data_ptr(), geo.timeout_ns, geo.rank, geo.world, code, ident[0], ident[1], geo.agree_area, geo.agree_msg,
+        host.data_ptr(), host[-1:].data_ptr(), ready, geo.timeout_ns, geo.rank, geo.world, code, ident[0], ident[1],
+        geo.agree_area, geo.agree_msg,
         W_P2=triton.next_power_of_2(geo.world), TEXT=geo.text, TEXT_P2=triton.next_power_of_2(geo.text),
-        HW_TIMER=geo.device.type == "cuda",
+        HW_TIMER=target(geo.device) == "cuda",
     )  # fmt: skip
 
 
+def _rows_per_step(device, expand: bool) -> int:
+    """Rows a program moves per step: on CUDA 8 (8 rows of 16-byte moves in flight per thread), 4 for the
+    expanded layout, whose weights and slots per row would spill at 8; 16 under the interpreter."""
+    return (4 if expand else 8) if target(device) == "cuda" else 16
+
+
+@launcher
 def combine_send(geo: CombineGeometry, y, lay, tail: int, num_rows: int, slot=None, weights=None) -> None:
     """Expert side (one launch): ``y [R or X, hidden]`` back to the sources; ``slot`` / ``weights`` ``[R, K]`` for
     the expanded layout; ``lay`` the dispatch's layout words, whose ``recv_start`` / ``recv_n`` start at ``tail``."""
     expand = slot is not None
     row = geo.hidden * y.element_size()
     launch(
-        _combine_send, (programs(geo.device),), geo.device, y.data_ptr(), slot if expand else lay,
+        _combine_send, (programs(geo.device, geo.ctas),), geo.device, y.data_ptr(), slot if expand else lay,
         weights if expand else lay, lay, geo.rows_table, geo.ctrl_table, geo.ctrl, geo.rank, geo.world, num_rows,
         geo.n_max, tail,
         K=geo.num_topk, K_P2=triton.next_power_of_2(geo.num_topk), H=geo.hidden, DT=DTYPE_CODES[y.dtype],
-        EXPAND=expand, W_P2=triton.next_power_of_2(geo.world), BLOCK_R=16 if geo.device.type == "cpu" else 4,
+        EXPAND=expand, W_P2=triton.next_power_of_2(geo.world), BLOCK_R=_rows_per_step(geo.device, expand),
         BLOCK_H=min(256, triton.next_power_of_2(geo.hidden)), BW=row_words(row),
     )  # fmt: skip
 
 
+@launcher
 def combine_reduce(geo: CombineGeometry, out, send_pos, biases) -> None:
     """Source side (one launch): wait, then ``out [T, hidden]`` = the fixed-order sum (+ up to two biases, in
     order); ``send_pos [T, W]`` int32 from the dispatch."""
     bt = [b.dtype for b in biases] + [out.dtype] * (2 - len(biases))
     launch(
-        _combine_reduce, (programs(geo.device),), geo.device, out, send_pos, biases[0] if biases else out,
+        _combine_reduce, (programs(geo.device, geo.ctas),), geo.device, out, send_pos, biases[0] if biases else out,
         biases[1] if len(biases) > 1 else out, geo.status, geo.rows_local, geo.ctrl, geo.notices, geo.clock,
-        out.shape[0], geo.timeout_ns, geo.world, geo.n_max, programs(geo.device),
+        out.shape[0], geo.timeout_ns, geo.world, geo.n_max, programs(geo.device, geo.ctas),
         H=geo.hidden, DT=DTYPE_CODES[out.dtype], NB=len(biases), BDT=DTYPE_CODES[bt[0]], BDT2=DTYPE_CODES[bt[1]],
-        BLOCK_T=8 if geo.device.type == "cpu" else 1, BLOCK_H=min(1024, triton.next_power_of_2(geo.hidden)),
-        HW_TIMER=geo.device.type == "cuda",
+        BLOCK_T=4 if target(geo.device) == "cuda" else 8, BLOCK_H=min(1024, triton.next_power_of_2(geo.hidden)),
+        HW_TIMER=target(geo.device) == "cuda",
     )  # fmt: skip
-
-
-#: The kernels of this file by name (``ep_signatures.py`` compiles them ahead of time).
-KERNELS = {"agree": _agree, "combine_send": _combine_send, "combine_reduce": _combine_reduce}

@@ -47,8 +47,11 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from epkit.kernels.triton.ep_layout import CODE_WAIT, INV_FP8_MAX, NUM_KINDS
+from epkit.kernels.triton.launch import launch as run
+from epkit.kernels.triton.launch import target, twin_active
 
 __all__ = [
+    "DEFAULT_CTAS",
     "LAUNCHES",
     "alive",
     "begin_send",
@@ -76,8 +79,9 @@ __all__ = [
     "programs",
     "ptr",
     "quantize_row",
+    "publish_ready",
+    "read_word",
     "signal_peers",
-    "signature",
     "store_f32",
     "vcumsum",
     "vmax",
@@ -90,15 +94,24 @@ __all__ = [
 _NK = tl.constexpr(NUM_KINDS)
 _INV_FP8 = tl.constexpr(INV_FP8_MAX)
 _CODE_WAIT = tl.constexpr(CODE_WAIT)
+#: Timer reads per program in a GPU wait: at least one per thread of the largest program (32 warps).
+_TIMER_LANES = tl.constexpr(1024)
 
 #: Launches per kernel name in this process (the launch counter tests read it).
 LAUNCHES: dict[str, int] = {}
 
 
-def programs(device: torch.device) -> int:
-    """Programs of every multi-program launch: a fixed number (a receiver counts its senders' programs), few under
-    the interpreter, which runs them one after another."""
-    return 128 if device.type == "cuda" else 2
+#: Programs of a multi-program EP launch on CUDA unless a geometry says otherwise (``ctas``).
+DEFAULT_CTAS = 128
+
+
+def programs(device: torch.device, ctas: int = DEFAULT_CTAS) -> int:
+    """Programs of every multi-program launch: ``ctas`` on CUDA (the same on every rank: a receiver counts its
+    senders' programs; at least 2: the low-latency send keeps program 0 for the headers), 2 under the
+    interpreter, which runs them one after another."""
+    if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 2:
+        raise ValueError(f"the EP kernels' CTA count must be an int >= 2, got {ctas!r}")
+    return ctas if target(device) == "cuda" else 2
 
 
 def row_words(row_bytes: int) -> int:
@@ -137,35 +150,15 @@ def _now_ns_interpreted(clock, HW_TIMER):
 
 
 def launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **kwargs) -> None:
-    """Launch ``kernel`` compiled (CUDA) or interpreted (CPU), on ``device``'s current stream; counted in
-    :data:`LAUNCHES`. FP fusion is off (products round before they are added, as on the CPU)."""
-    name = getattr(kernel, "__name__", None) or kernel.fn.__name__
-    LAUNCHES[name] = LAUNCHES.get(name, 0) + 1
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            kernel[grid](*args, enable_fp_fusion=False, **kwargs)
-        return
-    if device.type != "cpu":
-        raise ValueError(f"the dispatch/combine kernels run on cuda or cpu (interpreter) tensors, not {device.type}")
-    interpreted(kernel)[grid](*args, **kwargs)
-
-
-def signature(kernel, pointers: dict[str, str], consts: dict) -> tuple:
-    """``(kernel, signature, constexprs)`` for an ahead-of-time compile (``epkit.testing.compile_triton``):
-    ``pointers`` maps the pointer arguments to their types; every other argument is an ``i64`` when its name
-    ends in ``_addr``, ``_ns``, ``_bytes`` or ``_off`` or starts with ``ident`` (as large values launch), else
-    an ``i32``."""
-    sig = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-        elif name.endswith(("_addr", "_ns", "_bytes", "_off")) or name.startswith("ident"):
-            sig[name] = "i64"
-        else:
-            sig[name] = "i32"
-    return kernel, sig, consts
+    """Launch ``kernel`` compiled (CUDA) or interpreted (CPU) through ``epkit.kernels.triton.launch`` (on
+    ``device``'s current stream); counted in :data:`LAUNCHES` when it runs. FP fusion is off on a GPU (products
+    round before they are added, as on the CPU)."""
+    if target(device) == "cuda":
+        kwargs["enable_fp_fusion"] = False
+    run(kernel, grid, device, *args, interpret=interpreted, **kwargs)
+    if not twin_active():
+        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+        LAUNCHES[name] = LAUNCHES.get(name, 0) + 1
 
 
 # reductions (Triton's combine functions: the interpreter runs them as numpy reductions; tl.sum and tl.max are
@@ -201,8 +194,26 @@ def wide(x):
 
 @triton.jit
 def ptr(addr, DTYPE: tl.constexpr):
-    """An int64 address as a pointer to ``DTYPE``."""
-    return addr.to(tl.pointer_type(DTYPE))
+    """An address as a pointer to ``DTYPE``, widened to int64 first: an address argument whose value a launch
+    specializes (0 fits 32 bits: an ``i32``) still casts."""
+    return wide(addr).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def read_word(word, SCOPE: tl.constexpr):
+    """An int64 word read by one thread and broadcast to the whole program (a scalar atomic), so that every thread
+    takes the same branch on it: a volatile load is each thread's own read, and threads that disagree at a
+    ``bar.sync`` hang the program."""
+    return tl.atomic_add(word, 0, sem="relaxed", scope=SCOPE)
+
+
+@triton.jit
+def publish_ready(ready_addr, ready):
+    """The last store of a program whose results the host reads: ``ready`` (the host's call number) into the word
+    at ``ready_addr`` (host memory), after a barrier, with a system-scope release, so that a host that sees it
+    sees every result word. Made whatever happened before it (a failed wait too), so the host's spin ends."""
+    tl.debug_barrier()
+    tl.atomic_xchg(ptr(ready_addr, tl.int64), wide(ready), sem="release", scope="sys")
 
 
 @triton.jit
@@ -230,11 +241,15 @@ def ctrl_failed(ctrl, W):
 
 @triton.jit
 def now_ns(clock, HW_TIMER: tl.constexpr):
-    """Nanoseconds: ``%globaltimer`` on a GPU, else the clock word (a host thread keeps it current)."""
+    """Nanoseconds, the same value in every thread of the program: on a GPU the latest ``%globaltimer`` its
+    threads read (a block of reads reduced across the whole program: each thread's own read would let threads
+    leave a wait at different iterations), else the clock word (a host thread keeps it current)."""
     if HW_TIMER:
-        t = tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l,l", [clock.to(tl.int64)], dtype=tl.int64, is_pure=False, pack=1
+        lanes = tl.full([_TIMER_LANES], 0, tl.int64)
+        reads = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l,l", [lanes], dtype=tl.int64, is_pure=False, pack=1
         )
+        t = vmax(reads, 0)
     else:
         t = tl.load(clock, volatile=True)
     return t
@@ -249,12 +264,13 @@ def wait_counters(words, notices, count, target, deadline, clock, HW_TIMER: tl.c
     seen = tl.full([], 0, tl.int64)
     for i in range(count):
         if failed == 0:
+            # Every value the loop decides on is the same in every thread (scalar atomics, a reduced timer).
             v = tl.atomic_add(words + i, 0, sem="acquire", scope="sys")
-            n = tl.load(notices + i, volatile=True)
+            n = read_word(notices + i, "sys")
             t = now_ns(clock, HW_TIMER)
             while (v < target) & (n == 0) & (t < deadline):
                 v = tl.atomic_add(words + i, 0, sem="acquire", scope="sys")
-                n = tl.load(notices + i, volatile=True)
+                n = read_word(notices + i, "sys")
                 t = now_ns(clock, HW_TIMER)
             if v < target:
                 failed = i + 1
@@ -301,8 +317,9 @@ def fail_wait(ctrl, W, status, kind, failed, seen, target, epoch):
 
 @triton.jit
 def alive(ctrl, W):
-    """True while no kernel of this rank has failed (after a failure every kernel does nothing)."""
-    return tl.load(ctrl_failed(ctrl, W), volatile=True) == 0
+    """True while no kernel of this rank has failed (after a failure every kernel does nothing); the same in every
+    thread (:func:`read_word`)."""
+    return read_word(ctrl_failed(ctrl, W), "gpu") == 0
 
 
 @triton.jit

@@ -21,6 +21,7 @@ __all__ = [
     "REJECTED",
     "STATUS_DETAIL",
     "STATUS_WORDS",
+    "check_aligned",
     "control_words",
 ]
 
@@ -45,3 +46,15 @@ INV_FP8_MAX = 1.0 / 448.0
 def control_words(world_size: int) -> int:
     """Control words per rank: a counter per (kind, source), an epoch pair per kind, the failed word."""
     return NUM_KINDS * world_size + 2 * NUM_KINDS + 1
+
+
+def check_aligned(what: str, t) -> None:
+    """ValueError unless the rows of tensor ``t`` (None passes) can be moved with the kernels' 16-byte accesses:
+    a contiguous tensor must start on an :data:`ALIGN`-byte boundary (a sliced view may not, and would fault on a
+    GPU); a non-contiguous one is copied before any kernel reads it."""
+    if t is None or not t.is_contiguous() or t.data_ptr() % ALIGN == 0:
+        return
+    raise ValueError(
+        f"{what} must start on a {ALIGN}-byte boundary (the device kernels move rows with {ALIGN}-byte accesses); "
+        f"its address is {t.data_ptr() % ALIGN} bytes past one: pass a fresh tensor (.clone())"
+    )

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from epkit.kernels.triton.ep_common import (
+    DEFAULT_CTAS,
     alive,
     begin_send,
     copy_rows_at,
@@ -36,6 +37,7 @@ from epkit.kernels.triton.ep_common import (
     next_epoch,
     programs,
     ptr,
+    publish_ready,
     row_words,
     signal_peers,
     vcumsum,
@@ -45,9 +47,9 @@ from epkit.kernels.triton.ep_common import (
     wide,
 )
 from epkit.kernels.triton.ep_layout import BAD_IDS, KINDS, OK
+from epkit.kernels.triton.launch import launcher, target
 
 __all__ = [
-    "KERNELS",
     "NormalGeometry",
     "dispatch_send",
     "layout",
@@ -64,8 +66,9 @@ _OK, _BAD = tl.constexpr(OK), tl.constexpr(BAD_IDS)
 
 
 def summary_words(world: int, local: int) -> int:
-    """Words of the notify summary in host memory: ``[R, X, code[W], fmt[W], recv_n[W], count[L]]``."""
-    return 2 + 3 * world + local
+    """Words of the notify summary in host memory: ``[R, X, code[W], fmt[W], recv_n[W], count[L], ready]``
+    (``ready``: the call number, written last)."""
+    return 2 + 3 * world + local + 1
 
 
 # the layout words (int64, one tensor per dispatch; ``layout_words`` sizes it): send_start [W_P2],
@@ -113,7 +116,7 @@ def _token_block(idx_ptr, t0, t_end, E: tl.constexpr, L: tl.constexpr, K: tl.con
     return ids, valid, bad, in_rank
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _layout(idx_ptr, counts_ptr, T, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
             K_P2: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr):  # fmt: skip
     """Program p: ``counts[p] = [tokens per rank (W_P2), pairs per expert (E_P2), bad]`` of its chunk."""
@@ -175,6 +178,14 @@ def _publish(slot_at, code, fmt, n, c_ptr, text_ptr, W, E: tl.constexpr, W_P2: t
 
 
 @triton.jit
+def _align_up(n, align):
+    """``n`` (int64 pair counts, each below 2**31) rounded up to a multiple of ``align``, divided in int32: a 64-bit
+    division is a called subroutine on the GPU, whose register saves spill under some Triton versions."""
+    n32 = n.to(tl.int32)
+    return ((n32 + align - 1) // align * align).to(tl.int64)
+
+
+@triton.jit
 def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, align, E: tl.constexpr, L: tl.constexpr,
                    W_P2: tl.constexpr, E_P2: tl.constexpr, L_P2: tl.constexpr):  # fmt: skip
     """From every rank's message: where this rank's rows go in every destination (``send_start [W_P2]``, then
@@ -192,12 +203,12 @@ def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, align, E: tl.co
     g = s[None, :, None] * L + lj[None, None, :]  # [1, dst, l]: global expert
     cmat = tl.load(at[:, None, None] + 2 + W + g, mask=live[:, None, None] & inside, other=0)  # [src, dst, l]
     total = vsum(cmat, 0)  # [dst, l] pairs over every source
-    aligned = (total + align - 1) // align * align
+    aligned = _align_up(total, align)
     exp_base = vcumsum(aligned, 1) - aligned + vsum(tl.where((s < me)[:, None, None], cmat, 0), 0)
     tl.store(layout_ptr + W_P2 + s[:, None] * L + lj[None, :], exp_base, mask=live[:, None] & (lj < L)[None, :])
     recv_n = vsum(tl.where(s[None, :] == me, nmat, 0), 1)
     cnt = vsum(tl.where((s == me)[:, None], total, 0), 0)
-    al = (cnt + align - 1) // align * align
+    al = _align_up(cnt, align)
     h = ptr(host_ptr, tl.int64)
     tl.store(h, vsum(recv_n, 0))
     tl.store(h + 1, vsum(al, 0))
@@ -208,9 +219,9 @@ def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, align, E: tl.co
     return vcumsum(recv_n, 0) - recv_n, recv_n, vcumsum(al, 0) - al, cnt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_ns", "me", "W", "P", "code", "fmt", "align", "ready"])
 def _notify(counts_ptr, layout_ptr, text_ptr, notify_table, ctrl_table, ctrl_addr, notice_addr, status_addr,
-            clock_addr, host_addr, timeout_ns, me, W, P, code, fmt, align, area_bytes, msg_bytes,
+            clock_addr, host_addr, ready_addr, ready, timeout_ns, me, W, P, code, fmt, align, area_bytes, msg_bytes,
             E: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr, L_P2: tl.constexpr,
             P_P2: tl.constexpr, EB: tl.constexpr, TEXT: tl.constexpr, TEXT_P2: tl.constexpr,
             HW_TIMER: tl.constexpr):  # fmt: skip
@@ -224,7 +235,7 @@ def _notify(counts_ptr, layout_ptr, text_ptr, notify_table, ctrl_table, ctrl_add
         for d in range(W):
             slot = tl.load(notify_table + d) + off + wide(me) * msg_bytes
             _publish(slot, code, fmt, n, layout_ptr + W_P2, text_ptr, W, E, W_P2, E_P2, TEXT, TEXT_P2)
-        signal_peers(ctrl_table, W, _NOTIFY * W + me)
+        signal_peers(ctrl_table, W, _NOTIFY * W + wide(me))
         if wait_sources(ctrl, _NOTIFY, W, e, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             msgs = tl.load(notify_table + me) + off
             tl.debug_barrier()  # every thread has read the totals before the layout overwrites their words
@@ -236,6 +247,7 @@ def _notify(counts_ptr, layout_ptr, text_ptr, notify_table, ctrl_table, ctrl_add
             tl.store(tail + 2 * W_P2 + tl.arange(0, L_P2), es)
             tl.store(tail + 2 * W_P2 + L_P2 + tl.arange(0, L_P2), cnt)
         end_exchange(ctrl, _NOTIFY, W, e)
+    publish_ready(ready_addr, ready)
 
 
 # dispatch: send
@@ -288,7 +300,7 @@ def _send_rows(x_ptr, s_ptr, w_ptr, rows_table, layout_ptr, t, ids, valid, in_ra
     tl.store(ptr(at + o_p, tl.int32), exp, mask=meta)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "me", "W", "cap"])
 def _dispatch_send(x_ptr, s_ptr, idx_ptr, w_ptr, layout_ptr, send_pos_ptr, rows_table, ctrl_table, ctrl_addr, T,
                    me, W, cap, E: tl.constexpr, L: tl.constexpr, K: tl.constexpr, XB: tl.constexpr,
                    SB: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr, K_P2: tl.constexpr, W_P2: tl.constexpr,
@@ -301,7 +313,10 @@ def _dispatch_send(x_ptr, s_ptr, idx_ptr, w_ptr, layout_ptr, send_pos_ptr, rows_
         t_end = tl.minimum(T, (p + 1) * chunk)
         wj, ex = tl.arange(0, W_P2), tl.arange(0, E_P2)
         run_t = tl.load(layout_ptr + _tok_base(W_P2, E_P2) + p * W_P2 + wj).to(tl.int32)
-        run_e = tl.load(layout_ptr + W_P2 + ex) + tl.load(layout_ptr + _pair_base(W_P2, E_P2, P_P2) + p * E_P2 + ex)
+        # expanded rows per expert before this chunk's next pair (int32: a [pairs, experts] tile is held below)
+        run_e = (
+            tl.load(layout_ptr + W_P2 + ex) + tl.load(layout_ptr + _pair_base(W_P2, E_P2, P_P2) + p * E_P2 + ex)
+        ).to(tl.int32)
         jj = tl.arange(0, BT * K_P2)
         for t0 in range(p * chunk, t_end, BT):
             ids, valid, _, in_rank = _token_block(idx_ptr, t0, t_end, E, L, K, BT, K_P2, W_P2)
@@ -312,13 +327,13 @@ def _dispatch_send(x_ptr, s_ptr, idx_ptr, w_ptr, layout_ptr, send_pos_ptr, rows_
             key = tl.reshape(tl.where(valid, ids, E_P2), [BT * K_P2])
             same = (key[None, :] == key[:, None]) & (jj[None, :] < jj[:, None])
             onehot = key[:, None] == ex[None, :]
-            epos = vsum(tl.where(onehot, run_e[None, :], 0), 1) + vsum(same.to(tl.int64), 1)
+            epos = vsum(tl.where(onehot, run_e[None, :], 0), 1) + vsum(same.to(tl.int32), 1)
             _send_rows(x_ptr, s_ptr, w_ptr, rows_table, layout_ptr, t, ids, valid, in_rank, pos,
                        tl.reshape(epos, [BT, K_P2]), t_end, W, cap, E, L, K, K_P2, W_P2, XB, SB, HAS_W, BT, BW_X,
                        BW_S)  # fmt: skip
             run_t += vsum(in_rank, 0)
-            run_e += vsum(onehot.to(tl.int64), 0)
-        signal_peers(ctrl_table, W, _DATA * W + me)
+            run_e += vsum(onehot.to(tl.int32), 0)
+        signal_peers(ctrl_table, W, _DATA * W + wide(me))
 
 
 # launchers
@@ -348,18 +363,28 @@ class NormalGeometry:
     clock: int
     timeout_ns: int
     device: torch.device
+    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; every rank must use the same
+    #: count: a receiver counts its senders' programs). :func:`~epkit.kernels.triton.ep_common.programs`.
+    ctas: int = DEFAULT_CTAS
 
     def sizes(self) -> dict:
+        """Block sizes and padded extents shared by the launches. ``BT`` tokens per step: on a GPU the per-step tiles
+        (``[BT * W_P2]`` rows copied, ``[BT * K_P2]`` pairs against each other and against every expert) stay in
+        registers."""
         p2 = triton.next_power_of_2
-        k_p2 = p2(self.num_topk)
+        k_p2, w_p2 = p2(self.num_topk), p2(self.world)
         return {
             "K_P2": k_p2,
-            "W_P2": p2(self.world),
+            "W_P2": w_p2,
             "E_P2": p2(self.num_experts),
             "L_P2": p2(self.num_experts // self.world),
-            "P_P2": p2(programs(self.device)),
-            "BT": 8 if self.device.type == "cpu" else max(1, 16 // p2(self.world)),
+            "P_P2": p2(programs(self.device, self.ctas)),
+            "BT": max(1, 16 // max(w_p2, k_p2)) if self.hw_timer() else 8,
         }
+
+    def hw_timer(self) -> bool:
+        """Waits read ``%globaltimer`` (a GPU launch), else the clock word (the interpreter)."""
+        return target(self.device) == "cuda"
 
     def layout_words(self) -> int:
         z = self.sizes()
@@ -371,31 +396,35 @@ class NormalGeometry:
         return z["W_P2"] + z["E_P2"] + z["P_P2"] * (z["W_P2"] + z["E_P2"])
 
 
+@launcher
 def layout(geo: NormalGeometry, topk_idx, counts) -> None:
     """Per-chunk counts of ``topk_idx [T, K]`` into ``counts [P, W_P2 + E_P2 + 1]`` int32 (one launch)."""
     z = geo.sizes()
     launch(
-        _layout, (programs(geo.device),), geo.device, topk_idx, counts, topk_idx.shape[0],
+        _layout, (programs(geo.device, geo.ctas),), geo.device, topk_idx, counts, topk_idx.shape[0],
         E=geo.num_experts, L=geo.num_experts // geo.world, K=geo.num_topk, BT=z["BT"], K_P2=z["K_P2"],
         W_P2=z["W_P2"], E_P2=z["E_P2"],
     )  # fmt: skip
 
 
-def notify(geo: NormalGeometry, counts, lay, text, host, code: int, fmt: int, align: int) -> None:
+@launcher
+def notify(geo: NormalGeometry, counts, lay, text, host, code: int, fmt: int, align: int, ready: int) -> None:
     """The notify exchange (one program): ``lay`` the dispatch's layout words (int64, out), ``host`` the summary
-    (host memory, ``summary_words``), ``code`` this rank's status (OK or REJECTED with ``text``), ``fmt`` its
-    row format."""
+    (host memory, ``summary_words``; its last word gets ``ready``, the caller's call number, after every other
+    word), ``code`` this rank's status (OK or REJECTED with ``text``), ``fmt`` its row format."""
     z = geo.sizes()
     launch(
         _notify, (1,), geo.device, counts, lay, text, geo.notify_table, geo.ctrl_table, geo.ctrl, geo.notices,
-        geo.status, geo.clock, host.data_ptr(), geo.timeout_ns, geo.rank, geo.world, programs(geo.device), code, fmt,
+        geo.status, geo.clock, host.data_ptr(), host[-1:].data_ptr(), ready, geo.timeout_ns, geo.rank, geo.world,
+        programs(geo.device, geo.ctas), code, fmt,
         align, geo.notify_area, geo.notify_msg,
         E=geo.num_experts, L=geo.num_experts // geo.world, W_P2=z["W_P2"], E_P2=z["E_P2"], L_P2=z["L_P2"],
         P_P2=z["P_P2"], EB=min(64, z["E_P2"]), TEXT=geo.text, TEXT_P2=triton.next_power_of_2(geo.text),
-        HW_TIMER=geo.device.type == "cuda",
+        HW_TIMER=geo.hw_timer(), num_warps=8 if geo.hw_timer() else 4,  # 8: its [W, W, L] tiles spill on 4 warps
     )  # fmt: skip
 
 
+@launcher
 def dispatch_send(geo: NormalGeometry, x, scales, topk_idx, weights, lay, send_pos) -> None:
     """Every token's row once per destination rank (one launch): ``x [T, hidden]`` (any dtype, moved as bytes),
     ``scales [T, G]`` float32 or None, ``weights [T, K]`` float32 or None; ``send_pos [T, W]`` int32 out (each
@@ -404,14 +433,10 @@ def dispatch_send(geo: NormalGeometry, x, scales, topk_idx, weights, lay, send_p
     xb = x.shape[1] * x.element_size()
     sb = 4 * scales.shape[1] if scales is not None else 0
     launch(
-        _dispatch_send, (programs(geo.device),), geo.device, x, scales if scales is not None else x, topk_idx,
+        _dispatch_send, (programs(geo.device, geo.ctas),), geo.device, x, scales if scales is not None else x, topk_idx,
         weights if weights is not None else send_pos, lay, send_pos, geo.rows_table, geo.ctrl_table, geo.ctrl,
         x.shape[0], geo.rank, geo.world, geo.cap,
         E=geo.num_experts, L=geo.num_experts // geo.world, K=geo.num_topk, XB=xb, SB=sb, HAS_W=weights is not None,
         BT=z["BT"], K_P2=z["K_P2"], W_P2=z["W_P2"], E_P2=z["E_P2"], P_P2=z["P_P2"], BW_X=row_words(xb),
         BW_S=row_words(sb),
     )  # fmt: skip
-
-
-#: The kernels of this file by name (``ep_signatures.py`` compiles them ahead of time).
-KERNELS = {"layout": _layout, "notify": _notify, "dispatch_send": _dispatch_send}

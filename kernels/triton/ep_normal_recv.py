@@ -26,8 +26,9 @@ from epkit.kernels.triton.ep_common import (
 )
 from epkit.kernels.triton.ep_layout import KINDS
 from epkit.kernels.triton.ep_normal import NormalGeometry, layout_tail, row_fields
+from epkit.kernels.triton.launch import launcher
 
-__all__ = ["KERNELS", "dispatch_recv"]
+__all__ = ["dispatch_recv"]
 
 _DATA = tl.constexpr(KINDS.index("dispatch"))
 
@@ -81,7 +82,7 @@ def _pad_experts(layout_ptr, out_x_addr, out_s_addr, exp_rows_ptr, m_ptr, align,
             tl.store(exp_rows_ptr + rows, -1, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_ns", "W", "R", "cap", "align", "p_send", "L"])
 def _dispatch_recv(out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr, slot_ptr, m_ptr, layout_ptr,
                    status_addr, rows_addr, ctrl_addr, notice_addr, clock_addr, timeout_ns, W, R, cap, align, p_send,
                    L, K: tl.constexpr, K_P2: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr,
@@ -114,26 +115,24 @@ def _dispatch_recv(out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr,
             end_exchange(ctrl, _DATA, W, e)
 
 
+@launcher
 def dispatch_recv(geo: NormalGeometry, out, lay, num_rows: int, align: int, xb: int, sb: int) -> None:
     """Wait for every source and copy the ``num_rows`` received rows into ``out``: a dict of ``x`` (rows, or
     expanded rows), ``s`` (scales or None), ``idx`` / ``w`` ``[R, K]``, and for the expanded layout ``rows``
     ``[X]`` int64, ``slot`` ``[R, K]`` int64, ``m`` ``[X]`` int32."""
     z = geo.sizes()
-    block_r = 16 if geo.device.type == "cpu" else 4
     expand = out.get("rows") is not None
+    block_r = 4 if geo.hw_timer() else 16  # on CUDA 8 rows a step reach 255 registers and spill under Triton 3.6
     dummy = out["idx"]
     launch(
-        _dispatch_recv, (programs(geo.device),), geo.device, out["x"].data_ptr(),
-        out["s"].data_ptr() if out["s"] is not None else 0, out["idx"], out["w"],
+        _dispatch_recv, (programs(geo.device, geo.ctas),), geo.device, out["x"].data_ptr(),
+        (out["s"] if out["s"] is not None else out["x"]).data_ptr(), out["idx"], out["w"],
         out["rows"] if expand else dummy, out["slot"] if expand else dummy, out["m"] if expand else dummy, lay,
         geo.status, geo.rows_local, geo.ctrl, geo.notices, geo.clock, geo.timeout_ns, geo.world, num_rows, geo.cap,
-        align, programs(geo.device), geo.num_experts // geo.world,
+        align, programs(geo.device, geo.ctas), geo.num_experts // geo.world,
         K=geo.num_topk, K_P2=z["K_P2"], XB=xb, SB=sb, EXPAND=expand, W_P2=z["W_P2"], E_P2=z["E_P2"],
         P_P2=z["P_P2"], L_P2=z["L_P2"], BLOCK_R=block_r, BW_X=row_words(xb),
-        BW_E=max(4, min(row_words(xb), 4096 // (block_r * z["K_P2"]))), BW_S=row_words(sb),
-        HW_TIMER=geo.device.type == "cuda",
+        BW_E=max(4, min(row_words(xb), (2048 if geo.hw_timer() else 4096) // (block_r * z["K_P2"]))),
+        BW_S=row_words(sb),
+        HW_TIMER=geo.hw_timer(),
     )  # fmt: skip
-
-
-#: The kernels of this file by name (``ep_signatures.py`` compiles them ahead of time).
-KERNELS = {"dispatch_recv": _dispatch_recv}

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton.launch import for_device
+from epkit.kernels.triton.launch import launch, launcher
 
 
 @triton.jit
@@ -58,6 +58,7 @@ def _logical_to_physical_kernel(
 BLOCK = 1024
 
 
+@launcher
 def logical_to_physical_flat(
     topk: torch.Tensor,
     log2phy: torch.Tensor,
@@ -74,9 +75,11 @@ def logical_to_physical_flat(
     n = num_tokens * top_k
     if n == 0:
         return
-    kernel = for_device(_logical_to_physical_kernel, topk.device)
     grid = (triton.cdiv(n, BLOCK),)
-    kernel[grid](
+    launch(
+        _logical_to_physical_kernel,
+        grid,
+        topk.device,
         topk,
         log2phy,
         logcnt,
@@ -89,21 +92,3 @@ def logical_to_physical_flat(
         token_offset,
         BLOCK=BLOCK,
     )
-
-
-def compile_signature(topk_dtype: str = "i32"):
-    """(kernel, signature, constexprs) for an ahead-of-time compile (see epkit.testing.compile_triton)."""
-    sig = {
-        "topk_ptr": f"*{topk_dtype}",
-        "log2phy_ptr": "*i32",
-        "logcnt_ptr": "*i32",
-        "out_ptr": "*i32",
-        "N": "i32",
-        "K": "i32",
-        "R": "i32",
-        "num_local": "i32",
-        "ep_rank": "i32",
-        "token_offset": "i64",
-        "BLOCK": "constexpr",
-    }
-    return _logical_to_physical_kernel, sig, {"BLOCK": BLOCK}

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epkit.kernels.triton.launch import for_device
+from epkit.kernels.triton.launch import launch, launcher
 
 
 @triton.jit
@@ -36,6 +36,7 @@ def block_sizes(num_words: int) -> tuple[int, int]:
     return max(1, 4096 // block_w), block_w
 
 
+@launcher
 def gather_rows_words(x_words: torch.Tensor, index: torch.Tensor, out_words: torch.Tensor) -> None:
     """Launch on word views: ``x_words [N, W]``, ``index [M]`` int32/int64, ``out_words [M, W]``."""
     m, w = out_words.shape
@@ -43,20 +44,4 @@ def gather_rows_words(x_words: torch.Tensor, index: torch.Tensor, out_words: tor
         return
     block_m, block_w = block_sizes(w)
     grid = (triton.cdiv(m, block_m), triton.cdiv(w, block_w))
-    kernel = for_device(_gather_rows_kernel, x_words.device)
-    kernel[grid](x_words, index, out_words, m, w, BLOCK_M=block_m, BLOCK_W=block_w)
-
-
-def compile_signature(word_dtype: str = "i32", index_dtype: str = "i32", num_words: int = 1024):
-    """(kernel, signature, constexprs) for an ahead-of-time compile (see epkit.testing.compile_triton)."""
-    block_m, block_w = block_sizes(num_words)
-    sig = {
-        "x_ptr": f"*{word_dtype}",
-        "index_ptr": f"*{index_dtype}",
-        "out_ptr": f"*{word_dtype}",
-        "M": "i32",
-        "W": "i32",
-        "BLOCK_M": "constexpr",
-        "BLOCK_W": "constexpr",
-    }
-    return _gather_rows_kernel, sig, {"BLOCK_M": block_m, "BLOCK_W": block_w}
+    launch(_gather_rows_kernel, grid, x_words.device, x_words, index, out_words, m, w, BLOCK_M=block_m, BLOCK_W=block_w)

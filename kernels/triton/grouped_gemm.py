@@ -36,13 +36,11 @@ from epkit.kernels.triton.grouped_gemm_configs import (
     set_config_override,
 )
 from epkit.kernels.triton.grouped_gemm_persistent import (
-    persistent_compile_args,
     persistent_launcher,
     persistent_supported,
-    stand_ins,
     tma_operand,
 )
-from epkit.kernels.triton.launch import for_device
+from epkit.kernels.triton.launch import launch, launcher, target
 
 # The config functions live in grouped_gemm_configs and are importable from here as well (the launch API).
 __all__ = [
@@ -52,8 +50,6 @@ __all__ = [
     "masked_launcher",
     "tile_schedule",
     "psum_rows",
-    "launched_compile_args",
-    "compile_signature",
     "get_config",
     "persistent_config",
     "set_config_override",
@@ -96,7 +92,7 @@ def _grouped_gemm_kernel(
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``d``: program (tile, column block); see the module docstring.
 
     Over 80 lines as one function on purpose: on CPU tensors this kernel runs as its interpreter twin
-    (``launch.for_device``), which wraps only the outer ``@triton.jit`` function, and a twin cannot call
+    (``launch.interpreted``), which wraps only the outer ``@triton.jit`` function, and a twin cannot call
     nested ``@triton.jit`` helpers ("Cannot call @triton.jit'd outside of the scope of a kernel"), so
     the variants' loads and the e2m1 decode stay inline rather than in helper functions.
     """
@@ -205,44 +201,15 @@ def _launch_args(kind, a, sfa, b, sfb, d, sched, masked_m, m_max, tiles_per_grou
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
-        UPCAST_DOT=d.device.type != "cuda",
+        UPCAST_DOT=target(d.device) != "cuda",
     )
-    options = {} if d.device.type != "cuda" else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    options = {} if target(d.device) != "cuda" else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return args, consts, options
 
 
 def _launch(kind, a, sfa, b, sfb, d, grid, sched, masked_m, m_max, tiles_per_group, cfg):
     args, consts, options = _launch_args(kind, a, sfa, b, sfb, d, sched, masked_m, m_max, tiles_per_group, cfg)
-    for_device(_grouped_gemm_kernel, d.device)[grid](*args, **consts, **options)
-
-
-def launched_compile_args(
-    kind: str, masked: bool, g: int, rows: int, n: int, k: int, out=torch.bfloat16, layout: str | None = None
-):
-    """What a CUDA launch at this shape compiles: ``(kernel, {arg name: value}, constexprs, options)``.
-
-    The values are those the launchers pass (stand-in tensors of the real shapes, ``rows`` per group, all
-    groups full), with the config the heuristic picks for CUDA, so that
-    ``epkit.testing.compile_triton_as_launched`` specializes and compiles them as Triton's JIT would.
-    ``layout`` (``"contiguous"``, ``"psum"``, ``"masked"``) defaults to the one ``masked`` names.
-    """
-    layout = layout or ("masked" if masked else "contiguous")
-    cfg = get_config(kind, n, k, rows, "cuda")
-    if persistent_supported(kind, k, cfg):
-        return persistent_compile_args(kind, layout, g, rows, n, k, cfg, out)
-    a, sfa, b, sfb, d = stand_ins(kind, masked, g, rows, n, k, out)
-    if masked:
-        masked_m = torch.full((g,), rows, dtype=torch.int32)
-        tiles = triton.cdiv(rows, cfg["BLOCK_M"])
-        args, consts, _ = _launch_args(kind, a, sfa, b, sfb, d, None, masked_m, rows, tiles, cfg)
-    else:
-        groups = torch.arange(g, dtype=torch.int32).repeat_interleave(rows)  # m_indices of g full groups
-        sched = tile_schedule(groups, cfg["BLOCK_M"])
-        args, consts, _ = _launch_args(kind, a, sfa, b, sfb, d, sched, None, 0, 1, cfg)
-    consts["UPCAST_DOT"] = False  # what a CUDA tensor gets (these stand-ins are on the CPU)
-    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    names = _grouped_gemm_kernel.arg_names[: len(args)]
-    return _grouped_gemm_kernel, dict(zip(names, args)), consts, options
+    launch(_grouped_gemm_kernel, grid, d.device, *args, **consts, **options)
 
 
 def psum_rows(ends: torch.Tensor, m: int) -> torch.Tensor:
@@ -278,6 +245,7 @@ def _operands(a, sfa, b, sfb):
     return tuple(t.contiguous() if t is not None else None for t in (a, sfa, b, sfb))
 
 
+@launcher
 def contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config: dict | None = None, use_psum_layout=False):
     """Everything a contiguous-layout launch derives from its inputs (config, TMA-ready operands, the tile
     schedule of the tile-grid kernel), done once: returns the launch, a callable of no arguments (repeatable,
@@ -289,7 +257,7 @@ def contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config: dict | None 
     g, k = b.shape[0], a.shape[1]
     if g == 0:  # no groups: every row is padding
         return lambda: d.zero_()
-    cfg = config or get_config(kind, n, k, max(1, m // max(g, 1)), d.device.type)
+    cfg = config or get_config(kind, n, k, max(1, m // max(g, 1)), target(d.device))
     if persistent_supported(kind, k, cfg):
         ops = (tma_operand(t) for t in (a, sfa, b, sfb))
         layout = "psum" if use_psum_layout else "contiguous"
@@ -301,13 +269,14 @@ def contiguous_launcher(kind, a, sfa, b, sfb, d, m_indices, config: dict | None 
     return lambda: _launch(kind, a, sfa, b, sfb, d, grid, sched, None, 0, 1, cfg)
 
 
+@launcher
 def masked_launcher(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: dict | None = None):
     """As :func:`contiguous_launcher`, for the masked layout."""
     g, m_max, n = d.shape
     if g == 0 or m_max == 0 or n == 0:
         return lambda: None
     k = a.shape[-1]
-    cfg = config or get_config(kind, n, k, max(1, expected_m), d.device.type)
+    cfg = config or get_config(kind, n, k, max(1, expected_m), target(d.device))
     masked_m = masked_m.to(torch.int32).contiguous()
     if persistent_supported(kind, k, cfg):
         ops = (tma_operand(t) for t in (a, sfa, b, sfb))
@@ -329,50 +298,3 @@ def grouped_gemm_contiguous(
 def grouped_gemm_masked(kind, a, sfa, b, sfb, d, masked_m, expected_m: int, config: dict | None = None) -> None:
     """Masked layout on validated inputs: ``a [G, M_max, K]``, rows ``>= masked_m[g]`` untouched."""
     masked_launcher(kind, a, sfa, b, sfb, d, masked_m, expected_m, config)()
-
-
-def compile_signature(
-    kind: str = "fp8", masked: bool = False, block_m: int = 128, block_n: int = 128, out: str = "bf16"
-):
-    """(kernel, signature, constexprs) for an ahead-of-time sm_90 compile (epkit.testing.compile_triton);
-    ``out`` is the output dtype, ``"bf16"`` or ``"fp32"``."""
-    a_t = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_fp4": "*fp8e4nv"}[kind]
-    b_t = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_fp4": "*u8"}[kind]
-    sfb_t = "*u8" if kind == "fp8_fp4" else "*fp32"
-    sig = {
-        "a_ptr": a_t,
-        "sfa_ptr": "*fp32",
-        "b_ptr": b_t,
-        "sfb_ptr": sfb_t,
-        "d_ptr": {"bf16": "*bf16", "fp32": "*fp32"}[out],
-        "tile_group_ptr": "*i32",
-        "tile_start_ptr": "*i32",
-        "tile_end_ptr": "*i32",
-        "masked_m_ptr": "*i32",
-        "N": "i32",
-        "K": "i32",
-        "M_MAX": "i32",
-        "TILES_PER_GROUP": "i32",
-        "stride_am": "i64",
-        "stride_sfam": "i32",
-        "stride_bg": "i64",
-        "stride_bn": "i32",
-        "stride_sfbg": "i32",
-        "stride_sfbn": "i32",
-        "stride_dm": "i32",
-        "B_KIND": "constexpr",
-        "MASKED": "constexpr",
-        "BLOCK_M": "constexpr",
-        "BLOCK_N": "constexpr",
-        "BLOCK_K": "constexpr",
-        "UPCAST_DOT": "constexpr",
-    }
-    consts = {
-        "B_KIND": _KINDS[kind],
-        "MASKED": masked,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "BLOCK_K": 64 if kind == "bf16" else 128,
-        "UPCAST_DOT": False,
-    }
-    return _grouped_gemm_kernel, sig, consts

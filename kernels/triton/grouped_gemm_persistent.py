@@ -41,6 +41,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from epkit.kernels.triton.grouped_gemm_configs import GROUP_ALIGN, check_config
+from epkit.kernels.triton.launch import launch, target
 
 __all__ = [
     "LAYOUTS",
@@ -48,7 +49,6 @@ __all__ = [
     "E2M1_PRMT",
     "persistent_supported",
     "persistent_launcher",
-    "persistent_compile_args",
     "stand_ins",
     "num_programs",
     "tma_operand",
@@ -313,6 +313,10 @@ def _twin():
     return InterpretedFunction(clone(_persistent_kernel.fn))
 
 
+#: SMs of the GPUs the kernels are made for (H100 SXM, H200): what a CUDA twin of a CPU call assumes.
+HOPPER_SMS = 132
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -321,9 +325,12 @@ def _sm_count(index: int) -> int:
 def num_programs(device: torch.device, tiles: int, per_sm: int = 1) -> int:
     """Programs of a persistent launch: ``per_sm`` per SM at most (config ``CTAS_PER_SM``: two programs of
     one warpgroup each let one promote while the other's wgmma runs; CPU: a few, so programs loop)."""
-    if device.type != "cuda":
+    if target(device) != "cuda":
         return max(1, min(tiles, _CPU_PROGRAMS))
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cuda":  # a CUDA twin of a CPU call (epkit.kernels.triton.launch)
+        sms = HOPPER_SMS
+    else:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(tiles, sms * per_sm))
 
 
@@ -404,13 +411,15 @@ def persistent_launcher(kind, layout, a, sfa, b, sfb, d, groups, cfg, m_max: int
     or ``"masked"`` (counts ``[G]``, with ``m_max`` rows per group); ``groups`` is int32 and contiguous,
     on the operands' device. Nothing here reads device data: the schedule is found by the kernel.
     """
-    args, consts, tiles = _args(kind, layout, a, sfa, b, sfb, d, groups, cfg, m_max, d.device.type == "cuda")
+    cuda = target(d.device) == "cuda"
+    args, consts, tiles = _args(kind, layout, a, sfa, b, sfb, d, groups, cfg, m_max, cuda)
     grid = (num_programs(d.device, tiles, cfg.get("CTAS_PER_SM", 1)),)
-    if d.device.type == "cuda":
-        kernel, options = _persistent_kernel, _options(cfg)
-    else:
-        kernel, options = _twin(), {}
-    return lambda: kernel[grid](*args, **consts, **options)
+    options = _options(cfg) if cuda else {}
+    return lambda: launch(_persistent_kernel, grid, d.device, *args, interpret=_interpreted, **consts, **options)
+
+
+def _interpreted(kernel):
+    return _twin()
 
 
 def stand_ins(kind: str, masked: bool, g: int, rows: int, n: int, k: int, out=torch.bfloat16):
@@ -425,14 +434,3 @@ def stand_ins(kind: str, masked: bool, g: int, rows: int, n: int, k: int, out=to
         b = torch.empty((g, n, k), dtype=a_dt)
         sfb = None if kind == "bf16" else torch.empty((g, -(-n // 128), k // 128), dtype=torch.float32)
     return a, sfa, b, sfb, torch.empty((*a.shape[:-1], n), dtype=out)
-
-
-def persistent_compile_args(kind: str, layout: str, g: int, rows: int, n: int, k: int, cfg: dict, out=torch.bfloat16):
-    """What a CUDA launch at this shape compiles: ``(kernel, {arg name: value}, constexprs, options)`` for
-    ``epkit.testing.compile_triton_as_launched`` (``rows`` per group, all groups full)."""
-    masked = layout == "masked"
-    a, sfa, b, sfb, d = stand_ins(kind, masked, g, rows, n, k, out)
-    groups = torch.empty((g,) if layout != "contiguous" else (g * rows,), dtype=torch.int32)
-    args, consts, _ = _args(kind, layout, a, sfa, b, sfb, d, groups, cfg, rows if masked else 0, cuda=True)
-    names = _persistent_kernel.arg_names[: len(args)]
-    return _persistent_kernel, dict(zip(names, args)), consts, _options(cfg)

@@ -44,7 +44,16 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["NAMESPACE", "CUSTOM_OPS", "custom_op", "trace_into", "capturing", "host_checks", "buffer_name"]
+__all__ = [
+    "NAMESPACE",
+    "CUSTOM_OPS",
+    "custom_op",
+    "trace_into",
+    "capturing",
+    "refuse_capture",
+    "host_checks",
+    "buffer_name",
+]
 
 #: The ``torch.library`` namespace of every epkit op: ``torch.ops.epkit.<name>``.
 NAMESPACE = "epkit"
@@ -103,6 +112,18 @@ def trace_into(mode_type: type) -> None:
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_capture(what: str, device: torch.device) -> None:
+    """RuntimeError when a normal-mode EP call (``what``) on ``device`` is made while the current CUDA stream
+    captures a graph: it reads the received counts on the host to size its outputs, which a graph cannot
+    replay. Raised before anything is sent, on every capturing rank."""
+    if torch.device(device).type == "cuda" and capturing():
+        raise RuntimeError(
+            f"{what} cannot run under CUDA graph capture: its output sizes come from a host read of the received "
+            f"counts. Capture low_latency_dispatch / low_latency_combine (fixed shapes, no host synchronisation) "
+            f"instead, or run {what} outside the graph"
+        )
 
 
 def host_checks(device: torch.device | str | None = None) -> bool:

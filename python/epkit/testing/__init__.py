@@ -5,7 +5,8 @@ Rung 1-2 comparisons
 Rung 2: kernel source on the CPU
     run_triton_interpreted (Triton interpreter), tilelang_build_c (TileLang C target)
 Rung 3: compiled for sm_90 without a GPU
-    compile_triton (PTX / cubin / SASS), tilelang_compile_cuda (lowered source + nvcc)
+    epkit.testing.launches (every Triton launch as recorded, through Triton's own specialization),
+    tilelang_compile_cuda (lowered source + nvcc)
 Rung 4: executed on a GPU
     epkit.testing.markers.requires_cuda (skips with a reason where there is no GPU)
 Multi-rank
@@ -22,8 +23,6 @@ import torch
 from epkit.testing.hosts import namespaces_unavailable, run_hosts
 from epkit.testing.ladder import (
     CompiledKernel,
-    compile_triton,
-    compile_triton_as_launched,
     nvcc_compile,
     run_triton_interpreted,
     tilelang_build_c,
@@ -36,8 +35,6 @@ __all__ = [
     "assert_diff",
     "assert_bitwise_equal",
     "run_triton_interpreted",
-    "compile_triton",
-    "compile_triton_as_launched",
     "CompiledKernel",
     "nvcc_compile",
     "tilelang_build_c",

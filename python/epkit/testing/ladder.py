@@ -15,8 +15,6 @@ from dataclasses import dataclass
 __all__ = [
     "CompiledKernel",
     "run_triton_interpreted",
-    "compile_triton",
-    "compile_triton_as_launched",
     "nvcc_compile",
     "tilelang_build_c",
     "tilelang_compile_cuda",
@@ -48,7 +46,7 @@ class CompiledKernel:
     num_warps: int | None = None
 
 
-def _cuda_tool(name: str) -> str | None:
+def cuda_tool(name: str) -> str | None:
     try:
         import triton.backends.nvidia as nv
 
@@ -62,7 +60,7 @@ def _cuda_tool(name: str) -> str | None:
 
 def disassemble(cubin: bytes) -> str | None:
     """SASS text of a cubin (cuobjdump from Triton's bundle or PATH), or None if no tool exists."""
-    tool = _cuda_tool("cuobjdump")
+    tool = cuda_tool("cuobjdump")
     if tool is None:
         return None
     with tempfile.TemporaryDirectory() as d:
@@ -73,69 +71,6 @@ def disassemble(cubin: bytes) -> str | None:
     if res.returncode != 0:
         raise RuntimeError(f"cuobjdump failed: {res.stderr.strip()}")
     return res.stdout
-
-
-def compile_triton(kernel, signature: dict, constexprs: dict | None = None, arch: int = 90) -> CompiledKernel:
-    """Compile a ``@triton.jit`` kernel for ``GPUTarget("cuda", arch, 32)`` without a GPU.
-
-    ``signature`` maps every parameter to a Triton type string (``"*fp32"``,
-    ``"i32"``, ``"constexpr"``); ``constexprs`` gives the constexpr values.
-    Returns PTX, cubin and SASS for assertions such as ``"wgmma" in k.ptx``.
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = getattr(kernel, "fn", None)
-    if fn is not None and not isinstance(kernel, triton.runtime.JITFunction):
-        kernel = triton.jit(fn)  # an interpreted kernel: compile its source
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs or {})
-    return _artifacts(triton.compile(src, target=GPUTarget("cuda", arch, 32)), arch)
-
-
-def _artifacts(compiled, arch: int) -> CompiledKernel:
-    """A :class:`CompiledKernel` from what ``triton.compile`` returned."""
-    asm = compiled.asm
-    cubin = asm.get("cubin")
-    return CompiledKernel(
-        name=compiled.name,
-        target=f"sm_{arch}",
-        source=asm["ptx"],
-        ptx=asm["ptx"],
-        cubin=cubin,
-        sass=disassemble(cubin) if cubin else None,
-        shared=int(compiled.metadata.shared),
-        num_warps=int(compiled.metadata.num_warps),
-    )
-
-
-def compile_triton_as_launched(kernel, args: dict, constexprs: dict, options: dict, arch: int = 90) -> CompiledKernel:
-    """Compile ``kernel`` for sm_``arch`` as Triton's JIT would for a launch with ``args`` (name -> value).
-
-    Each value is specialized the way the JIT does it (its type; integers equal to 1 become constants;
-    pointers and integers divisible by 16 carry that as an attribute), and ``options`` (``num_warps``,
-    ``num_stages``) are the launch's: the result is the binary the launch would run, so its shared memory
-    (``metadata.shared``) and pipelining can be checked without a GPU.
-    """
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-
-    signature, consts, attrs = {}, dict(constexprs), {}
-    names = kernel.arg_names
-    for name, value in args.items():
-        ty, key = native_specialize_impl(BaseBackend, value, False, True, True)
-        if ty == "constexpr":
-            signature[name], consts[name] = "constexpr", key
-            continue
-        signature[name] = ty
-        if key == "D":
-            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-    for name in constexprs:
-        signature[name] = "constexpr"
-    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return _artifacts(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), arch)
 
 
 def nvcc_compile(
