@@ -54,7 +54,7 @@ case "$flag" in
         fi ;;
     *) echo "epkit setup: EPKIT_CUDA must be 1, 0 or unset (auto), got '$EPKIT_CUDA'" && exit 2 ;;
 esac
-EXTRAS=${EPKIT_EXTRAS:-cpu,kernels,dev}
+EXTRAS=${EPKIT_EXTRAS:-cpu,kernels,tilelang,dev}
 if [ "$cuda" = 1 ]; then
     case "$nvcc_major" in
         12 | 13) case ",$EXTRAS," in *,cuda1[23],*) ;; *) EXTRAS=$EXTRAS,cuda$nvcc_major ;; esac ;;
@@ -68,7 +68,9 @@ fi
 
 # --- what each step installs from, against what the last run installed -----------------------------------
 read_reqs() {
-    # build-system.requires + dependencies + the extras' pins, straight from pyproject.toml
+    # build-system.requires + dependencies + the extras' requirements, straight from pyproject.toml, then the
+    # versions of [tool.epkit]'s `ci` entry pinned: the torch CI tests beside, exactly the Triton (and, with the
+    # cuda13 extra, the NVSHMEM wheel) that torch requires on the public index.
     "$VPY" - "$EXTRAS" <<'EOF'
 import sys
 try:
@@ -79,10 +81,15 @@ with open("pyproject.toml", "rb") as f:
     meta = tomllib.load(f)
 project, extras = meta["project"], meta["project"]["optional-dependencies"]
 reqs = [*meta["build-system"]["requires"], *project["dependencies"]]
-for name in sys.argv[1].split(","):
+names = sys.argv[1].split(",")
+for name in names:
     if name not in extras:
         sys.exit(f"epkit setup: unknown extra {name!r} (EPKIT_EXTRAS); pyproject.toml has {sorted(extras)}")
     reqs += extras[name]
+(ci,) = [entry for entry in meta["tool"]["epkit"]["tested"] if entry.get("ci")]
+for key, extra in {"torch": "cpu", "triton": "kernels", "nvshmem-cu13": "cuda13"}.items():
+    if extra in names:
+        reqs.append(f"{'nvidia-' if key.startswith('nvshmem') else ''}{key}=={ci[key]}")
 print("\n".join(dict.fromkeys(reqs)))
 EOF
 }

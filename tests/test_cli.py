@@ -1,5 +1,6 @@
 """The epkit command line, run as a user would run it."""
 
+import ast
 import json
 import os
 import re
@@ -173,6 +174,67 @@ assert main(["selfcheck"]) == 0
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("clear error:") == len(blocked)
     assert "is not installed" in res.stdout
+
+
+# torch uninstalled, as far as this interpreter can tell: the site-packages that hold it (and numpy) leave
+# sys.path; epkit itself is still found (its editable install's finder, or the source tree).
+_NO_TORCH = """
+import io, sys, sysconfig, contextlib
+site = sysconfig.get_paths()["purelib"]
+sys.path[:] = [p for p in sys.path if not p.startswith(site)]
+try:
+    import torch
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit("torch still imports: the test's emulation is broken")
+import epkit
+from epkit.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0, e.code
+print("version:", out.getvalue().strip())
+for argv in (["info"], ["selfcheck"], ["plan", "--dp", "8"], ["bench", "--quick"], ["run", "--ranks", "2"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(argv)
+    print("status", argv[0], status, repr(err.getvalue()))
+try:
+    epkit.EPBuffer
+except ModuleNotFoundError as e:
+    print("attribute:", e)
+"""
+
+
+def test_without_torch_the_version_prints_and_every_command_says_what_to_install():
+    res = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stdout.splitlines()
+    assert f"version: epkit {epkit.__version__}" in lines
+    statuses = [line for line in lines if line.startswith("status ")]
+    assert len(statuses) == 5, lines
+    for line in statuses:
+        _, command, status, err = line.split(" ", 3)
+        assert status == "1", line
+        message = ast.literal_eval(err)  # the repr printed above
+        assert message.count("\n") == 1 and message.endswith("\n"), line  # one line
+        assert f"epkit {command}: error: epkit needs torch" in message, line
+        assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in message, line
+    assert any(line.startswith("attribute: epkit.EPBuffer: epkit needs torch") for line in lines), lines
+
+
+def test_the_torch_message_names_the_supported_range():
+    from importlib.metadata import requires
+
+    from epkit._details.requirements import torch_needed
+
+    (torch_req,) = [r.split(";")[0].strip() for r in requires("epkit") if r.startswith("torch") and "cpu" in r]
+    assert torch_req.startswith("torch>") or torch_req.startswith("torch=="), torch_req
+    assert f"epkit needs {torch_req}," in torch_needed()
 
 
 def test_an_old_kernel_path_run_as_a_script_points_to_kernel_check():

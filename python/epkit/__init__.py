@@ -46,67 +46,80 @@ Custom ops and drop-in interfaces
 stderr (``epkit.log``; silent by default).
 """
 
-from epkit import backends, eplb, grouped_gemm, lockstep, log, model, ops, quant, topology
-from epkit.backends import BackendUnavailableError, registered_ops
-from epkit.collectives.engram_table import ShardedEngramTable
-from epkit.collectives.ep_buffer import EPBuffer
-from epkit.collectives.fused_moe import fused_moe
-from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer
-from epkit.cp_mirror import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
-from epkit.engram import EngramConfig, engram_hash, hash_params, hash_tokens
-from epkit.engram_layer import EngramLayer
-from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
-from epkit.gather import gather_rows
-from epkit.grouped_gemm import build_m_indices, get_mk_alignment_for_contiguous_layout
-from epkit.moe import expert_mlp
-
-# The six grouped GEMMs (m_grouped_{fp8,fp8_fp4,bf16}_gemm_nt_{contiguous,masked}) are bound from
-# epkit.grouped_gemm.GROUPED_OPS, the one list of their names (it also makes that module's __all__ and op
-# table), rather than named in an import list here (a second copy of that list) or star-imported (which
-# would also bring that module's other exports, grouped_gemm_reference, make_inputs and GROUPED_OPS, to the
-# top level). Every other name stays a static import.
-globals().update((op, getattr(grouped_gemm, op)) for op, _, _ in grouped_gemm.GROUPED_OPS)
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "backends",
-    "log",
-    "ops",
-    "BackendUnavailableError",
-    "registered_ops",
-    # layout and gathers
-    "gather_rows",
-    # context parallelism
-    "CPMirror",
-    "prepare_cp_mirror",
-    "to_mirror",
-    "from_mirror",
-    # engram
-    "EngramConfig",
-    "EngramLayer",
-    "engram_hash",
-    "hash_params",
-    "hash_tokens",
-    # quantization, grouped GEMM, expert MLP
-    "quant",
-    *(op for op, _, _ in grouped_gemm.GROUPED_OPS),
-    "get_mk_alignment_for_contiguous_layout",
-    "build_m_indices",
-    "expert_mlp",
-    # collectives
-    "SymmBuffer",
-    "PeerFailedError",
-    "EPBuffer",
-    "fused_moe",
-    "ShardedEngramTable",
-    # topology and experts
-    "topology",
-    "lockstep",
-    "model",
-    "eplb",
-    "ExpertPlacement",
-    "logical_to_physical",
-    "resolve_num_extra_experts",
-]
+from epkit._details.requirements import torch_missing, torch_needed
+
+if torch_missing():
+    # torch is a peer dependency: without it only ``__version__`` and the command line's --version and --help
+    # load; any other name says what to install.
+    __all__ = ["__version__"]
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ModuleNotFoundError(f"epkit.{name}: {torch_needed()}", name="torch")
+
+else:
+    from epkit import backends, eplb, grouped_gemm, lockstep, log, model, ops, quant, topology
+    from epkit.backends import BackendUnavailableError, registered_ops
+    from epkit.collectives.engram_table import ShardedEngramTable
+    from epkit.collectives.ep_buffer import EPBuffer
+    from epkit.collectives.fused_moe import fused_moe
+    from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer
+    from epkit.cp_mirror import CPMirror, from_mirror, prepare_cp_mirror, to_mirror
+    from epkit.engram import EngramConfig, engram_hash, hash_params, hash_tokens
+    from epkit.engram_layer import EngramLayer
+    from epkit.experts import ExpertPlacement, logical_to_physical, resolve_num_extra_experts
+    from epkit.gather import gather_rows
+    from epkit.grouped_gemm import build_m_indices, get_mk_alignment_for_contiguous_layout
+    from epkit.moe import expert_mlp
+
+    # The six grouped GEMMs (m_grouped_{fp8,fp8_fp4,bf16}_gemm_nt_{contiguous,masked}) are bound from
+    # epkit.grouped_gemm.GROUPED_OPS, the one list of their names (it also makes that module's __all__ and op
+    # table), rather than named in an import list here (a second copy of that list) or star-imported (which
+    # would also bring that module's other exports, grouped_gemm_reference, make_inputs and GROUPED_OPS, to the
+    # top level). Every other name stays a static import.
+    globals().update((op, getattr(grouped_gemm, op)) for op, _, _ in grouped_gemm.GROUPED_OPS)
+
+    __all__ = [
+        "__version__",
+        "backends",
+        "log",
+        "ops",
+        "BackendUnavailableError",
+        "registered_ops",
+        # layout and gathers
+        "gather_rows",
+        # context parallelism
+        "CPMirror",
+        "prepare_cp_mirror",
+        "to_mirror",
+        "from_mirror",
+        # engram
+        "EngramConfig",
+        "EngramLayer",
+        "engram_hash",
+        "hash_params",
+        "hash_tokens",
+        # quantization, grouped GEMM, expert MLP
+        "quant",
+        *(op for op, _, _ in grouped_gemm.GROUPED_OPS),
+        "get_mk_alignment_for_contiguous_layout",
+        "build_m_indices",
+        "expert_mlp",
+        # collectives
+        "SymmBuffer",
+        "PeerFailedError",
+        "EPBuffer",
+        "fused_moe",
+        "ShardedEngramTable",
+        # topology and experts
+        "topology",
+        "lockstep",
+        "model",
+        "eplb",
+        "ExpertPlacement",
+        "logical_to_physical",
+        "resolve_num_extra_experts",
+    ]

@@ -51,8 +51,8 @@ ALL_BACKENDS_CPU = ("cpu", "tilelang", "reference", "triton")
 ALL_BACKENDS_CUDA = ("triton", "tilelang", "reference")
 
 _INSTALL_HINT = {
-    "triton": "pip install 'epkit[kernels]' (triton==3.9.0)",
-    "tilelang": "pip install 'epkit[kernels]' (tilelang==0.1.15)",
+    "triton": "pip install 'epkit[kernels]' (Triton 3.6 or newer; a CUDA torch brings the one it needs)",
+    "tilelang": "pip install 'epkit[tilelang]' (tilelang==0.1.15)",
     "cpu": "reinstall epkit so that its C++ extension builds: pip install -e . (needs a C++17 compiler)",
 }
 

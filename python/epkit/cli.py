@@ -9,8 +9,10 @@
 
 Every subcommand takes ``--json`` (one JSON document on stdout, nothing else there); ``epkit --version``
 prints the version. Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are one line
-on stderr, never a traceback. A reader that closes the pipe early (``epkit plan --json | head -1``) ends
-the command quietly with status 141, as a shell reports a writer stopped by SIGPIPE.
+on stderr, never a traceback. torch is a peer dependency: without it ``--version`` and ``--help`` work and
+every command ends with status 1 and one line saying which torch to install and how. A reader that closes
+the pipe early (``epkit plan --json | head -1``) ends the command quietly with status 141, as a shell reports
+a writer stopped by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import sys
 import time
 import traceback
 
+from epkit import __version__
+from epkit._details.requirements import torch_missing, torch_needed
 from epkit.bench.cli import add_bench_parser
 
 #: Exit status after the reader closed stdout: 128 + SIGPIPE, what a shell reports for a writer killed by it.
@@ -283,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="epkit", description=__doc__.replace("``", ""), epilog=EXAMPLES, formatter_class=raw
     )
-    p.add_argument("--version", action="version", version=f"epkit {_version('epkit') or '(not installed)'}")
+    p.add_argument("--version", action="version", version=f"epkit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, func, help: str, examples: str):
@@ -336,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["run"]:
         args = argparse.Namespace(command="run", func=lambda _: _cmd_run(argv[1:]))
     else:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # --version and --help end here, torch or not
+    if torch_missing():
+        print(f"epkit {args.command}: error: {torch_needed()}", file=sys.stderr)
+        return 1
     try:
         status = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, rather than at interpreter exit

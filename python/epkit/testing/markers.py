@@ -28,4 +28,4 @@ def _missing(mod: str) -> bool:
 
 
 requires_triton = pytest.mark.skipif(_missing("triton"), reason="needs triton: pip install 'epkit[kernels]'")
-requires_tilelang = pytest.mark.skipif(_missing("tilelang"), reason="needs tilelang: pip install 'epkit[kernels]'")
+requires_tilelang = pytest.mark.skipif(_missing("tilelang"), reason="needs tilelang: pip install 'epkit[tilelang]'")

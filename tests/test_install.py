@@ -1,0 +1,95 @@
+"""What a user's ``pip install`` gets: each torch epkit is tested beside, with ``epkit[kernels,cuda13]``, resolves
+against the public index alone (no local wheels, no pip configuration), to the Triton and NVSHMEM wheel that
+``[tool.epkit]`` in pyproject.toml records for it; ``epkit[cpu,kernels]`` resolves on its own.
+
+Resolution only (``pip install --dry-run``): nothing is installed. The four resolutions run side by side (each
+is mostly waiting on the index). Skipped, saying so, only when the index cannot be reached from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the TOML reader pip vendors
+    from pip._vendor import tomli as tomllib
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+INDEX = "https://pypi.org/simple"
+TESTED = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["epkit"]["tested"]
+
+
+def _pip_env(home: Path) -> dict[str, str]:
+    """No pip configuration (PIP_CONFIG_FILE=/dev/null: no file is read; no PIP_* variable: no local wheels),
+    only what reaching the index needs: the PATH, a certificate bundle and proxies if this machine has them."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PIP_CONFIG_FILE": os.devnull}
+    cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
+    if cert:
+        env["PIP_CERT"] = cert
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def _index_unreachable() -> str | None:
+    import ssl
+
+    cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
+    context = ssl.create_default_context(cafile=cert) if cert else ssl.create_default_context()
+    try:
+        with urllib.request.urlopen(f"{INDEX}/triton/", timeout=20, context=context) as res:
+            res.read(1)
+    except OSError as exc:
+        return f"the public index {INDEX} cannot be reached from here ({exc}); resolution not checked"
+    return None
+
+
+def _resolve(home: Path, name: str, reqs: list[str]) -> dict[str, str]:
+    """{distribution: version} pip would install for ``reqs``, from the public index alone."""
+    report = home / f"{name}.json"
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--no-build-isolation"]
+    cmd += ["--disable-pip-version-check", "--index-url", INDEX, "--report", str(report), *reqs]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_pip_env(home), cwd=home)
+    if res.returncode != 0:
+        tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-12:])
+        return {"error": f"{' '.join(reqs)}: pip exited {res.returncode}\n{tail}"}
+    doc = json.loads(report.read_text())
+    return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in doc["install"]}
+
+
+def test_each_tested_torch_resolves_with_epkit_from_the_public_index(tmp_path):
+    why = _index_unreachable()
+    if why:
+        pytest.skip(why)
+    jobs = {f"torch-{t['torch']}": [f"torch=={t['torch']}", f"{ROOT}[kernels,cuda13]"] for t in TESTED}
+    jobs["cpu-kernels"] = [f"{ROOT}[cpu,kernels]"]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(_resolve, tmp_path, name, reqs) for name, reqs in jobs.items()}
+        got = {name: f.result() for name, f in futures.items()}
+    errors = [r["error"] for r in got.values() if "error" in r]
+    assert not errors, "\n\n".join(errors)
+    for tested in TESTED:
+        resolved = got[f"torch-{tested['torch']}"]
+        assert resolved["epkit"], resolved
+        want = {"torch": tested["torch"], "triton": tested["triton"], "nvidia-nvshmem-cu13": tested["nvshmem-cu13"]}
+        assert {name: resolved.get(name) for name in want} == want, resolved
+    assert {"epkit", "torch", "triton"} <= set(got["cpu-kernels"]), got["cpu-kernels"]
+
+
+def test_one_tested_torch_is_the_one_ci_runs_beside():
+    (ci,) = [t for t in TESTED if t.get("ci")]
+    import torch
+    import triton
+
+    assert torch.__version__.split("+")[0] == ci["torch"], torch.__version__
+    assert triton.__version__ == ci["triton"], triton.__version__
