@@ -14,6 +14,7 @@ epkit's annotations are for type checkers).
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import shutil
 import subprocess
@@ -96,7 +97,20 @@ class build_ext(_pybind_build_ext):
             # csrc/parallel.h: the CPU kernels' threads are then an OpenMP team (torch's libgomp at run time)
             ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp"]
             ext.extra_link_args = [*ext.extra_link_args, "-fopenmp"]
+        if ext.name == "epkit._C":
+            self._say_each_compile(len(ext.sources))
         return super().build_extension(ext)
+
+    def _say_each_compile(self, total: int) -> None:
+        """One ``epkit build: [k/n] compiling csrc/x.cpp`` line on stderr as each source starts (the compile
+        takes about a minute on 2 cores; scripts/setup.sh shows these lines out of pip's verbose output)."""
+        compile_one, started = self.compiler._compile, itertools.count(1)
+
+        def _compile(obj, src, *args, **kwargs):
+            print(f"epkit build: [{next(started)}/{total}] compiling {src}", file=sys.stderr, flush=True)
+            return compile_one(obj, src, *args, **kwargs)
+
+        self.compiler._compile = _compile
 
     def _build_cuda(self, ext: CUDAExtension) -> None:
         import pybind11

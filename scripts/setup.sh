@@ -146,7 +146,18 @@ if [ "$need_c" = 1 ]; then
     [ "$jobs" = 0 ] && jobs=$(nproc 2>/dev/null || echo 1)
     t=$(now)
     say "[build epkit._C] compiling csrc/*.cpp (C++17, $jobs parallel jobs) and installing epkit in editable mode ..."
-    EPKIT_CUDA=0 "${PIP[@]}" install -q --no-build-isolation --no-deps -e .
+    # pip's verbose output to a log; setup.py's `epkit build: [k/n] compiling ...` lines from it to the screen
+    log=.venv/epkit-build.log
+    set +e
+    EPKIT_CUDA=0 "${PIP[@]}" install -v --no-build-isolation --no-deps -e . 2>&1 | tee "$log" |
+        { grep --line-buffered 'epkit build: \[' | sed -u 's/.*epkit build: /epkit setup: [build epkit._C]   /'; true; }
+    status=${PIPESTATUS[0]}
+    set -e
+    if [ "$status" != 0 ]; then
+        tail -n 40 "$log"
+        say "[build epkit._C] failed: pip exited $status (its whole output: $log)"
+        exit "$status"
+    fi
     say "[build epkit._C] done ($(since "$t"))"
     write_stamp "$deps_key" "$want_c" "$(stamp_of cuda)"
 fi
