@@ -280,7 +280,8 @@ def test_leading_underscore_names_stay_in_their_file():
                 bad.append(f"{where} imports the private module {mod}")
             same_details = "_details" in mod.split(".") and mod.rsplit(".", 1)[0] == me.rsplit(".", 1)[0]
             for n in names:
-                if n.startswith("_") and f"{mod}.{n}" not in COMPILED and not same_details:
+                dunder = n.startswith("__") and n.endswith("__")  # __version__: public by convention
+                if n.startswith("_") and not dunder and f"{mod}.{n}" not in COMPILED and not same_details:
                     bad.append(f"{where} imports {n} from {mod}")
     assert bad == []
 

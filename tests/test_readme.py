@@ -155,9 +155,10 @@ def test_gpu_setup_lines_match_pyproject():
         meta = tomllib.load(f)
     extras = set(meta["project"]["optional-dependencies"])
     pins = set(meta["build-system"]["requires"])
-    (gpu,) = [code for lang, code, _ in _blocks() if lang == "bash" and "pip install" in code]
-    for line in _shell_lines(gpu):
-        for group in re.findall(r"\.\[([\w,]+)\]", line):
+    installs = [code for lang, code, _ in _blocks() if lang == "bash" and "pip install" in code]
+    assert len(installs) == 2, installs  # the Install section's, and the GPU machine's from a clone
+    for line in (line for code in installs for line in _shell_lines(code)):
+        for group in re.findall(r"(?:\.|epkit)\[([\w,]+)\]", line):
             assert set(group.split(",")) <= extras, line
         for pin in re.findall(r"\b[\w-]+==[\d.]+", line):
             assert pin in pins, f"{pin} in the README is not pyproject.toml's build requirement"

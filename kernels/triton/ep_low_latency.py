@@ -119,7 +119,11 @@ def _route_block(idx_ptr, route_ptr, b, T, n_max, E: tl.constexpr, L: tl.constex
 def _send_block(x_ptr, route_ptr, stage_table, my_off, b, T, n_max, L: tl.constexpr, K: tl.constexpr,
                 H: tl.constexpr, G_P2: tl.constexpr, FP8: tl.constexpr, HDR: tl.constexpr,
                 BLOCK_T: tl.constexpr):  # fmt: skip
-    """Rows of token block ``b``: each token read (and quantized) once, written into every slot it got."""
+    """Rows of token block ``b``: each token read (and quantized) once, written into every slot it got.
+
+    The row stores state their alignment on the pointer tensor itself, here (not in a helper: the hint goes on
+    the op that makes the value): runs of 16 bytes, 16-byte aligned. A ``multiple_of`` on the scalar row start
+    suffices for Triton 3.9; Triton 3.7 (torch 2.13's) then stores byte by byte (FP8) or 2 bytes at a time."""
     g = tl.arange(0, G_P2)
     col = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     m = (g < (H // 128))[:, None] | (col < H)  # whole 128-groups first: the mask is constant along a group
@@ -138,11 +142,13 @@ def _send_block(x_ptr, route_ptr, stage_table, my_off, b, T, n_max, L: tl.conste
                     slot = wide(tl.load(route_ptr + T * K + at)) * n_max + tl.load(route_ptr + 2 * T * K + at)
                     base = tl.load(stage_table + d) + my_off + HDR
                     if FP8:
-                        tl.store(tl.multiple_of(ptr(base + slot * H, tl.int8), 16) + col, q, mask=m)
+                        dst = tl.multiple_of(ptr(base + slot * H, tl.int8) + col, [16, 16])
+                        tl.store(tl.max_contiguous(dst, [1, 16]), q, mask=m)
                         s_at = base + scales_at + slot * sb
                         tl.store(ptr(s_at, tl.float32) + g, scale, mask=g * 128 < H)
                     else:
-                        tl.store(tl.multiple_of(ptr(base + slot * (2 * H), tl.int16), 16) + col, row, mask=m)
+                        dst = tl.multiple_of(ptr(base + slot * (2 * H), tl.int16) + col, [16, 16])
+                        tl.store(tl.max_contiguous(dst, [1, 8]), row, mask=m)
 
 
 @triton.jit
