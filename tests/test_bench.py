@@ -3,6 +3,7 @@ command line, and ``epkit bench compare`` flagging a deliberately slowed kernel 
 same code. The families run at their ``tiny`` sizes (the figures mean nothing there; the control flow and the
 correctness checks of every case do)."""
 
+import io
 import json
 import os
 import subprocess
@@ -15,9 +16,9 @@ import torch
 import epkit.bench.gather as bench_gather
 from epkit.bench import FAMILIES
 from epkit.bench.compare import compare_docs, format_moves
-from epkit.bench.core import ONE_THREAD_WORDS, Ref, copy_roof, make_row
-from epkit.bench.plots import write_plots
-from epkit.bench.report import COLUMNS, markdown_report, markdown_table
+from epkit.bench.core import ONE_THREAD_WORDS, BenchCtx, Ref, copy_roof, make_row
+from epkit.bench.plots import BAR_FAMILIES, write_plots
+from epkit.bench.report import COLUMNS, markdown_report, markdown_table, threads_line
 from epkit.bench.runner import SCHEMA, run_bench
 from epkit.cli import main
 
@@ -79,13 +80,17 @@ def test_markdown_table_has_one_line_per_row_with_peer_and_ratio(tiny_doc):
 def test_plots_are_images_of_what_their_titles_say(tiny_doc, tmp_path, capsys):
     import matplotlib.image
 
-    written = write_plots(tiny_doc, str(tmp_path / "a"))
+    gaps = []
+    written = write_plots(tiny_doc, str(tmp_path / "a"), gaps)
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["cp_mirror_engram.png", "dispatch_combine.png", "grouped_gemm.png"]
+    ran = {r["family"] for r in tiny_doc["rows"]}  # every family that ran has a chart
+    bars = [f"{f}.png" for f in BAR_FAMILIES if f in ran]
+    assert names == sorted(["cp_mirror_engram.png", "dispatch_combine.png", "grouped_gemm.png", *bars])
+    assert gaps == [f"no chart for {n}: {f['status']}" for n, f in tiny_doc["families"].items() if n not in ran]
     # `epkit bench plot` draws the same charts from the saved JSON (a GPU machine's run, plotted elsewhere)
     (tmp_path / "run.json").write_text(json.dumps(tiny_doc))
     assert main(["bench", "plot", str(tmp_path / "run.json"), str(tmp_path / "b")]) == 0
-    assert sorted(os.listdir(tmp_path / "b")) == names and capsys.readouterr().err.count("wrote") == 3
+    assert sorted(os.listdir(tmp_path / "b")) == names and capsys.readouterr().err.count("wrote") == len(names)
     for path in written:
         img = matplotlib.image.imread(path)
         assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 500, (path, img.shape)
@@ -219,3 +224,117 @@ def test_cli_writes_only_what_it_is_asked_for(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--quick", "--only", "experts", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schema"] == SCHEMA  # `--json` alone: the document is all of stdout
     assert sorted(os.listdir(tmp_path)) == ["r.json", "r.md"]
+
+
+@pytest.fixture(scope="module")
+def loaded_run(tmp_path_factory):
+    """``epkit bench --quick --only experts`` (the main job's table, one family) with torch at 2 threads on a
+    machine whose 1-minute load average is faked at its core count (over half its cores): stdout and the JSON."""
+    path = tmp_path_factory.mktemp("loaded") / "run.json"
+    before = torch.get_num_threads()
+    cores = os.cpu_count()
+    torch.set_num_threads(2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "getloadavg", lambda: (float(cores), float(cores), 1.0))
+            out = io.StringIO()
+            mp.setattr(sys, "stdout", out)
+            assert main(["bench", "--quick", "--only", "experts", "--json", str(path)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return out.getvalue(), json.loads(path.read_text())
+
+
+def test_a_loaded_machine_measures_one_thread_per_rank_and_the_header_says_why(loaded_run):
+    out, doc = loaded_run
+    cores = os.cpu_count()
+    assert doc["machine"]["torch_threads"] == 1 and doc["args"]["threads"]["threads"] == 1, doc["args"]
+    header = out.split("\n| op |", 1)[0]
+    assert f"threads: 1 per rank (auto: load average {cores:.2f} > {cores / 2:g}, half of {cores} cores" in header
+
+
+def test_auto_threads_on_an_idle_machine_keep_torchs_default(monkeypatch):
+    from epkit.bench.machine import choose_threads
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    idle = choose_threads("auto")
+    assert idle["threads"] == torch.get_num_threads() and idle["pinned"] is False
+    assert "torch's default" in idle["why"] and "load average 0.00" in idle["why"]
+    assert choose_threads(3) == {"requested": 3, "threads": 3, "pinned": True, "why": "--threads 3"}
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0 * os.cpu_count(), 0.0, 0.0))
+    assert choose_threads("auto")["threads"] == 1 and choose_threads("auto")["pinned"] is True
+    # the spawned ranks: the cores shared out, and no more than the run's pinned threads
+    cores = os.cpu_count()
+    assert BenchCtx("cpu", "tiny").rank_threads(1) == cores and BenchCtx("cpu", "tiny", threads=1).rank_threads(1) == 1
+    # several threads on a loaded machine (forced, or a run that did not choose) are called noise above the table
+    machine = {"torch_threads": 2, "cores": cores, "loadavg_before": [cores + 0.5, 0.0, 0.0], "device": "cpu"}
+    for threads in (choose_threads(2), None):
+        line = threads_line({"machine": machine, "args": {"threads": threads} if threads else {}})
+        assert "exceeds half the cores" in line and "(--threads auto or 1)" in line, line
+
+
+def test_the_text_table_has_a_legend_for_its_ratios(loaded_run):
+    out, doc = loaded_run
+    table, legend = out.split("\n| op |", 1)[1].split("\n\n", 1)
+    assert "legend:" in legend
+    assert "x vs peer: the peer's time / this row's time" in legend and "> 1: epkit faster" in legend
+    assert "% of roof" in legend and "median (min-max)" in legend
+    assert "legend:" in markdown_report(doc)
+
+
+def _sweep_doc(families: dict) -> dict:
+    """A report of synthetic rows shaped as ``gather``'s and ``experts``' are (their sweeps, peers and roofs)."""
+    rows = []
+    for rows_n in (2048, 65536):
+        for dt in ("bf16", "float32"):
+            for b in ("cpu", "tilelang"):
+                rows.append(
+                    make_row(
+                        "gather",
+                        "gather_rows",
+                        f"{rows_n}x2048 {dt} perm",
+                        b,
+                        [1.0, 1.2, 1.1],
+                        work=rows_n * 8e3,
+                        unit="GB/s",
+                        roof=Ref("copy_ 8 MiB (r+w 16 MiB)", [0.5] * 3),
+                        peers=[Ref("torch.index_select", [1.5] * 3), Ref("reference (Python loop)", [90.0] * 3)],
+                        sweep={"rows": rows_n, "dtype": dt},
+                    )  # fmt: skip
+                )
+    for n in (4096, 16384):
+        rows.append(
+            make_row(
+                "experts",
+                "logical_to_physical",
+                f"{n}x6 ids 384e EP64",
+                "cpu",
+                [0.5, 0.6, 0.55],
+                work=n * 48,
+                unit="GB/s",
+                roof=Ref("copy_ 96 KiB (r+w 192 KiB)", [0.01] * 3),
+                peers=[
+                    Ref("index_select of first replicas (lower bound)", [0.05] * 3),
+                    Ref("reference (Python loop)", [20.0] * 3),
+                ],
+                sweep={"tokens": n},
+            )  # fmt: skip
+        )
+    return {"schema": SCHEMA, "machine": {"kind": "cpu-2core"}, "rows": rows, "families": families}
+
+
+def test_plots_draw_gather_and_experts_and_say_which_families_have_none(tmp_path, capsys):
+    import matplotlib.image
+
+    fams = {"gather": {"status": "ok"}, "experts": {"status": "ok"}, "ep_hosts": {"status": "skipped: not root"}}
+    doc = _sweep_doc(fams)
+    written = write_plots(doc, str(tmp_path / "a"))
+    assert sorted(os.path.basename(p) for p in written) == ["experts.png", "gather.png"]
+    for path in written:
+        img = matplotlib.image.imread(path)
+        assert img.shape[0] > 300 and float(img[..., :3].std()) > 0.01, path
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    assert main(["bench", "plot", str(tmp_path / "run.json"), str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("wrote") == 2
+    assert "epkit bench: no chart for ep_hosts: skipped: not root" in err, err

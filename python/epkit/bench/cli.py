@@ -2,8 +2,11 @@
 
 ``epkit bench`` runs the families (all, or ``--only``), shows a progress bar on stderr, then prints the
 machine line and the Markdown table on stdout; ``--json`` alone prints the JSON document instead (stdout
-holds nothing else), ``--json PATH``, ``--markdown PATH`` and ``--plot DIR`` write files. Nothing else is
-written. Exit status: 0, or 1 when a correctness check of a benchmark input failed or a family errored.
+holds nothing else), ``--json PATH``, ``--markdown PATH`` and ``--plot DIR`` write files (a family without a
+chart is named on stderr, with why). Nothing else is written. ``--threads auto`` (the default) measures with one
+torch thread per rank on a machine whose load average exceeds half its cores, else with torch's default; the line
+above the table says which and why, and a legend under it says what the columns mean. Exit status: 0, or 1
+when a correctness check of a benchmark input failed or a family errored.
 
 ``epkit bench compare OLD NEW`` prints the figures that moved (``epkit.bench.compare``); exit status 1 on a
 regression (or a failed check in NEW), 2 when the runs are of different machine kinds or unreadable.
@@ -12,6 +15,7 @@ regression (or a failed check in NEW), 2 when the runs are of different machine 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -24,11 +28,22 @@ EXAMPLES = """examples:
   epkit bench --quick                              every family, small shapes (< 3 minutes on 2 cores)
   epkit bench --only gather grouped_gemm --json run.json --markdown run.md --plot plots/
   epkit bench --device cuda --quick                the GPU figures (a CUDA device is required)
+  epkit bench --quick --threads 1                  one torch thread per rank (auto: when the load average > cores/2)
   epkit bench --json | python -m json.tool         the JSON document on stdout
   epkit bench compare old.json new.json            figures that moved by > 10%; exit 1 on a regression
   epkit bench compare old.json new.json --threshold 0.2 --json
   epkit bench plot run.json plots/                 the charts of a saved run
 """
+
+
+def _threads(text: str) -> int | str:
+    """``--threads``: ``auto`` or a number (its range is checked by ``run_bench``)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
 def add_bench_parser(sub, formatter) -> None:
@@ -49,9 +64,11 @@ def add_bench_parser(sub, formatter) -> None:
     p.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR (needs matplotlib)")
     p.add_argument(
         "--threads",
-        type=int,
-        metavar="N",
-        help="torch CPU threads for the in-process families (default torch's; 1 on a machine shared with other jobs)",
+        type=_threads,
+        default="auto",
+        metavar="N|auto",
+        help="torch CPU threads for the in-process families and, at most, each spawned rank; auto (the default): "
+        "1 when the load average exceeds half the cores (other jobs share the machine), else torch's default",
     )
     p.set_defaults(func=cmd_bench, action=None)
     acts = p.add_subparsers(dest="action", metavar="{compare,plot}")
@@ -95,8 +112,11 @@ def _plot(args) -> int:
     from epkit.bench.compare import load_doc
     from epkit.bench.plots import write_plots
 
-    for path in write_plots(load_doc(args.run), args.dir):
+    gaps: list[str] = []
+    for path in write_plots(load_doc(args.run), args.dir, gaps):
         print(f"epkit bench: wrote {path}", file=sys.stderr)
+    for line in gaps:
+        print(f"epkit bench: {line}", file=sys.stderr)
     return 0
 
 
@@ -105,7 +125,7 @@ def cmd_bench(args) -> int:
         return _compare(args)
     if args.action == "plot":
         return _plot(args)
-    from epkit.bench.report import markdown_report, markdown_table, summary_line, write_json
+    from epkit.bench.report import LEGEND, markdown_report, markdown_table, summary_line, threads_line, write_json
     from epkit.bench.runner import run_bench
 
     if args.plot:
@@ -113,9 +133,9 @@ def cmd_bench(args) -> int:
 
         pyplot()  # before the run: a missing matplotlib is said at once, not after minutes
     doc = run_bench(args.only or FAMILIES, args.device, "quick" if args.quick else "full", threads=args.threads)
-    plots = []
+    plots, gaps = [], []
     if args.plot:
-        plots = write_plots(doc, args.plot)
+        plots = write_plots(doc, args.plot, gaps)
         doc["plots"] = [os.path.basename(p) for p in plots]
     if args.json and args.json != "-":
         write_json(doc, args.json)
@@ -128,13 +148,16 @@ def cmd_bench(args) -> int:
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(summary_line(doc) + "\n\n" + markdown_table(doc["rows"]))
+        sys.stdout.write(summary_line(doc) + "\n" + threads_line(doc) + "\n\n" + markdown_table(doc["rows"]))
         for name, fam in doc["families"].items():
             if fam["status"] != "ok":
                 sys.stdout.write(f"{name}: {fam['status']}" + (f" ({fam['error']})" if fam.get("error") else "") + "\n")
         for c in doc["checks"]:
             if not c["ok"]:
                 sys.stdout.write(f"CHECK FAILED: {c['family']}: {c['name']} {c['detail']}\n")
+        sys.stdout.write("\n" + LEGEND)
     for path in [*plots, *(p for p in (args.json, args.markdown) if p and p != "-")]:
         print(f"epkit bench: wrote {path}", file=sys.stderr)
+    for line in gaps:
+        print(f"epkit bench: {line}", file=sys.stderr)
     return 0 if doc["ok"] else 1

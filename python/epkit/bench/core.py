@@ -12,6 +12,7 @@ their quartiles, which ``epkit bench compare`` uses to tell a real move from noi
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,7 +72,9 @@ class Family:
 class BenchCtx:
     """The run's device, size and rounds, and what its cases record (rows and correctness checks)."""
 
-    def __init__(self, device: torch.device, size: str = "full", rounds: int | None = None, seed: int = 0):
+    def __init__(
+        self, device: torch.device, size: str = "full", rounds: int | None = None, seed: int = 0, threads=None
+    ):
         if size not in SIZES:
             raise ValueError(f"size must be one of {SIZES}, got {size!r}")
         self.device = torch.device(device)
@@ -79,6 +82,7 @@ class BenchCtx:
         self.size = size
         self.rounds = rounds or ROUNDS[size]
         self.seed = seed
+        self.threads = threads  # the run's pinned threads per rank (None: torch's default; ranks share the cores)
         self.family = "-"
         self.rows: list[dict] = []
         self.checks: list[dict] = []
@@ -87,6 +91,12 @@ class BenchCtx:
     def pick(self, tiny, quick, full):
         """The value for this run's size."""
         return {"tiny": tiny, "quick": quick, "full": full}[self.size]
+
+    def rank_threads(self, world: int) -> int:
+        """torch threads for each of ``world`` spawned ranks: the cores shared out (``cores // world``, at least
+        one), and no more than the run's pinned threads (``--threads``, or ``auto`` on a loaded machine)."""
+        share = max(1, (os.cpu_count() or world) // world)
+        return share if self.threads is None else min(share, self.threads)
 
     def measure(self, fns: dict, *, flush: bool = False, calls: int = 1) -> dict[str, list[float]]:
         """:func:`epkit.bench.timing.measure` with this run's rounds (``flush``: L2 flushed before each sample)."""

@@ -13,8 +13,6 @@ the slowest rank's per round; the fetched rows are checked against the table's f
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -38,7 +36,7 @@ def rank_main(rank: int, world: int, spec: dict) -> dict:
     """One rank (spawned by ``run_ranks``): per-round samples of the lookups, their peer and the roof."""
     from epkit.collectives.engram_table import ShardedEngramTable
 
-    torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+    torch.set_num_threads(spec["threads"])  # BenchCtx.rank_threads
     rows = spec["rows"]
     ids = torch.randint(0, rows, (rows,), generator=torch.Generator().manual_seed(rank))
     want = _table_rows(0, rows)[ids]
@@ -67,7 +65,7 @@ def rank_main(rank: int, world: int, spec: dict) -> dict:
 def _run(ctx: BenchCtx, rows: int, world: int) -> None:
     from epkit.testing.multiprocess import run_ranks
 
-    spec = {"rows": rows, "rounds": ctx.rounds, "seed": ctx.seed}
+    spec = {"rows": rows, "rounds": ctx.rounds, "seed": ctx.seed, "threads": ctx.rank_threads(world)}
     results = run_ranks(rank_main, world, spec, timeout=600)
     for r, res in enumerate(results):
         for c in res["checks"]:

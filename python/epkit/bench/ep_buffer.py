@@ -18,8 +18,6 @@ the minimal exchange's. Uses EPBuffer's public API only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -132,7 +130,7 @@ def rank_main(rank: int, world: int, spec: dict) -> dict:
     """One rank of the family (spawned by ``run_ranks``): every size, then (on 2 ranks) the low-latency pair."""
     from epkit.collectives.ep_buffer import EPBuffer
 
-    torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+    torch.set_num_threads(spec["threads"])  # BenchCtx.rank_threads
     cap = max(spec["sweep"])
     bufs = {
         t: EPBuffer(
@@ -187,6 +185,7 @@ def _run(ctx: BenchCtx, world: int, transports: tuple[str, ...], sweep: tuple[in
         "rounds": ctx.rounds,
         "seed": ctx.seed,
         "ep_reference": ctx.size == "full" and world == 2,
+        "threads": ctx.rank_threads(world),
     }
     results = run_ranks(rank_main, world, spec, timeout=900)
     for r, res in enumerate(results):

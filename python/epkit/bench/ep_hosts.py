@@ -22,8 +22,6 @@ agreements and padding.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -104,7 +102,7 @@ def rank_main(rank: int, world: int, spec: dict) -> dict:
     """One rank of the family (in :func:`~epkit.testing.run_hosts`): check, count bytes, then time."""
     from epkit.collectives.ep_buffer import EPBuffer
 
-    torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+    torch.set_num_threads(spec["threads"])  # BenchCtx.rank_threads
     per_host, tokens = spec["ranks_per_host"], spec["tokens"]
     hosts = [list(range(h, h + per_host)) for h in range(0, world, per_host)]
     bufs = {t: EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, tokens, TOPK, transport=t, timeout=120) for t in CONTENDERS}
@@ -164,7 +162,13 @@ def _run(ctx: BenchCtx, hosts: int, per_host: int, tokens: int) -> None:
     from epkit.testing.hosts import run_hosts
 
     world = hosts * per_host
-    spec = {"ranks_per_host": per_host, "tokens": tokens, "rounds": ctx.rounds, "seed": ctx.seed}
+    spec = {
+        "ranks_per_host": per_host,
+        "tokens": tokens,
+        "rounds": ctx.rounds,
+        "seed": ctx.seed,
+        "threads": ctx.rank_threads(world),
+    }
     res = run_hosts(rank_main, hosts, per_host, spec, timeout=900)
     for r, out in enumerate(res):
         for c in out["checks"]:

@@ -1,5 +1,6 @@
 """The facts a benchmark report carries about the machine and the code it ran: the machine kind (runs are
-compared only within one), CPU model and cores, load average, GPU, package versions and the git commit."""
+compared only within one), CPU model and cores, load average, GPU, package versions and the git commit; and how
+many CPU threads a run uses (:func:`choose_threads`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 
 import torch
 
-__all__ = ["git_commit", "load_average", "machine_facts", "machine_kind", "resolve_device"]
+__all__ = ["choose_threads", "git_commit", "load_average", "machine_facts", "machine_kind", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,6 +64,38 @@ def load_average() -> list[float] | None:
         return [round(v, 2) for v in os.getloadavg()]
     except (AttributeError, OSError):
         return None
+
+
+def choose_threads(requested: int | str | None = "auto") -> dict:
+    """How many torch CPU threads a run uses, and why: ``{"requested", "threads", "pinned", "why"}``.
+
+    ``requested``: a number (``--threads N``: that many, pinned); ``None`` (torch's default, as it is now);
+    ``"auto"`` (the default): one thread per rank when the 1-minute load average exceeds half the cores, since
+    other jobs then hold the cores and a split op waits for its threads to wake (milliseconds on a shared
+    2-core machine, which turns a 0.7 ms op into 20 ms and its ratios into noise), else torch's default.
+    ``pinned``: the run sets that many threads (the spawned ranks at most that many each).
+    """
+    default = torch.get_num_threads()
+    if requested is None:
+        return {"requested": None, "threads": default, "pinned": False, "why": "torch's default"}
+    if requested != "auto":
+        n = int(requested)
+        return {"requested": n, "threads": n, "pinned": True, "why": f"--threads {n}"}
+    cores, load = os.cpu_count() or 1, load_average()
+    if load is None:
+        return {
+            "requested": "auto",
+            "threads": default,
+            "pinned": False,
+            "why": "auto: no load average, torch's default",
+        }
+    half = f"{load[0]:.2f} {{}} {cores / 2:g}, half of {cores} cores"
+    if load[0] > cores / 2:
+        why = f"auto: load average {half.format('>')}: other jobs share this machine"
+        why += ", where an op split over threads waits for them"
+        return {"requested": "auto", "threads": 1, "pinned": True, "why": why}
+    why = f"auto: load average {half.format('<=')}: torch's default"
+    return {"requested": "auto", "threads": default, "pinned": False, "why": why}
 
 
 def git_commit(path: str | None = None) -> dict | None:

@@ -1,12 +1,22 @@
 """The report of an ``epkit bench`` run: one Markdown table (a row per contender, each with its roof or peer
-and the ratio to it), the facts of the machine above it, and the JSON document."""
+and the ratio to it), the facts of the machine and the threads used (and why) above it, a legend of its
+columns below it, and the JSON document."""
 
 from __future__ import annotations
 
 import json
 import os
 
-__all__ = ["COLUMNS", "fmt_ms", "markdown_report", "markdown_table", "summary_line", "write_json"]
+__all__ = [
+    "COLUMNS",
+    "LEGEND",
+    "fmt_ms",
+    "markdown_report",
+    "markdown_table",
+    "summary_line",
+    "threads_line",
+    "write_json",
+]
 
 COLUMNS = (
     "op",
@@ -20,6 +30,18 @@ COLUMNS = (
     "peer",
     "notes",
 )
+
+#: What the table's columns mean (printed under it); ``make_row`` in ``epkit.bench.core`` computes them.
+LEGEND = """legend:
+- median (min-max): milliseconds per call, the median over the rounds with the fastest and slowest round
+  (each round calls every contender once; a multi-rank row takes each round's slowest rank)
+- throughput: the row's work per second at its median (bytes read + written, FLOPs or tokens)
+- % of roof: the row's throughput / the roof's at the roof's fastest round, median over the rounds;
+  roof: what bounds the op on this machine (a copy_ of the same bytes, a dense matmul of the same FLOPs)
+- x vs peer: the peer's time / this row's time in the same round, median over the rounds
+  (> 1: epkit faster than the peer, < 1: slower); peer: another implementation of the same task
+- notes: the row's further peers, in the same form (2x name: epkit twice as fast), and facts of the case
+"""
 
 
 def fmt_ms(ms: float) -> str:
@@ -72,6 +94,28 @@ def summary_line(doc: dict) -> str:
     )
 
 
+def threads_line(doc: dict) -> str:
+    """How many torch threads the run used and why (``--threads``, or ``auto``'s load average), on one line;
+    a warning on it when several threads ran on a machine whose load average exceeded half its cores."""
+    m, choice = doc["machine"], doc["args"].get("threads")
+    n = m.get("torch_threads") or 1
+    if not choice:  # a document of a run that did not choose (gpu_check's section, an older run)
+        line = f"threads: {_threads(n)} in process"
+    elif choice["pinned"]:
+        n = choice["threads"]
+        line = f"threads: {n} per rank ({choice['why']})"
+    else:
+        n, why = choice["threads"], choice["why"]
+        line = f"threads: torch's default, {n} in process, cores // ranks per spawned rank ({why})"
+    load, cores = m.get("loadavg_before"), m.get("cores") or 1
+    if m.get("device", "cpu") == "cpu" and n > 1 and load and load[0] > cores / 2:
+        line += (
+            f"; the load average ({load[0]:.2f}) exceeds half the cores: ops split over threads wait on other "
+            "jobs, so their ratios are noise (--threads auto or 1)"
+        )
+    return line
+
+
 def _threads(n) -> str:
     return f"{n} torch thread" + ("" if n == 1 else "s")
 
@@ -82,7 +126,8 @@ def _load(v) -> str:
 
 def markdown_report(doc: dict) -> str:
     """Heading, machine line, the table, then what did not run or failed its check."""
-    out = [f"# epkit bench: {doc['machine']['kind']}", "", summary_line(doc), "", markdown_table(doc["rows"])]
+    out = [f"# epkit bench: {doc['machine']['kind']}", "", summary_line(doc), "", threads_line(doc), ""]
+    out += [markdown_table(doc["rows"]), LEGEND]
     bad = {n: f for n, f in doc["families"].items() if f["status"] != "ok"}
     failed = [c for c in doc["checks"] if not c["ok"]]
     if bad or failed:

@@ -14,7 +14,7 @@ import torch
 
 from epkit.bench import FAMILIES
 from epkit.bench.core import BenchCtx
-from epkit.bench.machine import load_average, machine_facts, resolve_device
+from epkit.bench.machine import choose_threads, load_average, machine_facts, resolve_device
 
 __all__ = ["SCHEMA", "Progress", "finish_doc", "run_bench", "run_families", "start_doc"]
 
@@ -107,12 +107,18 @@ def run_families(names, ctx: BenchCtx, *, deadline: float = math.inf, progress: 
     return {name: families[name] for name in names if name in families}
 
 
-def start_doc(device, names, size: str) -> dict:
-    """The report document before its families run: schema, machine facts (load average now), what runs."""
+def start_doc(device, names, size: str, threads: dict | None = None) -> dict:
+    """The report document before its families run: schema, machine facts (load average now), what runs.
+
+    ``threads``: :func:`~epkit.bench.machine.choose_threads`'s choice (how many threads, and why), shown above
+    the table."""
+    args = {"families": list(names), "device": str(device), "size": size}
+    if threads is not None:
+        args["threads"] = threads
     return {
         "schema": SCHEMA,
         "machine": machine_facts(device),
-        "args": {"families": list(names), "device": str(device), "size": size},
+        "args": args,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "timing": "interleaved rounds (each round calls every contender once, seeded random order) after a "
         "warm-up; medians with min/max; ratios are medians of per-round ratios; CUDA events and an L2 flush "
@@ -139,27 +145,30 @@ def run_bench(
     budget_s: float | None = None,
     progress: bool = True,
     rounds: int | None = None,
-    threads: int | None = None,
+    threads: int | str | None = "auto",
 ) -> dict:
     """Run ``names`` on ``device`` (``cpu``, ``cuda`` or ``auto``) at ``size`` and return the report document.
 
-    ``budget_s``: stop starting cases after that many seconds. ``threads``: torch's CPU threads for the
-    in-process families meanwhile (the multi-rank ones give each rank ``cores // ranks``). Raises RuntimeError
-    for ``cuda`` without a GPU.
+    ``budget_s``: stop starting cases after that many seconds. ``threads``: torch's CPU threads meanwhile, for
+    the in-process families and, at most, each spawned rank (which otherwise gets ``cores // ranks``): a number,
+    ``None`` (torch's default) or ``"auto"`` (one on a machine whose load average exceeds half its cores, else
+    torch's default: :func:`~epkit.bench.machine.choose_threads`); the report says which and why. Raises
+    RuntimeError for ``cuda`` without a GPU.
     """
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown benchmark families {unknown}; expected some of {', '.join(FAMILIES)}")
-    if threads is not None and threads < 1:
+    if threads not in (None, "auto") and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"--threads must be >= 1, got {threads}")
     dev = resolve_device(device)
     before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    choice = choose_threads(threads)
+    if choice["pinned"]:
+        torch.set_num_threads(choice["threads"])
     try:
         t0 = time.perf_counter()
-        doc = start_doc(dev, names, size)  # its machine facts record torch's threads
-        ctx = BenchCtx(dev, size, rounds=rounds)
+        doc = start_doc(dev, names, size, choice)  # its machine facts record torch's threads
+        ctx = BenchCtx(dev, size, rounds=rounds, threads=choice["threads"] if choice["pinned"] else None)
         deadline = math.inf if budget_s is None else t0 + budget_s
         families = run_families(names, ctx, deadline=deadline, progress=Progress(0, enabled=progress))
         return finish_doc(doc, ctx, families, time.perf_counter() - t0)
