@@ -55,7 +55,7 @@ def check_formats(formats: list[int]) -> None:
             f"rank {r}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
             for r, f in enumerate(formats)
         ]
-        raise ValueError("dispatch rows differ in format across ranks (" + "; ".join(names) + ")")
+        raise ValueError("dispatch rows (x) differ in format across ranks (" + "; ".join(names) + ")")
 
 
 def format_code(dtype: torch.dtype, has_scales: bool) -> int:

@@ -13,10 +13,14 @@ How it maps:
 - DeepEP sizes its buffer in bytes and takes any shape; an EPBuffer has a hidden size, top-k and token
   capacities. The shim makes one EPBuffer per ``(hidden, num_experts, num_topk)`` at the first call that needs
   it (every rank makes the same calls, as DeepEP requires) and a larger one when a call needs more room: a
-  normal dispatch agrees on the largest token count with one small all-gather over the group (which also
-  makes a rejected call a ``ValueError`` on every rank); a low-latency call needs ``num_max_dispatch_tokens_per
-  _rank`` slots. ``num_nvl_bytes`` / ``num_rdma_bytes`` are recorded, not a cap; the size hints return the bytes
-  such a buffer takes (``Config.get_nvl_buffer_size_hint``, ``get_low_latency_rdma_size_hint``).
+  normal dispatch needs its largest token count of any rank, a low-latency call ``num_max_dispatch_tokens_per
+  _rank`` slots. Before a buffer is picked or made, a dispatch agrees with the other ranks in one small
+  all-gather over the group (``_details/deep_ep_agreement.py``; a low-latency one on CPU ranks, not on an NCCL
+  group, where it stays stream-ordered) on the token count and the arguments every rank must share (``x``'s
+  hidden size and dtype, the experts, the top-k, the capacity): a call rejected on one rank, or whose
+  arguments differ across ranks, is the same ``ValueError`` on every rank, naming each argument that differs
+  and which rank has which value. ``num_nvl_bytes`` / ``num_rdma_bytes`` are recorded, not a cap; the size hints
+  return the bytes such a buffer takes (``Config.get_nvl_buffer_size_hint``, ``get_low_latency_rdma_size_hint``).
 - Rows live on the tensors' device: CPU tensors over shared memory (or torch.distributed), CUDA tensors over
   NVSHMEM, whatever backend ``group`` has.
 - The work is done (or queued on the current stream) when a call returns: ``async_finish=True`` returns an
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_layout
+from epkit.compat._details.deep_ep_agreement import CallAgreement, size_of
 from epkit.compat._details.deep_ep_config import HINT_TOPK, Config, EventHandle, EventOverlap, epbuffer_bytes
 from epkit.compat._details.deep_ep_layouts import (
     NormalHandle,
@@ -79,6 +84,26 @@ def _rows(x, num_worst_tokens):
     return x0, scales
 
 
+def _rows_of(x0) -> int:
+    return x0.shape[0] if x0 is not None else 0
+
+
+def _dispatch_fields(x, topk_idx, per_expert) -> list[tuple[str, object]]:
+    """What every rank's normal dispatch must share (``CallAgreement``'s fields): read from the arguments as they
+    are, None where a rejected call has no such value."""
+    x0, scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+    tensor = isinstance(x0, torch.Tensor)
+    experts = per_expert.numel() if isinstance(per_expert, torch.Tensor) else None
+    return [
+        ("x hidden size", size_of(x0, 1)),
+        ("x dtype", x0.dtype if tensor else None),
+        ("x scales dtype", scales.dtype if isinstance(scales, torch.Tensor) else None),
+        ("x scale columns", (size_of(scales, 1) if scales is not None else 0) if tensor else None),
+        ("num_experts (num_tokens_per_expert's size)", experts),
+        ("topk_idx columns (num_topk)", size_of(topk_idx, 1)),
+    ]
+
+
 def _event(async_finish: bool, extra=None) -> EventOverlap:
     return EventOverlap(EventHandle() if async_finish else None, extra if async_finish else None)
 
@@ -116,6 +141,9 @@ class Buffer(LowLatencyMixin):
     #: SMs of DeepEP's normal-mode kernels: what :meth:`get_dispatch_config` / :meth:`get_combine_config` put in
     #: their Configs (set with :meth:`set_num_sms`).
     num_sms: int = 20
+    #: Seconds any wait of a call may take: on the other ranks' agreement, and in the EPBuffers the Buffer makes
+    #: (set it before the first call).
+    timeout: float = 30.0
 
     def __init__(
         self,
@@ -154,6 +182,7 @@ class Buffer(LowLatencyMixin):
         self._current: dict[tuple, EPBuffer] = {}  # (hidden, num_experts, num_topk) -> the buffer calls use
         self._made: list[EPBuffer] = []  # every buffer made, in order (outstanding handles keep using theirs)
         self._destroyed = False
+        self._agreement = CallAgreement(group)  # what every rank's dispatch agrees on before it picks a buffer
 
     # buffers
 
@@ -179,7 +208,10 @@ class Buffer(LowLatencyMixin):
             ll_tokens = max(ll_tokens, buf.num_max_dispatch_tokens_per_rank)
         transport = "nvshmem" if torch.device(device).type == "cuda" else "auto"
         ll = ll_tokens or None
-        buf = EPBuffer(self.group, hidden, num_experts, cap, num_topk, transport, num_max_dispatch_tokens_per_rank=ll)
+        buf = EPBuffer(
+            self.group, hidden, num_experts, cap, num_topk, transport, num_max_dispatch_tokens_per_rank=ll,
+            timeout=self.timeout,
+        )  # fmt: skip
         self._current[key] = buf
         self._made.append(buf)
         return buf
@@ -280,17 +312,12 @@ class Buffer(LowLatencyMixin):
         dev = topk_idx.device
         return per_rank.to(dev), None, per_expert.to(dev), in_rank.to(dev), _event(async_finish)
 
-    def _agree(self, fn: str, error: str | None, tokens: int) -> int:
-        """One all-gather of ``[tokens, rejected]``: the largest token count, or the same ValueError on every rank."""
-        dev = "cuda" if "nccl" in str(dist.get_backend(self.group)) else "cpu"
-        mine = torch.tensor([tokens, int(error is not None)], dtype=torch.int64, device=dev)
-        got = [torch.empty_like(mine) for _ in range(self.group_size)]
-        dist.all_gather(got, mine, group=self.group)
-        rows = torch.stack(got).cpu().tolist()
-        bad = [r for r, (_, flag) in enumerate(rows) if flag]
-        if bad:
-            raise ValueError(f"{fn} rejected on every rank (by rank {bad}): " + (error or "see that rank's error"))
-        return max(t for t, _ in rows)
+    def _agree(self, fn: str, error: str | None, fields: list[tuple[str, object]], tokens: int = 0) -> int:
+        """The call's agreement (``CallAgreement``): the largest token count of any rank, or the same ValueError on
+        every rank (a rank's rejection, or ``fields`` that differ across ranks)."""
+        if self._destroyed:
+            raise RuntimeError("Buffer: destroy() was called; make a new Buffer")
+        return self._agreement(fn, error, fields, self.timeout, tokens)
 
     def dispatch(
         self,
@@ -334,7 +361,7 @@ class Buffer(LowLatencyMixin):
                 words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
         except ValueError as exc:
             error = str(exc)
-        tokens = self._agree(fn, error, x0.shape[0] if x0 is not None else 0)
+        tokens = self._agree(fn, error, _dispatch_fields(x, topk_idx, num_tokens_per_expert), _rows_of(x0))
         buf = self._epbuffer(x0.shape[1], num_tokens_per_expert.numel(), topk_idx.shape[1], x0.device, tokens)
         recv_x, recv_idx, recv_w, counts, h = buf.dispatch(
             (x0, words) if words is not None else x0, topk_idx, topk_weights, expert_alignment=expert_alignment

@@ -2,14 +2,17 @@
 ``low_latency_combine`` / ``clean_low_latency_buffer`` / ``get_next_low_latency_combine_buffer`` over
 EPBuffer's low-latency mode.
 
-Mixed into the Buffer, whose ``_epbuffer``, ``low_latency_mode`` and ``group_size`` it uses. Nothing here reads
-device data on the host: a CUDA call stays stream-ordered as EPBuffer's is.
+Mixed into the Buffer, whose ``_epbuffer``, ``_agree`` / ``_agreement``, ``low_latency_mode`` and ``group_size`` it
+uses. On CPU ranks a dispatch agrees with the other ranks on its arguments before it picks a buffer (a rejection or
+arguments that differ: the same ValueError on every rank); on an NCCL group it makes no host agreement. Nothing here
+reads device data on the host: a CUDA call stays stream-ordered as EPBuffer's is.
 """
 
 from __future__ import annotations
 
 import torch
 
+from epkit.compat._details.deep_ep_agreement import size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
 from epkit.compat._details.deep_ep_layouts import LowLatencyHandle, LowLatencyOutputs
 from epkit.quant import FP8_BLOCK
@@ -29,6 +32,35 @@ def _positive(fn: str, name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}")
     return v
+
+
+def _check_tensors(fn: str, x, topk_idx, num_experts, stats, group_size: int, fp8_blocks: int) -> str | None:
+    """A low-latency dispatch's tensors checked on this rank: the error text, or None (``fp8_blocks``: 0 without
+    FP8, else the 128-column blocks ``hidden`` must be a multiple of)."""
+    try:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise ValueError(f"{fn}: x must be a bf16 [num_tokens, hidden] tensor, got {x!r:.60}")
+        if fp8_blocks and x.shape[1] % (fp8_blocks * FP8_BLOCK):
+            raise ValueError(f"{fn}: use_fp8 needs hidden % 128 == 0 (% 512 with use_ue8m0), got hidden = {x.shape[1]}")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+            raise ValueError(f"{fn}: topk_idx must be a [num_tokens, num_topk] tensor, got {topk_idx!r:.60}")
+        local = _positive(fn, "num_experts", num_experts) // group_size
+        if stats is not None and (not isinstance(stats, torch.Tensor) or stats.shape != (local,)):
+            raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be [{local}] int32 (num_local_experts)")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _fields(x, topk_idx, num_experts, n_max: int) -> list[tuple[str, object]]:
+    """What every rank's low-latency dispatch must share (the agreement's fields; None: no such value here)."""
+    return [
+        ("x hidden size", size_of(x, 1)),
+        ("x dtype", x.dtype if isinstance(x, torch.Tensor) else None),
+        ("num_experts", num_experts if isinstance(num_experts, int) else None),
+        ("topk_idx columns (num_topk)", size_of(topk_idx, 1)),
+        ("num_max_dispatch_tokens_per_rank", n_max),
+    ]
 
 
 class LowLatencyMixin:
@@ -103,17 +135,14 @@ class LowLatencyMixin:
             raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (as in DeepEP)")
         n_max = _positive(fn, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         self._settle()
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise ValueError(f"{fn}: x must be a bf16 [num_tokens, hidden] tensor, got {x!r:.60}")
-        hidden = x.shape[1]
-        if use_fp8 and hidden % (4 * FP8_BLOCK if use_ue8m0 else FP8_BLOCK):
-            raise ValueError(f"{fn}: use_fp8 needs hidden % 128 == 0 (% 512 with use_ue8m0), got hidden = {hidden}")
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise ValueError(f"{fn}: topk_idx must be a [num_tokens, num_topk] tensor, got {topk_idx!r:.60}")
-        local = _positive(fn, "num_experts", num_experts) // self.group_size
         stats = cumulative_local_expert_recv_stats
-        if stats is not None and (not isinstance(stats, torch.Tensor) or stats.shape != (local,)):
-            raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be [{local}] int32 (num_local_experts)")
+        error = _check_tensors(fn, x, topk_idx, num_experts, stats, self.group_size, use_fp8 and (1 + 3 * use_ue8m0))
+        if self._agreement.nccl:  # CUDA ranks: no host agreement (the call stays stream-ordered)
+            if error is not None:
+                raise ValueError(error)
+        else:  # the same buffer on every rank, or the same ValueError (a rejection, or arguments that differ)
+            self._agree(fn, error, _fields(x, topk_idx, num_experts, n_max))
+        hidden = x.shape[1]
         buf = self._epbuffer(hidden, num_experts, topk_idx.shape[1], x.device, 0, n_max)
         mode = "bf16" if not use_fp8 else ("round" if round_scale else "fp8")
         out = LowLatencyOutputs(mode, use_ue8m0, buf.num_local_experts, n_max * self.group_size, hidden, x.device)

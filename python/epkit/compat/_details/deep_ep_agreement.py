@@ -1,0 +1,184 @@
+"""How the ranks of ``epkit.compat.deep_ep.Buffer`` agree on a dispatch before anything collective depends on its
+arguments.
+
+The shim picks (or makes) its EPBuffer from a call's arguments: hidden size, experts, top-k, token counts. Ranks
+whose arguments differ would go separate ways, one into a buffer's exchange, another into making a new buffer,
+and both would wait out their timeouts. So a dispatch first gathers one fixed-size int64 row from every rank
+(one all-gather over the group): the call's kind and number on this Buffer, whether this rank rejected it, its
+token count, and the arguments every rank must share. Every rank reads the same rows and raises the same
+``ValueError``: the arguments that differ, each with which rank has which value; else, calls out of step;
+else, the ranks that rejected the call. Only then is a buffer picked or made, the same one on every rank.
+
+The wait has the Buffer's timeout. A rank still waiting after :data:`NOTE_AFTER` seconds notes in the job's
+store which call it waits in, so that at the timeout the ranks without that note are named as the silent
+ones (a call that completes in time costs no store access). On an NCCL group the rows are CUDA tensors, the
+wait is NCCL's own, and the Buffer's low-latency calls make no agreement (they stay stream-ordered).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from epkit.collectives.bootstrap import Rendezvous
+
+__all__ = ["CallAgreement", "describe_differences", "size_of"]
+
+#: int64 words of a rank's row (every row has this size, whatever the call: a row of another call must pair).
+ROW_WORDS = 16
+#: The calls that agree, by their code in a row (1-based).
+KINDS = ("dispatch", "low_latency_dispatch")
+#: dtypes by their code in a row (another dtype is ``len(DTYPES)``); -1 is a value a rejected call could not tell.
+DTYPES = (
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+)  # fmt: skip
+#: Seconds a rank waits in an agreement before it notes in the job's store that it waits there.
+NOTE_AFTER = 1.0
+#: One tensor gathered into one (torch 2.13 renamed it; a list of tensors would cost gloo half as much again).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def size_of(t, dim: int) -> int | None:
+    """``t.shape[dim]`` of a 2-D tensor ``t``, else None (a value a rejected call could not tell)."""
+    return t.shape[dim] if isinstance(t, torch.Tensor) and t.dim() == 2 else None
+
+
+def _code(value) -> int:
+    if value is None:
+        return -1
+    if isinstance(value, torch.dtype):
+        return DTYPES.index(value) if value in DTYPES else len(DTYPES)
+    return int(value)
+
+
+def _show(code: int, is_dtype: bool) -> str:
+    if not is_dtype:
+        return str(code)
+    return str(DTYPES[code]) if code < len(DTYPES) else "another dtype"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
+
+
+def describe_differences(fields: list[tuple[str, bool]], rows: list[list[int]]) -> str | None:
+    """``"name: rank 0 has 64, rank 1 has 128; ..."`` for each field ``(name, is_dtype)`` whose values differ
+    across ``rows`` (one per rank, one value per field; -1 unknown, left out), ranks grouped by value in the order
+    of their first rank; None when every field agrees."""
+    parts = []
+    for i, (name, is_dtype) in enumerate(fields):
+        by_value: dict[int, list[int]] = {}
+        for r, row in enumerate(rows):
+            if row[i] != -1:
+                by_value.setdefault(row[i], []).append(r)
+        if len(by_value) > 1:
+            groups = sorted(by_value.items(), key=lambda kv: kv[1][0])
+            parts.append(f"{name}: " + ", ".join(f"{_ranks(rs)} {_show(v, is_dtype)}" for v, rs in groups))
+    return "; ".join(parts) or None
+
+
+class CallAgreement:
+    """The agreement of one Buffer's dispatches (see the module docstring); made with the Buffer, on every rank."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.nccl = "nccl" in str(dist.get_backend(group))
+        self._calls = 0
+        self._rv = None  # where a waiting rank notes its call (no communication: made in the same order everywhere)
+        if not self.nccl:
+            try:
+                self._rv = Rendezvous(group, 30.0, "deep_ep Buffer call")
+            except Exception:  # noqa: BLE001 -- no job store to note in: a timeout then names no rank
+                self._rv = None
+
+    def __call__(self, fn: str, error: str | None, fields: list[tuple[str, object]], timeout: float, tokens=0) -> int:
+        """Agree on call ``fn`` (``error``: this rank's rejection, or None; ``fields``: ``(name, value)`` of the
+        arguments every rank must share, a value an int, a dtype or None for unknown; a name ending in ``dtype``
+        shows dtypes). Returns the largest ``tokens`` of any rank, or raises the same ValueError on every rank."""
+        self._calls += 1
+        values = [_code(v) for _, v in fields]
+        row = [KINDS.index(fn) + 1, self._calls, int(error is not None), tokens, *values]
+        if len(row) > ROW_WORDS:
+            raise AssertionError(f"{fn}: {len(fields)} fields do not fit an agreement row")
+        rows = self._gather(row + [0] * (ROW_WORDS - len(row)), fn, timeout)
+        names = [(name, name.endswith("dtype")) for name, _ in fields]
+        if all(r[:2] == rows[0][:2] for r in rows):
+            differ = describe_differences(names, [r[4 : 4 + len(fields)] for r in rows])
+            if differ is not None:
+                raise ValueError(
+                    f"{fn} rejected on every rank: the ranks' arguments differ ({differ}); every rank must pass the "
+                    "same shapes and dtypes"
+                )
+        else:
+            calls = "; ".join(
+                f"rank {r}: {KINDS[k - 1] if 0 < k <= len(KINDS) else 'another call'} (call {n} on this Buffer)"
+                for r, (k, n) in enumerate(r[:2] for r in rows)
+            )
+            raise ValueError(f"{fn} rejected on every rank: the ranks' calls are out of step ({calls})")
+        bad = [r for r, row in enumerate(rows) if row[2]]
+        if bad:
+            raise ValueError(f"{fn} rejected on every rank (by rank {bad}): " + (error or "see that rank's error"))
+        return max(row[3] for row in rows)
+
+    def _gather(self, row: list[int], fn: str, timeout: float) -> list[list[int]]:
+        mine = torch.tensor(row, dtype=torch.int64, device="cuda" if self.nccl else "cpu")
+        got = mine.new_empty(self.world_size * ROW_WORDS)
+        if self.nccl:
+            _all_gather(got, mine, group=self.group)
+        else:
+            self._wait(_all_gather(got, mine, group=self.group, async_op=True), fn, timeout)
+        return got.view(self.world_size, ROW_WORDS).cpu().tolist()
+
+    def _wait(self, work, fn: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        noted = False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                work.wait(timedelta(seconds=max(left if noted else min(left, NOTE_AFTER), 1e-3)))
+                return
+            except RuntimeError as exc:  # gloo: a timeout, or the connection to a peer that died
+                timed_out = "timed out" in str(exc).lower()
+                if timed_out and not noted and left > NOTE_AFTER:
+                    noted = self._note()
+                    continue
+                cause = None if timed_out else str(exc).strip().splitlines()[0][:200]
+                raise TimeoutError(self._silence(fn, timeout, cause)) from None
+
+    def _note(self) -> bool:
+        """Note in the job's store that this rank waits in its current call (True once noted)."""
+        with contextlib.suppress(Exception):  # no store (or none left): the timeout names no rank
+            self._rv.store.set(f"waiting/{self.rank}", str(self._calls))
+        return True
+
+    def _silence(self, fn: str, timeout: float, cause: str | None) -> str:
+        """The TimeoutError's text: the ranks that noted no wait in this call, by group and global rank; ``cause``:
+        gloo's error when the wait ended early (a peer's connection closed), None for a timeout."""
+        silent = None
+        if self._rv is not None:
+            try:
+                store = self._rv.store
+                silent = [
+                    r
+                    for r in range(self.world_size)
+                    if r != self.rank
+                    and not (store.check([f"waiting/{r}"]) and store.get(f"waiting/{r}").decode() == str(self._calls))
+                ]
+            except Exception:  # noqa: BLE001 -- no store left: name no rank
+                silent = None
+        who = (
+            "a rank of the group"
+            if not silent
+            else ", ".join(f"rank {r} (global rank {dist.get_global_rank(self.group, r)})" for r in silent)
+        )
+        what = f"did not come within {timeout:g} s" if cause is None else f"is gone ({cause})"
+        return (
+            f"rank {self.rank}: {fn}'s agreement (call {self._calls} on this Buffer): {who} {what}; it died, or "
+            "stopped calling"
+        )
