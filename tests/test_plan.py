@@ -72,6 +72,7 @@ def test_hf_config(tmp_path):
         "q_lora_rank": 1536,
         "kv_lora_rank": 512,
         "vocab_size": 129280,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
@@ -144,3 +145,34 @@ def test_cli_bad_input_no_traceback():
     res = _cli("--dp", "64", "--ep", "48")
     assert res.returncode == 2
     assert "not divisible by ep_size 48" in res.stderr and "Traceback" not in res.stderr
+
+
+# --- issue 37: the plan's defaults are the named model's ----------------------------------------------------------
+
+
+def test_the_weight_format_defaults_to_the_models_own(tmp_path):
+    v3 = plan("deepseek-v3", dp=32)  # DeepSeek-V3 ships FP8 expert weights (128x128 blocks)
+    assert v3.layout["weight_format"] == "fp8" and v3.expert_bytes["per_expert"] == 3 * 7168 * 2048 * 1
+    assert plan("v4.1-flash", dp=64).layout["weight_format"] == "fp4"  # V4.1-Flash: FP4 experts
+    assert plan("deepseek-v3", dp=32, weight_format="fp4").expert_bytes["per_expert"] == 3 * 7168 * 2048 / 2
+    base = {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16, "num_experts_per_tok": 2,
+            "num_hidden_layers": 2}  # fmt: skip
+    for quant, fmt in [
+        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8"),
+        ({"quant_method": "mxfp4"}, "fp4"),
+        (None, "bf16"),  # no quantization_config: the weights are the checkpoint's dtype
+    ]:
+        path = tmp_path / f"{fmt}.json"
+        path.write_text(json.dumps({**base, **({"quantization_config": quant} if quant else {})}))
+        assert load_model(str(path)).weight_format == fmt
+        assert plan(str(path), dp=2).layout["weight_format"] == fmt
+
+
+def test_cli_plan_defaults_are_the_models_and_in_help():
+    res = _cli("--model", "deepseek-v3", "--dp", "32")
+    assert res.returncode == 0, res.stderr
+    assert "bytes per expert (fp8)" in res.stdout, res.stdout
+    res = _cli("--help")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())  # argparse wraps the help lines
+    assert "default 128" in text and "fp8 for deepseek-v3" in text and "fp4 for v4.1-flash" in text, text

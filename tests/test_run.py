@@ -143,7 +143,7 @@ def test_an_unknown_transport_is_a_usage_error(capsys):
 
 
 def test_dry_run_prints_the_deployment_ledger_without_weights(capsys):
-    assert main(["--dry-run", "--preset", "v4.1-flash", "--ranks", "64"]) == 0
+    assert main(["--dry-run", "--preset", "v4.1-flash", "--ranks", "64", "--json"]) == 0  # text: the table alone
     out = capsys.readouterr().out
     assert '"dp_wide_ep"' in out and '"moe_all_to_all": 80' in out and '"dp_liveness": 1' in out
 
@@ -161,3 +161,158 @@ def test_gpu_epkit_run_over_nvshmem(capsys):
     # rung 4: the command itself on one GPU rank (rows on the GPU over nvshmem), verdict and ledger as on CPU
     assert main(["--ranks", "1", "--transport", "nvshmem", "--steps", "2", "--timeout", "240"]) == 0
     assert "transport nvshmem" in capsys.readouterr().out
+
+
+# --- issue 37: what a newcomer met -----------------------------------------------------------------------------
+
+
+class _Launched(Exception):
+    """Raised by the launcher stub: the command got as far as starting ranks."""
+
+
+def _no_launch(monkeypatch) -> list:
+    """Replace the rank launcher by a stub that records the world size and stops the command there."""
+    import epkit.testing.multiprocess as mp_module
+
+    seen = []
+
+    def launch(fn, world, *args, **kwargs):
+        seen.append(world)
+        raise _Launched(world)
+
+    monkeypatch.setattr(mp_module, "run_ranks", launch)
+    return seen
+
+
+def test_more_ranks_than_the_machine_can_start_is_one_line_before_anything_launches(capsys, monkeypatch):
+    launched = _no_launch(monkeypatch)
+    assert main(["--ranks", "1000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert launched == [] and len(err) == 1, err
+    assert "--ranks 1000" in err[0] and "--force" in err[0] and "core" in err[0] and "memory" in err[0], err
+    assert "launching" not in err[0] and "Traceback" not in err[0]
+
+
+def test_force_launches_past_the_machine_limit(capsys, monkeypatch):
+    import epkit.model.run as run_module
+
+    launched = _no_launch(monkeypatch)
+    monkeypatch.setattr(run_module, "rank_limit", lambda: (1, "1 (as this test says)"))
+    assert main(["--ranks", "2"]) == 2 and launched == []
+    assert "--ranks 2 is more than" in capsys.readouterr().err
+    with pytest.raises(_Launched):
+        main(["--ranks", "2", "--force"])
+    assert launched == [2]
+
+
+def test_dry_run_honours_the_preset_and_the_weights(capsys):
+    assert main(["--dry-run", "--preset", "tiny", "--weights", "bf16", "--ranks", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    args = ModelArgs()
+    assert doc["model"] == "tiny" and doc["layout"]["weight_format"] == "bf16", doc["layout"]
+    assert doc["experts"]["logical"] == args.n_routed_experts and doc["experts"]["topk"] == args.n_activated_experts
+    assert doc["expert_bytes"]["per_expert"] == 3 * args.dim * args.moe_inter_dim * 2
+    assert doc["ledger"]["dp_wide_ep"]["moe_all_to_all"] == 2 * args.n_moe_layers
+    # the deployment-scale preset in its own format unless --weights says otherwise
+    assert main(["--dry-run", "--preset", "v4.1-flash", "--ranks", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["weight_format"] == "fp4"
+    assert main(["--dry-run", "--preset", "v4.1-flash", "--ranks", "64", "--weights", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["weight_format"] == "fp8"
+
+
+def test_dry_run_text_is_the_table_without_raw_json(capsys):
+    assert main(["--dry-run", "--preset", "v4.1-flash", "--ranks", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "{" not in out and '"ledger"' not in out, out
+    assert "bytes per expert (fp4)" in out and "collectives per decode step" in out and "DP+Wide-EP 81" in out
+
+
+def test_dry_run_of_more_ranks_than_the_tiny_model_has_experts_is_one_line(capsys):
+    assert main(["--dry-run", "--preset", "tiny", "--ranks", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "larger than the 16 routed experts of tiny" in err[0], err
+
+
+def _counting_forwards(rank, world_size, a):
+    """run_rank, with every forward of the model counted (the timed ones and any before the clock starts)."""
+    from epkit.model.model import DPEPModel
+
+    calls = []
+    original = DPEPModel.forward
+
+    def forward(self, batch):
+        calls.append(batch.num_tokens)
+        return original(self, batch)
+
+    DPEPModel.forward = forward
+    res = run_rank(rank, world_size, a)
+    return len(calls), res
+
+
+def test_the_warm_up_runs_before_the_timed_steps():
+    a = build_parser().parse_args(["--steps", "2", "--requests", "1"])
+    calls, res = run_ranks(_counting_forwards, 1, a, timeout=120)[0]
+    # the first calls (kernel set-up, first touch of the buffers) ran off the clock: more forwards than timed steps
+    assert calls > len(res["steps"]), (calls, res["steps"])
+    assert res["warm_up"]["steps"] == calls - len(res["steps"]) >= 2  # a prefill and a decode step
+    assert [s["prefill"] for s in res["steps"]] == [True, False, False]  # the timed ones are the request's
+
+
+def test_zero_requests_or_every_engine_idle_is_bad_usage(capsys, monkeypatch):
+    launched = _no_launch(monkeypatch)
+    assert main(["--ranks", "2", "--requests", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--requests must be >= 1, got 0" in err[0], err
+    assert main(["--ranks", "2", "--idle", "0", "--idle", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--idle leaves no engine with a request" in err[0], err
+    assert main(["--ranks", "2", "--timeout", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--timeout must be > 0, got 0" in err[0], err
+    assert launched == []
+
+
+def test_a_timeout_is_printed_as_given(capsys):
+    # the ranks cannot import epkit and build the model in half a second
+    assert main(["--ranks", "1", "--timeout", "0.5"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if "launching" not in line]
+    assert len(err) == 1 and "within 0.5 s" in err[0] and "(--timeout 0.5)" in err[0], err
+
+
+_NO_RESOLVER = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <netdb.h>
+#include <sys/socket.h>
+/* getnameinfo as on a host whose resolver cannot be reached: a name lookup fails with EAI_AGAIN */
+int getnameinfo(const struct sockaddr *sa, socklen_t salen, char *host, socklen_t hostlen, char *serv,
+                socklen_t servlen, int flags) {
+    int (*real)(const struct sockaddr *, socklen_t, char *, socklen_t, char *, socklen_t, int) =
+        dlsym(RTLD_NEXT, "getnameinfo");
+    if (host && hostlen && !(flags & NI_NUMERICHOST)) return EAI_AGAIN;
+    return real(sa, salen, host, hostlen, serv, servlen, flags);
+}
+"""
+
+
+def test_a_run_on_a_host_without_a_resolver_prints_no_hostname_warning(tmp_path):
+    # Offline hosts answer no reverse lookup. torch's c10d names the peer of every TCPStore connection with
+    # getnameinfo; for the IPv4-mapped ::ffff:127.0.0.1 its clients connect to, /etc/hosts has no entry, the
+    # lookup goes to DNS, fails, and each connection printed "[c10d] The hostname of the client socket cannot
+    # be retrieved. err=-3". Here a preloaded getnameinfo fails every name lookup as such a host does.
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs a C compiler on Linux (to build the getnameinfo of a host without a resolver)")
+    src, lib = tmp_path / "no_resolver.c", tmp_path / "no_resolver.so"
+    src.write_text(_NO_RESOLVER)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], check=True, timeout=120)
+    env = {**os.environ, "LD_PRELOAD": str(lib)}
+    probe = "import socket\ntry:\n    socket.getnameinfo(('127.0.0.1', 1), 0)\nexcept OSError:\n    print('none')"
+    check = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert check.stdout.strip() == "none", check.stdout + check.stderr  # the emulation holds
+    cmd = [sys.executable, "-m", "epkit", "run", "--ranks", "2", "--steps", "1", "--requests", "1"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0 and "PASS" in res.stdout, res.stdout + res.stderr
+    assert "hostname" not in res.stderr and "[c10d]" not in res.stderr, res.stderr

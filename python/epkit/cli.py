@@ -316,8 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--ep", type=int, help="expert-parallel size (default: world size)")
     pp.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     pp.add_argument("--enp", type=int, help="Engram-parallel size (default dp*cp)")
-    pp.add_argument("--weight-format", default="fp4", choices=["fp4", "fp8", "bf16"], help="expert weights")
-    pp.add_argument("--tokens-per-rank", type=int, default=128, help="decode tokens per rank per step")
+    pp.add_argument("--weight-format", choices=["fp4", "fp8", "bf16"],
+                    help="expert weights (default: the model's own: fp4 for v4.1-flash, fp8 for deepseek-v3; a "
+                    "config.json's quantization_config, bf16 without one)")  # fmt: skip
+    pp.add_argument("--tokens-per-rank", type=int, default=128,
+                    help="decode tokens per rank per step (default 128)")  # fmt: skip
     pp.add_argument("--min-extra", type=int, default=1, help="minimum redundant experts (default 1)")
     pp.add_argument("--link-gbps", type=float, default=450.0, help="link bandwidth, GB/s (default 450: NVLink)")
     pp.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency, us (default 10)")

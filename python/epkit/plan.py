@@ -1,7 +1,8 @@
 """``epkit plan``: a deployment calculator for DP attention + Wide-EP.
 
 For a model (a preset or a Hugging Face style ``config.json``) and a layout
-(dp/ep/cp/enp), a weight format, tokens per rank and link figures, it reports
+(dp/ep/cp/enp), a weight format (default: the model's own, :attr:`ModelConfig.weight_format`),
+tokens per rank (default :data:`DEFAULT_TOKENS_PER_RANK`) and link figures, it reports
 expert accounting, expert bytes, per-rank memory, dispatch/combine bytes, an
 alpha-beta estimate of a TP all-reduce against the EP all-to-all, and the
 collective ledger of one decode step.
@@ -18,7 +19,8 @@ Formulas (all per rank unless stated):
   direct all-to-all (every peer written at once, as DeepEP does) ``T = alpha + S / beta``.
 
 Attention and dense parameter counts are estimates from the config's MLA
-fields (documented in :func:`attention_params`); expert numbers are exact.
+fields (documented in :func:`attention_params`; plain multi-head attention
+where the config has no ``kv_lora_rank``); expert numbers are exact.
 """
 
 from __future__ import annotations
@@ -29,14 +31,29 @@ from dataclasses import asdict, dataclass, field
 
 from epkit.topology import resolve_sizes
 
-__all__ = ["ModelConfig", "PRESETS", "load_model", "plan", "format_plan", "BYTES_PER_WEIGHT"]
+__all__ = [
+    "BYTES_PER_WEIGHT",
+    "DEFAULT_TOKENS_PER_RANK",
+    "PRESETS",
+    "ModelConfig",
+    "format_plan",
+    "load_model",
+    "plan",
+]
 
 BYTES_PER_WEIGHT = {"fp4": 0.5, "fp8": 1.0, "bf16": 2.0}
+#: Decode tokens per rank per step where the caller names none (``epkit plan --tokens-per-rank``).
+DEFAULT_TOKENS_PER_RANK = 128
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The fields of a DeepSeek-style MoE config that the calculator needs."""
+    """The fields of a DeepSeek-style MoE config that the calculator needs.
+
+    ``weight_format``: the format the model's expert weights ship in (``fp4``, ``fp8``, ``bf16``; None where a
+    config.json's ``quantization_config`` names none of them), the plan's default. ``kv_lora_rank`` 0: plain
+    multi-head attention (a key and a value per head, no latent).
+    """
 
     name: str
     hidden_size: int
@@ -59,6 +76,7 @@ class ModelConfig:
     engram_layer_ids: tuple[int, ...] = ()
     engram_num_embeddings: tuple[int, ...] = ()
     engram_head_dim: int = 0
+    weight_format: str | None = "bf16"
 
 
 PRESETS = {
@@ -83,6 +101,7 @@ PRESETS = {
         engram_layer_ids=(1, 14),
         engram_num_embeddings=(384006168, 384016682),
         engram_head_dim=256,
+        weight_format="fp4",  # the write-up's expert sizes are FP4 (17.7 MB per expert)
     ),
     # DeepSeek-V3 public config.json values.
     "deepseek-v3": ModelConfig(
@@ -101,10 +120,28 @@ PRESETS = {
         q_lora_rank=1536,
         kv_lora_rank=512,
         qk_rope_head_dim=64,
+        weight_format="fp8",  # the public checkpoint: e4m3 weights, 128x128 block scales
     ),
 }
 
 _HF_REQUIRED = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "num_hidden_layers")
+
+
+def _weight_format(cfg: dict) -> str | None:
+    """The expert weight format of a config.json: its ``quantization_config`` (``quant_method``, ``quant_algo``,
+    ``fmt``) naming FP4 (``mxfp4``, ``nvfp4``) or FP8 (``fp8``, ``e4m3``); without one, the checkpoint's
+    unquantized bf16; None for a quantization the plan does not model (the caller must name a format)."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return "bf16"
+    if not isinstance(q, dict):
+        return None
+    words = " ".join(str(q.get(k, "")) for k in ("quant_method", "quant_algo", "fmt")).lower()
+    if "fp4" in words:
+        return "fp4"
+    if "fp8" in words or "e4m3" in words:
+        return "fp8"
+    return None
 
 
 def _from_hf(cfg: dict, name: str) -> ModelConfig:
@@ -148,6 +185,7 @@ def _from_hf(cfg: dict, name: str) -> ModelConfig:
         engram_layer_ids=tuple(cfg.get("engram_layer_ids", ())),
         engram_num_embeddings=tuple(cfg.get("engram_num_embeddings", ())),
         engram_head_dim=int(cfg.get("engram_head_dim", 0)),
+        weight_format=_weight_format(cfg),
     )
 
 
@@ -174,12 +212,16 @@ def attention_params(m: ModelConfig) -> int:
     ``kv: hidden*(kv_lora + rope) + kv_lora*heads*(head_dim - rope + v_head_dim)``;
     ``out: heads*v_head_dim*hidden``, or with output groups
     ``o_groups*o_lora*heads*v_head_dim/o_groups... = heads*v_head_dim*o_lora + o_groups*o_lora*hidden``.
+    Without ``kv_lora_rank`` (plain multi-head attention): ``kv: hidden*heads*(head_dim + v_head_dim)``.
     """
     h, heads = m.hidden_size, m.num_attention_heads
     q = h * m.q_lora_rank + m.q_lora_rank * heads * m.head_dim if m.q_lora_rank else h * heads * m.head_dim
-    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (
-        m.head_dim - m.qk_rope_head_dim + m.v_head_dim
-    )
+    if m.kv_lora_rank:
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (
+            m.head_dim - m.qk_rope_head_dim + m.v_head_dim
+        )
+    else:
+        kv = h * heads * (m.head_dim + m.v_head_dim)
     if m.o_groups and m.o_lora_rank:
         out = heads * m.v_head_dim * m.o_lora_rank + m.o_groups * m.o_lora_rank * h
     else:
@@ -219,8 +261,8 @@ def plan(
     ep: int | None = None,
     cp: int = 1,
     enp: int | None = None,
-    weight_format: str = "fp4",
-    tokens_per_rank: int = 128,
+    weight_format: str | None = None,
+    tokens_per_rank: int = DEFAULT_TOKENS_PER_RANK,
     min_num_extra_experts: int = 1,
     link_gbps: float = 450.0,
     alpha_us: float = 10.0,
@@ -235,10 +277,11 @@ def plan(
         A preset name, a config.json path, or a ModelConfig.
     dp, ep, cp, enp : int
         Parallel sizes (ep defaults to the world size, enp to dp*cp).
-    weight_format : {"fp4", "fp8", "bf16"}
-        Expert weight format.
+    weight_format : {"fp4", "fp8", "bf16"}, optional
+        Expert weight format (default: the model's own, ``ModelConfig.weight_format``: fp4 for v4.1-flash, fp8
+        for deepseek-v3, a config.json's ``quantization_config``).
     tokens_per_rank : int
-        Decode tokens per rank per step.
+        Decode tokens per rank per step (default :data:`DEFAULT_TOKENS_PER_RANK`, 128).
     min_num_extra_experts : int
         Lower bound on redundant experts (padded up to make physical divisible by ep).
     link_gbps, alpha_us : float
@@ -249,6 +292,13 @@ def plan(
         KV cache element size (default 1: FP8 KV).
     """
     m = load_model(model) if isinstance(model, str) else model
+    if weight_format is None:
+        weight_format = m.weight_format
+        if weight_format is None:
+            raise ValueError(
+                f"{m.name}: its quantization_config names none of {sorted(BYTES_PER_WEIGHT)}; give the expert "
+                "weight format (--weight-format)"
+            )
     _check_plan_args(weight_format, tokens_per_rank, link_gbps, tp, alpha_us)
     sizes = resolve_sizes(dp, cp, ep, enp)
     experts, expert_bytes = _experts(m, sizes["ep"], weight_format, tokens_per_rank, min_num_extra_experts)
@@ -324,6 +374,9 @@ def _memory(m: ModelConfig, sizes: dict, experts_per_layer: float, kv_bytes_per_
     embed = 2 * m.vocab_size * m.hidden_size
     replicated_bytes = (attn + dense_mlp + shared + embed) * 1.0  # FP8 weights for the replicated part
     experts_rank_bytes = experts_per_layer * m.num_moe_layers
+    # MLA caches the latent and the rope key; plain multi-head attention each head's key and value
+    mha = m.num_attention_heads * (m.head_dim + m.v_head_dim)
+    kv_per_layer = m.kv_lora_rank + m.qk_rope_head_dim if m.kv_lora_rank else mha
     engram_rows = sum(m.engram_num_embeddings)
     engram_rank_bytes = 0.0
     if engram_rows:
@@ -334,7 +387,7 @@ def _memory(m: ModelConfig, sizes: dict, experts_per_layer: float, kv_bytes_per_
         "replicated_params_estimate": attn + dense_mlp + shared + embed,
         "replicated_bytes_fp8_estimate": replicated_bytes,
         "experts_bytes": experts_rank_bytes,
-        "kv_bytes_per_token": (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_hidden_layers * kv_bytes_per_element,
+        "kv_bytes_per_token": kv_per_layer * m.num_hidden_layers * kv_bytes_per_element,
         "engram_bytes": engram_rank_bytes,
         "total_weights_bytes": replicated_bytes + experts_rank_bytes + engram_rank_bytes,
     }

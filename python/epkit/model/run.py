@@ -20,8 +20,15 @@ What it prints:
   DeepInfer write-up (``000_*.txt``): no per-layer all-reduce, one dispatch and one combine per MoE
   layer, one DP liveness all-reduce per step, the Engram fetch; a difference is flagged.
 
-``--dry-run --preset v4.1-flash`` prints the deployment-scale plan and its ledger from
-:func:`epkit.plan.plan` without allocating any weight.
+Before the timed steps every rank runs its requests once off the clock (a prefill and a decode step): the
+first calls set up the kernels and touch the buffers, seconds that would otherwise be the prefill's figure.
+
+``epkit run --ranks N`` refuses more ranks than this machine can start (:func:`rank_limit`: cores, available
+memory, the open-file limit), before launching any; ``--force`` launches them anyway.
+
+``--dry-run --preset P`` prints the plan of the preset (``tiny``: the model ``epkit run`` runs; ``v4.1-flash``:
+deployment scale) with ``--weights`` (default: the preset's own format) from :func:`epkit.plan.plan`, and its
+ledger, without allocating any weight.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ __all__ = [
     "cp_prefill_gathers",
     "end_process",
     "main",
+    "plan_config",
+    "rank_limit",
     "run_rank",
 ]
 
@@ -54,6 +63,15 @@ __all__ = [
 TRANSPORTS = ("auto", "shm", "torch", "nvshmem")
 #: Prefill rows one rank may bring to a step (the EP buffer's ``max_tokens_per_rank``).
 PREFILL_CAPACITY = 256
+#: Expert weights of a run where ``--weights`` is not given (a dry run: the preset's own format).
+DEFAULT_WEIGHTS = "fp8"
+#: Ranks per core :func:`rank_limit` allows: the ranks wait for each other by polling, and past this many they
+#: mostly take turns (8 ranks on 2 cores: about 30 s for one decode step, with start-up).
+RANKS_PER_CORE = 8
+#: Resident memory of one rank of the tiny model (torch, the kernels, the model, its buffers): ~0.45 GiB measured.
+RANK_BYTES = 2**29
+#: Open files of one rank: about 32 of its own and 6 per peer (the gloo pairs of its groups, pipes, segments).
+RANK_FILES, RANK_FILES_PER_PEER = 64, 8
 
 #: The claim of the source engine's write-up for one decode step, per collective kind (M MoE layers,
 #: G Engram layers). Our Engram fetch, where the ENP ranks share a host (ShardedEngramTable on shm), is one
@@ -80,7 +98,9 @@ def build_parser(prog: str = "epkit run") -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--ranks", "--world", dest="ranks", type=int, default=None,
-                    help="ranks to launch (under torchrun: its world size; --world is the old spelling)")  # fmt: skip
+                    help="ranks to launch (under torchrun: its world size; --world is the old spelling); at most "
+                    "what this machine can start (cores, memory, open files) unless --force")  # fmt: skip
+    ap.add_argument("--force", action="store_true", help="launch more ranks than this machine's limit")
     ap.add_argument("--dp", type=int, default=None, help="DP size (engines): must be ranks / cp")
     ap.add_argument("--cp", type=int, default=1, help="CP size: each engine's prefill over this many ranks (default 1)")
     ap.add_argument("--ep", type=int, default=None, help="EP size (must equal the ranks: Wide-EP)")
@@ -89,18 +109,21 @@ def build_parser(prog: str = "epkit run") -> argparse.ArgumentParser:
     ap.add_argument("--redundant-experts", type=int, default=None, metavar="N",
                     help="redundant expert slots at least (EPLB replicas; default: one per rank)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3, help="decode steps per request (default 3)")
-    ap.add_argument("--requests", type=int, default=2, help="random requests per engine (default 2)")
+    ap.add_argument("--requests", type=int, default=2, help="random requests per engine, >= 1 (default 2)")
     ap.add_argument("--prompt", action="append", default=[], metavar="IDS",
                     help="a prompt as comma-separated token ids, instead of random ones (repeatable; "
                     "prompt j goes to engine j %% dp)")  # fmt: skip
     ap.add_argument("--idle", type=int, action="append", default=[], help="an engine (DP rank) with no requests")
     ap.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (default 16)")
-    ap.add_argument("--weights", choices=EXPERT_FORMATS, default="fp8", help="expert weights (default fp8)")
+    ap.add_argument("--weights", choices=EXPERT_FORMATS, default=None,
+                    help=f"expert weights (default {DEFAULT_WEIGHTS}; with --dry-run the preset's own: fp8 for "
+                    "tiny, fp4 for v4.1-flash)")  # fmt: skip
     ap.add_argument("--transport", choices=TRANSPORTS, default="auto")
     ap.add_argument("--preset", choices=("tiny", "v4.1-flash"), default="tiny", help="model shapes")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and its ledger; allocate nothing")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plan of --preset with --weights and its ledger; allocate nothing")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
                     help="write the report as JSON to PATH too; alone: JSON on stdout, no text")  # fmt: skip
     return ap
@@ -140,7 +163,7 @@ def _config_error(a, world: int) -> str | None:
     error = _size_error(a, world)
     if error is not None:
         return error
-    checks = [("steps", a.steps, 0), ("requests", a.requests, 0), ("prompt-len", a.prompt_len, 1)]
+    checks = [("steps", a.steps, 0), ("requests", a.requests, 1), ("prompt-len", a.prompt_len, 1)]
     for name, v, lo in checks + [("redundant-experts", a.redundant_experts or 0, 0)]:
         if v < lo:
             return f"--{name} must be >= {lo}, got {v}"
@@ -157,11 +180,49 @@ def _config_error(a, world: int) -> str | None:
     bad = [r for r in a.idle if not 0 <= r < world // a.cp]
     if bad:
         return f"--idle {bad[0]} is not an engine (DP rank) of 0..{world // a.cp - 1}"
+    if not prompts and set(a.idle) >= set(range(world // a.cp)):
+        return f"--idle leaves no engine with a request (all {world // a.cp} are idle): nothing to run or check"
+    if not a.timeout > 0:
+        return f"--timeout must be > 0, got {a.timeout:g}"
     if a.preset != "tiny" and not a.dry_run:
         return f"--preset {a.preset} has deployment-scale weights: use it with --dry-run"
     if a.transport == "nvshmem" and not torch.cuda.is_available() and not a.dry_run:
         return "--transport nvshmem needs CUDA GPUs (NVSHMEM moves the rows between GPUs); use shm or torch on CPU"
     return None
+
+
+def _weights(a) -> str:
+    """The expert weight format of a run (``--weights``, else :data:`DEFAULT_WEIGHTS`)."""
+    return a.weights or DEFAULT_WEIGHTS
+
+
+def rank_limit() -> tuple[int, str]:
+    """The most CPU ranks ``epkit run`` launches on this machine without ``--force``, and why (one phrase): the
+    least of :data:`RANKS_PER_CORE` per core this process may run on, the ranks of :data:`RANK_BYTES` that fit
+    the available memory (cgroup limit included), and the ranks whose open files (:data:`RANK_FILES` plus
+    :data:`RANK_FILES_PER_PEER` per peer) fit the soft open-file limit (``ulimit -n``)."""
+    from epkit.collectives.bootstrap import memory_available
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    bounds = [(RANKS_PER_CORE * cores, f"{RANKS_PER_CORE} per core on {cores} cores")]
+    mem = memory_available()
+    if mem is None:
+        bounds.append((sys.maxsize, "available memory unknown"))
+    else:
+        per = RANK_BYTES / 2**30
+        bounds.append((mem // RANK_BYTES, f"{mem / 2**30:.1f} GiB of available memory at ~{per:g} GiB per rank"))
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = -1 if soft == resource.RLIM_INFINITY else soft
+    except (ImportError, OSError, ValueError):  # no such limit here
+        soft = -1
+    if soft > 0:
+        fit = (soft - RANK_FILES) // RANK_FILES_PER_PEER
+        bounds.append((fit, f"open-file limit {soft} (ulimit -n) at ~{RANK_FILES_PER_PEER} files per peer"))
+    limit = max(1, min(b for b, _ in bounds))
+    return limit, ", ".join(why if b == sys.maxsize else f"{max(b, 0)} for {why}" for b, why in bounds)
 
 
 def _prompts(a, engine: int, dp: int, vocab: int) -> list[list[int]]:
@@ -184,7 +245,7 @@ def _model(a, world_size: int):
     if a.transport == "nvshmem":  # rows on this rank's GPU; control over the gloo groups
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count())
     groups = ParallelGroups.create(dp_size=world_size // a.cp, cp_size=a.cp, enp_size=a.enp, device="cpu")
-    args = ModelArgs(expert_format=a.weights, seed=a.seed)
+    args = ModelArgs(expert_format=_weights(a), seed=a.seed)
     # the low-latency capacity sized to the decode batch, as an engine sizes it
     cap = max(1, a.requests, -(-len(a.prompt) // groups.sizes["dp"]))
     extra = world_size if a.redundant_experts is None else a.redundant_experts
@@ -202,7 +263,10 @@ def run_rank(rank: int, world_size: int, a) -> dict:
     With ``--cp C`` the ranks form ``world / C`` engines of ``C`` adjacent ranks (``world = dp x cp``); every
     CP rank of an engine runs the engine's prompts (the prefill context-parallel, each sequence then decoded
     on one of them) and CP rank 0 reports them. ``prefill_logits``: each reported prompt's prefill logits;
-    ``logits``: every step's logits of each sequence this rank ran (prompt index -> rows)."""
+    ``logits``: every step's logits of each sequence this rank ran (prompt index -> rows); ``warm_up``: the steps
+    and seconds of the untimed run of the same prompts (one prefill, one decode step) before the timed one, where
+    the first calls set up the kernels and touch the buffers (an idle engine warms up with one prompt of
+    ``--prompt-len`` zeros)."""
     from epkit.model.engine import generate
     from epkit.model.profile import CollectiveLedger
 
@@ -221,6 +285,27 @@ def run_rank(rank: int, world_size: int, a) -> dict:
                 logits.setdefault(sid, []).append(row)
         return out
 
+    def rejected(exc: ValueError) -> dict:  # the same on every rank, before the first step
+        model.close()
+        sys.stderr.write(f"epkit run: error: rank {rank}: {exc}\n")  # one write: ranks share the terminal
+        sys.stderr.flush()
+        return {"error": str(exc)}
+
+    # off the clock, out of the ledger and of the logits: the same prompts, a prefill and a decode step
+    warm = {"steps": 0, "seconds": 0.0}
+
+    def count_warm_up(*_):
+        warm["steps"] += 1
+
+    w0 = time.perf_counter()
+    try:
+        generate(model, prompts or [[0] * a.prompt_len], 2, on_step=count_warm_up)
+    except ValueError as exc:
+        return rejected(exc)
+    warm["seconds"] = time.perf_counter() - w0
+    model.timer.take()
+    model.routed_load.zero_()  # the warm-up's routing is no load
+
     model.forward = recording_forward
     with CollectiveLedger() as ledger:
         last = [time.perf_counter()]
@@ -236,18 +321,15 @@ def run_rank(rank: int, world_size: int, a) -> dict:
         t0 = last[0]
         try:
             tokens, stats = generate(model, prompts, a.steps + 1, on_step=on_step)
-        except ValueError as exc:  # the same on every rank, before the first step
-            model.close()
-            sys.stderr.write(f"epkit run: error: rank {rank}: {exc}\n")  # one write: ranks share the terminal
-            sys.stderr.flush()
-            return {"error": str(exc)}
+        except ValueError as exc:
+            return rejected(exc)
         seconds = time.perf_counter() - t0
     per_step = [ledger.calls[(marks[i - 1] if i else 0) : marks[i]] for i in range(len(marks))]
     info = {"transport": model.buffer.transport, "prefill_moe": model.prefill_moe, "args": model.args.__dict__}
     model.close()
     mine = range(len(prompts)) if lead else range(0)
     return {"prompts": [prompts[i] for i in mine], "tokens": [tokens[i] for i in mine], "stats": stats,
-            "steps": steps, "ledger": per_step, "seconds": seconds, "info": info,
+            "steps": steps, "ledger": per_step, "seconds": seconds, "info": info, "warm_up": warm,
             "prefill_logits": [logits[i][0] for i in mine], "logits": logits}  # fmt: skip
 
 
@@ -308,7 +390,7 @@ def cp_prefill_gathers(step: list, args: ModelArgs) -> dict:
 def _summary(a, results: list[dict], world: int) -> dict:
     """The report as a dict (what ``--json`` writes and :func:`_print` prints)."""
     r0 = results[0]
-    args = ModelArgs(expert_format=a.weights, seed=a.seed)
+    args = ModelArgs(expert_format=_weights(a), seed=a.seed)
     phases = {}
     for phase, is_prefill in (("prefill", True), ("decode", False)):
         st = [s for s in r0["steps"] if s["prefill"] == is_prefill]
@@ -329,7 +411,8 @@ def _summary(a, results: list[dict], world: int) -> dict:
     first = next((i for i, s in enumerate(r0["steps"]) if s["prefill"] and s["tokens"]), None)
     gathers = None if a.cp == 1 or first is None else cp_prefill_gathers(r0["ledger"][first], args)
     return {"ranks": world, "dp": world // a.cp, "cp": a.cp, "tbo": a.tbo, "transport": r0["info"]["transport"],
-            "weights": a.weights, "steps": a.steps, "verdict": _verdict(args, results), "phases": phases,
+            "weights": _weights(a), "steps": a.steps, "verdict": _verdict(args, results), "phases": phases,
+            "warm_up": {"steps": r0["warm_up"]["steps"], "seconds": r0["warm_up"]["seconds"]},
             "decode_ops_s": ops, "dispatch_combine_share": comm / step_s if step_s else 0.0, "ledger": ledger,
             "cp_prefill_gathers": gathers,
             "ledger_ok": all(row["ok"] for row in ledger) and (gathers is None or gathers["ok"])}  # fmt: skip
@@ -343,6 +426,10 @@ def _print(rep: dict, out=None) -> None:
           f"{', two-batch overlap' if rep['tbo'] else ''}", file=out)  # fmt: skip
     print(f"verdict: {v['exact']}/{v['tokens']} greedy tokens are the float64 reference's argmax, largest gap "
           f"{v['worst_gap']:.4f} (< 0.15): {'PASS' if v['ok'] else 'FAIL'}", file=out)  # fmt: skip
+    w = rep.get("warm_up")
+    if w:
+        print(f"warm-up: {w['steps']} steps, {w['seconds']:.2f} s on rank 0 before the timed steps (the first calls "
+              "set up the kernels and buffers; not in the figures below)", file=out)  # fmt: skip
     for name, p in ph.items():
         print(f"{name:>7}: {p['steps']} steps, {p['seconds_per_step'] * 1e3:.1f} ms per step, "
               f"{p['tokens_per_s']:.1f} tokens/s (all ranks)", file=out)  # fmt: skip
@@ -363,15 +450,44 @@ def _print(rep: dict, out=None) -> None:
               f"and Engram layer, one at the model end)  {'ok' if g['ok'] else 'DIFFERS'}", file=out)  # fmt: skip
 
 
-def _dry_run(a, world: int) -> int:
-    from epkit.plan import format_plan, plan
+def plan_config(args: ModelArgs):
+    """The :class:`epkit.plan.ModelConfig` of the reference model of ``args`` (plain multi-head attention, its
+    dense layers, its Engram tables), named ``tiny``: what ``--dry-run --preset tiny`` plans."""
+    from epkit.engram_layer import EngramLayer
+    from epkit.model.args import engram_config
+    from epkit.plan import ModelConfig
 
-    p = plan(a.preset if a.preset != "tiny" else "v4.1-flash", dp=world // a.cp, cp=a.cp, enp=a.enp)
+    rows, head_dim = [], 0
+    for i in args.engram_layer_ids:
+        layer = EngramLayer(engram_config(args), i, args.dim, with_table=False, device="meta")
+        rows.append(layer.num_rows)
+        head_dim = layer.config.head_dim
+    return ModelConfig(
+        name="tiny", hidden_size=args.dim, moe_intermediate_size=args.moe_inter_dim,
+        n_routed_experts=args.n_routed_experts, num_experts_per_tok=args.n_activated_experts,
+        num_hidden_layers=args.n_layers, num_moe_layers=args.n_moe_layers, n_shared_experts=args.n_shared_experts,
+        intermediate_size=args.inter_dim, num_attention_heads=args.n_heads, head_dim=args.head_dim,
+        v_head_dim=args.head_dim, q_lora_rank=0, kv_lora_rank=0, qk_rope_head_dim=0, vocab_size=args.vocab_size,
+        engram_layer_ids=args.engram_layer_ids, engram_num_embeddings=tuple(rows), engram_head_dim=head_dim,
+        weight_format=args.expert_format,
+    )  # fmt: skip
+
+
+def _dry_run(a, world: int) -> int:
+    """The plan of ``--preset`` on ``world`` ranks with ``--weights`` (default: the preset's own), as the run
+    would lay it out (``--redundant-experts``, default one per rank); text: the table, which holds the ledger."""
+    from epkit.plan import PRESETS, format_plan, plan
+
+    model = plan_config(ModelArgs(seed=a.seed)) if a.preset == "tiny" else PRESETS[a.preset]
+    extra = world if a.redundant_experts is None else a.redundant_experts
+    try:
+        p = plan(model, dp=world // a.cp, cp=a.cp, enp=a.enp, weight_format=a.weights, min_num_extra_experts=extra)
+    except ValueError as exc:
+        return _fail(str(exc))
     if a.json == "-":
         print(json.dumps(p.to_dict(), indent=1))
         return 0
     print(format_plan(p))
-    print(json.dumps({"ledger": p.ledger}, indent=1))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(p.to_dict(), f, indent=1)
@@ -401,7 +517,7 @@ def _fail(msg: str) -> int:
 
 def main(argv=None, prog: str = "epkit run") -> int:
     """``epkit run`` (and ``python -m epkit.run``, ``python -m epkit.model``); returns the exit status (0: verdict
-    and ledger agree)."""
+    and ledger agree; 1: they do not, or the ranks did not finish within ``--timeout``; 2: bad usage)."""
     a = build_parser(prog).parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (a.ranks if a.ranks is not None else 2)
@@ -410,6 +526,11 @@ def main(argv=None, prog: str = "epkit run") -> int:
         return _fail(error)
     if a.dry_run:
         return _dry_run(a, world)
+    if not torchrun and not a.force:
+        limit, why = rank_limit()
+        if world > limit:
+            return _fail(f"--ranks {world} is more than this machine can start: at most {limit} ({why}); --force "
+                         "launches them anyway")  # fmt: skip
     if torchrun:
         results, rank = _under_torchrun(a, world)
         if rank != 0:
@@ -418,7 +539,11 @@ def main(argv=None, prog: str = "epkit run") -> int:
         from epkit.testing.multiprocess import run_ranks
 
         print(f"epkit run: launching {world} CPU ranks ...", file=sys.stderr, flush=True)
-        results = run_ranks(run_rank, world, a, timeout=a.timeout)
+        try:
+            results = run_ranks(run_rank, world, a, timeout=a.timeout)
+        except TimeoutError as exc:  # every rank killed; the message names those that had not finished
+            print(f"epkit run: error: {exc} (--timeout {a.timeout:g})", file=sys.stderr)
+            return 1
     if any("error" in r for r in results):
         return 2  # every rank printed its line
     rep = _summary(a, results, world)

@@ -1,4 +1,4 @@
-"""Run a function on N real processes joined by torch.distributed (gloo on 127.0.0.1).
+"""Run a function on N real processes joined by torch.distributed (gloo on 127.0.0.1, a file store).
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes; rank r
 calls ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``
@@ -10,10 +10,14 @@ would for everything else: it gets the parent's environment, working
 directory, stdout and stderr as they are at the call, and imports ``fn``'s
 module after taking that environment (epkit's own modules read the
 environment when called, not when imported). Where the platform has no fork
-server, ranks are spawned. The parent hosts the TCP store on a free
-port chosen by the OS (no port races), waits with one deadline for all ranks,
-re-raises the first failing rank's exception with its traceback, and kills
-every rank when the deadline passes, so a test can never hang.
+server, ranks are spawned. The ranks meet through a ``FileStore`` in a new
+temporary file: no port, so no port races, and no socket, so no name lookup
+(c10d names the peer of every TCPStore connection by a reverse lookup, which on
+a host without a reachable resolver fails and prints "[c10d] The hostname of
+the client socket cannot be retrieved" once per connection). The parent waits
+with one deadline for all ranks, re-raises the first failing rank's exception
+with its traceback, and kills every rank when the deadline passes, so a test
+can never hang.
 
 ``fn`` and its arguments must be picklable (define ``fn`` at module level).
 """
@@ -26,6 +30,7 @@ import multiprocessing.connection as mp_connection
 import multiprocessing.reduction as mp_reduction
 import os
 import pickle
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -108,7 +113,7 @@ def _rebuild_stdio(fds: tuple) -> CallersStdio:
     return got
 
 
-def _child(job, env, stdio, rank, world_size, port, results, init_timeout, init_dist):
+def _child(job, env, stdio, rank, world_size, store_path, results, init_timeout, init_dist):
     # The fork server's environment and stdio are the parent's as they were when the server started: take
     # today's first, then import what the job needs (fn's module, epkit) under them.
     stdio.take()
@@ -126,14 +131,8 @@ def _child(job, env, stdio, rank, world_size, port, results, init_timeout, init_
     torch.set_num_threads(1)
     try:
         if init_dist:
-            store = dist.TCPStore(
-                "127.0.0.1",
-                port,
-                world_size=None,
-                is_master=False,
-                timeout=timedelta(seconds=init_timeout),
-                wait_for_workers=False,
-            )
+            store = dist.FileStore(store_path, -1)  # -1: the parent removes the file
+            store.set_timeout(timedelta(seconds=init_timeout))
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout)
             )
@@ -206,8 +205,7 @@ def run_ranks(
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     job = pickle.dumps((fn, args, kwargs))  # here, so an unpicklable fn or argument fails in the caller
     ctx = start_context()
-    store = _host_store(timeout) if init_dist else None
-    port = store.port if store is not None else 0
+    store_path = _store_file() if init_dist else ""
     # One pipe per rank, whose write end only that rank holds: a rank that dies, even in the middle
     # of sending a large result, reads as end-of-file instead of leaving a shared queue half-written.
     readers, writers, procs = {}, [], []
@@ -218,7 +216,7 @@ def run_ranks(
         procs.append(
             ctx.Process(
                 target=_child,
-                args=(job, dict(os.environ), CallersStdio(), r, world_size, port, wr, timeout, init_dist),
+                args=(job, dict(os.environ), CallersStdio(), r, world_size, store_path, wr, timeout, init_dist),
                 daemon=True,
                 name=f"epkit-rank{r}",
             )
@@ -233,21 +231,16 @@ def run_ranks(
         _kill(procs)
         for conn in [*readers.values(), *writers]:  # writers too: a failed start leaves them open
             conn.close()
-        del store
+        if store_path:
+            with contextlib.suppress(OSError):
+                os.unlink(store_path)
 
 
-def _host_store(timeout: float):
-    """The TCP store the ranks join, hosted by this process on a port the OS picks (no port races)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world_size=None,
-        is_master=True,
-        timeout=timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )
+def _store_file() -> str:
+    """A new empty file for the ranks' FileStore (every rank has it open until it ends; the caller removes it)."""
+    fd, path = tempfile.mkstemp(prefix="epkit-ranks-", suffix=".store")
+    os.close(fd)
+    return path
 
 
 def _collect(readers: dict, procs: list, timeout: float, may_die: tuple[int, ...]) -> list:
@@ -263,9 +256,7 @@ def _collect(readers: dict, procs: list, timeout: float, may_die: tuple[int, ...
         left = deadline - time.monotonic()
         if left <= 0:
             pending = sorted(set(range(world_size)) - set(out))
-            raise TimeoutError(
-                f"ranks {pending} of {world_size} did not finish within {timeout:.0f} s; killed all ranks"
-            )
+            raise TimeoutError(f"ranks {pending} of {world_size} did not finish within {timeout:g} s; killed all ranks")
         waiting = {readers[r]: r for r in range(world_size) if r not in out}
         for conn in mp_connection.wait(list(waiting), timeout=min(left, 0.5)):
             r = waiting[conn]
