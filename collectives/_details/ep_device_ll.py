@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from epkit.collectives._details import ep_low_latency_out as outputs
 from epkit.collectives._details.ep_low_latency_layout import LowLatencyHandle
 from epkit.kernels.triton.ep_layout import check_aligned
 
@@ -63,7 +64,7 @@ class DeviceLowLatencyMixin:
             acc = self._device_load = torch.zeros(self.num_local_experts, dtype=torch.int64, device=self.device)
         return acc
 
-    def _dev_ll_dispatch(self, x, topk_idx, n_max: int, use_fp8: bool, return_recv_hook: bool):
+    def _dev_ll_dispatch(self, x, topk_idx, n_max: int, use_fp8: bool, return_recv_hook: bool, out):
         """``low_latency_dispatch`` on the kernels (same arguments and results)."""
         from epkit.kernels.triton.ep_low_latency import ll_dispatch_recv, ll_dispatch_send
 
@@ -73,7 +74,7 @@ class DeviceLowLatencyMixin:
         geo, dev = self._ll_geometry(), self.device
         error = None
         try:
-            self._ll_check_host(x, topk_idx, n_max)
+            self._ll_check_host(x, topk_idx, n_max, use_fp8, out)
             check_aligned("x", x)
         except ValueError as exc:  # every rank must learn of it through the message header
             error = str(exc)
@@ -81,10 +82,12 @@ class DeviceLowLatencyMixin:
             x = torch.empty((0, self.hidden), dtype=torch.bfloat16, device=dev)
             topk_idx = torch.empty((0, self.num_topk), dtype=torch.int64, device=dev)
             n_max = min(n_max, self.num_max_dispatch_tokens_per_rank) if isinstance(n_max, int) and n_max > 0 else 1
+            out = None
         x = x.contiguous()
         route = torch.empty((3, x.shape[0], self.num_topk), dtype=torch.int32, device=dev)
         ll_dispatch_send(geo, x, topk_idx.contiguous(), route, self._dev.error_text(error), n_max, use_fp8, bool(error))
-        recv_x, recv_count = self._ll_outputs(n_max, use_fp8)
+        L, slots = self.num_local_experts, n_max * self.world_size
+        recv_x, recv_count = outputs.dispatch_outputs(self._ll_cache, out, L, slots, self.hidden, use_fp8, dev)
         counts = torch.empty((self.world_size, self.num_local_experts), dtype=torch.int64, device=dev)
         handle = LowLatencyHandle(
             num_tokens=x.shape[0],
@@ -97,20 +100,20 @@ class DeviceLowLatencyMixin:
             epoch=self._ll_dispatches,
             route=route,
         )
-        state = {"done": False}
+        state = {"outputs": (recv_x, recv_count)}  # let go once filled: a kept hook holds no receive tensor
 
         def hook():
-            if not state["done"]:
-                state["done"] = True
-                xs = recv_x if use_fp8 else (recv_x, None)
-                ll_dispatch_recv(geo, xs[0], xs[1], counts, recv_count, self._device_load_counter(), n_max, use_fp8)
+            if "outputs" in state:
+                xs, count = state.pop("outputs")
+                xs = xs if use_fp8 else (xs, None)
+                ll_dispatch_recv(geo, xs[0], xs[1], counts, count, self._device_load_counter(), n_max, use_fp8)
                 self._dev.poll(wait=error is not None)  # a rejecting rank raises now, as every rank will
 
         if error is not None or not return_recv_hook:
             hook()
         return recv_x, recv_count, handle, hook
 
-    def _dev_ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook: bool):
+    def _dev_ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook: bool, given):
         """``low_latency_combine`` on the kernels, after its validation (same results)."""
         from epkit.kernels.triton.ep_low_latency import ll_combine_recv, ll_combine_send
 
@@ -125,7 +128,7 @@ class DeviceLowLatencyMixin:
 
         def hook():
             if "y" not in out:
-                res = torch.empty((handle.num_tokens, self.hidden), dtype=torch.bfloat16, device=self.device)
+                res = outputs.combine_output(self._ll_cache, given, handle.num_tokens, n_max, self.hidden, self.device)
                 ll_combine_recv(geo, res, topk_weights.float().contiguous(), handle.route, n_max, ident)
                 out["y"] = res
                 self._dev.poll()

@@ -19,13 +19,15 @@ on the routing. Two ways to run it, one protocol:
   (no device-to-host memcpy), and a later call reads them once the stream has passed them.
 
 Mixed into :class:`~epkit.collectives.ep_buffer.EPBuffer`; it uses the buffer's ``buffer`` (SymmBuffer),
-sizes, ``region_bytes``, ``retire_on_failure``/``_reject_locally``, ``_check_topk`` and ``_ll_cache``.
+sizes, ``region_bytes``, ``retire_on_failure``/``_reject_locally``, ``_check_topk`` and ``_ll_cache`` (the pool of
+the tensors the calls return, ``ep_low_latency_out``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from epkit.collectives._details import ep_low_latency_out as outputs
 from epkit.collectives._details import ep_low_latency_packed as packed
 from epkit.collectives._details import ep_rows
 from epkit.collectives._details.ep_low_latency_layout import (
@@ -100,30 +102,16 @@ class LowLatencyMixin:
         self.buffer.deferred.record(heads[:, :3].long().reshape(-1), judge, self.timeout, "low-latency dispatch")
         return (heads[:, 0] == OK) & (heads[:, 1] == n_max) & (heads[:, 2] == int(use_fp8))
 
-    def _ll_outputs(self, n_max: int, use_fp8: bool):
-        """Persistent low-latency receive tensors (as DeepEP: valid until the next low-latency dispatch)."""
-        key = (n_max, use_fp8)
-        if key not in self._ll_cache:
-            L, w, h = self.num_local_experts, self.world_size, self.hidden
-            if use_fp8:
-                recv_x = (
-                    torch.zeros((L, n_max * w, h), dtype=torch.float8_e4m3fn, device=self.device),
-                    torch.zeros((L, n_max * w, -(-h // 128)), dtype=torch.float32, device=self.device),
-                )
-            else:
-                recv_x = torch.zeros((L, n_max * w, h), dtype=torch.bfloat16, device=self.device)
-            self._ll_cache[key] = (recv_x, torch.zeros(L, dtype=torch.int32, device=self.device))
-        return self._ll_cache[key]
-
     def _addresses(self, values: list[int]) -> torch.Tensor:
         """``values`` (addresses of regions, a handle's identity) as a cached int64 table on the rows' device."""
         return device_table(self.__dict__.setdefault("_addr_tables", {}), values, self.device)
 
-    def _ll_check_host(self, x, topk_idx, n_max: int) -> None:
+    def _ll_check_host(self, x, topk_idx, n_max: int, use_fp8: bool, out) -> None:
         """Validation needing no data (every mode), then, host-checked mode only, the data checks."""
         h, cap = self.hidden, self.num_max_dispatch_tokens_per_rank
         if isinstance(n_max, bool) or not isinstance(n_max, int) or not 0 < n_max <= cap:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be in [1, {cap}], got {n_max!r}")
+        outputs.check_dispatch_out(out, self.num_local_experts, n_max * self.world_size, h, use_fp8, self.device)
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h or x.dtype != torch.bfloat16:
             raise ValueError(
                 f"x must be bfloat16 [num_tokens, {h}], got {getattr(x, 'dtype', None)} "
@@ -152,6 +140,7 @@ class LowLatencyMixin:
         num_max_dispatch_tokens_per_rank: int,
         use_fp8: bool = True,
         return_recv_hook: bool = False,
+        out=None,
     ):
         """Fixed-slot dispatch into the masked layout (decode).
 
@@ -170,13 +159,16 @@ class LowLatencyMixin:
             Send e4m3 rows with float32 per-128 scales (the grouped GEMM's activation format).
         return_recv_hook : bool
             Only send now; ``hook()`` waits and fills the outputs.
+        out : the receive tensor(s) to fill and return, contiguous on the buffer's device, as ``recv_x`` below
+            (N = num_max_dispatch_tokens_per_rank, L local experts, W ranks); a wrong one: ValueError on every rank.
+            Without it they come from the buffer's pool, whose memory is reused only once the caller holds no
+            tensor or view of it: a kept result is never overwritten (``ep_low_latency_out``).
 
         Returns
         -------
-        recv_x : Tensor [num_local_experts, N * W, hidden] bf16, or (e4m3 tensor, scales [L, N*W, hidden/128])
+        recv_x : Tensor [L, N * W, hidden] bf16, or (e4m3 tensor, scales [L, N * W, hidden/128]) (``out`` if given)
             Rows of expert e ordered by source rank, then source token order; rows past
-            ``recv_count[e]`` are unspecified. Like DeepEP's, these tensors are owned by the
-            buffer and reused: they stay valid until the next low-latency dispatch (clone to keep).
+            ``recv_count[e]`` are unspecified.
         recv_count : Tensor [num_local_experts] int32
         handle : LowLatencyHandle
         hook : callable; receives the data (a no-op when ``return_recv_hook`` is False). Call it
@@ -184,7 +176,7 @@ class LowLatencyMixin:
         """
         n_max = num_max_dispatch_tokens_per_rank
         if self._dev is not None:
-            return self._dev_ll_dispatch(x, topk_idx, n_max, use_fp8, return_recv_hook)
+            return self._dev_ll_dispatch(x, topk_idx, n_max, use_fp8, return_recv_hook, out)
         # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
         self._ll_dispatches += 1
         w, L, h = self.world_size, self.num_local_experts, self.hidden
@@ -194,7 +186,8 @@ class LowLatencyMixin:
         # Every message has the same bound on every rank (the buffer's capacity, bf16 rows: a stream-ordered
         # message's size, a packed one's limit), so a rank that rejects its input still takes part, whatever it passed.
         msg_bytes = min(self.region_bytes, align_up(hdr + L * self.num_max_dispatch_tokens_per_rank * 2 * h))
-        error, route = self._ll_prepare(x, topk_idx, n_max, hdr + L * n_max * (xb + sb) > msg_bytes, streamed)
+        too_big = hdr + L * n_max * (xb + sb) > msg_bytes
+        error, route = self._ll_prepare(x, topk_idx, n_max, use_fp8, out, too_big, streamed)
         ex = self.buffer.exchange(self.region_bytes, tag="ll_dispatch", deferred=streamed, guarded=True)
         if error is not None:
             self._ll_reject(ex, error, hdr, msg_bytes, use_fp8)
@@ -202,25 +195,25 @@ class LowLatencyMixin:
         counts = per_expert.clamp(max=n_max).view(w, L)  # what each destination expert gets from here
         with self.retire_on_failure("low-latency dispatch"):
             live = self._ll_send(ex, x, key, pos, counts, status, n_max, use_fp8, hdr, msg_bytes)
-        recv_x, recv_count = self._ll_outputs(n_max, use_fp8)
+        recv_x, recv_count = outputs.dispatch_outputs(self._ll_cache, out, L, n_max * w, h, use_fp8, self.device)
         handle = self._ll_handle(x.shape[0], key, pos, live, n_max)
-        state = {"done": False}
+        state = {"outputs": (recv_x, recv_count)}  # let go once filled: a kept hook holds no receive tensor
 
         def hook():
-            if not state["done"]:
-                self._ll_receive(ex, handle, recv_x, recv_count, msg_bytes, use_fp8)
-                state["done"] = True
+            if "outputs" in state:
+                self._ll_receive(ex, handle, *state["outputs"], msg_bytes, use_fp8)
+                del state["outputs"]
 
         if not return_recv_hook:
             hook()
         return recv_x, recv_count, handle, hook
 
-    def _ll_prepare(self, x, topk_idx, n_max: int, too_big: bool, streamed: bool):
+    def _ll_prepare(self, x, topk_idx, n_max: int, use_fp8: bool, out, too_big: bool, streamed: bool):
         """Validation and routing of a low-latency dispatch: ``(error or None, route)``; no exception escapes,
         since every rank must take part in the exchange whatever this rank passed (see ``route_pairs``)."""
         route = None
         try:
-            self._ll_check_host(x, topk_idx, n_max)
+            self._ll_check_host(x, topk_idx, n_max, use_fp8, out)
             if too_big:
                 raise ValueError(f"low-latency message exceeds the {self.region_bytes}-byte region")
             route = route_pairs(topk_idx.to(self.device), self.num_experts, n_max)
@@ -374,6 +367,7 @@ class LowLatencyMixin:
         topk_weights: torch.Tensor,
         handle: LowLatencyHandle,
         return_recv_hook: bool = False,
+        out=None,
     ):
         """Send expert outputs back and reduce them at the source.
 
@@ -383,6 +377,9 @@ class LowLatencyMixin:
         topk_idx, topk_weights : Tensor [T, num_topk] as given to the dispatch (weights float32, on the
             buffer's device)
         handle : LowLatencyHandle
+        out : Tensor [T, hidden] bfloat16, contiguous on the buffer's device, optional
+            Written and returned (as DeepEP's ``out``); without it, a tensor of the buffer's pool (see
+            ``low_latency_dispatch``). A wrong one is rejected as a bad ``y`` is.
 
         Returns
         -------
@@ -408,16 +405,17 @@ class LowLatencyMixin:
                 raise ValueError(f"topk_idx and topk_weights must be [{t_num}, {K}]")
             if self._ll_stream_ordered() and topk_weights.device != self.device:
                 raise ValueError(f"topk_weights is on {topk_weights.device}; the low-latency path needs {self.device}")
+            outputs.check_combine_out(out, t_num, h, self.device)
             if self._dev is not None:
                 check_aligned("y", y)
         except ValueError as exc:
             self._reject_locally("low-latency combine", exc)
         with self.retire_on_failure("low-latency combine"):
             if self._dev is not None:
-                return self._dev_ll_combine(y, topk_weights, handle, return_recv_hook)
-            return self._ll_combine(y, topk_weights, handle, return_recv_hook)
+                return self._dev_ll_combine(y, topk_weights, handle, return_recv_hook, out)
+            return self._ll_combine(y, topk_weights, handle, return_recv_hook, out)
 
-    def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook):
+    def _ll_combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook, given):
         w, L, h, n_max = self.world_size, self.num_local_experts, self.hidden, handle.n_max
         row, head = 2 * h, COMBINE_HEADER
         msg_bytes = head + L * n_max * row
@@ -448,14 +446,14 @@ class LowLatencyMixin:
 
         def hook():
             if "y" not in out:
-                out["y"] = self._ll_combine_receive(ex, handle, topk_weights, msg_bytes)
+                out["y"] = self._ll_combine_receive(ex, handle, topk_weights, msg_bytes, given)
             return out["y"]
 
         if return_recv_hook:
             return None, hook
         return hook()
 
-    def _ll_combine_receive(self, ex, handle: LowLatencyHandle, topk_weights, msg_bytes: int):
+    def _ll_combine_receive(self, ex, handle: LowLatencyHandle, topk_weights, msg_bytes: int, given):
         """The combine hook: wait for every message, check that every rank sent rows of the same dispatch of this
         buffer (on the host, or on the stream), and reduce at the source in the fixed order."""
         w, L, h, n_max = self.world_size, self.num_local_experts, self.hidden, handle.n_max
@@ -475,7 +473,8 @@ class LowLatencyMixin:
                 slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
                 _, stride = message_spacing(views)
                 table = views[0][head:].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
-                res = reduce_gathered(table, handle.dst_of, slot, topk_weights.float()).to(torch.bfloat16)
+                res = outputs.combine_output(self._ll_cache, given, handle.num_tokens, n_max, h, self.device)
+                res.copy_(reduce_gathered(table, handle.dst_of, slot, topk_weights.float()))  # rounded as .to()
             else:
                 sent = packed.sent_counts(handle.dst_of, handle.expert_of, w, L)
                 per_src = sent.sum(1).tolist()
@@ -483,7 +482,7 @@ class LowLatencyMixin:
                 at = packed.first_rows(sent)[handle.dst_of.clamp(min=0), handle.expert_of.clamp(min=0)]
                 at = at + handle.pos_of.clamp(min=0)
                 sources = [v[head : head + n * row].view(torch.bfloat16).view(n, h) for v, n in zip(views, per_src)]
-                res = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=self.device)
+                res = outputs.combine_output(self._ll_cache, given, handle.num_tokens, n_max, h, self.device)
                 reduce_indexed(res, sources, handle.dst_of, at, topk_weights.float())
         if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
             buffer_id = self.buffer.buffer_id

@@ -13,12 +13,12 @@ sends its own. Per MoE layer every rank issues, in this order::
     A: recv dispatch(B), send combine(A)      B: experts          (combine(A) in flight)
     B: recv combine(A), send combine(B)       A: next layer's attention (combine(B) in flight)
 
-so each exchange overlaps the other micro-batch's compute. A dispatch's receive tensors belong to the
-buffer until the next low-latency dispatch, so they are copied when received. The micro-batches are the
-first and second half of the step's sequences (a rank with one sequence sends an empty second one: every
-rank enters every exchange). Nothing of the arithmetic changes: every row goes through the same ops as
-without TBO, so the outputs are bit for bit the same (tested). The Engram fetch stays one per step, for the
-whole batch.
+so each exchange overlaps the other micro-batch's compute. A dispatch's receive tensors stay the micro-batch's
+while it holds them (the buffer's pool never hands out memory still in use): no copy. The micro-batches are
+the first and second half of the step's sequences (a rank with one sequence sends an empty second one: every
+rank enters every exchange). Nothing of the arithmetic changes: every row goes through the same ops as without
+TBO, so the outputs are bit for bit the same (tested). The Engram fetch stays one per step, for the whole
+batch.
 
 Timing (:class:`~epkit.model.profile.StepTimer`): ``dispatch`` / ``combine`` are the exposed parts (the send,
 and the wait in the receive), ``overlapped_comm`` the seconds exchanges spent in flight behind the other
@@ -82,10 +82,6 @@ class _InFlight:
         self.pending = (receive, kind, time.perf_counter())
 
 
-def _copy(t):
-    return tuple(x.clone() for x in t) if isinstance(t, tuple) else t.clone()
-
-
 def _moe_overlapped(model, fly: _InFlight, m: int, h: torch.Tensor, count_load: bool):
     """MoE layer ``m`` of one micro-batch (a generator: it yields after each send); returns its float32 output."""
     phys, weights, shared = model.moe_route(m, h, count_load)
@@ -98,7 +94,7 @@ def _moe_overlapped(model, fly: _InFlight, m: int, h: torch.Tensor, count_load: 
 
     def received():
         got["hook"]()
-        got["x"], got["n"] = _copy(got["recv"]), got["count"].clone()  # the buffer's until its next dispatch
+        got["x"], got["n"] = got["recv"], got["count"]  # ours while held: the next dispatch takes other memory
 
     fly.send("dispatch", dispatch, received)
     yield

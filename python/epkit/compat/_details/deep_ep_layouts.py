@@ -85,38 +85,39 @@ def column_major(rows_first: tuple[int, int, int], dtype: torch.dtype, device) -
 
 
 class LowLatencyOutputs:
-    """DeepEP's low-latency receive tensors, filled from EPBuffer's by :meth:`fill` (which the receive hook calls):
-    fresh tensors per call (DeepEP's are; EPBuffer's are reused by its next dispatch).
+    """DeepEP's low-latency receive tensors over EPBuffer's ``recv_x`` and ``recv_count`` (from its pool, which never
+    hands out memory the caller still holds: DeepEP's fresh-per-call tensors in all but their addresses), completed
+    by :meth:`fill` once they are received (the receive hook calls it).
 
-    ``mode``: ``"bf16"`` (bf16 rows), ``"fp8"`` (EPBuffer sent FP8 rows and per-128 scales), or ``"round"``
-    (``round_scale``: EPBuffer sent bf16 rows, quantized here with power-of-two scales, as DeepEP quantizes each
-    token before sending; the scales are the same, the codes the same bits).
+    ``mode``: ``"bf16"`` (EPBuffer's bf16 rows, as they are), ``"fp8"`` (EPBuffer's FP8 rows as they are, its
+    per-128 scales copied column-major), or ``"round"`` (``round_scale``: EPBuffer sent bf16 rows, quantized here
+    with power-of-two scales, as DeepEP quantizes each token before sending; the scales are the same, the codes the
+    same bits).
     """
 
-    def __init__(self, mode: str, use_ue8m0: bool, num_local: int, slots: int, hidden: int, device):
+    def __init__(self, mode: str, use_ue8m0: bool, recv_x, recv_count: torch.Tensor):
         self.mode, self.use_ue8m0 = mode, use_ue8m0
-        fp8 = mode != "bf16"
-        self.x = torch.empty(
-            (num_local, slots, hidden), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device
-        )
-        self.scales = None
-        if fp8:
+        self._received, self.count = recv_x, recv_count  # EPBuffer's, filled by its receive hook
+        rows = recv_x[0] if mode == "fp8" else recv_x
+        num_local, slots, hidden = rows.shape
+        self.x, self.scales = rows, None
+        if mode == "round":
+            self.x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn, device=rows.device)
+        if mode != "bf16":
             groups = hidden // FP8_BLOCK
             shape = (num_local, slots, groups // 4 if use_ue8m0 else groups)
-            self.scales = column_major(shape, torch.int32 if use_ue8m0 else torch.float32, device)
-        self.count = torch.empty((num_local,), dtype=torch.int32, device=device)
+            self.scales = column_major(shape, torch.int32 if use_ue8m0 else torch.float32, rows.device)
 
-    def fill(self, recv_x, recv_count: torch.Tensor) -> None:
-        """Copy (and for ``round``, quantize) EPBuffer's received rows and counts into these tensors."""
-        self.count.copy_(recv_count)
+    def fill(self) -> None:
+        """Lay out (and for ``round``, quantize) EPBuffer's received rows as DeepEP's, then let go of them."""
+        recv_x, self._received = self._received, None
         if self.mode == "bf16":
-            self.x.copy_(recv_x)
             return
         if self.mode == "fp8":
-            q, s = recv_x
+            s = recv_x[1]
         else:
             q, s = cast_groups_to_fp8(recv_x, FP8_BLOCK, ue8m0=True)
-        self.x.copy_(q)
+            self.x.copy_(q)
         if self.use_ue8m0:  # the exponent bytes of the power-of-two scales, four to an int32
             s = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).contiguous().view(torch.int32)
         self.scales.copy_(s)

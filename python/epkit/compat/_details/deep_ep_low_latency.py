@@ -63,6 +63,17 @@ def _fields(x, topk_idx, num_experts, n_max: int) -> list[tuple[str, object]]:
     ]
 
 
+def _combine_out_ok(out, shape: tuple[int, int], device) -> bool:
+    """Whether ``out`` is a combine result EPBuffer writes into (as DeepEP asks: bf16, contiguous, the shape)."""
+    return (
+        isinstance(out, torch.Tensor)
+        and out.shape == shape
+        and out.dtype == torch.bfloat16
+        and out.device == device
+        and out.is_contiguous()
+    )
+
+
 class LowLatencyMixin:
     """DeepEP's low-latency calls (see the module docstring).
 
@@ -145,14 +156,14 @@ class LowLatencyMixin:
         hidden = x.shape[1]
         buf = self._epbuffer(hidden, num_experts, topk_idx.shape[1], x.device, 0, n_max)
         mode = "bf16" if not use_fp8 else ("round" if round_scale else "fp8")
-        out = LowLatencyOutputs(mode, use_ue8m0, buf.num_local_experts, n_max * self.group_size, hidden, x.device)
         recv_x, recv_count, h, ll_hook = buf.low_latency_dispatch(
             x, topk_idx, n_max, use_fp8=mode == "fp8", return_recv_hook=return_recv_hook
         )
+        out = LowLatencyOutputs(mode, use_ue8m0, recv_x, recv_count)  # EPBuffer's tensors: no copy of the rows
 
         def receive():
             ll_hook()
-            out.fill(recv_x, recv_count)
+            out.fill()
             if stats is not None:
                 stats.add_(out.count.to(stats.dtype))
 
@@ -194,15 +205,16 @@ class LowLatencyMixin:
         self._settle()
         buf = handle.buffer
         t_num = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else -1
-        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != (t_num, handle.hidden)):
-            raise ValueError(f"{fn}: out must be [{t_num}, {handle.hidden}] bf16, got {out!r:.60}")
+        if out is not None and not _combine_out_ok(out, (t_num, handle.hidden), buf.device):
+            raise ValueError(f"{fn}: out must be a contiguous [{t_num}, {handle.hidden}] bf16 tensor, got {out!r:.60}")
         if out is None:
-            out = torch.empty((max(t_num, 0), handle.hidden), dtype=torch.bfloat16, device=x.device)
+            out = torch.empty((max(t_num, 0), handle.hidden), dtype=torch.bfloat16, device=buf.device)
         weights = topk_weights.float() if isinstance(topk_weights, torch.Tensor) else topk_weights
-        res = buf.low_latency_combine(x, topk_idx, weights, handle.handle, return_recv_hook=return_recv_hook)
+        res = buf.low_latency_combine(x, topk_idx, weights, handle.handle, return_recv_hook=return_recv_hook, out=out)
 
-        def receive():
-            out.copy_(res[1]() if return_recv_hook else res)
+        def receive():  # EPBuffer writes into out
+            if return_recv_hook:
+                res[1]()
 
         hook = self._deferred(receive, return_recv_hook)
         keep = (x, topk_idx, topk_weights) if async_finish else None
