@@ -88,7 +88,7 @@ for name in names:
     reqs += extras[name]
 (ci,) = [entry for entry in meta["tool"]["epkit"]["tested"] if entry.get("ci")]
 for key, extra in {"torch": "cpu", "triton": "kernels", "nvshmem-cu13": "cuda13"}.items():
-    if extra in names:
+    if "cpu" in names and extra in names:  # the torch is ours to choose: it and what it requires
         reqs.append(f"{'nvidia-' if key.startswith('nvshmem') else ''}{key}=={ci[key]}")
 print("\n".join(dict.fromkeys(reqs)))
 EOF

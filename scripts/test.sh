@@ -16,6 +16,13 @@ python -m pytest -q --durations=15 "$@"
 if [ $# -eq 0 ]; then
     python -m epkit.testing.rung3 record build/launches/records.json
     # the Triton of each torch epkit is tested beside ([tool.epkit] in pyproject.toml)
-    tritons=$(python -c 'import tomllib; print(",".join(t["triton"] for t in tomllib.load(open("pyproject.toml", "rb"))["tool"]["epkit"]["tested"]))')
+    tritons=$(python - <<'EOF'
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the TOML reader pip vendors
+    from pip._vendor import tomli as tomllib
+print(",".join(t["triton"] for t in tomllib.load(open("pyproject.toml", "rb"))["tool"]["epkit"]["tested"]))
+EOF
+)
     python -m epkit.testing.rung3 sweep build/launches/records.json --tritons "$tritons" --keep build/launches
 fi

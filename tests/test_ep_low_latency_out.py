@@ -231,7 +231,7 @@ def _deep_ep_shim(rank, world_size, use_fp8):
     combined, _, _ = buffer.low_latency_combine(y, idx, wts, handle, out=mine)
     want = reference_low_latency_combine([y[e, :c] for e, c in enumerate(ref["counts"])], idx, wts, ref)
     assert_bitwise_equal(mine, want, f"{rank=} combine into out")
-    with pytest.raises(ValueError, match=r"out must be a contiguous \[6, 256\] bf16 tensor"):  # before any exchange
+    with pytest.raises(ValueError, match=r"out must be torch.bfloat16 \(6, 256\) on cpu"):  # EPBuffer's check
         buffer.low_latency_combine(y, idx, wts, handle, out=mine.float())
     buffer.destroy()
     return reused, fresh, unchanged, combined is mine
@@ -272,4 +272,22 @@ def test_pool_reuses_memory_only_once_nothing_outside_it_references_it(holder):
     assert again.data_ptr() == addr and bool((again == 1.0).all())  # nothing references it any more
     held = [take(pool, (4, 8), torch.float32, "cpu") for _ in range(KEEP + 1)]  # more held than the pool keeps
     assert len({t.data_ptr() for t in held + [again, other]}) == KEEP + 3
-    assert len(pool[((4, 8), torch.float32, torch.device("cpu"))]) == KEEP
+    (entries,) = pool.values()  # one key: one shape, dtype, device (and stream, mode) here
+    assert len(entries) == KEEP
+
+
+def test_pool_memory_made_in_inference_mode_stays_there():
+    """A block made under ``torch.inference_mode`` is an inference tensor, which cannot be written outside it: the
+    pool keys its blocks by the mode, so a call outside gets writable memory of its own."""
+    from epkit.collectives._details.ep_low_latency_out import take
+
+    pool: dict = {}
+    with torch.inference_mode():
+        inner = take(pool, (4, 8), torch.float32, "cpu")
+        addr = inner.data_ptr()
+        del inner
+    outer = take(pool, (4, 8), torch.float32, "cpu")
+    assert not outer.is_inference() and outer.data_ptr() != addr
+    outer.copy_(torch.ones(4, 8))  # raised "Inplace update to inference tensor outside InferenceMode" before
+    with torch.inference_mode():
+        assert take(pool, (4, 8), torch.float32, "cpu").data_ptr() == addr

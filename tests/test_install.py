@@ -89,7 +89,8 @@ def test_each_tested_torch_resolves_with_epkit_from_the_public_index(tmp_path):
 def test_one_tested_torch_is_the_one_ci_runs_beside():
     (ci,) = [t for t in TESTED if t.get("ci")]
     import torch
-    import triton
+
+    triton = pytest.importorskip("triton", reason="Triton is not installed (the kernels extra): nothing to compare")
 
     assert torch.__version__.split("+")[0] == ci["torch"], torch.__version__
     assert triton.__version__ == ci["triton"], triton.__version__

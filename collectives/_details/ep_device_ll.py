@@ -76,6 +76,8 @@ class DeviceLowLatencyMixin:
         try:
             self._ll_check_host(x, topk_idx, n_max, use_fp8, out)
             check_aligned("x", x)
+            for i, part in enumerate(out if isinstance(out, (tuple, list)) else [out]):
+                check_aligned("out" if not isinstance(out, (tuple, list)) else f"out[{i}]", part)
         except ValueError as exc:  # every rank must learn of it through the message header
             error = str(exc)
         if error is not None:  # nothing of this call is read: placeholders of the right kinds

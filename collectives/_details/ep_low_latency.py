@@ -408,6 +408,7 @@ class LowLatencyMixin:
             outputs.check_combine_out(out, t_num, h, self.device)
             if self._dev is not None:
                 check_aligned("y", y)
+                check_aligned("out", out)
         except ValueError as exc:
             self._reject_locally("low-latency combine", exc)
         with self.retire_on_failure("low-latency combine"):

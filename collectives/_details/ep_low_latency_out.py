@@ -5,7 +5,12 @@ sizes on 2 ranks), so a fresh one per call costs more than the exchange. The poo
 shape, dtype and device) hands out tensors over memory it keeps, and reuses that memory only once nothing outside
 the pool references it: no tensor, view or storage object over it (see :func:`take`). A result the caller still
 holds is therefore never written again; one it dropped is written by the next call of that shape. Fresh memory is
-zeroed, as the buffer's receive tensors always were, so rows a call does not write read alike on every path.
+zeroed, as the buffer's receive tensors always were; rows a call does not write hold zeros or an earlier call's
+rows (unspecified, as in DeepEP).
+
+On CUDA a block is reused only on the stream that got it (and a graph capture's only by that capture): stream
+order puts the next write after every use queued on that stream. A result read by work on another stream must
+stay referenced until that work is done; the pool does not see ``record_stream``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ def _counts(entry: list) -> tuple[int, int]:
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
 
 
+def _key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple:
+    """A pool entry's key: besides shape, dtype and device, the CUDA stream and whether it is capturing a graph
+    (memory is reused only in stream order, and a graph's memory only by that capture), and inference mode (an
+    inference tensor cannot be written outside it)."""
+    stream = capturing = None
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device).stream_id
+        capturing = torch.cuda.is_current_stream_capturing()
+    return shape, dtype, device, stream, capturing, torch.is_inference_mode_enabled()
+
+
 def take(pool: dict, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A contiguous ``shape`` tensor over pooled memory no one else references, or over fresh zeroed memory.
 
@@ -37,7 +53,7 @@ def take(pool: dict, shape: tuple[int, ...], dtype: torch.dtype, device) -> torc
     one Python object (what ``untyped_storage()`` returns), whose references count the rest. Launches nothing
     (no device op) but the zeroing of fresh memory."""
     shape = tuple(shape)
-    entries = pool.setdefault((shape, dtype, torch.device(device)), [])
+    entries = pool.setdefault(_key(shape, dtype, torch.device(device)), [])
     for entry in entries:
         if _counts(entry) == entry[2]:
             return entry[0].detach()

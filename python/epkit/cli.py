@@ -9,10 +9,11 @@
 
 Every subcommand takes ``--json`` (one JSON document on stdout, nothing else there); ``epkit --version``
 prints the version. Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are one line
-on stderr, never a traceback. torch is a peer dependency: without it ``--version`` and ``--help`` work and
-every command ends with status 1 and one line saying which torch to install and how. A reader that closes
-the pipe early (``epkit plan --json | head -1``) ends the command quietly with status 141, as a shell reports
-a writer stopped by SIGPIPE.
+on stderr, never a traceback. torch is a peer dependency: without it ``epkit --version`` and the ``--help`` of
+``epkit`` and its commands work (not ``epkit run --help``: its parser lives with the model), and every command
+ends with status 1 and one line saying which torch to install and how. A reader that closes the pipe early
+(``epkit plan --json | head -1``) ends the command quietly with status 141, as a shell reports a writer stopped
+by SIGPIPE.
 """
 
 from __future__ import annotations

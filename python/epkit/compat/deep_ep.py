@@ -6,7 +6,8 @@ Every public method of DeepEP's legacy ``Buffer`` but the internode and rank-mas
 parameter names and order, defaults, return arity and tensor layouts (the low-latency FP8 scales column-major,
 packed UE8M0 with ``use_ue8m0``); ``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` too.
 Semantics follow DeepEP where the two differ: received top-k weights are 0 where the expert lives on another
-rank, the low-latency receive tensors are fresh per call.
+rank; the low-latency receive tensors are never written again while the caller holds them (EPBuffer's pool reuses
+memory only once it is dropped).
 
 How it maps:
 
@@ -182,6 +183,7 @@ class Buffer(LowLatencyMixin):
         self._current: dict[tuple, EPBuffer] = {}  # (hidden, num_experts, num_topk) -> the buffer calls use
         self._made: list[EPBuffer] = []  # every buffer made, in order (outstanding handles keep using theirs)
         self._destroyed = False
+        self._broken: str | None = None  # why an agreement failed: the Buffer is then unusable
         self._agreement = CallAgreement(group)  # what every rank's dispatch agrees on before it picks a buffer
 
     # buffers
@@ -317,7 +319,14 @@ class Buffer(LowLatencyMixin):
         every rank (a rank's rejection, or ``fields`` that differ across ranks)."""
         if self._destroyed:
             raise RuntimeError("Buffer: destroy() was called; make a new Buffer")
-        return self._agreement(fn, error, fields, self.timeout, tokens)
+        if self._broken is not None:
+            raise RuntimeError(f"Buffer: an earlier call's agreement failed ({self._broken}); make a new Buffer")
+        try:
+            return self._agreement(fn, error, fields, self.timeout, tokens)
+        except (TimeoutError, RuntimeError) as exc:
+            # the group's all-gather may still be pending: a later call would pair with it, out of step
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
 
     def dispatch(
         self,

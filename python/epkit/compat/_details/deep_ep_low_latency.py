@@ -63,17 +63,6 @@ def _fields(x, topk_idx, num_experts, n_max: int) -> list[tuple[str, object]]:
     ]
 
 
-def _combine_out_ok(out, shape: tuple[int, int], device) -> bool:
-    """Whether ``out`` is a combine result EPBuffer writes into (as DeepEP asks: bf16, contiguous, the shape)."""
-    return (
-        isinstance(out, torch.Tensor)
-        and out.shape == shape
-        and out.dtype == torch.bfloat16
-        and out.device == device
-        and out.is_contiguous()
-    )
-
-
 class LowLatencyMixin:
     """DeepEP's low-latency calls (see the module docstring).
 
@@ -136,18 +125,24 @@ class LowLatencyMixin:
         data; else None.
         """
         fn = "low_latency_dispatch"
-        _flags(fn, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
-               return_recv_hook=return_recv_hook)  # fmt: skip
-        if not self.low_latency_mode:
-            raise ValueError(f"{fn}: the Buffer was made with low_latency_mode=False (as DeepEP, it needs True)")
-        if dispatch_wait_recv_cost_stats is not None:
-            raise ValueError(f"{fn}: dispatch_wait_recv_cost_stats (per-rank wait times) is not supported; pass None")
-        if use_ue8m0 and not round_scale:
-            raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (as in DeepEP)")
-        n_max = _positive(fn, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        error, n_max = None, None  # every check feeds the agreement: a rank never raises alone (its peers would wait)
+        try:
+            _flags(fn, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+                   return_recv_hook=return_recv_hook)  # fmt: skip
+            if not self.low_latency_mode:
+                raise ValueError(f"{fn}: the Buffer was made with low_latency_mode=False (as DeepEP, it needs True)")
+            if dispatch_wait_recv_cost_stats is not None:
+                raise ValueError(f"{fn}: dispatch_wait_recv_cost_stats (per-rank wait times) is not supported")
+            if use_ue8m0 and not round_scale:
+                raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (as in DeepEP)")
+            n_max = _positive(fn, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        except ValueError as exc:
+            error = str(exc)
         self._settle()
         stats = cumulative_local_expert_recv_stats
-        error = _check_tensors(fn, x, topk_idx, num_experts, stats, self.group_size, use_fp8 and (1 + 3 * use_ue8m0))
+        if error is None:
+            fp8_blocks = use_fp8 and (1 + 3 * use_ue8m0)
+            error = _check_tensors(fn, x, topk_idx, num_experts, stats, self.group_size, fp8_blocks)
         if self._agreement.nccl:  # CUDA ranks: no host agreement (the call stays stream-ordered)
             if error is not None:
                 raise ValueError(error)
@@ -205,9 +200,7 @@ class LowLatencyMixin:
         self._settle()
         buf = handle.buffer
         t_num = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else -1
-        if out is not None and not _combine_out_ok(out, (t_num, handle.hidden), buf.device):
-            raise ValueError(f"{fn}: out must be a contiguous [{t_num}, {handle.hidden}] bf16 tensor, got {out!r:.60}")
-        if out is None:
+        if out is None:  # a wrong out is EPBuffer's to reject: its peers then learn at once (PeerFailedError)
             out = torch.empty((max(t_num, 0), handle.hidden), dtype=torch.bfloat16, device=buf.device)
         weights = topk_weights.float() if isinstance(topk_weights, torch.Tensor) else topk_weights
         res = buf.low_latency_combine(x, topk_idx, weights, handle.handle, return_recv_hook=return_recv_hook, out=out)
