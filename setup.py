@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, has_flag
 from pybind11.setup_helpers import build_ext as _pybind_build_ext
@@ -104,10 +105,12 @@ class build_ext(_pybind_build_ext):
     def _say_each_compile(self, total: int) -> None:
         """One ``epkit build: [k/n] compiling csrc/x.cpp`` line on stderr as each source starts (the compile
         takes about a minute on 2 cores; scripts/setup.sh shows these lines out of pip's verbose output)."""
-        compile_one, started = self.compiler._compile, itertools.count(1)
+        compile_one, started, lock = self.compiler._compile, itertools.count(1), threading.Lock()
 
         def _compile(obj, src, *args, **kwargs):
-            print(f"epkit build: [{next(started)}/{total}] compiling {src}", file=sys.stderr, flush=True)
+            with lock:  # the compiles run in threads: one whole line at a time
+                sys.stderr.write(f"epkit build: [{next(started)}/{total}] compiling {src}\n")
+                sys.stderr.flush()
             return compile_one(obj, src, *args, **kwargs)
 
         self.compiler._compile = _compile

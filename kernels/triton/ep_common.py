@@ -412,14 +412,19 @@ def quantize_row(x):
 @triton.jit
 def copy_rows_at(dst, src, live, ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, VEC: tl.constexpr):
     """Copy rows of ``ROW_WORDS`` int32 words from the int64 addresses ``src`` to ``dst`` (blocks of addresses;
-    ``live`` masks them); ``VEC``: every address is a multiple of 16 bytes (16-byte vector accesses), else 4."""
-    sa = tl.multiple_of(ptr(src, tl.int32), VEC)
-    da = tl.multiple_of(ptr(dst, tl.int32), VEC)
+    ``live`` masks them); ``VEC``: every address is a multiple of 16 bytes (16-byte vector accesses), else 4.
+
+    The alignment is stated on the ``[rows, words]`` address tensors themselves, where they are made: a hint on the
+    row addresses alone gives 16-byte accesses under Triton 3.9 but not under 3.7 (torch 2.13's)."""
+    sa = ptr(src, tl.int32)
+    da = ptr(dst, tl.int32)
     c = tl.arange(0, BLOCK_W)
     for c0 in tl.static_range(0, ROW_WORDS, BLOCK_W):
         cols = c0 + c
         m = live[:, None] & (cols < ROW_WORDS)[None, :]
-        tl.store(da[:, None] + cols[None, :], tl.load(sa[:, None] + cols[None, :], mask=m), mask=m)
+        s2 = tl.max_contiguous(tl.multiple_of(sa[:, None] + cols[None, :], [VEC, VEC]), [1, VEC // 4])
+        d2 = tl.max_contiguous(tl.multiple_of(da[:, None] + cols[None, :], [VEC, VEC]), [1, VEC // 4])
+        tl.store(d2, tl.load(s2, mask=m), mask=m)
 
 
 @triton.jit
@@ -444,17 +449,23 @@ def copy_rows(
 
 
 @triton.jit
+def _row_cols(rows, cols, VEC: tl.constexpr):
+    """``[R, C]`` pointers to columns ``cols`` (runs of ``VEC`` elements = 16 bytes) of the 16-byte aligned rows
+    ``rows``, with that alignment stated on the tensor made here (where Triton 3.7 keeps it; a hint on ``rows``
+    alone gives 16-byte accesses under 3.9 only)."""
+    return tl.max_contiguous(tl.multiple_of(rows[:, None] + cols[None, :], [16, 16]), [1, VEC])
+
+
+@triton.jit
 def load_f32(rows, cols, mask, DT: tl.constexpr):
     """float32 ``[R, C]`` of columns ``cols`` of rows at the int64 addresses ``rows`` (16-byte aligned) holding
     bf16 (``DT`` 0), float32 (1) or float16 (2) values: exact."""
     if DT == 0:
-        v = f32_from_bf16_bits(
-            tl.load(tl.multiple_of(ptr(rows, tl.int16), 16)[:, None] + cols[None, :], mask=mask, other=0)
-        )
+        v = f32_from_bf16_bits(tl.load(_row_cols(ptr(rows, tl.int16), cols, 8), mask=mask, other=0))
     elif DT == 1:
-        v = tl.load(tl.multiple_of(ptr(rows, tl.float32), 16)[:, None] + cols[None, :], mask=mask, other=0.0)
+        v = tl.load(_row_cols(ptr(rows, tl.float32), cols, 4), mask=mask, other=0.0)
     else:
-        v = tl.load(tl.multiple_of(ptr(rows, tl.float16), 16)[:, None] + cols[None, :], mask=mask, other=0.0)
+        v = tl.load(_row_cols(ptr(rows, tl.float16), cols, 8), mask=mask, other=0.0)
         v = v.to(tl.float32)
     return v
 
@@ -464,8 +475,8 @@ def store_f32(rows, cols, x, mask, DT: tl.constexpr):
     """Store float32 ``x [R, C]`` as bf16 (``DT`` 0), float32 (1) or float16 (2), rounded to nearest even, into
     columns ``cols`` of the rows at the int64 addresses ``rows`` (16-byte aligned)."""
     if DT == 0:
-        tl.store(tl.multiple_of(ptr(rows, tl.int16), 16)[:, None] + cols[None, :], f32_to_bf16_bits(x), mask=mask)
+        tl.store(_row_cols(ptr(rows, tl.int16), cols, 8), f32_to_bf16_bits(x), mask=mask)
     elif DT == 1:
-        tl.store(tl.multiple_of(ptr(rows, tl.float32), 16)[:, None] + cols[None, :], x, mask=mask)
+        tl.store(_row_cols(ptr(rows, tl.float32), cols, 4), x, mask=mask)
     else:
-        tl.store(tl.multiple_of(ptr(rows, tl.float16), 16)[:, None] + cols[None, :], x.to(tl.float16), mask=mask)
+        tl.store(_row_cols(ptr(rows, tl.float16), cols, 8), x.to(tl.float16), mask=mask)
