@@ -437,6 +437,6 @@ def dispatch_send(geo: NormalGeometry, x, scales, topk_idx, weights, lay, send_p
         weights if weights is not None else send_pos, lay, send_pos, geo.rows_table, geo.ctrl_table, geo.ctrl,
         x.shape[0], geo.rank, geo.world, geo.cap,
         E=geo.num_experts, L=geo.num_experts // geo.world, K=geo.num_topk, XB=xb, SB=sb, HAS_W=weights is not None,
-        BT=z["BT"], K_P2=z["K_P2"], W_P2=z["W_P2"], E_P2=z["E_P2"], P_P2=z["P_P2"], BW_X=row_words(xb),
-        BW_S=row_words(sb),
+        BT=z["BT"], K_P2=z["K_P2"], W_P2=z["W_P2"], E_P2=z["E_P2"], P_P2=z["P_P2"],
+        BW_X=row_words(xb, z["BT"] * z["W_P2"]), BW_S=row_words(sb, z["BT"] * z["W_P2"]),
     )  # fmt: skip
