@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from epkit._details.host_memory import mark_host_memory
 from epkit.collectives._details.ep_device import DevicePathMixin
 from epkit.collectives._details.ep_device_ll import DeviceLowLatencyMixin
 from epkit.collectives._details.ep_device_normal import DeviceNormalMixin
@@ -207,8 +208,7 @@ class EPBuffer(
         #: Tokens received per local expert since the last reset (feeds EPLB's ExpertLoadCounter). The
         #: low-latency calls on CUDA rows count on the device instead (no host read): read the total, both
         #: included, with :meth:`take_expert_load`.
-        self.recv_tokens_per_expert_total = torch.zeros(self.num_local_experts, dtype=torch.int64)
-        self.recv_tokens_per_expert_total._epkit_host = True  # host memory on every device (epkit.testing.host_sync)
+        self.recv_tokens_per_expert_total = mark_host_memory(torch.zeros(self.num_local_experts, dtype=torch.int64))
         self._ll_cache: dict = {}
         self._dispatches = self._ll_dispatches = 0  # normal / low-latency dispatch calls (handle epochs)
         #: The device path's state (``_details/ep_device.py``), or None on the host-driven path.

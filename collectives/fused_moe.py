@@ -21,6 +21,9 @@ expert MLP, same fixed summation order).
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from epkit.collectives._details.ep_rows import (
@@ -35,9 +38,9 @@ from epkit.collectives._details.ep_rows import (
     reduce_indexed,
 )
 from epkit.collectives.ep_buffer import EPBuffer
-from epkit.ops import refuse_capture
+from epkit.ops import custom_op, refuse_capture
 
-__all__ = ["fused_moe"]
+__all__ = ["buffer_name", "fused_moe"]
 
 
 def _publish_layout(t_num: int, xb: int, k: int) -> tuple[int, int, int, int]:
@@ -239,3 +242,56 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
     reduce_indexed(out, sources, src_of, row_of, None, biases)
     sb.barrier()  # regions are free again for the next exchange
     return out
+
+
+# torch.ops.epkit.fused_moe: fused_moe with its buffer named
+
+_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_SERIAL = itertools.count()
+
+
+def buffer_name(buffer) -> str:
+    """A name for ``buffer`` (an :class:`~epkit.collectives.ep_buffer.EPBuffer`) that ``torch.ops.epkit.fused_moe``
+    takes in its place (held weakly: the op raises once the buffer is gone). Call it outside compiled code."""
+    for name, held in list(_BUFFERS.items()):
+        if held is buffer:
+            return name
+    name = f"epbuffer-{next(_SERIAL)}"  # never reused: a graph holding a dead buffer's name cannot reach a new one
+    _BUFFERS[name] = buffer
+    return name
+
+
+def _fake_fused_moe(x, *args):
+    return torch.empty_like(x)
+
+
+@custom_op("fused_moe", _fake_fused_moe)
+def _fused_moe_op(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor | None,
+    buffer: str,
+    bias: list[torch.Tensor],
+    swiglu_limit: float | None,
+    expert_alignment: int,
+    backend: str,
+) -> torch.Tensor:
+    """``torch.ops.epkit.fused_moe``: :func:`epkit.fused_moe` on the buffer named ``buffer``
+    (:func:`buffer_name`), weights given as tensors and their scales (None for bf16), ``bias`` as a list of up to
+    two tensors (empty: none). It waits for the peers on the host: it compiles, and is not for CUDA graphs."""
+    buf = _BUFFERS.get(buffer)
+    if buf is None:
+        raise ValueError(
+            f"fused_moe: no buffer is named {buffer!r} (name it with epkit.collectives.fused_moe.buffer_name(buffer))"
+        )
+    w13 = w13 if w13_scales is None else (w13, w13_scales)
+    w2 = w2 if w2_scales is None else (w2, w2_scales)
+    biases = None if not bias else (bias[0] if len(bias) == 1 else tuple(bias))
+    return fused_moe(
+        x, topk_idx, topk_weights, w13, w2, buf, bias=biases, swiglu_limit=swiglu_limit,
+        expert_alignment=expert_alignment, backend=backend,
+    )  # fmt: skip

@@ -3,7 +3,7 @@ lines: prefill through DeepEP's normal mode and DeepGEMM's contiguous GEMMs, dec
 low-latency mode and DeepGEMM's masked GEMMs, as vLLM and SGLang call them. Each rank checks its tokens'
 outputs against a float32 computation of the same experts.
 
-    python examples/deepep_moe_layer.py --world 2          # CPU ranks, spawned here (epkit.testing.run_ranks)
+    python examples/deepep_moe_layer.py --world 2          # CPU ranks, spawned here (epkit.cpu_ranks.run_ranks)
     torchrun --nproc-per-node 2 examples/deepep_moe_layer.py
 
 With DeepEP and DeepGEMM installed, on GPUs: swap the two import lines below and run under torchrun.
@@ -163,7 +163,7 @@ def main() -> None:
         print(run(dist.get_rank(), dist.get_world_size()), flush=True)
         dist.destroy_process_group()
         return
-    from epkit.testing.multiprocess import run_ranks
+    from epkit.cpu_ranks import run_ranks
 
     for out in run_ranks(_spawned, args.world, timeout=240):
         print(out, flush=True)

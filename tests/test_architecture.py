@@ -267,6 +267,29 @@ def test_kernel_files_are_leaves():
     assert bad == []
 
 
+def test_no_library_module_imports_the_test_helpers():
+    """Dependencies point down: ``epkit.testing`` imports the library, never the other way (at any depth, in a
+    function body too); the rank launchers ``epkit run`` and ``epkit bench`` need are library modules."""
+    bad = []
+    testing = ROOT / "python/epkit/testing"
+    for path in _sources(*LIBRARY):
+        if testing in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mods = [("." * node.level) + (node.module or "")]
+                if node.level and not node.module:  # from . import testing
+                    mods = [f"{'.' * node.level}{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for mod in mods:
+                if mod == "epkit.testing" or mod.startswith("epkit.testing.") or mod.lstrip(".").startswith("testing"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {mod}")
+    assert bad == []
+
+
 def test_leading_underscore_names_stay_in_their_file():
     bad = []
     for path in _sources(*LIBRARY, "bench"):

@@ -303,7 +303,7 @@ def _fused_moe_compiled(rank: int, world: int) -> bool:
     import torch.distributed as dist
 
     from epkit.collectives.ep_buffer import EPBuffer
-    from epkit.ops import buffer_name
+    from epkit.collectives.fused_moe import buffer_name
 
     buf = EPBuffer(dist.group.WORLD, 256, 4, num_max_tokens_per_rank=16, num_topk=2, transport="shm")
     g = torch.Generator().manual_seed(rank)

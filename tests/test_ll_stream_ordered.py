@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from epkit._details.host_memory import mark_host_memory
 from epkit.collectives._details import ep_rows
 from epkit.collectives._details.deferred import DeferredChecks
 from epkit.collectives.ep_buffer import EPBuffer
@@ -334,7 +335,7 @@ def test_host_sync_detector_flags_reads_and_passes_fixed_shape_ops():
         torch.zeros(5, dtype=torch.int64).scatter_add_(0, t % 5, t)
     assert det.events == []
     host = torch.zeros(2, dtype=torch.int64)
-    host._epkit_host = True
+    mark_host_memory(host)
     with HostSyncDetector() as det:
         host.numpy()
         int(t[0])

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epkit._details.host_memory import is_host_memory, mark_host_memory
+
 #: Seconds beyond a check's own timeout before an unfinished stream counts as stuck.
 STREAM_GRACE_S = 10.0
 
@@ -69,9 +71,7 @@ class DeferredChecks:
 
     def host_slot(self, n: int) -> torch.Tensor:
         """A fresh ``[n]`` int64 host tensor a device kernel may write (pinned, so mapped, on CUDA)."""
-        slot = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        slot._epkit_host = True  # host memory by design (epkit.testing.host_sync exempts it)
-        return slot
+        return mark_host_memory(torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda"))
 
     def record(self, values: torch.Tensor, judge, timeout: float, what: str) -> None:
         """Check ``values`` once the current stream has passed this point.
@@ -81,7 +81,7 @@ class DeferredChecks:
         (the slot is pinned, so mapped: no device-to-host memcpy, and nothing waits). ``judge(list_of_ints)``
         returns the exception to raise, or None.
         """
-        if not getattr(values, "_epkit_host", False):
+        if not is_host_memory(values):
             host = self.host_slot(values.numel())
             self._store(host, values)
             values = host

@@ -35,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from epkit._details.host_memory import mark_host_memory
 from epkit.collectives._details.ep_low_latency_layout import describe_handles, judge_headers
 from epkit.collectives._details.ep_rows import META_MSG, align_up, decode_error, encode_error
 from epkit.collectives.peer_failure import is_notice, notice_error, silence_error
@@ -176,8 +177,7 @@ def host_clock() -> torch.Tensor:
     the interpreter's stand-in for ``%globaltimer``, so that a kernel's wait has a deadline in real time. The
     thread writes through ctypes (no torch call on it, so it can be stopped anywhere when the process exits)."""
     if not _CLOCK:
-        word_ = torch.full((1,), time.monotonic_ns(), dtype=torch.int64)
-        word_._epkit_host = True
+        word_ = mark_host_memory(torch.full((1,), time.monotonic_ns(), dtype=torch.int64))
         cell = ctypes.c_int64.from_address(word_.data_ptr())
 
         def tick():
@@ -208,8 +208,8 @@ class DeviceState:
         }
         self.tables["ctrl"] = torch.tensor(self.bases, dtype=torch.int64).to(dev)
         self.local = {name: me + layout[name] for name in ("ll_dispatch", "ll_combine", "notify", "agree", "rows")}
-        self.status = torch.zeros(STATUS_WORDS + STATUS_DETAIL * w, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.status._epkit_host = True  # host memory by design: read without a device sync
+        status = torch.zeros(STATUS_WORDS + STATUS_DETAIL * w, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.status = mark_host_memory(status)  # read without a device sync
         self._status = self.status.numpy()
         # The clock word's address: the interpreter's waits read it; a GPU's read %globaltimer and never touch it,
         # but the argument is still a real 64-bit address (a 0 would launch as an i32).

@@ -64,6 +64,7 @@ from epkit._details.grouped_gemm_cpu import cpu_contiguous, cpu_masked
 from epkit.backends import OpSpec, register_op, select
 from epkit.ops import custom_op, host_checks
 from epkit.quant import FP8_BLOCK, dequant_mxfp4, dequant_per_block_fp8, dequant_per_token_group_fp8
+from epkit.utils import calc_diff
 
 #: (op name, weight kind, masked layout) of every grouped GEMM, the one list of them: ``__all__``, the
 #: docstrings, the op table (``epkit.backends``) and ``epkit``'s top level are derived from it.
@@ -383,8 +384,6 @@ def _selfcheck_for(op: str, kind: str, masked: bool):
             idx = torch.tensor([2] * 20 + [-1] * 236 + [0] * 10 + [-1] * 6, dtype=torch.int32)
             got = fn(a, b, torch.ones(272, 96, dtype=torch.bfloat16), idx, backend=backend)
             want = fn(a, b, torch.ones(272, 96, dtype=torch.bfloat16), idx, backend="reference")
-        from epkit.testing import calc_diff
-
         if calc_diff(got, want) > 1e-4 or not torch.isfinite(got.float()).all():
             raise AssertionError(f"{op}[{backend}] differs from the reference: calc_diff {calc_diff(got, want):.2e}")
 

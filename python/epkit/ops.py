@@ -26,19 +26,18 @@ How the ops stay compile- and capture-safe:
   ``epkit.grouped_gemm``) runs the GEMMs' checks on CUDA tensors too, outside capture.
 
 The collectives keep state (buffers, handles, messages in flight), which a graph cannot hold; the one whose
-call is a function of tensors, ``fused_moe``, is ``torch.ops.epkit.fused_moe`` with the buffer named by a
-string (:func:`buffer_name`), as engines register their MoE layers by name. EPBuffer's dispatch/combine pairs
-and their low-latency twins hand back handles and stay outside compiled regions, as DeepEP's do.
+call is a function of tensors, ``fused_moe``, registers ``torch.ops.epkit.fused_moe`` itself
+(``collectives/fused_moe.py``), with the buffer named by a string, as engines register their MoE layers by
+name. EPBuffer's dispatch/combine pairs and their low-latency twins hand back handles and stay outside compiled
+regions, as DeepEP's do.
 
 A Python dispatch mode sees a custom op as one call; :func:`trace_into` makes a mode type see the aten ops
 inside epkit's ops instead, as it did before they were custom ops. ``epkit.testing.host_sync.HostSyncDetector``
-(which looks for host reads among those aten ops) is registered so.
+(which looks for host reads among those aten ops) registers itself so when it is imported.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -52,7 +51,6 @@ __all__ = [
     "capturing",
     "refuse_capture",
     "host_checks",
-    "buffer_name",
 ]
 
 #: The ``torch.library`` namespace of every epkit op: ``torch.ops.epkit.<name>``.
@@ -75,10 +73,6 @@ def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates_args)
         op.register_fake(fake)
         CUSTOM_OPS[name], _IMPLS[name] = op, fn
-        if not _TRACED_MODES:
-            from epkit.testing.host_sync import HostSyncDetector  # imports only torch
-
-            _TRACED_MODES.append(HostSyncDetector)
         for mode_type in _TRACED_MODES:
             op.register_torch_dispatch(mode_type, _inside(fn))
         return op
@@ -132,56 +126,3 @@ def host_checks(device: torch.device | str | None = None) -> bool:
     if device is not None and torch.device(device).type == "cpu":
         return True
     return not capturing()
-
-
-# fused_moe, with its buffer named
-
-_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_SERIAL = itertools.count()
-
-
-def buffer_name(buffer) -> str:
-    """A name for ``buffer`` (an :class:`~epkit.collectives.ep_buffer.EPBuffer`) that ``torch.ops.epkit.fused_moe``
-    takes in its place (held weakly: the op raises once the buffer is gone). Call it outside compiled code."""
-    for name, held in list(_BUFFERS.items()):
-        if held is buffer:
-            return name
-    name = f"epbuffer-{next(_SERIAL)}"  # never reused: a graph holding a dead buffer's name cannot reach a new one
-    _BUFFERS[name] = buffer
-    return name
-
-
-def _fake_fused_moe(x, *args):
-    return torch.empty_like(x)
-
-
-@custom_op("fused_moe", _fake_fused_moe)
-def _fused_moe_op(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scales: torch.Tensor | None,
-    w2: torch.Tensor,
-    w2_scales: torch.Tensor | None,
-    buffer: str,
-    bias: list[torch.Tensor],
-    swiglu_limit: float | None,
-    expert_alignment: int,
-    backend: str,
-) -> torch.Tensor:
-    """``torch.ops.epkit.fused_moe``: :func:`epkit.fused_moe` on the buffer named ``buffer``
-    (:func:`buffer_name`), weights given as tensors and their scales (None for bf16), ``bias`` as a list of up to
-    two tensors (empty: none). It waits for the peers on the host: it compiles, and is not for CUDA graphs."""
-    from epkit.collectives.fused_moe import fused_moe
-
-    buf = _BUFFERS.get(buffer)
-    if buf is None:
-        raise ValueError(f"fused_moe: no buffer is named {buffer!r} (name it with epkit.ops.buffer_name(buffer))")
-    w13 = w13 if w13_scales is None else (w13, w13_scales)
-    w2 = w2 if w2_scales is None else (w2, w2_scales)
-    biases = None if not bias else (bias[0] if len(bias) == 1 else tuple(bias))
-    return fused_moe(
-        x, topk_idx, topk_weights, w13, w2, buf, bias=biases, swiglu_limit=swiglu_limit,
-        expert_alignment=expert_alignment, backend=backend,
-    )  # fmt: skip

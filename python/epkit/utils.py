@@ -1,4 +1,5 @@
-"""Small shared helpers: argument checks, a device-aware timer, and old module paths kept for a release."""
+"""Small shared helpers: argument checks, a device-aware timer, the GEMMs' similarity measure, and old module paths
+kept for a release."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["ROW_ALIGN", "check_int", "check_topk_idx", "moved_module", "time_per_call"]
+__all__ = ["ROW_ALIGN", "calc_diff", "check_int", "check_topk_idx", "moved_module", "time_per_call"]
 
 #: Row block of the CPU matrix products that must give a row the same bits whatever rows share its product.
 #: The CPU BLAS computes a row with other arithmetic for some small row counts (seen with MKL on an AVX2 EPYC:
@@ -17,6 +18,21 @@ __all__ = ["ROW_ALIGN", "check_int", "check_topk_idx", "moved_module", "time_per
 #: Products taken in whole blocks of this many rows (zero-padded) compute every row alike; the grouped GEMM's
 #: CPU path and the reference model's dense layers do.
 ROW_ALIGN = 8
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``1 - 2*sum(x*y) / sum(x*x + y*y)`` in float64: 0 for equal tensors, scale-free (DeepGEMM's measure; the
+    GEMMs' self-checks and the tests compare with it).
+
+    Two all-zero tensors give 0.0.
+    """
+    if x.shape != y.shape:
+        raise ValueError(f"calc_diff: shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if float(denom) == 0.0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
 
 
 def check_int(name: str, value, minimum: int) -> int:

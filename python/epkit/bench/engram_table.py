@@ -63,7 +63,7 @@ def rank_main(rank: int, world: int, spec: dict) -> dict:
 
 
 def _run(ctx: BenchCtx, rows: int, world: int) -> None:
-    from epkit.testing.multiprocess import run_ranks
+    from epkit.cpu_ranks import run_ranks
 
     spec = {"rows": rows, "rounds": ctx.rounds, "seed": ctx.seed, "threads": ctx.rank_threads(world)}
     results = run_ranks(rank_main, world, spec, timeout=600)

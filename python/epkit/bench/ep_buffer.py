@@ -177,7 +177,7 @@ def _rows(ctx: BenchCtx, op: str, shape: str, per_rank: list[dict], sweep: dict,
 
 
 def _run(ctx: BenchCtx, world: int, transports: tuple[str, ...], sweep: tuple[int, ...]) -> None:
-    from epkit.testing.multiprocess import run_ranks
+    from epkit.cpu_ranks import run_ranks
 
     spec = {
         "sweep": sweep,

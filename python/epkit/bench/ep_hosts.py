@@ -3,7 +3,7 @@ hidden 2048 bf16, top-4 of 64 experts, identity experts), ``transport="auto"`` (
 inside a host, each token once per destination host between them) against the flat ``torch`` transport on the
 same hosts, and the bytes that cross hosts against what per-host deduplication predicts.
 
-The ranks run in :func:`epkit.testing.run_hosts` (each host its own network, UTS and mount namespaces; the
+The ranks run in :func:`epkit.emulated_hosts.run_hosts` (each host its own network, UTS and mount namespaces; the
 hosts talk over veth pairs on a bridge): where those namespaces cannot be made (not root), the family is
 skipped and says why. Peers of the ``auto`` row: the flat ``torch`` transport (the target's peer) and the
 minimal exchange of :mod:`epkit.bench.ep_buffer` (rows only, one ``all_to_all_single`` each way). Every figure
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from epkit.bench.core import BenchCtx, Case, Family, Ref
 from epkit.bench.ep_buffer import minimal_exchange, routing_mask
 from epkit.bench.timing import measure
-from epkit.testing.hosts import namespaces_unavailable
+from epkit.emulated_hosts import namespaces_unavailable
 
 __all__ = ["CONTROL_BYTES", "FAMILY", "crossing_pairs", "host_order_sum", "rank_main"]
 
@@ -99,7 +99,7 @@ def _bytes_per_call(buf, call, lead: bool) -> tuple[int, int]:
 
 
 def rank_main(rank: int, world: int, spec: dict) -> dict:
-    """One rank of the family (in :func:`~epkit.testing.run_hosts`): check, count bytes, then time."""
+    """One rank of the family (in :func:`~epkit.emulated_hosts.run_hosts`): check, count bytes, then time."""
     from epkit.collectives.ep_buffer import EPBuffer
 
     torch.set_num_threads(spec["threads"])  # BenchCtx.rank_threads
@@ -159,7 +159,7 @@ def _bytes_checks(ctx: BenchCtx, res: list[dict], world: int, per_host: int) -> 
 
 
 def _run(ctx: BenchCtx, hosts: int, per_host: int, tokens: int) -> None:
-    from epkit.testing.hosts import run_hosts
+    from epkit.emulated_hosts import run_hosts
 
     world = hosts * per_host
     spec = {

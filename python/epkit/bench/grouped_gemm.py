@@ -16,7 +16,7 @@ import torch
 from epkit.bench.core import BenchCtx, Case, Family, Ref, timed_backends
 from epkit.grouped_gemm import build_m_indices, m_grouped_fp8_fp4_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous
 from epkit.quant import cast_to_mxfp4, per_block_cast_to_fp8, per_token_group_cast_to_fp8
-from epkit.testing import calc_diff
+from epkit.utils import calc_diff
 
 __all__ = ["FAMILY"]
 

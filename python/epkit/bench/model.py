@@ -21,8 +21,8 @@ WORLD = 2
 
 def _job(world: int, requests: int, steps: int) -> dict:
     """``epkit run``'s rank results for ``world`` ranks with ``requests`` each: rank 0's decode steps."""
+    from epkit.cpu_ranks import run_ranks
     from epkit.model.run import build_parser, run_rank
-    from epkit.testing.multiprocess import run_ranks
 
     a = build_parser().parse_args(["--ranks", str(world), "--requests", str(requests), "--steps", str(steps)])
     results = run_ranks(run_rank, world, a, timeout=600)

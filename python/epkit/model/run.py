@@ -1,7 +1,7 @@
 """``epkit run``: the reference model as a command, with the verdict, step latencies, a per-op breakdown
 and the measured collective ledger of a decode step.
 
-``epkit run --ranks N`` launches N CPU ranks itself (``epkit.testing.run_ranks``); under
+``epkit run --ranks N`` launches N CPU ranks itself (``epkit.cpu_ranks.run_ranks``); under
 ``torchrun --nproc-per-node N -m epkit.run`` every process is one rank and rank 0 prints the report.
 The ranks are ``world = dp x cp`` (``--cp C``: ``DP = N / C`` engines of ``C`` adjacent ranks, each engine's
 prefill context-parallel, see :mod:`epkit.model.cp`); EP spans every rank (Wide-EP); the Engram tables are
@@ -438,7 +438,7 @@ def main(argv=None, prog: str = "epkit run") -> int:
         if rank != 0:
             return 2 if "error" in results[rank] else 0
     else:
-        from epkit.testing.multiprocess import run_ranks
+        from epkit.cpu_ranks import run_ranks
 
         print(f"epkit run: launching {world} CPU ranks ...", file=sys.stderr, flush=True)
         try:

@@ -29,6 +29,7 @@ from epkit.testing.ladder import (
     tilelang_compile_cuda,
 )
 from epkit.testing.multiprocess import RankError, run_ranks
+from epkit.utils import calc_diff
 
 __all__ = [
     "calc_diff",
@@ -44,20 +45,6 @@ __all__ = [
     "run_hosts",
     "namespaces_unavailable",
 ]
-
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """``1 - 2*sum(x*y) / sum(x*x + y*y)`` in float64: 0 for equal tensors, scale-free.
-
-    Two all-zero tensors give 0.0.
-    """
-    if x.shape != y.shape:
-        raise ValueError(f"calc_diff: shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum()
-    if float(denom) == 0.0:
-        return 0.0
-    return float(1 - 2 * (x * y).sum() / denom)
 
 
 def assert_diff(actual: torch.Tensor, expected: torch.Tensor, max_diff: float, ctx: str = "") -> float:

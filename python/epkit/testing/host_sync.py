@@ -13,9 +13,9 @@ tensors standing in for device tensors:
 - copies between devices (``_to_copy``/``copy_`` with a CPU side and a non-CPU side);
 - ``Tensor.tolist()`` and ``Tensor.numpy()``, which dispatch no op on CPU, patched for the duration.
 
-Tensors that stand for host memory (pinned status words read after an event) are exempt when they
-carry ``_epkit_host = True``. Frames of the Triton interpreter are exempt: it emulates a device
-kernel, which on a GPU reads its inputs on the device.
+Tensors that stand for host memory (pinned status words read after an event) are exempt when the library
+marked them so (:func:`epkit._details.host_memory.mark_host_memory`). Frames of the Triton interpreter are
+exempt: it emulates a device kernel, which on a GPU reads its inputs on the device.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from epkit._details.host_memory import is_host_memory
+from epkit.ops import trace_into
 
 __all__ = ["DeviceOpCounter", "HostSyncDetector"]
 
@@ -99,7 +102,7 @@ class HostSyncDetector(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in _READBACK and not any(getattr(t, "_epkit_host", False) for t in _tensors(args)):
+        if name in _READBACK and not any(is_host_memory(t) for t in _tensors(args)):
             self._report(f"aten.{name}")
         elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) > 1:
             self._report("aten.repeat_interleave without output_size")
@@ -121,7 +124,7 @@ class HostSyncDetector(TorchDispatchMode):
             self._saved[meth] = original
 
             def patched(t, *a, _original=original, _meth=meth, **k):
-                if not getattr(t, "_epkit_host", False):
+                if not is_host_memory(t):
                     detector._report(f"Tensor.{_meth}()")
                 return _original(t, *a, **k)
 
@@ -166,9 +169,12 @@ _NO_KERNEL = {
 }
 
 
+trace_into(HostSyncDetector)  # it looks for host reads among the aten ops inside epkit's custom ops
+
+
 class DeviceOpCounter(TorchDispatchMode):
     """Count the torch ops inside the ``with`` block that would each launch a device kernel (everything but
-    allocations, views and metadata, and ops on tensors that stand for host memory, ``_epkit_host``), outside the
+    allocations, views and metadata, and ops on tensors marked as host memory), outside the
     Triton interpreter (whose own bookkeeping runs the emulated kernel). Together with a count of the Triton
     launches, the device work a call queues, on CPU tensors.
 
@@ -184,7 +190,7 @@ class DeviceOpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        host = any(getattr(t, "_epkit_host", False) for t in _tensors(args))
+        host = any(is_host_memory(t) for t in _tensors(args))
         if name not in _NO_KERNEL and not host and not _in_triton_interpreter():
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
