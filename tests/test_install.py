@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+import epkit
+
 ROOT = Path(__file__).resolve().parent.parent
 INDEX = "https://pypi.org/simple"
 TESTED = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["epkit"]["tested"]
@@ -80,10 +82,19 @@ def test_each_tested_torch_resolves_with_epkit_from_the_public_index(tmp_path):
     assert not errors, "\n\n".join(errors)
     for tested in TESTED:
         resolved = got[f"torch-{tested['torch']}"]
-        assert resolved["epkit"], resolved
+        assert resolved["epkit"] == epkit.__version__, resolved  # the metadata's version is epkit.__version__
         want = {"torch": tested["torch"], "triton": tested["triton"], "nvidia-nvshmem-cu13": tested["nvshmem-cu13"]}
         assert {name: resolved.get(name) for name in want} == want, resolved
     assert {"epkit", "torch", "triton"} <= set(got["cpu-kernels"]), got["cpu-kernels"]
+
+
+def test_the_version_is_written_once():
+    """``epkit.__version__`` is the one place: pyproject.toml takes it from there (``dynamic``), setup.py names none."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "epkit.__version__"}
+    assert "version=" not in (ROOT / "setup.py").read_text().replace(" ", "")
+    assert (ROOT / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
 
 
 def test_one_tested_torch_is_the_one_ci_runs_beside():
