@@ -235,16 +235,3 @@ def test_the_torch_message_names_the_supported_range():
     (torch_req,) = [r.split(";")[0].strip() for r in requires("epkit") if r.startswith("torch") and "cpu" in r]
     assert torch_req.startswith("torch>") or torch_req.startswith("torch=="), torch_req
     assert f"epkit needs {torch_req}," in torch_needed()
-
-
-def test_an_old_kernel_path_run_as_a_script_points_to_kernel_check():
-    res = subprocess.run(
-        [sys.executable, "-m", "epkit.kernels.triton.gather_rows"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert res.returncode == 2 and res.stdout == "", res.stdout
-    assert "epkit.kernels.triton.gather_rows is an old import path of epkit.kernels.triton.gather" in res.stderr
-    assert "python bench/kernel_check.py FAMILY --backend BACKEND" in res.stderr

@@ -1,5 +1,4 @@
-"""Small shared helpers: argument checks, a device-aware timer, the GEMMs' similarity measure, and old module paths
-kept for a release."""
+"""Small shared helpers: argument checks, a device-aware timer, the GEMMs' similarity measure."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["ROW_ALIGN", "calc_diff", "check_int", "check_topk_idx", "moved_module", "time_per_call"]
+__all__ = ["ROW_ALIGN", "calc_diff", "check_int", "check_topk_idx", "time_per_call"]
 
 #: Row block of the CPU matrix products that must give a row the same bits whatever rows share its product.
 #: The CPU BLAS computes a row with other arithmetic for some small row counts (seen with MKL on an AVX2 EPYC:
@@ -83,35 +82,3 @@ def check_topk_idx(topk_idx, num_experts: int, num_topk: int | None = None, chec
             bad = lo if lo < -1 else hi
             t, k = (int(i) for i in (topk_idx == bad).nonzero()[0])
             raise ValueError(f"topk_idx[{t}, {k}] = {bad} is outside [-1, {num_experts})")
-
-
-def moved_module(old: str, new: str) -> None:
-    """Make the module being imported as ``old`` the module ``new``, with a DeprecationWarning.
-
-    For old import paths kept for one release: ``import old`` and ``from old import name`` give
-    ``new`` itself (one module object, so monkeypatching either path patches the same names).
-    Call it as the only statement of the old module: ``moved_module(__name__, "epkit.new")``.
-
-    Run as a script (``python -m epkit.kernels.triton.gather_rows``) an old path does nothing but say so and
-    exit with status 2, naming the script that checks and times kernels (the old kernel files' ``__main__``
-    blocks moved there).
-    """
-    import importlib
-    import sys
-    import warnings
-
-    if old == "__main__":
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        where = spec.name if spec is not None else "this module"
-        print(
-            f"{where} is an old import path of {new}, kept for one release; it is not a script. "
-            "`python bench/kernel_check.py FAMILY --backend BACKEND` checks a kernel family against its "
-            "reference and times it; `epkit selfcheck` checks every op.",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
-
-    warnings.warn(
-        f"{old} has moved to {new}; the old import path is kept for one release", DeprecationWarning, stacklevel=3
-    )
-    sys.modules[old] = importlib.import_module(new)
