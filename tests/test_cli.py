@@ -113,7 +113,7 @@ def test_closed_pipe_ends_quietly():
     assert err == "", err
 
 
-@pytest.mark.parametrize("module,args", [("epkit", ["--version"]), ("epkit.model", ["--help"])])
+@pytest.mark.parametrize("module,args", [("epkit", ["--version"]), ("epkit", ["run", "--help"])])
 def test_no_runpy_warning(module, args):
     res = subprocess.run(
         [sys.executable, "-W", "error::RuntimeWarning", "-m", module, *args],

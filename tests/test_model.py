@@ -376,18 +376,6 @@ def test_generate_rejects_a_bad_prompt_on_every_rank():
     assert res[0] == res[1] and len(res[0][0]) == 2
 
 
-def test_python_m_epkit_model_is_epkit_run(capsys):
-    # the old command stays as an alias: its --world is epkit run's --ranks (the run itself: tests/test_run.py)
-    from epkit.model.__main__ import main
-
-    assert main(["--world", "64", "--dry-run", "--preset", "v4.1-flash"]) == 0
-    assert "dp 64" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    assert "usage: python -m epkit.model" in capsys.readouterr().out
-    assert main(["--world", "0"]) == 2 and "--ranks must be >= 1" in capsys.readouterr().err
-
-
 def _gpu_model(rank, world_size):
     """One GPU rank over nvshmem: fused and normal prefill equal bit for bit, and both (and the
     low-latency decode) match the float64 reference."""

@@ -150,7 +150,7 @@ def test_dry_run_prints_the_deployment_ledger_without_weights(capsys):
 
 def test_under_torchrun_every_process_is_a_rank():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "epkit.run", "--steps", "1", "--requests", "1"]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "epkit", "run", "--steps", "1", "--requests", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("verdict:") == 1 and "PASS" in res.stdout, res.stdout
@@ -172,7 +172,7 @@ class _Launched(Exception):
 
 def _no_launch(monkeypatch) -> list:
     """Replace the rank launcher by a stub that records the world size and stops the command there."""
-    import epkit.testing.multiprocess as mp_module
+    import epkit.cpu_ranks as mp_module
 
     seen = []
 

@@ -28,7 +28,7 @@ Collectives (symmetric memory, dispatch/combine; transports shm / torch, and nvs
     PeerFailedError      (a TimeoutError) a peer gave up on the buffer and said so: raised without waiting
 
 Reference model (the ops assembled into the DP attention + Wide-EP forward)
-    model.DPEPModel / model.generate / model.forward_reference   (``python -m epkit.model``)
+    model.DPEPModel / model.generate / model.forward_reference   (``epkit run``)
 
 Topology and experts (control plane)
     topology.rank_groups / topology.ParallelGroups   DP/CP/EP/ENP groups

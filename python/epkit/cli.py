@@ -5,7 +5,7 @@
 ``epkit plan``       deployment calculator: experts per rank, bytes, memory, communication, collective ledger
 ``epkit bench``      benchmarks against same-run peers and roofs (table, JSON, plots); ``bench compare`` two runs
 ``epkit run``        the reference model on CPU ranks: verdict, step latency, per-op breakdown, collective ledger
-                     (its options: ``epkit run --help``; the same as ``python -m epkit.run``)
+                     (its options: ``epkit run --help``; ``python -m epkit run`` under torchrun)
 
 Every subcommand takes ``--json`` (one JSON document on stdout, nothing else there); ``epkit --version``
 prints the version. Exit status is 0 on success, 1 when a check fails, 2 on bad usage; errors are one line

@@ -34,14 +34,14 @@ splits each decode step into two micro-batches whose low-latency dispatch / comb
 compute, bit for bit the step without it. Matrix products pad their rows (:func:`~epkit.model.layers.linear`),
 so a row's bits do not depend on how many rows share the step.
 
-Run ``epkit run`` (or its alias ``python -m epkit.model``) for the experiment on CPU ranks (:mod:`~epkit.model.run`).
+Run ``epkit run`` for the experiment on CPU ranks (:mod:`~epkit.model.run`).
 
 The package's modules, each importing only those above it: :mod:`~epkit.model.args` (sizes,
 weights), :mod:`~epkit.model.layers` (the step batch, the dense building blocks, the gate),
 :mod:`~epkit.model.cp` and :mod:`~epkit.model.tbo` (the CP prefill, the overlapped decode step),
 :mod:`~epkit.model.model` (:class:`DPEPModel`), :mod:`~epkit.model.engine` (:func:`generate`),
 :mod:`~epkit.model.reference` (:func:`forward_reference`), :mod:`~epkit.model.profile` (step timer, collective
-ledger) and :mod:`~epkit.model.run` (the command; ``__main__`` is its alias).
+ledger) and :mod:`~epkit.model.run` (the command).
 """
 
 from epkit.model.args import ModelArgs, init_weights

@@ -2,7 +2,7 @@
 and the measured collective ledger of a decode step.
 
 ``epkit run --ranks N`` launches N CPU ranks itself (``epkit.cpu_ranks.run_ranks``); under
-``torchrun --nproc-per-node N -m epkit.run`` every process is one rank and rank 0 prints the report.
+``torchrun --nproc-per-node N -m epkit run`` every process is one rank and rank 0 prints the report.
 The ranks are ``world = dp x cp`` (``--cp C``: ``DP = N / C`` engines of ``C`` adjacent ranks, each engine's
 prefill context-parallel, see :mod:`epkit.model.cp`); EP spans every rank (Wide-EP); the Engram tables are
 sharded over ENP groups of ``--enp P`` ranks (a divisor of N; default all N). ``--tbo`` runs each decode step
@@ -82,11 +82,11 @@ def build_parser(prog: str = "epkit run") -> argparse.ArgumentParser:
         epilog="examples:\n  epkit run --ranks 2 --steps 3\n  epkit run --ranks 4 --weights fp4 --json run.json\n"
         "  epkit run --ranks 4 --cp 2 --tbo\n"
         "  epkit run --dry-run --preset v4.1-flash --ranks 64\n"
-        "  torchrun --nproc-per-node 2 -m epkit.run --steps 3",
+        "  torchrun --nproc-per-node 2 -m epkit run --steps 3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--ranks", "--world", dest="ranks", type=int, default=None,
-                    help="ranks to launch (under torchrun: its world size; --world is the old spelling); at most "
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="ranks to launch (under torchrun: its world size); at most "
                     "what this machine can start (cores, memory, open files) unless --force")  # fmt: skip
     ap.add_argument("--force", action="store_true", help="launch more ranks than this machine's limit")
     ap.add_argument("--dp", type=int, default=None, help="DP size (engines): must be ranks / cp")
@@ -397,11 +397,11 @@ def _dry_run(a, world: int) -> int:
 
 
 def end_process(code: int) -> int:
-    """Where ``python -m epkit.run`` and ``epkit run`` end: under torchrun, the rank's process ends here with
+    """Where ``epkit run`` ends: under torchrun, the rank's process ends here with
     ``code`` once its output is flushed, without the interpreter's teardown; elsewhere ``code`` is returned.
 
     A runtime the CPU kernels load (TVM, under TileLang's) can abort in its static destructors at exit ("terminate
-    called without an active exception"): about one run in twenty of ``torchrun --nproc-per-node 2 -m epkit.run``
+    called without an active exception"): about one run in twenty of ``torchrun --nproc-per-node 2 -m epkit run``
     on the 2-core machine, none in 40 with ``EPKIT_BACKEND=cpu``; torchrun then reports a rank whose work and output
     are complete as failed. The process group is already destroyed and every file closed by then.
     """
@@ -418,7 +418,7 @@ def _fail(msg: str) -> int:
 
 
 def main(argv=None, prog: str = "epkit run") -> int:
-    """``epkit run`` (and ``python -m epkit.run``, ``python -m epkit.model``); returns the exit status (0: verdict
+    """``epkit run``; returns the exit status (0: verdict
     and ledger agree; 1: they do not, or the ranks did not finish within ``--timeout``; 2: bad usage)."""
     a = build_parser(prog).parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
