@@ -53,8 +53,9 @@ def _shell_lines(code: str) -> list[str]:
 # How each command line of a bash block is checked here (pattern -> what the test does).
 _COMMANDS = {
     r"bash scripts/(run|test)\.sh": "the script exists and parses (bash -n); CI runs test.sh itself (.ci/run)",
-    r"\.venv/bin/(python -m epkit\.model|epkit run)( --[\w-]+( \S+)?)*": "parsed by epkit run's parser "
-    "(test_model_commands_parse_as_written); the runs themselves are tests/test_run.py (1-4 ranks, cp, tbo)",
+    r"\.venv/bin/(epkit|torchrun --nproc-per-node \d+ -m epkit) run( --[\w-]+( \S+)?)*": "parsed by epkit run's "
+    "parser (test_model_commands_parse_as_written); the runs themselves are tests/test_run.py (1-4 ranks, cp, tbo; "
+    "under torchrun: test_under_torchrun_every_process_is_a_rank)",
     r"python -m venv \.venv && \. \.venv/bin/activate": "GPU machine set-up: not run here",
     r"pip install .*": "GPU machine set-up: pins and extras checked against pyproject.toml",
     r"epkit info": "tests/test_cli.py runs it",
