@@ -396,3 +396,94 @@ def test_another_process_of_the_same_user_gets_no_segment():
     res = run_ranks(_probed, 3, timeout=60)
     assert res[0] == (True, "fds 0 names 1 devshm 0"), res
     assert res[1][0] and res[2][0]
+
+
+_HOLDER = r"""
+import socket, sys, time
+names = [l.split()[-1][1:] for l in open("/proc/net/unix") if "@epkit-shm-" in l]
+held = []
+for name in names:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(b"\0" + name.encode())
+        held.append(s)  # connected, and never sends a byte
+    except OSError:
+        pass
+print("connected", len(held), flush=True)
+time.sleep(60)
+"""
+
+
+def _held(rank, world_size, uid):
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from epkit.collectives.transports import shm
+
+    holders = []
+    original = shm._listen
+
+    def listen_then_hold():  # a stranger connects to every epkit listener before the ranks do, and stays idle
+        server, name = original()
+        python = sys.executable if uid is None else shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+        holders.append(
+            subprocess.Popen([python, "-c", _HOLDER], stdout=subprocess.PIPE, text=True, user=uid, cwd="/")
+        )  # another user may not reach this venv's interpreter: the system's (only the standard library is used)
+        assert holders[-1].stdout.readline().startswith("connected"), "the stranger did not connect"
+        return server, name
+
+    shm._listen = listen_then_hold
+    start = time.monotonic()
+    try:
+        buf = SymmBuffer(dist.group.WORLD, 4096, transport="shm", timeout=10)
+        took = time.monotonic() - start
+        ok = buf.barrier() is None
+        buf.close()
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait(timeout=10)
+    return ok, took, len(holders)
+
+
+@pytest.mark.parametrize("uid", [None, 65534], ids=["same-user", "other-user"])
+def test_an_idle_stranger_on_the_listener_costs_the_ranks_nothing(uid):
+    # A process that connects to rank 0's listener and sends nothing used to hold it until the ranks' deadline
+    # (construction failed after the full 10 s with "Broken pipe"); it is now dropped by its credentials at once.
+    if uid is not None and os.geteuid() != 0:
+        pytest.skip("running a stranger as another user needs root")
+    res = run_ranks(_held, 2, uid, timeout=60)
+    assert all(ok for ok, _, _ in res), res
+    assert res[0][2] >= 1, res  # rank 0 listened, and a stranger sat on its listener
+    assert max(took for _, took, _ in res) < 5, res
+
+
+def test_a_listener_that_times_out_says_a_stranger_was_turned_away():
+    import subprocess
+    import sys
+
+    from epkit.collectives.transports import shm
+
+    holders = []
+
+    class Rendezvous:  # rank 0 of two; rank 1 never comes
+        rank = 0
+
+        def gather(self, key, value):
+            holders.append(subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True))
+            assert holders[0].stdout.readline().startswith("connected")
+            return [value]
+
+    fd = os.memfd_create("epkit-test", os.MFD_CLOEXEC)
+    try:
+        with pytest.raises(TimeoutError) as err:
+            shm.share_descriptors(Rendezvous(), [os.getpid(), 2**22 + 7], fd, timeout=2)
+    finally:
+        os.close(fd)
+        holders[0].kill()
+        holders[0].wait(timeout=10)
+    msg = str(err.value)
+    assert "rank 1 did not connect to rank 0" in msg, msg
+    assert f"1 connection from processes that are not ranks of this buffer was turned away (pid {holders[0].pid}" in msg

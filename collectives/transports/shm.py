@@ -5,8 +5,12 @@ passed between the ranks over a Unix-domain socket (``SCM_RIGHTS``), through ran
 an abstract socket (no file; a random name), every other rank connects, sends its descriptor and
 receives everyone's. Each side checks the other's process id (``SO_PEERCRED``) against the pids the
 ranks published in the rendezvous, so no other process, of the same user or not, is handed a
-descriptor; once mapped, the descriptors are closed. Nothing is ever created in /dev/shm, so a rank
-killed at any point leaves nothing behind: the memory goes when the last mapping does.
+descriptor, and rank 0 drops any other process's connection before reading from it (an idle stranger
+cannot hold the listener until the ranks' deadline); once mapped, the descriptors are closed. Processes of
+the same user (and root) can still reach a rank's descriptors through ``/proc/<pid>/fd`` while it holds
+them, as they can its memory: the transport keeps out other users, not the ranks' own. Nothing is ever
+created in /dev/shm, so a rank killed at any point leaves nothing behind: the memory goes when the last
+mapping does.
 
 ``peer_view(r)`` is a direct view of rank r's data; puts are plain copies into it; signal words are
 atomics in ``epkit._C`` and waits are timed (the GIL released while they spin).
@@ -55,9 +59,21 @@ def wait_word(seg, off: int, cmp: str, value: int, deadline: float, abort_off: i
         return 2, seg.load(off)
 
 
+def _peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """The connected peer's process and user id (``SO_PEERCRED``: as the kernel saw them at connect time)."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
 def _peer_pid(sock: socket.socket) -> int:
-    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid
+    return _peer_cred(sock)[0]
+
+
+def _turned_away(strangers: list[str]) -> str:
+    if not strangers:
+        return ""
+    return (f"; {len(strangers)} connection{'s' * (len(strangers) > 1)} from processes that are not ranks of this "
+            f"buffer {'were' if len(strangers) > 1 else 'was'} turned away ({', '.join(strangers[:4])})")  # fmt: skip
 
 
 def _recv(sock: socket.socket, deadline: float, what: str, maxfds: int) -> tuple[bytes, list[int]]:
@@ -77,6 +93,7 @@ def _serve(server: socket.socket, my_fd: int, pids: list[int], deadline: float) 
     w = len(pids)
     fds: list[int] = [my_fd] + [-1] * (w - 1)
     conns: dict[int, socket.socket] = {}
+    strangers: list[str] = []
     try:
         while len(conns) < w - 1:
             server.settimeout(max(deadline - time.monotonic(), 1e-3))
@@ -85,7 +102,17 @@ def _serve(server: socket.socket, my_fd: int, pids: list[int], deadline: float) 
             except TimeoutError:
                 missing = [r for r in range(1, w) if r not in conns]
                 names = ", ".join(map(str, missing))
-                raise TimeoutError(f"rank{'s' * (len(missing) > 1)} {names} did not connect to rank 0") from None
+                raise TimeoutError(
+                    f"rank{'s' * (len(missing) > 1)} {names} did not connect to rank 0{_turned_away(strangers)}"
+                ) from None
+            try:
+                pid, uid = _peer_cred(conn)
+            except OSError:
+                pid, uid = -1, -1
+            if pid not in pids[1:]:  # not a rank: dropped before reading anything, so it cannot hold the listener
+                strangers.append(f"pid {pid}, uid {uid}")
+                conn.close()
+                continue
             r, got = -1, []
             try:
                 msg, got = _recv(conn, deadline, "segment exchange", 1)
@@ -181,18 +208,24 @@ def share_descriptors(rv, pids: list[int], my_fd: int, timeout: float) -> list[i
 
 
 def _hand_out(server: socket.socket, fd: int, members: list[int], pids: list[int], deadline: float) -> None:
-    """A host's leader: give segment ``fd`` to each of ``members`` that connected (checked by SO_PEERCRED)."""
-    for _ in members:
+    """A host's leader: give segment ``fd`` to each of ``members`` that connected (checked by SO_PEERCRED; a
+    connection from any other process is dropped before anything is read from it)."""
+    left = set(members)
+    while left:
         server.settimeout(max(deadline - time.monotonic(), 1e-3))
         try:
             conn, _ = server.accept()
         except OSError:  # a member gone: its attach fails when the server closes
             return
         with conn, contextlib.suppress(OSError, ValueError, ConnectionError):
+            pid = _peer_pid(conn)
+            if pid not in {pids[r] for r in left}:
+                continue
             msg, _ = _recv(conn, deadline, "host probe", 1)
             r = int(msg.decode()) if msg.isdigit() else -1
-            if r in members and _peer_pid(conn) == pids[r]:
+            if r in left and pid == pids[r]:
                 conn.sendmsg([b"ok"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                left.discard(r)
 
 
 def _attach(sock: socket.socket, nonce: bytes, leader_pid: int, deadline: float) -> bool:
