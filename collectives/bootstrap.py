@@ -22,11 +22,13 @@ the messages of the protocol so that a handle or a message of another buffer is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import threading
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -178,10 +180,11 @@ class Rendezvous:
         self._store = dist.PrefixStore(self.prefix, _job_store())
         self._mine: list[str] = []
 
-    def gather(self, step: str, value) -> list:
+    def gather(self, step: str, value, deadline: float | None = None) -> list:
         """Publish ``value`` (JSON-serialisable) under ``step`` and return every rank's, in rank order.
 
-        Raises TimeoutError naming the ranks whose value did not arrive within the timeout.
+        Raises TimeoutError naming the ranks whose value did not arrive within the timeout (by ``deadline``, a
+        ``time.monotonic()`` instant, where the step shares one with others).
         """
         key = f"{step}/{self.rank}"
         payload = {"v": value}
@@ -190,7 +193,7 @@ class Rendezvous:
         self._store.set(key, json.dumps(payload))
         self._mine.append(key)
         keys = [f"{step}/{r}" for r in range(self.world_size)]
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
         pause = 1e-3
         while not self._store.check(keys):
             quit_msg = self.abandoned()
@@ -210,6 +213,28 @@ class Rendezvous:
         if self.buffer_id is None:
             self.buffer_id = got[0]["id"]
         return [g["v"] for g in got]
+
+    def missing(self, step: str, deadline: float) -> list[int]:
+        """Publish this rank's presence under ``step``; the ranks whose presence has not arrived by ``deadline``
+        (without raising: for naming the ranks a failed step lost)."""
+        keys = [f"{step}/{r}" for r in range(self.world_size)]
+        self._store.set(keys[self.rank], "1")
+        self._mine.append(keys[self.rank])
+        while not self._store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return [r for r, k in enumerate(keys) if not self._store.check([k])]
+
+    @contextlib.contextmanager
+    def store_deadline(self, deadline: float):
+        """Inside the block the job store's own waits (what a torch process group made on :attr:`store` does
+        through it) end by ``deadline``, not after the store's timeout (minutes under torchrun); restored after."""
+        store = _job_store()
+        before = store.timeout
+        store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        try:
+            yield
+        finally:
+            store.set_timeout(before)
 
     def _give_up(self, msg: str) -> None:
         """Tell the other ranks that this one stopped making the buffer, and why (best effort)."""

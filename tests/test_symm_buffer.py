@@ -487,3 +487,45 @@ def test_a_listener_that_times_out_says_a_stranger_was_turned_away():
     msg = str(err.value)
     assert "rank 1 did not connect to rank 0" in msg, msg
     assert f"1 connection from processes that are not ranks of this buffer was turned away (pid {holders[0].pid}" in msg
+
+
+def _killed_making_the_torch_group(rank, world_size, point):
+    """Rank 1 SIGKILLs itself as the torch transport makes its own gloo group (``before``: on its way there, after
+    the hello; ``inside``: in the group's own rendezvous); the others report what they saw and how long it took."""
+    import time
+
+    import torch.distributed as dist_module
+
+    from epkit.collectives import bootstrap
+
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == 1:
+        if point == "before":
+            original_gather = bootstrap.Rendezvous.gather
+
+            def gather(self, step, value, **k):
+                return die() if step.startswith("torch") else original_gather(self, step, value, **k)
+
+            bootstrap.Rendezvous.gather = gather
+        else:
+            dist_module.ProcessGroupGloo = die
+    dist.barrier()  # the ranks start together: what is timed is the construction alone
+    t0 = time.monotonic()
+    try:
+        SymmBuffer(dist.group.WORLD, 1 << 12, transport="torch", timeout=2)
+    except TimeoutError as exc:
+        return "TimeoutError", str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("point", ["before", "inside"])
+def test_the_torch_transports_own_group_is_bounded_by_the_buffers_timeout(point):
+    # The gloo group's rendezvous waited on the job store with the store's own timeout (10 s here, the job's
+    # init timeout), not the buffer's 2 s, and named no rank.
+    res = run_ranks(_killed_making_the_torch_group, 3, point, timeout=60, may_die=(1,))
+    for rank in (0, 2):
+        kind, msg, seconds = res[rank]
+        assert kind == "TimeoutError" and "rank 1" in msg, (point, res)
+        assert seconds < 2 + 1.5, (point, res)

@@ -65,11 +65,20 @@ class TorchTransport(Transport):
         self.check_memory(hello, 3 * num_bytes, "the local buffer, the per-peer staging and the receive space")
         self.buffer_id = rv.buffer_id
         self._exchanges = 0
+        # One deadline for the group: every rank must reach it (a rank that does not is named), and the group's
+        # rendezvous waits on the job store end by it too, not after the store's own timeout.
+        deadline = time.monotonic() + rv.timeout
+        rv.gather("torch/group", None, deadline=deadline)
         try:
             store = dist.PrefixStore("pg/", rv.store)
-            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=rv.timeout))
+            with rv.store_deadline(deadline):
+                self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=rv.timeout))
         except RuntimeError as exc:
             why = rv.abandoned()  # a rank that gave up on the buffer after the hello says why
+            lost = [] if why else rv.missing("torch/group-failed", time.monotonic() + 0.2)
+            if lost:
+                names = ", ".join(map(str, lost))
+                why = f"rank{'s' * (len(lost) > 1)} {names} died or stopped while it was made"
             why = why or (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
             raise TimeoutError(
                 f"rank {self.rank}: the torch transport's own gloo group could not be made within {rv.timeout:g} s "
