@@ -118,3 +118,37 @@ def _liveness(rank, world_size):
 def test_has_unfinished_is_a_group_decision():
     res = run_ranks(_liveness, 4, timeout=30)
     assert res == [[True, True, True, False, False]] * 4
+
+
+def _one_rank_stops(rank, world_size, how):
+    """Rank 2 takes part in one lockstep step, then stops (``kill``: SIGKILL; ``freeze``: sleeps past the group's
+    2 s timeout); the others' next step must end within the timeout naming global rank 2."""
+    import os
+    import signal
+    import time
+    from datetime import timedelta
+
+    group = dist.new_group(list(range(world_size)), backend="gloo", timeout=timedelta(seconds=2))
+    has_unfinished(True, group)
+    if rank == 2:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(6)
+        return None
+    t0 = time.monotonic()
+    try:
+        has_unfinished(True, group)
+    except TimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_a_rank_that_stops_is_named_by_the_others_next_step(how):
+    # gloo's own error named nobody ("Timed out waiting 2000ms for recv operation to complete", "Connection
+    # closed by peer [127.0.0.1]:port"), and epkit run's groups waited 60 s for it.
+    res = run_ranks(_one_rank_stops, 3, how, timeout=60, may_die=(2,))
+    for rank in (0, 1):
+        msg, seconds = res[rank]
+        assert "rank 2 never reached it" in msg and "lockstep step 2 of DP group [0, 1, 2]" in msg, res
+        assert seconds < 2 + 1.5, res

@@ -33,14 +33,60 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+_CALLS: dict[tuple[int, ...], int] = {}  # lockstep all-reduces this process made, per group (its global ranks)
+
+
+def _store():
+    import torch.distributed as dist
+
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except (RuntimeError, ValueError):  # no default group, or one made without a store
+        return None
+
+
 def _all_reduce_max(values: list[int], group) -> list[int]:
+    """One ``all_reduce(MAX)`` of ``values`` over ``group``, bounded by the group's timeout. Each rank first
+    writes how many lockstep all-reduces of this group it has entered to the job's store (one word, overwritten),
+    so that when the all-reduce fails (a peer died, or stopped: the gloo timeout) every rank can say which global
+    ranks never got this far: a TimeoutError naming them instead of gloo's message, which names no rank."""
     import torch.distributed as dist
 
     if _group_size(group) == 1:
         return list(values)
+    members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(_group_size(None)))
+    n = _CALLS[members] = _CALLS.get(members, 0) + 1
+    store, me = _store(), dist.get_rank()
+    prefix = f"epkit/lockstep/{'-'.join(map(str, members))}/"
+    if store is not None:
+        store.set(f"{prefix}{me}", str(n))
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:
+        raise TimeoutError(_who_stopped(store, prefix, members, me, n, exc)) from None
     return t.tolist()
+
+
+def _who_stopped(store, prefix: str, members: tuple[int, ...], me: int, n: int, exc: Exception) -> str:
+    cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    behind = []
+    if store is not None:
+        for r in members:
+            try:
+                seen = int(store.get(f"{prefix}{r}")) if store.check([f"{prefix}{r}"]) else 0
+            except (RuntimeError, ValueError):
+                continue
+            if seen < n:
+                behind.append(r)
+    if behind:
+        names = ", ".join(map(str, behind))
+        return (
+            f"rank {me}: lockstep step {n} of DP group {list(members)}: rank{'s' * (len(behind) > 1)} {names} never "
+            f"reached it (died or stopped; the all-reduce ended: {cause})"
+        )
+    return f"rank {me}: lockstep step {n} of DP group {list(members)} failed ({cause}); every rank had reached it"
 
 
 def has_unfinished(local: bool, group=None) -> bool:

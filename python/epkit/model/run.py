@@ -64,6 +64,9 @@ __all__ = [
 TRANSPORTS = ("auto", "shm", "torch", "nvshmem")
 #: Prefill rows one rank may bring to a step (the EP buffer's ``max_tokens_per_rank``).
 PREFILL_CAPACITY = 256
+#: Seconds a rank waits on its peers, in any one wait (the groups' collectives, the model's buffers): a rank that
+#: stops is named by the others after this long.
+PEER_WAIT_S = 30.0
 #: Expert weights of a run where ``--weights`` is not given (a dry run: the preset's own format).
 DEFAULT_WEIGHTS = "fp8"
 #: Ranks per core :func:`rank_limit` allows: the ranks wait for each other by polling, and past this many they
@@ -232,13 +235,17 @@ def _model(a, world_size: int):
 
     if a.transport == "nvshmem":  # rows on this rank's GPU; control over the gloo groups
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count())
-    groups = ParallelGroups.create(dp_size=world_size // a.cp, cp_size=a.cp, enp_size=a.enp, device="cpu")
+    # one wait for everything a rank waits on: the groups' collectives (the lockstep all-reduce) and the model's
+    groups = ParallelGroups.create(
+        dp_size=world_size // a.cp, cp_size=a.cp, enp_size=a.enp, device="cpu", timeout=PEER_WAIT_S
+    )
     args = ModelArgs(expert_format=_weights(a), seed=a.seed)
     # the low-latency capacity sized to the decode batch, as an engine sizes it
     cap = max(1, a.requests, -(-len(a.prompt) // groups.sizes["dp"]))
     extra = world_size if a.redundant_experts is None else a.redundant_experts
     model = DPEPModel(args, groups, transport=a.transport, min_num_extra_experts=extra,
-                      max_tokens_per_rank=PREFILL_CAPACITY, max_decode_tokens_per_rank=cap, tbo=a.tbo)  # fmt: skip
+                      max_tokens_per_rank=PREFILL_CAPACITY, max_decode_tokens_per_rank=cap, tbo=a.tbo,
+                      timeout=PEER_WAIT_S)  # fmt: skip
     model.timer = StepTimer(model.device)
     return model
 
