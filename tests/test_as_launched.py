@@ -3,13 +3,15 @@ values its host launcher really passes, through Triton's own launch specializati
 
 The launches are recorded, never written by hand (``epkit.testing.launch_shapes``): the EP kernels on CPU ranks
 (their source under the interpreter, every rank's host launcher also deciding as for CUDA), every other Triton
-op on CPU tensors, and every launcher at the GPU run's sizes. This module records the rank runs on 1 and 2 ranks,
-the ops and the target shapes, and compiles the target shapes and the small kernels under this environment's
-Triton; after pytest, ``scripts/test.sh`` records everything (1, 2, 4 and 8 ranks: ``python -m
-epkit.testing.rung3 record``) and compiles every record under each Triton version users have (``sweep``).
+op on CPU tensors, and every launcher at the GPU run's sizes. ``scripts/test.sh`` records everything once before
+pytest (1, 2, 4 and 8 ranks: ``python -m epkit.testing.rung3 record``) and names the file in
+``EPKIT_LAUNCH_RECORDS``; run alone, this module records the rank runs on 1 and 2 ranks, the ops and the target
+shapes itself. It compiles the target shapes and the small kernels under this environment's Triton; after pytest,
+``scripts/test.sh`` compiles every record under each Triton version users have (``sweep``).
 """
 
 import multiprocessing
+import os
 import pathlib
 import re
 import sys
@@ -47,8 +49,11 @@ def _name(entry_or_result) -> str:
 
 @pytest.fixture(scope="module")
 def records():
-    """The rank runs on 1 and 2 ranks (``scripts/test.sh`` records 4 and 8 too, for the sweep), the ops, the
-    target shapes."""
+    """The records ``scripts/test.sh`` made for the sweep this run (``EPKIT_LAUNCH_RECORDS``), else the rank runs
+    on 1 and 2 ranks, the ops and the target shapes, recorded here."""
+    path = os.environ.get("EPKIT_LAUNCH_RECORDS")
+    if path:
+        return launches.load(path)
     return launches.merge(record_rank_runs((1, 2)), record_ops(), record_target_shapes())
 
 
