@@ -165,6 +165,8 @@ class Rendezvous:
         This meeting's key prefix in the job's store (unique to the buffer).
     rank, world_size : int
         Position in ``group``.
+    global_ranks : tuple of int
+        The members' global ranks, by position: every message names ranks by these (:meth:`names`).
     buffer_id : int
         Set by :meth:`gather` at the first step: rank 0's random draw, the same on every rank.
     """
@@ -176,6 +178,7 @@ class Rendezvous:
         n = _COUNTS[name, ranks] = _COUNTS.get((name, ranks), 0) + 1
         self.prefix = f"epkit/{name}{'-'.join(map(str, ranks))}/{n}/"
         self.timeout, self.what = timeout, what
+        self.global_ranks = tuple(ranks)
         self.buffer_id: int | None = None
         self._store = dist.PrefixStore(self.prefix, _job_store())
         self._mine: list[str] = []
@@ -198,12 +201,13 @@ class Rendezvous:
         while not self._store.check(keys):
             quit_msg = self.abandoned()
             if quit_msg is not None:  # another rank gave up on this buffer: waiting on can only end in a timeout
-                raise TimeoutError(f"rank {self.rank}: another rank gave up making this {self.what} ({quit_msg})")
+                me = self.names([self.rank])
+                raise TimeoutError(f"{me}: another rank gave up making this {self.what} ({quit_msg})")
             if time.monotonic() >= deadline:
                 missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
                 msg = (
-                    f"rank {self.rank}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
-                    f"come to make this {self.what} within {self.timeout:g} s ({step}); it died, or stopped calling"
+                    f"{self.names([self.rank])}: {self.names(missing)} did not come to make this {self.what} within "
+                    f"{self.timeout:g} s ({step}); it died, or stopped calling"
                 )
                 self._give_up(msg)
                 raise TimeoutError(msg)
@@ -213,6 +217,11 @@ class Rendezvous:
         if self.buffer_id is None:
             self.buffer_id = got[0]["id"]
         return [g["v"] for g in got]
+
+    def names(self, positions: list[int]) -> str:
+        """``"rank 3"`` / ``"ranks 3, 5"``: members named by their global ranks (a sub-group's positions are not
+        what a job's logs call its ranks)."""
+        return f"rank{'s' * (len(positions) > 1)} {', '.join(str(self.global_ranks[r]) for r in positions)}"
 
     def missing(self, step: str, deadline: float) -> list[int]:
         """Publish this rank's presence under ``step``; the ranks whose presence has not arrived by ``deadline``

@@ -464,12 +464,14 @@ def test_a_listener_that_times_out_says_a_stranger_was_turned_away():
     import subprocess
     import sys
 
+    from epkit.collectives import bootstrap
     from epkit.collectives.transports import shm
 
     holders = []
 
     class Rendezvous:  # rank 0 of two; rank 1 never comes
-        rank = 0
+        rank, global_ranks = 0, (0, 1)
+        names = bootstrap.Rendezvous.names
 
         def gather(self, key, value):
             holders.append(subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True))
@@ -529,3 +531,32 @@ def test_the_torch_transports_own_group_is_bounded_by_the_buffers_timeout(point)
         kind, msg, seconds = res[rank]
         assert kind == "TimeoutError" and "rank 1" in msg, (point, res)
         assert seconds < 2 + 1.5, (point, res)
+
+
+def _sub_group_member_dies(rank, world_size, transport):
+    """Global ranks 2 and 3 make a buffer over a sub-group of their own; rank 3 dies before it comes."""
+    import time
+
+    from epkit.collectives.bootstrap import SubGroup
+
+    if rank < 2:
+        return None
+    sub = SubGroup(dist.group.WORLD, [2, 3], "pair")
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        SymmBuffer(sub, 4096, transport=transport, timeout=2)
+    except TimeoutError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_a_sub_groups_errors_name_global_ranks(transport):
+    # Construction over a sub-group named its members by their positions in it: global rank 2 said "rank 0: rank 1
+    # did not come" when global rank 3 died.
+    res = run_ranks(_sub_group_member_dies, 4, transport, timeout=60, may_die=(3,))
+    msg, seconds = res[2]
+    assert msg.startswith("rank 2: rank 3 did not come to make this SymmBuffer"), msg
+    assert seconds < 2 + 1.5, res

@@ -88,8 +88,9 @@ def _recv(sock: socket.socket, deadline: float, what: str, maxfds: int) -> tuple
     return msg, list(fds)
 
 
-def _serve(server: socket.socket, my_fd: int, pids: list[int], deadline: float) -> list[int]:
-    """Rank 0: collect every rank's descriptor (checking who sends it), then send everyone the whole list."""
+def _serve(server: socket.socket, my_fd: int, pids: list[int], deadline: float, names) -> list[int]:
+    """Rank 0: collect every rank's descriptor (checking who sends it), then send everyone the whole list.
+    ``names(positions)`` names ranks in messages (by their global ranks)."""
     w = len(pids)
     fds: list[int] = [my_fd] + [-1] * (w - 1)
     conns: dict[int, socket.socket] = {}
@@ -101,9 +102,8 @@ def _serve(server: socket.socket, my_fd: int, pids: list[int], deadline: float) 
                 conn, _ = server.accept()
             except TimeoutError:
                 missing = [r for r in range(1, w) if r not in conns]
-                names = ", ".join(map(str, missing))
                 raise TimeoutError(
-                    f"rank{'s' * (len(missing) > 1)} {names} did not connect to rank 0{_turned_away(strangers)}"
+                    f"{names(missing)} did not connect to {names([0])}{_turned_away(strangers)}"
                 ) from None
             try:
                 pid, uid = _peer_cred(conn)
@@ -144,8 +144,9 @@ def _serve(server: socket.socket, my_fd: int, pids: list[int], deadline: float) 
             conn.close()
 
 
-def _join(address: bytes, my_fd: int, rank: int, pids: list[int], deadline: float) -> list[int]:
-    """Any rank but 0: send this rank's descriptor to rank 0 and receive every rank's."""
+def _join(address: bytes, my_fd: int, rank: int, pids: list[int], deadline: float, leader: str) -> list[int]:
+    """Any rank but 0: send this rank's descriptor to rank 0 and receive every rank's. ``leader`` names rank 0 in
+    messages (its global rank)."""
     w = len(pids)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
@@ -156,23 +157,23 @@ def _join(address: bytes, my_fd: int, rank: int, pids: list[int], deadline: floa
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
-                    raise TimeoutError("rank 0 is not listening") from None
+                    raise TimeoutError(f"{leader} is not listening") from None
                 time.sleep(0.005)
         if _peer_pid(sock) != pids[0]:
-            raise ConnectionError("the process listening for the segments is not rank 0")
+            raise ConnectionError(f"the process listening for the segments is not {leader}")
         sock.sendmsg([str(rank).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [my_fd]))])
         while len(fds) < w:
             msg, got = _recv(sock, deadline, "segment exchange", _MAX_FDS)
             fds += got
             if msg.startswith(b"error"):
-                raise TimeoutError(f"rank 0 gave up: {msg[7:].decode(errors='replace')}")
+                raise TimeoutError(f"{leader} gave up: {msg[7:].decode(errors='replace')}")
         return fds
     except (OSError, ConnectionError) as exc:  # OSError includes a timeout: rank 0 died, or stopped
         for fd in fds:
             os.close(fd)
-        if isinstance(exc, TimeoutError) and str(exc).startswith("rank 0"):
+        if isinstance(exc, TimeoutError) and str(exc).startswith(leader):
             raise
-        raise TimeoutError(f"rank 0 went away or stopped while sharing the segments ({exc})") from None
+        raise TimeoutError(f"{leader} went away or stopped while sharing the segments ({exc})") from None
     finally:
         sock.close()
 
@@ -198,10 +199,10 @@ def share_descriptors(rv, pids: list[int], my_fd: int, timeout: float) -> list[i
     try:
         names = rv.gather("shm", name.hex())
         if rv.rank == 0:
-            return _serve(server, my_fd, pids, deadline)
-        return _join(bytes.fromhex(names[0]), my_fd, rv.rank, pids, deadline)
+            return _serve(server, my_fd, pids, deadline, rv.names)
+        return _join(bytes.fromhex(names[0]), my_fd, rv.rank, pids, deadline, rv.names([0]))
     except (TimeoutError, ConnectionError, OSError) as exc:
-        raise TimeoutError(f"rank {rv.rank}: the shm segments could not be shared: {exc}") from None
+        raise TimeoutError(f"{rv.names([rv.rank])}: the shm segments could not be shared: {exc}") from None
     finally:
         if server is not None:
             server.close()

@@ -77,12 +77,11 @@ class TorchTransport(Transport):
             why = rv.abandoned()  # a rank that gave up on the buffer after the hello says why
             lost = [] if why else rv.missing("torch/group-failed", time.monotonic() + 0.2)
             if lost:
-                names = ", ".join(map(str, lost))
-                why = f"rank{'s' * (len(lost) > 1)} {names} died or stopped while it was made"
+                why = f"{rv.names(lost)} died or stopped while it was made"
             why = why or (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
             raise TimeoutError(
-                f"rank {self.rank}: the torch transport's own gloo group could not be made within {rv.timeout:g} s "
-                f"({why})"
+                f"{rv.names([self.rank])}: the torch transport's own gloo group could not be made within "
+                f"{rv.timeout:g} s ({why})"
             ) from None
         self.local = torch.zeros(num_bytes, dtype=torch.uint8)
         #: Bytes sent to each rank of the group so far (headers and payloads; see the module docstring).
