@@ -44,7 +44,21 @@ __all__ = [
     "RankError",
     "run_hosts",
     "namespaces_unavailable",
+    "how_it_ends",
 ]
+
+
+def how_it_ends(fn, error: type[BaseException] = TimeoutError) -> tuple[str, float]:
+    """``(message, seconds)`` of calling ``fn()``: the text of the ``error`` it raised (``"no error"`` if it
+    returned) and how long it took: what a fault test's surviving rank reports."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        fn()
+    except error as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
 
 
 def assert_diff(actual: torch.Tensor, expected: torch.Tensor, max_diff: float, ctx: str = "") -> float:
