@@ -67,33 +67,43 @@ def decode_notice(seen: int) -> tuple[int, int, bool]:
     return (seen >> 32) & (_RANK_BITS >> 2), seen & _RANK_BITS, bool(seen & _GAVE_UP_SILENT)
 
 
-def notice_error(rank: int, seen: int, what: str) -> PeerFailedError:
-    """The error rank ``rank`` raises for a wait on ``what`` that ended on the notice ``seen``."""
+def _named(ranks, r: int) -> int:
+    """Rank ``r`` (a position in the buffer's group) as messages name it: its global rank where ``ranks`` (the
+    members' global ranks, by position) is given."""
+    return r if ranks is None else ranks[r]
+
+
+def notice_error(rank: int, seen: int, what: str, ranks=None) -> PeerFailedError:
+    """The error rank ``rank`` raises for a wait on ``what`` that ended on the notice ``seen``. Ranks are
+    positions in the buffer's group; ``ranks`` (the members' global ranks) names them in the message, and
+    ``.peer`` stays a position."""
     reporter, culprit, silent = decode_notice(seen)
+    me, by, who = _named(ranks, rank), _named(ranks, reporter), _named(ranks, culprit)
     if silent:
         msg = (
-            f"rank {rank}: {what} abandoned: rank {reporter} reports that rank {culprit} sent no signal "
+            f"rank {me}: {what} abandoned: rank {by} reports that rank {who} sent no signal "
             f"within its timeout (it died or stopped calling)"
         )
     else:
         msg = (
-            f"rank {rank}: {what} abandoned: rank {culprit} gave up on this buffer after a failure on "
+            f"rank {me}: {what} abandoned: rank {who} gave up on this buffer after a failure on "
             f"its side (its own exception says why)"
         )
     return PeerFailedError(msg, culprit, silent)
 
 
-def silence_error(rank: int, src: int, what: str, timeout: float, epoch: int) -> TimeoutError:
-    """The error for a wait on rank ``src`` that timed out with no notice; ``.peer`` names ``src``."""
+def silence_error(rank: int, src: int, what: str, timeout: float, epoch: int, ranks=None) -> TimeoutError:
+    """The error for a wait on rank ``src`` that timed out with no notice; ``.peer`` is ``src`` (a position; the
+    message names global ranks where ``ranks`` is given)."""
     exc = TimeoutError(
-        f"rank {rank}: rank {src} sent no {what} signal within {timeout:g} s (epoch {epoch}); "
-        "it died or stopped calling"
+        f"rank {_named(ranks, rank)}: rank {_named(ranks, src)} sent no {what} signal within {timeout:g} s "
+        f"(epoch {epoch}); it died or stopped calling"
     )
     exc.peer = src
     return exc
 
 
-def wait_judge(rank: int, first: int, what: str, timeout: float, epoch: int, on_notice):
+def wait_judge(rank: int, first: int, what: str, timeout: float, epoch: int, on_notice, ranks=None):
     """The judge of a deferred (stream-ordered) wait on the sources from ``first``: maps the wait kernel's
     2-word result ``[value seen, 1 + index of the failed word (0: none; 2**64 - 1: skipped)]`` to None (the
     wait succeeded) or the error to raise. ``on_notice(seen, what)`` makes the error for a notice (and
@@ -103,7 +113,7 @@ def wait_judge(rank: int, first: int, what: str, timeout: float, epoch: int, on_
     def judge(result):
         failed = result[1] & mask
         if failed == mask:  # the kernel skipped the wait: an earlier deferred wait had failed
-            exc = TimeoutError(f"rank {rank}: {what} skipped: an earlier wait on this buffer failed")
+            exc = TimeoutError(f"rank {_named(ranks, rank)}: {what} skipped: an earlier wait on this buffer failed")
             exc.skipped = True
             return exc
         if failed == 0:
@@ -111,7 +121,7 @@ def wait_judge(rank: int, first: int, what: str, timeout: float, epoch: int, on_
         seen = result[0] & mask
         if is_notice(seen):
             return on_notice(seen, what)
-        return silence_error(rank, first + failed - 1, what, timeout, epoch)
+        return silence_error(rank, first + failed - 1, what, timeout, epoch, ranks)
 
     return judge
 
@@ -119,7 +129,8 @@ def wait_judge(rank: int, first: int, what: str, timeout: float, epoch: int, on_
 class FailureNotices:
     """The notice protocol as :class:`~epkit.collectives.symm_buffer.SymmBuffer` runs it (mixed into it): giving
     up (``mark_broken``), telling the peers, and turning a failed wait into the error to raise. Uses the
-    buffer's ``rank``, ``world_size``, ``impl`` (the transport), ``is_open()``, ``_word()`` and ``_broken``."""
+    buffer's ``rank``, ``world_size``, ``global_ranks``, ``impl`` (the transport), ``is_open()``, ``_word()`` and
+    ``_broken``."""
 
     _broken: str | None = None
 
@@ -165,7 +176,7 @@ class FailureNotices:
     def _gave_up(self, seen: int, what: str) -> PeerFailedError:
         """The error for a wait that found the gave-up notice ``seen``; retires this buffer and
         passes the notice on (a peer waiting on this rank, not on the reporter, learns it too)."""
-        exc = notice_error(self.rank, seen, what)
+        exc = notice_error(self.rank, seen, what, self.global_ranks)
         if self._broken is None:
             self.mark_broken(str(exc))
             self._spread(seen, [self.rank])
@@ -186,5 +197,5 @@ class FailureNotices:
         """A wait on ``src`` ended without its signal: the peer's gave-up notice, or silence."""
         if is_notice(seen):
             raise self._gave_up(seen, what)
-        self.mark_broken(f"no {what} signal from rank {src}", culprit=src, silent=True)
-        raise silence_error(self.rank, src, what, t, value)
+        self.mark_broken(f"no {what} signal from rank {self.global_ranks[src]}", culprit=src, silent=True)
+        raise silence_error(self.rank, src, what, t, value, self.global_ranks)

@@ -94,7 +94,8 @@ class SymmBuffer(FailureNotices):
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.group = group
-        self.rank, self.world_size, _, backend = group_info(group)
+        #: The members' global ranks, by position (``rank`` is this rank's position): messages name these.
+        self.rank, self.world_size, self.global_ranks, backend = group_info(group)
         self.num_bytes = num_bytes
         self.num_signals = num_signals
         self.timeout = timeout
@@ -133,10 +134,10 @@ class SymmBuffer(FailureNotices):
 
     def _check_usable(self) -> None:
         if self._closed:
-            raise RuntimeError(f"rank {self.rank}: this SymmBuffer is closed")
+            raise RuntimeError(f"rank {self.global_rank}: this SymmBuffer is closed")
         if self._broken is not None:
             raise RuntimeError(
-                f"rank {self.rank}: this SymmBuffer is unusable after an earlier failure ({self._broken});"
+                f"rank {self.global_rank}: this SymmBuffer is unusable after an earlier failure ({self._broken});"
                 f" create a new one on every rank"
             )
         self.deferred.poll()
@@ -148,6 +149,11 @@ class SymmBuffer(FailureNotices):
         timeouts and rejected inputs are raised here or at the start of the next collective call.
         """
         self.deferred.drain()
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's global rank (``rank`` is its position in the buffer's group): what messages name."""
+        return self.global_ranks[self.rank]
 
     def is_open(self) -> bool:
         """The buffer is not closed and its memory is still there."""
@@ -217,7 +223,8 @@ class SymmBuffer(FailureNotices):
         seen, failed = self._wait(self._user_word(idx), 1, cmp, value, t)
         if failed is not None:
             raise TimeoutError(
-                f"rank {self.rank}: signal word {idx} did not satisfy {cmp} {value} within {t:g} s (last seen {seen})"
+                f"rank {self.global_rank}: signal word {idx} did not satisfy {cmp} {value} within {t:g} s "
+                f"(last seen {seen})"
             )
         return seen
 
@@ -288,7 +295,7 @@ class SymmBuffer(FailureNotices):
 
         ``guarded``: an acknowledgement wait of an exchange whose writes all take the exchange's guard."""
 
-        judge = wait_judge(self.rank, first, what, t, value, self._gave_up)
+        judge = wait_judge(self.rank, first, what, t, value, self._gave_up, self.global_ranks)
 
         # An ACK wait guards this rank's writes into the peer's memory. Where the stream would perform them
         # whatever the wait's outcome (writes made straight into send regions), it is never skipped after an
@@ -365,7 +372,7 @@ class SymmBuffer(FailureNotices):
         self._check_usable()
         if self._open is not None:
             raise RuntimeError(
-                f"rank {self.rank}: exchange {self._open.tag!r} is still open (call its hook / "
+                f"rank {self.global_rank}: exchange {self._open.tag!r} is still open (call its hook / "
                 f"release it before the next collective on this buffer)"
             )
         if self.impl.direct:
@@ -450,7 +457,7 @@ class SymmBuffer(FailureNotices):
             # The exception may be leaving the block on this rank only: tell the peers (their waits on this
             # rank, the close's barrier too, end at once naming it), and wait for none of them.
             with contextlib.suppress(Exception):
-                self.mark_broken(f"rank {self.rank} left its block by {exc_type.__name__}", culprit=self.rank)
+                self.mark_broken(f"rank {self.global_rank} left its block by {exc_type.__name__}", culprit=self.rank)
         self._close(collective=exc_type is None and self._broken is None)
 
     def __del__(self):

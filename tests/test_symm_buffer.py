@@ -549,3 +549,23 @@ def test_a_sub_groups_errors_name_global_ranks(transport):
     msg, seconds = res[2]
     assert msg.startswith("rank 2: rank 3 did not come to make this SymmBuffer"), msg
     assert seconds < 2 + 1.5, res
+
+
+def _sub_group_member_goes_silent(rank, world_size):
+    """A buffer over global ranks 2 and 3; after one barrier rank 3 stops taking part."""
+    from epkit.collectives.bootstrap import SubGroup
+
+    if rank < 2:
+        return None
+    buf = SymmBuffer(SubGroup(dist.group.WORLD, [2, 3], "pair"), 4096, transport="shm", timeout=10)
+    buf.barrier()
+    if rank == 3:
+        time.sleep(3)
+        return None
+    return how_it_ends(lambda: buf.barrier(timeout=1.0))
+
+
+def test_a_sub_groups_waits_name_global_ranks():
+    # After construction too: the wait's error named positions in the sub-group ("rank 0: rank 1 sent no ...").
+    msg, _ = run_ranks(_sub_group_member_goes_silent, 4, timeout=60)[2]
+    assert msg.startswith("rank 2: rank 3 sent no barrier signal within 1 s"), msg

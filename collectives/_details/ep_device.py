@@ -250,8 +250,8 @@ class DeviceState:
         detail = self._status[STATUS_WORDS:].reshape(self.world, STATUS_DETAIL)
         if code == CODE_WAIT:
             if is_notice(seen & MASK64):
-                return notice_error(self.rank, seen & MASK64, what)
-            return silence_error(self.rank, peer, what, self.ep.timeout, epoch)
+                return notice_error(self.rank, seen & MASK64, what, self.sb.global_ranks)
+            return silence_error(self.rank, peer, what, self.ep.timeout, epoch, self.sb.global_ranks)
         if code == CODE_HEADERS:
             heads = [[int(v) for v in detail[src, :3]] for src in range(self.world)]
             errors = judge_headers(heads, lambda src: self._ll_text(src, epoch), True)
