@@ -227,16 +227,20 @@ class Rendezvous:
         """Publish this rank's presence under ``step``; the ranks whose presence has not arrived by ``deadline``
         (without raising: for naming the ranks a failed step lost)."""
         keys = [f"{step}/{r}" for r in range(self.world_size)]
-        self._store.set(keys[self.rank], "1")
-        self._mine.append(keys[self.rank])
-        while not self._store.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return [r for r, k in enumerate(keys) if not self._store.check([k])]
+        try:
+            self._store.set(keys[self.rank], "1")
+            self._mine.append(keys[self.rank])
+            while not self._store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return [r for r, k in enumerate(keys) if not self._store.check([k])]
+        except Exception:  # noqa: BLE001 -- a store out of reach: nothing known, nobody named
+            return []
 
     @contextlib.contextmanager
     def store_deadline(self, deadline: float):
         """Inside the block the job store's own waits (what a torch process group made on :attr:`store` does
-        through it) end by ``deadline``, not after the store's timeout (minutes under torchrun); restored after."""
+        through it) end by ``deadline``, not after the store's timeout (minutes under torchrun); restored after.
+        The timeout is the process's store client's: another thread using the job store meanwhile gets it too."""
         store = _job_store()
         before = store.timeout
         store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))

@@ -13,12 +13,16 @@ bash scripts/setup.sh --tests
 ruff check .
 ruff format --check .
 rm -rf build/launches
+recorded=
 if [ $# -eq 0 ]; then  # recorded once: pytest's rung-3 tests check the records the sweep compiles
-    python -m epkit.testing.rung3 record build/launches/records.json
-    export EPKIT_LAUNCH_RECORDS=build/launches/records.json
+    if python -m epkit.testing.rung3 record build/launches/records.json; then
+        export EPKIT_LAUNCH_RECORDS=build/launches/records.json
+        recorded=yes
+    fi  # else pytest records (and its rung-3 tests say what fails); the run fails below
 fi
 python -m pytest -q --durations=15 "$@"
 if [ $# -eq 0 ]; then
+    [ -n "$recorded" ] || { echo "rung 3: recording the launches failed (above)" >&2; exit 1; }
     # the Triton of each torch epkit is tested beside ([tool.epkit] in pyproject.toml)
     tritons=$(python - <<'EOF'
 try:

@@ -432,7 +432,8 @@ def _held(rank, world_size, uid):
         holders.append(
             subprocess.Popen([python, "-c", _HOLDER], stdout=subprocess.PIPE, text=True, user=uid, cwd="/")
         )  # another user may not reach this venv's interpreter: the system's (only the standard library is used)
-        assert holders[-1].stdout.readline().startswith("connected"), "the stranger did not connect"
+        line = holders[-1].stdout.readline().split()
+        assert line[:1] == ["connected"] and int(line[1]) >= 1, f"the stranger did not connect: {line}"
         return server, name
 
     shm._listen = listen_then_hold
@@ -559,8 +560,8 @@ def _sub_group_member_goes_silent(rank, world_size):
         return None
     buf = SymmBuffer(SubGroup(dist.group.WORLD, [2, 3], "pair"), 4096, transport="shm", timeout=10)
     buf.barrier()
-    if rank == 3:
-        time.sleep(3)
+    if rank == 3:  # silent, and alive well past rank 2's 1 s wait (its exit would tell rank 2 it left)
+        time.sleep(5)
         return None
     return how_it_ends(lambda: buf.barrier(timeout=1.0))
 

@@ -220,13 +220,13 @@ def _hand_out(server: socket.socket, fd: int, members: list[int], pids: list[int
             return
         with conn, contextlib.suppress(OSError, ValueError, ConnectionError):
             pid = _peer_pid(conn)
-            if pid not in {pids[r] for r in left}:
+            member = next((r for r in left if pids[r] == pid), None)
+            if member is None:  # not a member still to serve: dropped before anything is read
                 continue
+            left.discard(member)  # served or not, this member has had its turn
             msg, _ = _recv(conn, deadline, "host probe", 1)
-            r = int(msg.decode()) if msg.isdigit() else -1
-            if r in left and pid == pids[r]:
+            if msg.isdigit() and int(msg.decode()) == member:
                 conn.sendmsg([b"ok"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-                left.discard(r)
 
 
 def _attach(sock: socket.socket, nonce: bytes, leader_pid: int, deadline: float) -> bool:

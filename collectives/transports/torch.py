@@ -74,11 +74,14 @@ class TorchTransport(Transport):
             with rv.store_deadline(deadline):
                 self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=rv.timeout))
         except RuntimeError as exc:
+            cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             why = rv.abandoned()  # a rank that gave up on the buffer after the hello says why
-            lost = [] if why else rv.missing("torch/group-failed", time.monotonic() + 0.2)
+            # Who never reports failing as well: every live rank's group fails by the deadline (gloo's rendezvous
+            # ends within its timeout + about 1 s), so the ranks without a report by then died or stopped.
+            lost = [] if why else rv.missing("torch/group-failed", max(deadline + 1.2, time.monotonic() + 0.2))
             if lost:
-                why = f"{rv.names(lost)} died or stopped while it was made"
-            why = why or (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                why = f"{rv.names(lost)} died or stopped while it was made; here: {cause}"
+            why = why or cause
             raise TimeoutError(
                 f"{rv.names([self.rank])}: the torch transport's own gloo group could not be made within "
                 f"{rv.timeout:g} s ({why})"

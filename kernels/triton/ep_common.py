@@ -118,7 +118,8 @@ def row_words(row_bytes: int, rows: int = 1) -> int:
     """int32 words per block of a row copy: up to 4 KiB of a row per step, and at most 4096 words in a
     ``[rows, words]`` step (a bigger tile holds more than a thread's registers: the normal dispatch send copies 16
     rows at once at W=8 and spilled under Triton 3.6 with 1024-word blocks)."""
-    return max(1, min(1024, 4096 // max(rows, 1), triton.next_power_of_2(max(row_bytes // 4, 1))))
+    cap = 4096 // triton.next_power_of_2(max(rows, 1))
+    return max(1, min(1024, cap, triton.next_power_of_2(max(row_bytes // 4, 1))))
 
 
 _TWINS: dict = {}

@@ -432,11 +432,12 @@ def dispatch_send(geo: NormalGeometry, x, scales, topk_idx, weights, lay, send_p
     z = geo.sizes()
     xb = x.shape[1] * x.element_size()
     sb = 4 * scales.shape[1] if scales is not None else 0
+    rows = z["BT"] * z["W_P2"] if geo.hw_timer() else 1  # a GPU step's tile stays in registers; the interpreter's
     launch(
         _dispatch_send, (programs(geo.device, geo.ctas),), geo.device, x, scales if scales is not None else x, topk_idx,
         weights if weights is not None else send_pos, lay, send_pos, geo.rows_table, geo.ctrl_table, geo.ctrl,
         x.shape[0], geo.rank, geo.world, geo.cap,
         E=geo.num_experts, L=geo.num_experts // geo.world, K=geo.num_topk, XB=xb, SB=sb, HAS_W=weights is not None,
         BT=z["BT"], K_P2=z["K_P2"], W_P2=z["W_P2"], E_P2=z["E_P2"], P_P2=z["P_P2"],
-        BW_X=row_words(xb, z["BT"] * z["W_P2"]), BW_S=row_words(sb, z["BT"] * z["W_P2"]),
+        BW_X=row_words(xb, rows), BW_S=row_words(sb, rows),
     )  # fmt: skip

@@ -60,7 +60,10 @@ def _all_reduce_max(values: list[int], group) -> list[int]:
     store, me = _store(), dist.get_rank()
     prefix = f"epkit/lockstep/{'-'.join(map(str, members))}/"
     if store is not None:
-        store.set(f"{prefix}{me}", str(n))
+        try:
+            store.set(f"{prefix}{me}", str(n))
+        except Exception:  # noqa: BLE001 -- best effort: without the word a failure names nobody
+            store = None
     t = torch.tensor(values, dtype=torch.int64)
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -69,24 +72,43 @@ def _all_reduce_max(values: list[int], group) -> list[int]:
     return t.tolist()
 
 
-def _who_stopped(store, prefix: str, members: tuple[int, ...], me: int, n: int, exc: Exception) -> str:
-    cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-    behind = []
-    if store is not None:
+#: Seconds a failed lockstep step gives its peers' words to show they reached it: a dead peer's reset can end
+#: the all-reduce at once, before a live but slower peer has got there (it is not the one to name).
+BEHIND_GRACE_S = 1.0
+
+
+def _behind(store, prefix: str, members: tuple[int, ...], n: int) -> list[int] | None:
+    """The members whose word says they have not entered step ``n``; None when the store cannot tell."""
+    out = []
+    try:
         for r in members:
-            try:
-                seen = int(store.get(f"{prefix}{r}")) if store.check([f"{prefix}{r}"]) else 0
-            except (RuntimeError, ValueError):
-                continue
+            seen = int(store.get(f"{prefix}{r}")) if store.check([f"{prefix}{r}"]) else 0
             if seen < n:
-                behind.append(r)
+                out.append(r)
+    except Exception:  # noqa: BLE001 -- a store out of reach: nothing known
+        return None
+    return out
+
+
+def _who_stopped(store, prefix: str, members: tuple[int, ...], me: int, n: int, exc: Exception) -> str:
+    import time
+
+    cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    where = f"rank {me}: lockstep step {n} of DP group {list(members)}"
+    behind = None if store is None else _behind(store, prefix, members, n)
+    deadline = time.monotonic() + BEHIND_GRACE_S
+    while behind and time.monotonic() < deadline:
+        time.sleep(0.02)
+        behind = _behind(store, prefix, members, n)
+    if behind is None:
+        return f"{where} failed ({cause}); which rank stopped is unknown (the job's store cannot be read)"
     if behind:
         names = ", ".join(map(str, behind))
         return (
-            f"rank {me}: lockstep step {n} of DP group {list(members)}: rank{'s' * (len(behind) > 1)} {names} never "
-            f"reached it (died or stopped; the all-reduce ended: {cause})"
+            f"{where}: rank{'s' * (len(behind) > 1)} {names} never reached it (died or stopped; the all-reduce "
+            f"ended: {cause})"
         )
-    return f"rank {me}: lockstep step {n} of DP group {list(members)} failed ({cause}); every rank had reached it"
+    return f"{where} failed ({cause}); every rank had reached it (one failed inside the all-reduce)"
 
 
 def has_unfinished(local: bool, group=None) -> bool:
