@@ -49,7 +49,7 @@ import torch
 
 from epkit.collectives._details.engram_table_checks import fetch_error, rejection
 from epkit.collectives._details.engram_table_direct import TRANSPORT_CHOICES, DirectHook, make_direct_shard
-from epkit.collectives._details.ep_rows import META_MSG, RowPool, decode_error, encode_error
+from epkit.collectives.ep.rows import META_MSG, RowPool, decode_error, encode_error
 from epkit.gather import gather_rows
 
 __all__ = ["ShardedEngramTable", "engram_table_partition"]

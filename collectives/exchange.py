@@ -85,7 +85,7 @@ class Exchange:
         if guard is None:
             region[offset : offset + n].copy_(data)
             return
-        from epkit.collectives._details.ep_rows import move_rows
+        from epkit.collectives.ep.rows import move_rows
 
         src = data.contiguous()
         if src.device != region.device:  # from pinned memory, asynchronously: the host does not wait for the stream

@@ -1,6 +1,6 @@
 """MegaMoE-style fused MoE layer: dispatch -> grouped GEMM -> SwiGLU -> grouped GEMM -> combine in one call.
 
-On a buffer that took the device kernels (``EPBuffer(kernels=...)``, see ``_details/ep_device.py``) each row
+On a buffer that took the device kernels (``EPBuffer(kernels=...)``, see ``ep/device_state.py``) each row
 crosses to its destination rank once and the receive kernel lays it out as the grouped GEMM's contiguous
 input; the combine reads the expert outputs where they are (the weighted sums leave the expert rank once), with
 one host read (the rows received, which size the GEMM) and no host barrier. Otherwise:
@@ -8,7 +8,7 @@ one host read (the rows received, which size the GEMM) and no host barrier. Othe
 Allowed only when every EP peer is directly addressable (``EPBuffer.is_within_domain()``: the
 ``shm`` transport on one host, or ``nvshmem`` within one NVLink domain, where the rows live on the
 GPU and move through peer views; that path runs in CI on the nvshmem emulator with the row moves and
-sums in their torch formulations, ``ep_rows.PORTABLE``). There is no dispatch staging: each rank
+sums in their torch formulations, ``ep.rows.PORTABLE``). There is no dispatch staging: each rank
 publishes its tokens once in its own symmetric buffer, and every expert rank
 gathers the rows it needs straight from the senders' buffers into the grouped
 GEMM's input; the expert side then writes its weighted partial sums straight
@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from epkit.collectives._details.ep_rows import (
+from epkit.collectives.ep.rows import (
     META_MSG,
     align_up,
     by_address,
@@ -189,7 +189,7 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
     recv_idx = torch.cat(recv_idx).to(torch.int32)
     recv_w = torch.cat(recv_w).clone()
     counts = torch.bincount(recv_idx[recv_idx >= 0].long(), minlength=L)
-    buffer.recv_tokens_per_expert_total += counts
+    buffer.recv_tokens_per_expert_total.add_(counts)
     rows, slot = expanded_layout(recv_idx, counts, expert_alignment)
     # Gather the GEMM's input straight from the senders' buffers (zero rows for padding).
     row_addr = torch.tensor(bases, dtype=torch.int64)[recv_src] + recv_tok * xb

@@ -401,8 +401,8 @@ def test_low_latency_rejection_leaves_buffer_usable(transport):
 
 def _ll_bytes_on_torch(rank, world_size):
     """Bytes this rank sends its peer for one low-latency dispatch and one combine on the torch transport."""
-    from epkit.collectives._details.ep_low_latency_layout import COMBINE_HEADER
-    from epkit.collectives._details.ep_rows import META_MSG
+    from epkit.collectives.ep.ll_layout import COMBINE_HEADER
+    from epkit.collectives.ep.rows import META_MSG
 
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 32, TOPK, transport="torch", timeout=20)
     x, idx, w = _routing(rank, world_size, "minus1", 4)
@@ -461,7 +461,7 @@ def test_row_format_mismatch_is_caught_everywhere():
 
 def _portable(rank, world_size, fn, *args):
     """Run a rank body with the torch formulations of the row moves and sums (the path CUDA tensors take)."""
-    from epkit.collectives._details import ep_rows
+    from epkit.collectives.ep import rows as ep_rows
 
     ep_rows.PORTABLE[0] = True
     return fn(rank, world_size, *args)
@@ -476,7 +476,7 @@ def test_device_path_arithmetic_matches_reference_on_cpu():
 
 def _pooled(rank, world_size, fn, *args):
     """Run a rank body with every CPU result row tensor from the buffer's RowPool (whatever its size)."""
-    from epkit.collectives._details import ep_rows
+    from epkit.collectives.ep import rows as ep_rows
 
     ep_rows.RowPool.MIN_BYTES = 0
     return fn(rank, world_size, *args)
@@ -541,7 +541,7 @@ def test_result_slots_can_be_turned_off(monkeypatch):
 
 
 def test_row_pool_reuses_a_block_only_once_every_view_of_it_is_gone():
-    from epkit.collectives._details.ep_rows import RowPool
+    from epkit.collectives.ep.rows import RowPool
 
     pool = RowPool(max_free=2)
     a = pool.empty((1024, 1024), torch.float32)
@@ -561,7 +561,7 @@ def test_row_pool_takes_back_blocks_freed_on_other_threads():
     # gloo may drop the last tensor of a block on its own thread: the block still comes back to the pool
     import threading
 
-    from epkit.collectives._details.ep_rows import RowPool
+    from epkit.collectives.ep.rows import RowPool
 
     pool = RowPool(max_free=2)
     holder = [pool.empty((1024, 1024), torch.float32)]

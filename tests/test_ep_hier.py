@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from test_hosts import check_low_latency
 
-from epkit.collectives._details import ep_rows
-from epkit.collectives._details.ep_hier_rows import put_split_rows, rail_order, sum_by_host, token_order
+from epkit.collectives.ep import rows as ep_rows
+from epkit.collectives.ep.hier_rows import put_split_rows, rail_order, sum_by_host, token_order
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import (
     reference_combine,
@@ -101,8 +101,8 @@ def _predicted_bytes(hosts, idx, num_rows_bytes):
 def _hier_checks(rank, world_size, ranks_per_host, names=("auto", "torch"), emulated=None, portable=False):
     """The checks of one rank, for each transport in ``names``; ``emulated``: a test transport of
     ``resolve_transport`` to install first (NVLink domains of the NVSHMEM emulator as the hosts); ``portable``:
-    row moves and sums through the torch formulations CUDA rows take (``ep_rows.PORTABLE``)."""
-    from epkit.collectives._details import ep_rows
+    row moves and sums through the torch formulations CUDA rows take (``ep.rows.PORTABLE``)."""
+    from epkit.collectives.ep import rows as ep_rows
 
     ep_rows.PORTABLE[0] = portable
     if emulated is not None:
@@ -116,7 +116,7 @@ def _hier_checks(rank, world_size, ranks_per_host, names=("auto", "torch"), emul
         before = buf.bytes_across_hosts()
         _, _, _, _, handle = buf.dispatch(x, idx, w)
         # A rail message in two parts whose order had to be sent (rail_order's mask), on some rank of the job.
-        out[name]["split"] = any(t is not None for t in (getattr(handle, "hier", None) or {}).get("tok_order", []))
+        out[name]["split"] = handle.hier is not None and any(t is not None for t in handle.hier.tok_order)
         ref = reference_dispatch(x, idx, w, EXPERTS)
         buf.combine(ref["recv_x"].clone(), handle)
         out[name]["bytes"] = buf.bytes_across_hosts() - before
@@ -245,7 +245,7 @@ def _three_hosts(rank, world_size, slots):
             y = (ref[key].float() * (0.5 + 0.125 * rank) + 1).to(torch.bfloat16)
             want = reference_combine(y, ref, x.shape[0], None, expand=expand, hosts=hosts)
             assert_bitwise_equal(buf.combine(y, handle), want, ctx + " combine")
-            split[mode] = [t is not None for t in handle.hier["tok_order"]], handle.hier["rail_counts"]
+            split[mode] = [t is not None for t in handle.hier.tok_order], handle.hier.rail_counts
     buf.close()
     return split
 
@@ -271,8 +271,8 @@ def _hier_slots(rank, world_size, count):
 
     os.environ["EPKIT_RESULT_SLOTS"] = str(count)
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, CAP, TOPK, transport="hierarchical", timeout=20)
-    made = buf._hier.result_slots is not None
-    local = buf._hier.intra.local
+    made = buf._normal.hy.result_slots is not None
+    local = buf._normal.hy.intra.local
     lo, hi = local.data_ptr(), local.data_ptr() + local.numel()
 
     def call(seed, fp8=False):  # (the received rows, and scales; the reference's; whether they are in a slot)

@@ -1,12 +1,12 @@
 """The low-latency calls' receive tensors: caller-provided (``out=``) or reused from the buffer's pool, never while
-the caller still holds them (``collectives/_details/ep_low_latency_out.py``), on 2 CPU ranks, bit for bit against
+the caller still holds them (``collectives/ep/ll_out.py``), on 2 CPU ranks, bit for bit against
 the textbook exchange."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from epkit.collectives._details import ep_rows
+from epkit.collectives.ep import rows as ep_rows
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_low_latency_combine, reference_low_latency_dispatch
 from epkit.testing import assert_bitwise_equal
@@ -257,7 +257,7 @@ def test_deep_ep_low_latency_results_are_epbuffers_pooled_tensors(use_fp8):
     ids=["tensor", "view", "dtype-view", "data", "detach", "storage", "numpy", "dlpack"],
 )
 def test_pool_reuses_memory_only_once_nothing_outside_it_references_it(holder):
-    from epkit.collectives._details.ep_low_latency_out import KEEP, take
+    from epkit.collectives.ep.ll_out import KEEP, take
 
     pool = {}
     first = take(pool, (4, 8), torch.float32, "cpu")
@@ -279,7 +279,7 @@ def test_pool_reuses_memory_only_once_nothing_outside_it_references_it(holder):
 def test_pool_memory_made_in_inference_mode_stays_there():
     """A block made under ``torch.inference_mode`` is an inference tensor, which cannot be written outside it: the
     pool keys its blocks by the mode, so a call outside gets writable memory of its own."""
-    from epkit.collectives._details.ep_low_latency_out import take
+    from epkit.collectives.ep.ll_out import take
 
     pool: dict = {}
     with torch.inference_mode():

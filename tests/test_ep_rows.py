@@ -1,4 +1,4 @@
-"""collectives/_details/ep_rows.py: the fused row reduction (``epkit._C.reduce_rows``, its AVX2 kernel for bf16 rows
+"""collectives/ep/rows.py: the fused row reduction (``epkit._C.reduce_rows``, its AVX2 kernel for bf16 rows
 included) gives the bits of the torch formulation it stands for (``PORTABLE``: each product rounded, then added in
 float32, k ascending, the biases in order, one rounding to the output dtype). NaN payloads are the one thing compared
 by class only: a NaN is a NaN on both sides, and a bfloat16 NaN out of the fused kernels is 0x7FC0."""
@@ -6,8 +6,8 @@ by class only: a NaN is a NaN on both sides, and a bfloat16 NaN out of the fused
 import pytest
 import torch
 
-from epkit.collectives._details import ep_rows
-from epkit.collectives._details.ep_rows import reduce_indexed
+from epkit.collectives.ep import rows as ep_rows
+from epkit.collectives.ep.rows import reduce_indexed
 
 
 def _rows(n: int, h: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:

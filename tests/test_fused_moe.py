@@ -27,7 +27,7 @@ def _weights(rank, world_size, fmt):
 
 
 def _fused_vs_composed(rank, world_size, fmt, num_tokens, transport="shm", portable=False):
-    from epkit.collectives._details import ep_rows
+    from epkit.collectives.ep import rows as ep_rows
 
     ep_rows.PORTABLE[0] = portable  # the device formulations of the row moves and sums
     transport = resolve_transport(transport)

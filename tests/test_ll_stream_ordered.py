@@ -1,6 +1,6 @@
 """The stream-ordered low-latency path: no host reads of routing data, deferred error reports.
 
-CUDA rows take this path; ``ep_rows.PORTABLE`` runs the same code on CPU ranks (rows through the
+CUDA rows take this path; ``ep.rows.PORTABLE`` runs the same code on CPU ranks (rows through the
 Triton kernel in the interpreter, waits on the host), where ``HostSyncDetector`` checks that nothing
 in the calls reads device data back. The rung-4 test checks the same on a GPU with
 ``torch.cuda.set_sync_debug_mode("error")``.
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from epkit._details.host_memory import mark_host_memory
-from epkit.collectives._details import ep_rows
 from epkit.collectives._details.deferred import DeferredChecks
+from epkit.collectives.ep import rows as ep_rows
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_low_latency_combine, reference_low_latency_dispatch
 from epkit.collectives.symm_buffer import PeerFailedError, SymmBuffer

@@ -6,7 +6,7 @@ returns; the outcome becomes readable once the CUDA stream passes the point wher
 
 - a timed device wait writes its 2-word result straight into pinned host memory (``host_slot``);
 - a status computed on the device is stored into pinned memory by the row-copy kernel
-  (``ep_rows.move_rows``: a kernel's stores through the mapped address, not a device-to-host memcpy).
+  (``ep.rows.move_rows``: a kernel's stores through the mapped address, not a device-to-host memcpy).
 
 Neither synchronizes the host, and neither is a device-to-host copy. :meth:`DeferredChecks.poll`
 (called at the start of every later collective on the buffer) raises the first failure among the
@@ -92,8 +92,8 @@ class DeferredChecks:
         self._pending.append(_Check(event, values, judge, timeout, what))
 
     def _store(self, host: torch.Tensor, values: torch.Tensor) -> None:
-        """``host[:] = values`` (int64): by the row-copy kernel for device data (or ``ep_rows.PORTABLE``)."""
-        from epkit.collectives._details import ep_rows
+        """``host[:] = values`` (int64): by the row-copy kernel for device data (or ``ep.rows.PORTABLE``)."""
+        from epkit.collectives.ep import rows as ep_rows
 
         values = values.reshape(-1).to(torch.int64).contiguous()
         if values.device.type == "cpu" and not ep_rows.PORTABLE[0]:

@@ -12,7 +12,7 @@ call, its text (8 bytes for a good one). Every rank so learns whether any call w
 and that every rank has reached this fetch, so that each shard holds what its rank wrote before (on nvshmem the
 header's signal is ordered after the rank's earlier writes on its stream). The hook is one copy of each
 requested row from its owner's shard into the result, by address (``epkit._C.gather_rows_by_address`` for CPU
-memory; :func:`~epkit.collectives._details.ep_rows.move_rows`, the Triton copy kernel, on the GPU; the same
+memory; :func:`~epkit.collectives.ep.rows.move_rows`, the Triton copy kernel, on the GPU; the same
 source addresses either way), duplicates and all, in the requested order; then it adds 1 to its "lookups read"
 word at every owner (user signal ``reader rank`` of the owner).
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epkit.collectives._details.ep_rows import (
+from epkit.collectives.ep.rows import (
     META_MSG,
     RowPool,
     align_up,
@@ -45,7 +45,7 @@ __all__ = [
     "shard_offset",
 ]
 
-#: One rank's request header: int64 [error flag, 0], then the error text (``ep_rows.META_MSG`` bytes).
+#: One rank's request header: int64 [error flag, 0], then the error text (``ep.rows.META_MSG`` bytes).
 HEADER_BYTES = 16 + META_MSG
 _SHARD_ALIGN = 4096
 #: What ``ShardedEngramTable(transport=)`` takes.

@@ -40,7 +40,7 @@ def host_groups(hellos: list[dict], rv=None) -> list[list[int]]:
     namespaces, ``/dev/shm``; not the host name). With the rendezvous ``rv`` (collective), each group of
     several ranks is confirmed by a segment its first rank creates and the others attach
     (:func:`~epkit.collectives.transports.shm.confirm_hosts`); a rank that cannot attach is a host of its own.
-    The hierarchical EPBuffer (``collectives/_details/ep_hier.py``) takes its hosts from here.
+    The hierarchical EPBuffer (``collectives/ep/normal_hier.py``) takes its hosts from here.
     """
     by_host: dict[str, list[int]] = {}
     for r, h in enumerate(hellos):
@@ -86,7 +86,7 @@ def choose(hellos: list[dict], backend: str, rv=None) -> str:
     This is one buffer's transport, the same for every peer: ranks on several hosts get ``torch``. The hierarchy
     (``shm`` inside each of :func:`host_groups`, ``torch`` between them) is made of several buffers, so it is
     chosen a level up, by :class:`~epkit.collectives.ep_buffer.EPBuffer` (``transport="auto"`` or
-    ``"hierarchical"``; ``collectives/_details/ep_hier.py``), from the same host groups.
+    ``"hierarchical"``; ``collectives/ep/normal_hier.py``), from the same host groups.
     """
     if "nccl" in str(backend):
         return "nvshmem" if all(h["nvshmem"] is None for h in hellos) else "torch"

@@ -169,7 +169,7 @@ def record_target_shapes() -> list[dict]:
 
 def _ep_target(world: int, rank: int, ctas: int, hidden: int = 7168, num_experts: int = 256, topk: int = 8) -> None:
     """Every EP launcher once at the target sizes, with the addresses laid out as ``DeviceState`` lays them."""
-    from epkit.collectives._details.ep_device import device_layout
+    from epkit.collectives.ep.device_state import device_layout
     from epkit.kernels.triton import ep_combine as cb
     from epkit.kernels.triton import ep_low_latency as ll
     from epkit.kernels.triton import ep_normal as nm

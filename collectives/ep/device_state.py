@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 
 from epkit._details.host_memory import mark_host_memory
-from epkit.collectives._details.ep_low_latency_layout import describe_handles, judge_headers
-from epkit.collectives._details.ep_rows import META_MSG, align_up, decode_error, encode_error
+from epkit.collectives.ep.config import EPConfig
+from epkit.collectives.ep.context import EPContext
+from epkit.collectives.ep.ll_layout import describe_handles, judge_headers
+from epkit.collectives.ep.rows import META_MSG, align_up, decode_error, encode_error
 from epkit.collectives.peer_failure import is_notice, notice_error, silence_error
 from epkit.collectives.transports.base import MASK64, NOTICE, word
 from epkit.kernels.triton.ep_layout import (
@@ -54,9 +56,10 @@ from epkit.kernels.triton.ep_layout import (
 __all__ = [
     "ENV",
     "MODES",
-    "DevicePathMixin",
     "DeviceState",
+    "attach",
     "device_layout",
+    "kernel_area",
     "may_be_nvshmem",
     "resolve_mode",
     "use_device_kernels",
@@ -100,33 +103,27 @@ def use_device_kernels(mode: str, device: torch.device, transport: str, in_reach
     return mode == "device" or (mode == "auto" and in_reach and device.type == "cuda")
 
 
-class DevicePathMixin:
-    """How an :class:`~epkit.collectives.ep_buffer.EPBuffer` takes the device path: the area it adds to the
-    buffer (:meth:`_kernel_area`, before the buffer is made) and the state it keeps (:meth:`_attach_kernels`)."""
+def kernel_area(cfg: EPConfig, kernels: str, transport: str, group) -> tuple[str, dict]:
+    """``(mode, layout)`` of a buffer of ``cfg`` asking for ``kernels`` on ``transport``: the device area's layout
+    (:func:`device_layout`), or ``{}`` when the kernels cannot be used (CPU rows on ``auto``, the torch transport, a
+    hidden size that is not a multiple of 16; ValueError where ``"device"`` was asked for)."""
+    mode = resolve_mode(kernels)
+    possible = transport != "torch" and cfg.hidden % 16 == 0
+    if mode == "host" or not possible or (mode == "auto" and not may_be_nvshmem(transport, group)):
+        use_device_kernels(mode, torch.device("cpu"), transport, possible and mode != "device")
+        return mode, {}
+    n_ll, n = cfg.num_max_dispatch_tokens_per_rank, cfg.num_max_tokens_per_rank
+    return mode, device_layout(cfg.world_size, cfg.hidden, cfg.num_experts, cfg.num_topk, n_ll, n)
 
-    def _kernel_area(self, kernels: str, transport: str, group) -> tuple[str, dict]:
-        """``(mode, layout)``: the device area's layout, or ``{}`` when the kernels cannot be used (CPU rows on
-        ``auto``, the torch transport, a hidden size that is not a multiple of 16)."""
-        mode = resolve_mode(kernels)
-        possible = transport != "torch" and self.hidden % 16 == 0
-        if mode == "host" or not possible or (mode == "auto" and not may_be_nvshmem(transport, group)):
-            use_device_kernels(mode, torch.device("cpu"), transport, possible and mode != "device")
-            return mode, {}
-        n_ll, n = self.num_max_dispatch_tokens_per_rank, self.num_max_tokens_per_rank
-        return mode, device_layout(self.world_size, self.hidden, self.num_experts, self.num_topk, n_ll, n)
 
-    def _attach_kernels(self, mode: str, layout: dict):
-        """The DeviceState of a buffer that takes the device path (else None); its area is past the regions."""
-        if not layout:
-            return None
-        in_reach = self.buffer.impl.direct and self.buffer.is_within_domain()
-        try:
-            if not use_device_kernels(mode, self.device, self.transport, in_reach):
-                return None
-        except ValueError:
-            self.buffer.close()
-            raise
-        return DeviceState(self, self.world_size * self.region_bytes, layout)
+def attach(ctx: EPContext, mode: str, layout: dict) -> DeviceState | None:
+    """The DeviceState of a buffer that takes the device path (else None); its area is past the regions."""
+    if not layout:
+        return None
+    in_reach = ctx.buffer.impl.direct and ctx.buffer.is_within_domain()
+    if not use_device_kernels(mode, ctx.device, ctx.transport, in_reach):
+        return None
+    return DeviceState(ctx, ctx.cfg.world_size * ctx.region_bytes, layout)
 
 
 def may_be_nvshmem(transport: str, group) -> bool:
@@ -191,15 +188,15 @@ def host_clock() -> torch.Tensor:
 
 
 class DeviceState:
-    """The device path's addresses and failure state for one EPBuffer (``ep``), whose buffer holds the device
+    """The device path's addresses and failure state for one EPBuffer (context ``ctx``), whose buffer holds the device
     area at byte ``area_offset`` of every rank's data (laid out by :func:`device_layout`)."""
 
-    def __init__(self, ep, area_offset: int, layout: dict):
-        sb, w, dev = ep.buffer, ep.world_size, ep.device
-        self.ep, self.sb, self.layout, self.device, self.area_offset = ep, sb, layout, dev, area_offset
-        self.rank, self.world = ep.rank, w
+    def __init__(self, ctx: EPContext, area_offset: int, layout: dict):
+        sb, w, dev = ctx.buffer, ctx.cfg.world_size, ctx.device
+        self.sb, self.layout, self.device, self.area_offset = sb, layout, dev, area_offset
+        self.rank, self.world, self.timeout = ctx.cfg.rank, w, ctx.cfg.timeout
         self.bases = [sb.peer(r).data_ptr() + area_offset for r in range(w)]
-        me = self.bases[ep.rank]
+        me = self.bases[self.rank]
         self.ctrl = me
         self.notices = sb.impl.word_address(word(NOTICE, 0, w))
         self.tables = {
@@ -214,7 +211,7 @@ class DeviceState:
         # The clock word's address: the interpreter's waits read it; a GPU's read %globaltimer and never touch it,
         # but the argument is still a real 64-bit address (a 0 would launch as an i32).
         self.clock = host_clock().data_ptr() if dev.type == "cpu" else self.status.data_ptr()
-        self.timeout_ns = int(ep.timeout * 1e9)
+        self.timeout_ns = int(self.timeout * 1e9)
         self.no_text = torch.zeros(META_MSG, dtype=torch.uint8, device=dev)
 
     def error_text(self, error: str | None) -> torch.Tensor:
@@ -230,7 +227,7 @@ class DeviceState:
         is in every message)."""
         if (wait or drain) and self.device.type == "cuda":
             try:
-                _drain(self.device, self.ep.timeout)
+                _drain(self.device, self.timeout)
             except TimeoutError as exc:
                 self.sb.deferred.on_failure(exc)  # the buffer is broken: its later calls raise at once
                 raise
@@ -239,7 +236,7 @@ class DeviceState:
                 raise RuntimeError(f"rank {self.rank}: a rejected call left no failure record")
             return
         if self.device.type == "cuda":  # the record is complete once the failing kernel has finished
-            _drain(self.device, self.ep.timeout)
+            _drain(self.device, self.timeout)
         exc = self._error()
         self.sb.deferred.on_failure(exc)
         raise exc
@@ -251,7 +248,7 @@ class DeviceState:
         if code == CODE_WAIT:
             if is_notice(seen & MASK64):
                 return notice_error(self.rank, seen & MASK64, what, self.sb.global_ranks)
-            return silence_error(self.rank, peer, what, self.ep.timeout, epoch, self.sb.global_ranks)
+            return silence_error(self.rank, peer, what, self.timeout, epoch, self.sb.global_ranks)
         if code == CODE_HEADERS:
             heads = [[int(v) for v in detail[src, :3]] for src in range(self.world)]
             errors = judge_headers(heads, lambda src: self._ll_text(src, epoch), True)

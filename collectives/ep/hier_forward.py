@@ -1,5 +1,5 @@
-"""The intra-host half of a hierarchical dispatch (``ep_hier``): each rail message's rows forwarded to the ranks of
-this host that hold one of their experts, and what this rank gets placed in the flat order.
+"""The intra-host half of a hierarchical dispatch (``ep/normal_hier``): each rail message's rows forwarded to the
+ranks of this host that hold one of their experts, and what this rank gets placed in the flat order.
 
 It runs in steps, so that this host's own tokens move while the other hosts' rail messages are still arriving
 (``Exchange.receive``'s ``meanwhile``): every count is known before any row arrives (the layout agreement's for a
@@ -13,7 +13,8 @@ from itertools import accumulate
 
 import torch
 
-from epkit.collectives._details.ep_hier_rows import field_offsets, put_split_rows
+from epkit.collectives.ep.handles import HierRoute
+from epkit.collectives.ep.hier_rows import field_offsets, put_split_rows
 
 __all__ = ["Forward", "rows_for"]
 
@@ -30,26 +31,24 @@ class Forward:
     """One dispatch's forwarding inside the host: made (the ``intra`` exchange opened, each destination's layout),
     :meth:`source` once per rail peer (its rows to every rank of this host, this rank included), :meth:`finish`.
 
-    ``ep``: the EPBuffer (its ``_hier``, ``rank``, ``num_topk``, ``num_local_experts``, ``_host_empty``); ``widths``:
+    ``path``: the hierarchical path (its ``hy``, ``cfg`` and ``ctx``); ``widths``:
     bytes per row of each field (x, scales if any, then global ids and weights when ``with_meta``); ``state``: the
     dispatch's routing (``hit``, ``tok_order``; ``hit`` complete already for a cached dispatch); ``place``: per rank
     of this host, its result slot (-1: none) and the rows each source sends it (None: no slots; the counts then come
-    from ``state["hit"]``). A receiver with a slot gets the x and scale rows written straight into it, in the flat
+    from ``state.hit``). A receiver with a slot gets the x and scale rows written straight into it, in the flat
     order; the other fields (and every field without a slot) travel through the region and are copied out.
     """
 
-    def __init__(self, ep, widths: list[int], state: dict, recv_counts: list[int], with_meta: bool, place):
-        hy = self.hy = ep._hier
-        self.ep, self.widths, self.state, self.place = ep, widths, state, place
+    def __init__(self, path, widths: list[int], state: HierRoute, recv_counts: list[int], with_meta: bool, place):
+        hy = self.hy = path.hy
+        self.cfg, self.ctx, self.widths, self.state, self.place = path.cfg, path.ctx, widths, state, place
         self.id_f = len(widths) - 2 if with_meta else -1
         self.n_rows = len(widths) - (2 if with_meta else 0)  # the x (and scale) fields: a slot takes these
         P = hy.per_host
         if place is not None:
             self.counts = [[int(place[lp][1][s]) for s in hy.rail_ranks] for lp in range(P)]
         else:
-            self.counts = [
-                [rows_for(h, o, lp).numel() for h, o in zip(state["hit"], state["tok_order"])] for lp in range(P)
-            ]
+            self.counts = [[rows_for(h, o, lp).numel() for h, o in zip(state.hit, state.tok_order)] for lp in range(P)]
         self.slots = [place[lp][0] if place is not None else -1 for lp in range(P)]
         self.ex = hy.intra.exchange(hy.intra_region, tag="dispatch intra")
         self.dest = {}  # per other rank of this host: the fields through its region, their offsets, region, bytes
@@ -66,7 +65,7 @@ class Forward:
         if slot >= 0:
             sb = widths[1] if self.n_rows == 2 else 0
             self.outs = [o for o in hy.result_slots.results(slot, total, widths[0], sb) if o is not None]
-        self.outs += [ep._host_empty((total, widths[f]), torch.uint8) for f in self.dest[hy.local][0]]
+        self.outs += [self.ctx.host_empty((total, widths[f]), torch.uint8) for f in self.dest[hy.local][0]]
 
     def source(self, H: int, fields: list[torch.Tensor], rows: torch.Tensor | None, head: torch.Tensor | None) -> None:
         """Rail peer ``H``'s rows to every rank of this host holding one of their experts. ``fields``: the message's
@@ -74,14 +73,14 @@ class Forward:
         ``head``: the x rows received straight into this rank's result (the x field then lacks them)."""
         hy, w = self.hy, self.widths
         source = hy.rail_ranks[H]
-        hit, order = self.state["hit"][H], self.state["tok_order"][H]
+        hit, order = self.state.hit[H], self.state.tok_order[H]
         for lp in range(hy.per_host):
             dst = hy.hosts[hy.host][lp]
             sel = rows_for(hit, order, lp)
             k = sel.numel()
             if k != self.counts[lp][H] or (lp == hy.local and head is not None and k != head.shape[0]):
                 raise RuntimeError(
-                    f"rank {self.ep.rank}: forwards {k} rows of rank {source} to rank {dst}, the layout said "
+                    f"rank {self.cfg.rank}: forwards {k} rows of rank {source} to rank {dst}, the layout said "
                     f"{self.counts[lp][H]}" + (f" and {head.shape[0]} came straight" if head is not None else "")
                 )
             if not k:
@@ -140,7 +139,7 @@ class Forward:
         if to_rank is None:
             torch.index_select(field, 0, sel, out=out)
             return
-        K, L = self.ep.num_topk, self.ep.num_local_experts
+        K, L = self.cfg.num_topk, self.cfg.num_local_experts
         ids = field.view(torch.int32).view(-1, K).index_select(0, sel).long()
         loc = torch.where((ids >= 0) & (ids // L == to_rank), ids - to_rank * L, -1)
         out.view(torch.int32).view(-1, K).copy_(loc)

@@ -1,7 +1,7 @@
 """Packed low-latency messages: the layout of the host-checked mode (CPU rows).
 
 The stream-ordered mode (CUDA rows) sends every destination a message of fixed slots, ``num_local_experts *
-n_max`` rows whatever the routing, because its host reads no count (``ep_low_latency_layout``). The host-checked
+n_max`` rows whatever the routing, because its host reads no count (``ep/ll_layout``). The host-checked
 mode reads the counts anyway, so its messages hold only the rows they carry:
 
 * dispatch, to one destination: ``[header | x rows | FP8 scales]``; the header is the slot layout's (its count
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from epkit.collectives._details.ep_low_latency_layout import slot_grid
-from epkit.collectives._details.ep_rows import align_up, move_rows
+from epkit.collectives.ep.ll_layout import slot_grid
+from epkit.collectives.ep.rows import align_up, move_rows
 
 __all__ = ["check_lengths", "combine_rows", "dispatch_layout", "first_rows", "sent_counts", "unpack_rows"]
 

@@ -1,10 +1,10 @@
 """Layout helpers of EPBuffer's low-latency mode: the combine handle, header status codes, the slot grid.
 
 A low-latency message to one destination is ``[header | x slots | scale slots]``: the header holds int32
-``[status, n_max, use_fp8, count per local expert]`` and the sender's error text (``ep_rows.META_MSG``
+``[status, n_max, use_fp8, count per local expert]`` and the sender's error text (``ep.rows.META_MSG``
 bytes); then ``num_local_experts * n_max`` fixed slots of x rows (and of FP8 scales), expert-major. That is
 the stream-ordered mode's layout; the host-checked mode packs the same header and rows without the empty
-slots (``ep_low_latency_packed``).
+slots (``ep/ll_packed``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 # The status words of a message header (shared with the device kernels).
-from epkit.collectives._details.ep_rows import move_rows
+from epkit.collectives.ep.rows import move_rows
 from epkit.kernels.triton.ep_layout import BAD_IDS, COMBINE_HEAD, OK, OVERFLOW, REJECTED
 
 __all__ = [

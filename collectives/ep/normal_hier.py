@@ -1,6 +1,6 @@
 """EPBuffer across hosts: hierarchical normal-mode dispatch and combine (CPU ranks: ``shm`` inside a host,
 ``torch`` between; CUDA ranks: ``nvshmem`` for both, peer views inside an NVLink domain, puts with signal between
-domains; ``ep_hier_rows.PARTS``).
+domains; ``ep.hier_rows.PARTS``).
 
 With N hosts (NVLink domains) of P ranks each (``EPBuffer.hosts``; rank l of host h is ``hosts[h][l]``), a rank
 has two buffers besides the EPBuffer's own (a flat buffer over the whole group, ``torch`` or ``nvshmem``, which
@@ -21,7 +21,7 @@ and float32, ``8 * num_topk`` bytes of metadata per row), each field block 16-by
 tokens take no message (it forwards them from its own tensors). (H, l) forwards each row over ``intra`` to
 every rank of its host holding one of the token's experts, with local ids (its own rows straight into its
 results, through no region); each rank puts the blocks in the flat order (source rank, then source token). On CPU
-ranks the x and scale rows go straight into the receiver's result slot (``ep_result_slots``; the layout agreement
+ranks the x and scale rows go straight into the receiver's result slot (``ep/result_slots``; the layout agreement
 names each rank's slot and the rows each source sends each rank), the ids and weights through the region.
 There, too (a two-sided rail), a rail message begins with the x rows of the receiver's own tokens (in token
 order: where they are contiguous in its result), sent as a part of their own that the receiver's transport
@@ -29,16 +29,16 @@ receives straight into its slot (``Exchange.receive``'s ``into``; without a slot
 of the message holds the host's other tokens, and a mask (a bit per token, ``rail_order``) lets the receiver
 forward every row in token order. The messages are staged while the layout agreement is under way (its
 ``meanwhile``; nothing is sent before the verdict), and while they move each rank forwards its own tokens to the
-ranks of its host (``ep_hier_forward``).
+ranks of its host (``ep/hier_forward``).
 A cached dispatch moves the rows and scales only (the routing and the messages' order stay in the handle).
 
 Combine: each rank sends its rows (expanded: its per-rank partial, cast to ``y.dtype``) back to the rank
 that forwarded them; the forwarder sums, per rail row, its host's rows in ascending rank order in float32
 and casts (the host partial: one row per (token, host) crosses hosts; its own host's stays where it is
 summed); the source sums the host partials
-in host order in float32, adds the biases, casts (``ep_reference``'s two-level order, see ``ep_hier_rows``).
+in host order in float32, adds the biases, casts (``ep_reference``'s two-level order, see ``ep/hier_rows``).
 
-Bytes across hosts (:meth:`HierarchyMixin.bytes_across_hosts`): every ``torch`` message carries a 24-byte
+Bytes across hosts (:meth:`HierNormalPath.bytes_across_hosts`): every ``torch`` message carries a 24-byte
 header (32 for one in two parts); per remote rail peer a dispatch message is ``rows * (row bytes + scales + 8 *
 num_topk)`` plus at most 15 bytes of padding per field block and, when split, ``ceil(rows / 8)`` bytes of mask, a
 combine message ``rows * hidden * y.element_size()``; the
@@ -48,37 +48,33 @@ agreements cross hosts too (per remote rank: ``8 * (4 + world_size) + META_MSG``
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, fields
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
-from epkit.collectives._details.ep_hier_combine import HierCombineMixin
-from epkit.collectives._details.ep_hier_forward import Forward
-from epkit.collectives._details.ep_hier_rows import (
-    HIERARCHICAL,
-    PARTS,
-    field_offsets,
-    rail_order,
-    token_order,
-)
-from epkit.collectives._details.ep_normal import DispatchHandle
-from epkit.collectives._details.ep_result_slots import ResultSlots, result_slot_count
-from epkit.collectives._details.ep_rows import META_MSG, align_up, check_formats, format_code
+from epkit.collectives.ep import routing
+from epkit.collectives.ep.agreement import agree_on_handle, agree_rows
+from epkit.collectives.ep.context import EPContext
+from epkit.collectives.ep.handles import DispatchHandle, HierRoute
+from epkit.collectives.ep.hier_forward import Forward
+from epkit.collectives.ep.hier_rows import field_offsets, last_sum_layout, rail_order, token_order
+from epkit.collectives.ep.result_slots import ResultSlots, result_slot_count
+from epkit.collectives.ep.results import aligned_counts, expanded, finish_dispatch
+from epkit.collectives.ep.rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
 from epkit.collectives.symm_buffer import SymmBuffer
 
-__all__ = ["HierDispatchHandle", "Hierarchy", "HierarchyMixin", "flat_region"]
+__all__ = ["HierNormalPath", "Hierarchy", "flat_region"]
 
 
-@dataclass
-class HierDispatchHandle(DispatchHandle):
-    """A :class:`DispatchHandle` of a hierarchical buffer; ``hier`` holds what this rank forwarded and sent:
-    ``host_tokens`` (per host, the source tokens sent there, in their message's order), ``in_host`` ``[T, N]``
-    bool, ``rail_counts`` (rows received from each rail peer), ``hit`` (per rail peer, ``[rows, P]`` bool: which
-    ranks of this host got each row) and ``tok_order`` (per rail peer, its message's rows in token order; None:
-    the message was in token order)."""
+class RailCall(NamedTuple):
+    """A dispatch's placement after its layout agreement: ``matrix`` ([source, destination] rows), ``place`` (per
+    rank of this host: its result slot, -1: none, and the rows each source sends it) and ``k_in`` (per host, the x
+    rows its rail message begins with, received straight into this rank's result)."""
 
-    hier: dict | None = None
+    matrix: torch.Tensor
+    place: list
+    k_in: list[int]
 
 
 def flat_region(sizes, hidden: int, num_topk: int, num_local_experts: int, n_ll: int) -> int:
@@ -90,7 +86,7 @@ def flat_region(sizes, hidden: int, num_topk: int, num_local_experts: int, n_ll:
 
 class Hierarchy:
     """The ``rail`` and ``intra`` buffers of one rank of a hierarchical EPBuffer (collective over ``group``), over
-    the transports ``parts`` names (:data:`~epkit.collectives._details.ep_hier_rows.PARTS`: shm and torch for
+    the transports ``parts`` names (:data:`~epkit.collectives.ep.hier_rows.PARTS`: shm and torch for
     CPU rows, nvshmem for both on CUDA, where every rank of the group makes both buffers at once)."""
 
     def __init__(
@@ -112,7 +108,7 @@ class Hierarchy:
         _, intra, rail = parts
         intra_bytes, count = self.per_host * self.intra_region, result_slot_count()
         #: Result slots in the ``intra`` buffer (``shm`` only): forwarders write x and scale rows straight into
-        #: the receiver's result (``ep_result_slots``), as the senders of a flat ``shm`` buffer do.
+        #: the receiver's result (``ep/result_slots``), as the senders of a flat ``shm`` buffer do.
         self.result_slots = None
         if intra == "shm" and count:
             rows = self.num_hosts * self.per_host * n
@@ -147,82 +143,53 @@ class Hierarchy:
             buf.close()
 
 
-class HierarchyMixin(HierCombineMixin):
-    """The hierarchical normal mode of :class:`~epkit.collectives.ep_buffer.EPBuffer` (``self._hier``: a
-    :class:`Hierarchy`, or None on a flat buffer; the combine in ``ep_hier_combine``). Uses the buffer's
-    ``buffer`` (the flat agreement exchanges), ``_agree_rows``, ``agree_on_handle``, ``_finish_dispatch``,
-    ``_host_empty`` (result tensors) and ``validate_dispatch``."""
+class HierNormalPath:
+    """Normal-mode dispatch and combine through a :class:`Hierarchy` (the module docstring's protocol); the
+    agreements go over the flat ``ctx.buffer``."""
 
-    def _open_buffers(self, group, transport: str, rows: str, sizes, kernels: str, timeout: float, hint: str):
-        """Make ``self.buffer`` (``transport`` over the whole group; for :data:`HIERARCHICAL`, the flat transport
-        of ``PARTS[rows]`` with regions for the agreements and the low-latency mode only) and ``self._hier``; set
-        ``transport``, ``region_bytes`` and the device kernels' ``_kernel_mode`` / ``_kernel_layout``."""
-        self._hier = None
-        if transport == HIERARCHICAL:
-            n_ll, n = self.num_max_dispatch_tokens_per_rank, self.num_max_tokens_per_rank
-            self.region_bytes = flat_region(sizes, self.hidden, self.num_topk, self.num_local_experts, n_ll)
-            parts = PARTS[rows]
-            self._hier = Hierarchy(group, self.hosts, self.hidden, self.num_topk, n, timeout, parts, hint)
-            transport = parts[0]
-        try:
-            self._kernel_mode, self._kernel_layout = self._kernel_area(kernels, transport, group)
-            num_bytes = self.region_bytes * self.world_size + self._kernel_layout.get("total", 0)
-            self.result_slots = None
-            count = result_slot_count()
-            if transport == "shm" and not self._kernel_layout and count:  # normal-mode results written by senders
-                cap, h = self.world_size * self.num_max_tokens_per_rank, self.hidden
-                self.result_slots = ResultSlots(num_bytes, count, cap, 4 * h, 4 * -(-h // 128))
-                num_bytes += self.result_slots.nbytes
-                hint += (
-                    f"; {count} result slots add {self.result_slots.nbytes} bytes (every row a rank can receive, "
-                    f"world_size * num_max_tokens_per_rank, each; EPKIT_RESULT_SLOTS=0 turns them off)"
-                )
-            self.buffer = SymmBuffer(group, num_bytes, transport=transport, timeout=timeout, memory_hint=hint)
-            if self.result_slots is not None:
-                self.result_slots.buffer = self.buffer
-        except BaseException:
-            if self._hier is not None:
-                self._hier.close()
-            raise
-        if self._hier is not None:
-            self.transport = f"{HIERARCHICAL}({self._hier.intra.transport}+{self._hier.rail.transport})"
-        else:
-            self.transport = self.buffer.transport
+    #: Whether dispatch and combine run as device kernels.
+    on_device = False
+
+    def __init__(self, ctx: EPContext, hy: Hierarchy):
+        self.ctx, self.cfg, self.hy = ctx, ctx.cfg, hy
+
+    def combine(self, y, handle: DispatchHandle, topk_weights, bias):
+        """Combine (see ``EPBuffer.combine``): the handle agreement, while it is under way the routing of the
+        combine from the handle, then the rows."""
+        ctx = self.ctx
+        error, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
+        plan: dict = {}  # the combine's routing, made from the handle while the agreement is under way
+
+        def prepare():
+            try:
+                self._combine_plan(handle, plan)
+            except Exception:  # noqa: BLE001 -- a handle the agreement rejects; a valid one's plan is made again
+                plan.clear()
+
+        valid = error is None and handle.hier is not None
+        agree_on_handle(ctx, "combine", handle, error, prepare if valid else None)
+        with ctx.retire_on_failure("combine"):
+            return self._combine(y, handle, weights, biases, plan)
 
     def bytes_across_hosts(self) -> int:
-        """Bytes this rank has sent to ranks on other hosts (NVLink domains) through this EPBuffer so far: the
-        flat buffer's messages to ranks of other hosts and every rail message to another host - headers and
-        payloads on ``torch``, the payloads put with a signal on ``nvshmem`` (its peer views stay inside a
-        domain). 0 on ``shm``. Sum over the ranks for a job's."""
-        host_of = {r: h for h, g in enumerate(self.hosts) for r in g}
-        me = host_of[self.rank]
-        sent = getattr(self.buffer.impl, "bytes_sent", None) or []
+        """Bytes this rank has sent to ranks on other hosts (NVLink domains): the flat buffer's messages to ranks of
+        other hosts and every rail message to another host - headers and payloads on ``torch``, the payloads put
+        with a signal on ``nvshmem`` (its peer views stay inside a domain)."""
+        host_of = {r: h for h, g in enumerate(self.cfg.hosts) for r in g}
+        me = host_of[self.cfg.rank]
+        sent = getattr(self.ctx.buffer.impl, "bytes_sent", None) or []
         total = sum(b for r, b in enumerate(sent) if host_of[r] != me)
-        if self._hier is not None:
-            total += sum(self._hier.rail.impl.bytes_sent)  # its own slot (a local copy) stays 0
-        return total
+        return total + sum(self.hy.rail.impl.bytes_sent)  # its own slot (a local copy) stays 0
 
-    @contextlib.contextmanager
-    def _hier_retire(self, what: str):
-        """As ``retire_on_failure``, for the three buffers of a hierarchical call (the peers are told on each)."""
-        try:
-            yield
-        except BaseException as exc:
-            reason = f"{what} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
-            for buf in (self.buffer, *self._hier.buffers()):
-                buf.mark_broken(reason, culprit=buf.rank)
-            if type(exc) is TimeoutError:  # the sub-buffers name ranks by their place in them: say which those are
-                hy = self._hier
-                where = f"intra ranks are group ranks {hy.hosts[hy.host]}, rail ranks are group ranks {hy.rail_ranks}"
-                raise TimeoutError(f"{exc} ({where})") from exc
-            raise
-
-    def _hier_dispatch(self, error, x, scales, topk_idx, topk_weights, alignment: int, expand: bool):
-        """Normal dispatch through the hierarchy; ``error``: this rank's validation verdict (None: valid). On a
-        two-sided rail (``torch``) the rail messages are staged while the layout agreement is under way; nothing
-        leaves the rank before it, and a rejected call drops them."""
-        hy, w, me = self._hier, self.world_size, self.rank
-        rows, state, cols, masks = [], {}, None, None
+    def dispatch(self, x, scales, topk_idx, topk_weights, alignment, expand: bool):
+        """Normal dispatch through the hierarchy (see ``EPBuffer.dispatch``). On a two-sided rail (``torch``) the rail
+        messages are staged while the layout agreement is under way; nothing leaves the rank before it, and a
+        rejected call drops them."""
+        ctx, cfg, hy = self.ctx, self.cfg, self.hy
+        w, me = cfg.world_size, cfg.rank
+        ctx.dispatches += 1  # on every rank at every call, rejected ones too: the ranks' handles stay comparable
+        error = routing.dispatch_error(cfg, ctx.device, x, scales, topk_idx, topk_weights, alignment, False)
+        rows, state, cols, masks = [], HierRoute(), None, None
         slots = hy.result_slots
         slot, rail = (slots.take() if slots is not None else -1), None
         failed = []  # the staging's failure: raised once every rank has the agreement's verdict
@@ -231,31 +198,31 @@ class HierarchyMixin(HierCombineMixin):
             if error is None:
                 topk_idx = topk_idx.cpu()
                 weights = torch.zeros(topk_idx.shape) if topk_weights is None else topk_weights.cpu()
-                per_rank, _, in_rank = self.get_dispatch_layout(topk_idx)
+                per_rank, _, in_rank = routing.dispatch_layout(cfg, topk_idx)
                 in_host = torch.stack([in_rank[:, g].any(1) for g in hy.hosts], 1)
                 tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
-                state["in_host"] = in_host
+                state.in_host = in_host
                 fmt = format_code(x.dtype, scales is not None)
                 per_rank, per_host = per_rank.tolist(), in_host.sum(0).tolist()
                 rows = [torch.tensor([fmt, per_rank[r], per_host[hy.host_of[r]], slot, *per_rank]) for r in range(w)]
-                cols = self._hier_cols(x, scales, (topk_idx.to(torch.int32), weights.float()))
+                cols = self._cols(x, scales, (topk_idx.to(torch.int32), weights.float()))
                 k_out = [
                     per_rank[g[hy.local]] if rail is not None and hy.host != H else 0 for H, g in enumerate(hy.hosts)
                 ]
-                masks, state["host_tokens"] = [None] * hy.num_hosts, []
+                masks, state.host_tokens = [None] * hy.num_hosts, []
                 for H, g in enumerate(hy.hosts):  # a message split before the rail peer's own x rows: rail_order
                     order, masks[H] = rail_order(in_host[:, H], in_rank[:, g[hy.local]], 0 < k_out[H] < per_host[H])
-                    state["host_tokens"].append(order)
+                    state.host_tokens.append(order)
 
             def stage():
                 try:
-                    self._hier_stage(rail, cols, state, k_out, masks)
+                    self._stage(rail, cols, state, k_out, masks)
                 except Exception as exc:  # noqa: BLE001 -- after the verdict, so that every rank learns of it
                     failed.append(exc)
 
             # Word 1: rows for that rank, word 2: rows for its host (its rail peer's receive), word 3: the sender's
             # result slot (-1: none), then the rows it sends each rank (where a forwarder's rows start in a result).
-            got = self._agree_rows(error, rows, 4 + w, stage if rail is not None and cols is not None else None)
+            got = agree_rows(ctx, error, rows, 4 + w, stage if rail is not None and cols is not None else None)
             check_formats([int(g[0]) for g in got])  # a bad call failed on every rank above
         except BaseException:
             if slots is not None:
@@ -264,104 +231,88 @@ class HierarchyMixin(HierCombineMixin):
                 rail.release()
             raise
         recv_counts = [int(g[1]) for g in got]
-        with self._hier_retire("dispatch"):  # peers may write into the announced slot now: a failure retires
+        with ctx.retire_on_failure("dispatch"):  # peers may write into the announced slot now: a failure retires
             if failed:
                 raise failed[0]
-            call = self._hier_route(got, state, rail is not None)
-            if call["matrix"][:, me].tolist() != recv_counts:
+            call = self._route(got, state, rail is not None)
+            if call.matrix[:, me].tolist() != recv_counts:
                 raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
-            recv_x, recv_s, recv_i, recv_w = self._hier_move(cols, x.dtype, scales, state, recv_counts, call, rail)
+            recv_x, recv_s, recv_i, recv_w = self._move(cols, x.dtype, scales, state, recv_counts, call, rail)
         recv_i, recv_w = recv_i.cpu().to(topk_idx.dtype), recv_w.cpu()  # the routing stays on the host
-        out = self._finish_dispatch(recv_x, recv_s, recv_i, recv_w, tokens, recv_counts, x.shape[0], expand, alignment)
-        handle = out[4]
-        handle = HierDispatchHandle(**{f.name: getattr(handle, f.name) for f in fields(handle)}, hier=state)
-        return (*out[:4], handle)
+        recv = (recv_x, recv_s, recv_i, recv_w)
+        return finish_dispatch(ctx, recv, tokens, recv_counts, x.shape[0], expand, alignment, state)
 
-    def _hier_route(self, got, state: dict, split: bool) -> dict:
+    def _route(self, got, state: HierRoute, split: bool) -> RailCall:
         """After the layout agreement (``got``): the call's ``matrix`` ([source, destination] rows), ``place`` (per
         rank of this host: its result slot, -1: none, and the rows each source sends it) and ``k_in`` (per host, the
         x rows its rail message begins with, received straight into this rank's result: its own; ``split``: the
         rail is two-sided)."""
-        hy = self._hier
-        state["rail_counts"] = [int(got[r][2]) for r in hy.rail_ranks]
-        state["tok_order"] = [None] * hy.num_hosts  # per rail peer: its message's rows in token order (None: as sent)
+        hy = self.hy
+        state.rail_counts = [int(got[r][2]) for r in hy.rail_ranks]
+        state.tok_order = [None] * hy.num_hosts  # per rail peer: its message's rows in token order (None: as sent)
         matrix = torch.stack([g[4:] for g in got])
         place = [(int(got[r][3]), matrix[:, r]) for r in hy.hosts[hy.host]]
-        k_in = [int(matrix[r, self.rank]) if split and hy.host != H else 0 for H, r in enumerate(hy.rail_ranks)]
-        return {"matrix": matrix, "place": place, "k_in": k_in}
+        k_in = [int(matrix[r, self.cfg.rank]) if split and hy.host != H else 0 for H, r in enumerate(hy.rail_ranks)]
+        return RailCall(matrix, place, k_in)
 
-    def _hier_dispatch_cached(self, x, scales, handle):
+    def dispatch_cached(self, x, scales, handle: DispatchHandle):
         """A dispatch along an earlier one's routing (``handle``): rows and scales only cross hosts."""
-        error = None
-        try:
-            if not isinstance(handle, DispatchHandle):
-                raise ValueError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
-            t = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-            no_routing = torch.zeros((t, self.num_topk), dtype=torch.int64)
-            self.validate_dispatch(x, scales, no_routing, None, self.num_max_tokens_per_rank)
-            if t != handle.num_tokens:
-                raise ValueError(f"cached dispatch: x has {t} tokens, the handle was made for {handle.num_tokens}")
-        except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement
-            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        self.agree_on_handle("cached dispatch", handle, error)  # a handle of another buffer is rejected here
-        with self._hier_retire("cached dispatch"):
-            cols = self._hier_cols(x, scales, None)
-            recv_x, recv_s, _, _ = self._hier_move(cols, x.dtype, scales, handle.hier, handle.recv_counts)
-        if handle.expand:
-            from epkit.gather import gather_rows
-
-            picked = handle.expanded_rows.to(self.device)
-            recv_x = gather_rows(recv_x, picked)
-            recv_s = None if recv_s is None else gather_rows(recv_s, picked)
-        ids = handle.recv_topk_idx
-        per_expert = torch.bincount(ids[ids >= 0].long(), minlength=self.num_local_experts).tolist()
-        a = handle.expert_alignment
+        ctx, cfg = self.ctx, self.cfg
+        error = routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
+        agree_on_handle(ctx, "cached dispatch", handle, error)  # a handle of another buffer is rejected here
+        with ctx.retire_on_failure("cached dispatch"):
+            cols = self._cols(x, scales, None)
+            recv_x, recv_s, _, _ = self._move(cols, x.dtype, scales, handle.hier, handle.recv_counts)
         x_out = recv_x if recv_s is None else (recv_x, recv_s)
-        aligned = [-(-c // a) * a for c in per_expert]
-        return x_out, ids.to(self.device), handle.recv_topk_weights.to(self.device), aligned, handle
+        if handle.expand:
+            x_out = expanded(ctx, recv_x, recv_s, handle.expanded_rows)
+        aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
+        return x_out, handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device), aligned, handle
 
-    def _hier_cols(self, x, scales, meta) -> list[torch.Tensor]:
+    def _cols(self, x, scales, meta) -> list[torch.Tensor]:
         """The fields of a rail message, as ``[T, width]`` uint8 views: the rows, their FP8 scales, and for a dispatch
         (``meta``: global ids int32, weights float32 ``[T, K]``) the routing, in the rows' memory."""
-        xb = x.element_size() * self.hidden
+        xb = x.element_size() * self.cfg.hidden
         cols = [x.contiguous().view(torch.uint8).view(x.shape[0], xb)]
         if scales is not None:
             cols.append(scales.contiguous().view(torch.uint8).view(x.shape[0], 4 * scales.shape[1]))
         if meta is not None:
-            cols += [m.to(x.device).contiguous().view(torch.uint8).view(x.shape[0], 4 * self.num_topk) for m in meta]
+            cols += [
+                m.to(x.device).contiguous().view(torch.uint8).view(x.shape[0], 4 * self.cfg.num_topk) for m in meta
+            ]
         return cols
 
-    def _hier_move(self, cols, dtype, scales, state: dict, recv_counts: list[int], call=None, rail=None):
+    def _move(self, cols, dtype, scales, state: HierRoute, recv_counts: list[int], call=None, rail=None):
         """Rows over the rail, then forwarded inside the host. ``cols``: ``_hier_cols``'s (with the routing for a
         dispatch, which is then found from it and stored in ``state``; without for a cached dispatch, whose
         ``state`` holds it); ``call``: ``_hier_route``'s (None: no result slots, no rows straight into a result);
         ``rail``: the rail exchange with the messages staged (None: opened and staged here). Returns (recv_x,
         recv_scales, recv_idx int32, recv_w) in the flat order (the last two None without the routing)."""
-        h, K, hy = self.hidden, self.num_topk, self._hier
+        h, K, hy = self.cfg.hidden, self.cfg.num_topk, self.hy
         meta = len(cols) - (scales is not None) > 1
         widths, fw = [c.shape[1] for c in cols], []
         if meta:
-            state["hit"] = [None] * hy.num_hosts
+            state.hit = [None] * hy.num_hosts
         if rail is None:
             rail = hy.rail.exchange(hy.rail_region, tag="dispatch rail")
-            self._hier_stage(rail, cols, state, [0] * hy.num_hosts, None)
+            self._stage(rail, cols, state, [0] * hy.num_hosts, None)
 
         def own_host():  # while the rail messages arrive: this host's own tokens, to every rank of the host
             here = hy.host
             if meta:
-                state["hit"][here] = self._hier_hits(cols, state["host_tokens"][here])
-            fw.append(Forward(self, widths, state, recv_counts, meta, call and call["place"]))
-            fw[0].source(here, cols, state["host_tokens"][here], None)
+                state.hit[here] = self._hits(cols, state.host_tokens[here])
+            fw.append(Forward(self, widths, state, recv_counts, meta, call and call.place))
+            fw[0].source(here, cols, state.host_tokens[here], None)
 
         # Every receive posted before the headers arrive needs sizes every rank agreed on: a dispatch's come from the
         # layout agreement; a cached dispatch's from each rank's own x (its agreement compares the handles only).
-        got = self._hier_rail_receive(rail, cols, widths, state, call, own_host if call is not None else None)
+        got = self._rail_receive(rail, cols, widths, state, call, own_host if call is not None else None)
         if call is None:
             own_host()
         for H, (fields_, rows, head) in enumerate(got):
             if hy.host != H:
                 if meta:
-                    state["hit"][H] = self._hier_hits(fields_, None)
+                    state.hit[H] = self._hits(fields_, None)
                 fw[0].source(H, fields_, rows, head)
         outs = fw[0].finish()
         rail.release()
@@ -382,19 +333,19 @@ class HierarchyMixin(HierCombineMixin):
         offs, end = field_offsets(rows, widths + ([-(-n // 8)] if mask else []))
         return offs, end, rows
 
-    def _hier_stage(self, ex, cols, state: dict, k_out: list[int], masks) -> None:
-        """Each other host's tokens (``state["host_tokens"]``, in their message's order) for this rank's rail peer
+    def _stage(self, ex, cols, state: HierRoute, k_out: list[int], masks) -> None:
+        """Each other host's tokens (``state.host_tokens``, in their message's order) for this rank's rail peer
         there, every field block by index_select into the staging region, and committed (a two-sided exchange sends
         nothing before its receive); this host's own tokens take no message (they are read where they are). A
         message with ``k_out[H]`` begins with the x rows of the peer's own tokens, as a part of its own that the
         peer receives straight into its result; the rest holds the other x rows, the other fields' rows and, when
         split, ``masks[H]``."""
-        hy = self._hier
+        hy = self.hy
         N, here, widths = hy.num_hosts, hy.host, [c.shape[1] for c in cols]
         xb = widths[0]
         for step in range(1, N):
             H = (here + step) % N
-            t = state["host_tokens"][H].to(cols[0].device)
+            t = state.host_tokens[H].to(cols[0].device)
             n, k = t.numel(), k_out[H]
             offs, end, rows = self._rail_layout(widths, n, k)
             if n:
@@ -408,38 +359,129 @@ class HierarchyMixin(HierCombineMixin):
             ex.commit(H, k * xb + end if n else 0, split=k * xb)
         ex.commit(here, 0)
 
-    def _hier_rail_receive(self, ex, cols, widths: list[int], state: dict, call, meanwhile):
+    def _rail_receive(self, ex, cols, widths: list[int], state: HierRoute, call, meanwhile):
         """The staged rail exchange's messages (``meanwhile`` run while they move). Returns, per rail peer, ``(fields,
         rows, head)``: the received field views (``[rows, width]`` uint8 each; the x field without the rows in
         ``head``), None, and the x rows received straight into this rank's result (its slot; without one, memory
         of its own) or None; for this host the sender's fields, the row of each, None."""
-        hy = self._hier
+        hy = self.hy
         N, here, xb = hy.num_hosts, hy.host, widths[0]
-        k_in, counts, heads = call["k_in"] if call is not None else [0] * N, state["rail_counts"], [None] * N
+        k_in, counts, heads = call.k_in if call is not None else [0] * N, state.rail_counts, [None] * N
         for H, k in enumerate(k_in):
-            slot, rows_from = call["place"][hy.local] if k else (-1, None)
+            slot, rows_from = call.place[hy.local] if k else (-1, None)
             if k and slot >= 0:  # where that source's rows start in this rank's result
                 heads[H] = hy.result_slots.area(hy.local, slot, 0, int(rows_from[: hy.rail_ranks[H]].sum()), k, xb)
             elif k:
-                heads[H] = self._host_empty((k, xb), torch.uint8)
+                heads[H] = self.ctx.host_empty((k, xb), torch.uint8)
         lays = [self._rail_layout(widths, n, k) for n, k in zip(counts, k_in)]
         sizes = [k * xb + lay[1] if n and here != H else 0 for H, (lay, n, k) in enumerate(zip(lays, counts, k_in))]
         views = ex.receive(sizes, into=[None if h is None else h.view(-1) for h in heads], meanwhile=meanwhile)
         got = []
         for H, (v, n, (offs, _, rows)) in enumerate(zip(views, counts, lays)):
             if here == H:
-                got.append((cols, state["host_tokens"][H], None))
+                got.append((cols, state.host_tokens[H], None))
                 continue
             if 0 < k_in[H] < n:
-                state["tok_order"][H] = token_order(v[offs[-1] : offs[-1] + -(-n // 8)].cpu(), n)
+                state.tok_order[H] = token_order(v[offs[-1] : offs[-1] + -(-n // 8)].cpu(), n)
             got.append(([v[o : o + m * wd].view(m, wd) for o, wd, m in zip(offs, widths, rows)], None, heads[H]))
         return got
 
-    def _hier_hits(self, fields_, rows) -> torch.Tensor:
+    def _hits(self, fields_, rows) -> torch.Tensor:
         """``[rows, P]`` bool: which ranks of this host hold one of each of a rail message's rows' experts
         (``fields_``, ``rows``: as in ``_hier_rail_receive``'s result)."""
-        hy, K, L = self._hier, self.num_topk, self.num_local_experts
+        hy, K, L = self.hy, self.cfg.num_topk, self.cfg.num_local_experts
         ids = fields_[-2] if rows is None else fields_[-2].index_select(0, rows.to(fields_[-2].device))
         ids = ids.view(torch.int32).view(-1, K).long()
         rank_of = torch.where(ids >= 0, ids // L, -1)
         return torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1).cpu()
+
+    def _forwarded_by(self, handle, lf: int) -> torch.Tensor:
+        """The received rows (in the flat order) that rank ``lf`` of this host forwarded here: its rail's sources'."""
+        starts = list(accumulate(handle.recv_counts, initial=0))
+        return torch.cat([torch.arange(starts[g[lf]], starts[g[lf] + 1]) for g in self.hy.hosts])
+
+    def _combine_plan(self, handle, plan: dict) -> None:
+        """The combine's routing, from the handle alone (run while the handle agreement is under way): ``order``, per
+        rail peer ``(src_of, row_of)`` ``[rows, P]`` into the rows each rank of this host sends back (this rank's own:
+        rows of ``y``, unless expanded), and ``last``, the last sum's terms (``last_sum_layout``)."""
+        hy, st = self.hy, handle.hier
+        remap = None if handle.expand else self._forwarded_by(handle, hy.local)
+        base = torch.zeros(hy.per_host, dtype=torch.int64)
+        order = []
+        for hit, to in zip(st.hit, st.tok_order):  # each rank's rows came back in token order
+            at = hit.long().cumsum(0) - 1 if to is None else hit.index_select(0, to).long().cumsum(0) - 1
+            if to is not None:
+                at = torch.empty_like(at).index_copy_(0, to, at)  # to the message's order
+            row_of = (base + at).clamp(min=0)
+            if remap is not None and remap.numel():  # this rank's own: rows of y
+                row_of[:, hy.local] = remap[row_of[:, hy.local].clamp(max=remap.numel() - 1)]
+            order.append((torch.where(hit, torch.arange(hy.per_host), -1), row_of))
+            base = base + hit.long().sum(0)
+        own = order[hy.host] if st.rail_counts[hy.host] else None
+        plan["order"] = order
+        plan["last"] = last_sum_layout(st.in_host, hy.host, hy.per_host, own, st.host_tokens)
+
+    def _combine_intra(self, y, handle, weights):
+        """Combine's first step: each rank's rows (expanded: its partial per received row, its local experts, k
+        ascending, cast) to the rank that forwarded them; returns the open exchange and, per rank of this host,
+        the ``[rows, hidden]`` rows it sent back here in this rank's forwarding order (this rank's own: ``y``
+        itself, unless expanded)."""
+        hy, h = self.hy, self.cfg.hidden
+        rb = h * y.element_size()
+        ex = hy.intra.exchange(hy.intra_region, tag="combine intra")
+        y_bytes = y.view(torch.uint8).view(-1, rb)
+        own = None
+        for step in range(hy.per_host):
+            lf = (hy.local + step) % hy.per_host
+            rows = self._forwarded_by(handle, lf)
+            m = rows.numel()
+            if m and handle.expand:
+                out = self.ctx.host_empty((m, h), y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
+                slot = handle.expanded_slot[rows]
+                keep = torch.where(slot >= 0, 0, -1)
+                reduce_indexed(out.view(y.dtype).view(m, h), [y], keep, slot.clamp(min=0), weights[rows])
+                own = out if lf == hy.local else own
+            elif m and lf != hy.local:
+                torch.index_select(y_bytes, 0, rows.to(y.device), out=ex.send_region(lf)[: m * rb].view(m, rb))
+            elif lf == hy.local and not handle.expand:
+                own = y
+            ex.commit(lf, 0 if lf == hy.local else m * rb)
+        hits = handle.hier.hit
+        sizes = [0 if lp == hy.local else int(sum(hit[:, lp].sum() for hit in hits)) * rb for lp in range(hy.per_host)]
+        views = ex.receive(sizes)
+        sources = [v.view(y.dtype).view(-1, h) for v in views]
+        sources[hy.local] = own if own is not None else y[:0]
+        return ex, sources
+
+    def _combine(self, y, handle, weights, biases, plan: dict | None = None) -> torch.Tensor:
+        """Rows back to their forwarders, host partials over the rail, the last sum at the source (the module
+        docstring's order); ``weights``: the expanded mode's (None otherwise); ``plan``: ``_hier_combine_plan``'s
+        (made here when empty)."""
+        hy, st, h, N = self.hy, handle.hier, self.cfg.hidden, self.hy.num_hosts
+        y = y.contiguous()
+        rb = h * y.element_size()
+        plan = plan if plan else {}
+        if not plan:
+            self._combine_plan(handle, plan)
+        order = plan["order"]
+        ex, sources = self._combine_intra(y, handle, weights)
+        rail = hy.rail.exchange(hy.rail_region, tag="combine rail")
+        for step in range(1, N):  # the host partials of the other hosts' tokens, over the rail
+            H = (hy.host + step) % N
+            n = st.rail_counts[H]
+            if n:  # this host's rows of each token, ranks ascending, float32, cast
+                out = rail.send_region(H)[: n * rb].view(y.dtype).view(n, h)
+                reduce_indexed(out, sources, order[H][0], order[H][1])
+            rail.commit(H, n * rb)
+        rail.commit(hy.host, 0)
+        back = rail.receive([t.numel() * rb if hy.host != H else 0 for H, t in enumerate(st.host_tokens)])
+        # The last sum, per token in host order: another host's partial as it came; this host's own rows as a group
+        # (its partial cast in the sum, never written out: reduce_indexed's groups).
+        rails = [H for H in range(N) if hy.host != H]
+        parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
+        src_of, row_of, groups = plan["last"]
+        out = self.ctx.host_empty((handle.num_tokens, h), y.dtype)
+        reduce_indexed(out, parts, src_of, row_of, None, biases, groups)
+        ex.release()  # the rows the peers sent back were read in place
+        rail.release()
+        return out

@@ -11,12 +11,13 @@ together with how many rows it sends each rank; from those, every sender knows w
 receiver's result (after the rows of the lower ranks) and writes its x and scale rows there, and the receiver
 returns views of its slot as ``recv_x`` (and the scales). The routing fields (local ids, weights) still travel
 in the region. A slot is free again once no tensor or view of its rows is alive (a lease on the memory the
-result tensors are made from, ``ep_rows.leased_bytes``, as :class:`~epkit.collectives._details.ep_rows.RowPool`
+result tensors are made from, ``ep.rows.leased_bytes``, as :class:`~epkit.collectives.ep.rows.RowPool`
 does), which also keeps the shared memory mapped past the buffer's close. While the caller holds ``count``
 results, a rank names no slot and its rows take the region and the copy, as before. The rows, their order and
 every sum are the same.
 
-A hierarchical buffer on CPU ranks (``ep_hier``) has slots of the same kind in its ``intra`` buffer: the rank that
+A hierarchical buffer on CPU ranks (``ep/normal_hier``) has slots of the same kind in its ``intra`` buffer: the rank
+that
 forwards a rail row (or its own token) to another rank of its host writes the x and scale rows into that rank's
 slot, where the row's source starts (2 hosts x 2 ranks, 4096 tokens: ~6% of a dispatch + combine).
 """
@@ -27,7 +28,7 @@ import os
 
 import torch
 
-from epkit.collectives._details.ep_rows import align_up, leased_bytes
+from epkit.collectives.ep.rows import align_up, leased_bytes
 
 __all__ = ["RESULT_SLOTS", "ResultSlots", "result_slot_count"]
 

@@ -1,28 +1,24 @@
-"""The two-level (per-host) combine order, and how an EPBuffer learns its hosts.
+"""The two-level (per-host) combine order and the rows of a hierarchy's rail messages.
 
 Across hosts, every transport sums a token's expert outputs in the order a hierarchical exchange can
 keep (:mod:`epkit.collectives.ep_reference`): the rows from one host's ranks first, in float32 in
 ascending rank order, cast to the output dtype (the host partial), then the host partials in host
 order in float32, plus the biases, cast. :func:`sum_by_host` is that sum for rows gathered per rank
-(the flat transports); the hierarchical buffer (``ep_hier.py``) forms the host partials on the
+(the flat transports); the hierarchical buffer (``ep/normal_hier.py``) forms the host partials on the
 forwarding rank and the last sum at the source. With one host it is the one-level order exactly.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from epkit.collectives._details.ep_rows import align_up, by_address, move_rows, reduce_indexed, sum_by_source
+from epkit.collectives.ep.rows import align_up, by_address, move_rows, reduce_indexed, sum_by_source
 
 __all__ = [
     "HIERARCHICAL",
     "PARTS",
     "field_offsets",
     "last_sum_layout",
-    "nvshmem_domains",
-    "plan_transport",
     "put_split_rows",
     "rail_order",
     "sum_by_host",
@@ -46,7 +42,7 @@ def sum_by_host(
     hosts: list[list[int]] | None,
     empty=torch.empty_like,
 ) -> torch.Tensor:
-    """Combine's source side in the two-level order: :func:`~epkit.collectives._details.ep_rows.sum_by_source`
+    """Combine's source side in the two-level order: :func:`~epkit.collectives.ep.rows.sum_by_source`
     (same arguments) when ``hosts`` is None or one host, else, per host, the one-level sum over its ranks cast to
     ``out.dtype`` (the host partial), then the partials of the hosts each token went to, in host order, in
     float32, plus the biases, cast. ``out [T, H]`` is written and returned.
@@ -108,65 +104,6 @@ def field_offsets(n, widths: list[int]) -> tuple[list[int], int]:
         offs.append(at)
         at = align_up(at + (n[f] if isinstance(n, list) else n) * wd)
     return offs, at
-
-
-def nvshmem_domains(group, timeout: float) -> list[list[int]]:
-    """The group's NVLink domains (collective over ``group``): the ranks each rank reaches directly through
-    NVSHMEM (``nvshmem_ptr`` of a small probe allocation, freed again), gathered; ascending lists, by first rank.
-    When those sets are not a partition (a rank that reaches a peer which does not reach it back, or reaches a
-    rank the peer does not), the whole group is one list: no hierarchy is built on a topology it cannot
-    describe, and the sums keep the one-level order."""
-    from epkit.collectives.bootstrap import Rendezvous
-    from epkit.collectives.symm_buffer import SymmBuffer
-
-    probe = SymmBuffer(group, 0, transport="nvshmem", num_signals=0, timeout=timeout)
-    try:
-        reach = [r for r, addr in enumerate(probe.impl.peer_data) if addr]
-    finally:
-        probe.close()
-    sets = [tuple(s) for s in Rendezvous(group, timeout, "EPBuffer domain probe").gather("reach", reach)]
-    if any(r not in s or any(sets[q] != s for q in s) for r, s in enumerate(sets)):
-        return [list(range(len(sets)))]
-    return [list(s) for s in sorted(set(sets))]
-
-
-def plan_transport(group, transport: str, timeout: float) -> tuple[str, list[list[int]], str]:
-    """``(transport, hosts, rows)`` for an EPBuffer on ``group`` asking for ``transport``; collective over the group.
-    ``rows``: ``"cpu"`` or ``"cuda"``, the kind of ranks (the key of :data:`PARTS` a hierarchy is made of).
-
-    CUDA ranks (an NCCL-only group, or a gloo group of CPU stand-ins for them when the NVSHMEM emulator is
-    installed and ``nvshmem`` or ``hierarchical`` is asked for) find their NVLink domains
-    (:func:`nvshmem_domains`): ``auto`` and ``hierarchical`` take :data:`HIERARCHICAL` over domains of one size
-    with more than one rank each, else ``nvshmem``; ``nvshmem`` stays flat (two-level sums when there are several
-    domains). CPU ranks of a gloo group meet once (a rendezvous: every rank gets the same answer) to find their
-    hosts (:func:`~epkit.collectives.transports.host_groups`, confirmed by a shared segment). ``auto`` then takes
-    ``shm`` on one host, :data:`HIERARCHICAL` on several hosts of equal size, ``torch`` on hosts of unequal
-    sizes (the hierarchy pairs rank l of every host: flat ``torch`` instead). An explicit ``hierarchical``
-    on one host is ``shm``, on unequal hosts ``torch``; an explicit ``shm`` is one host, unprobed.
-    """
-    from epkit.collectives.bootstrap import Rendezvous, group_info, host_identity
-    from epkit.collectives.transports import host_groups, nvshmem_job
-
-    _, w, _, backend = group_info(group)
-    nccl_only = "nccl" in backend and "gloo" not in backend
-    if nccl_only or (nvshmem_job.emulated() and transport in ("nvshmem", HIERARCHICAL)):
-        if transport not in ("auto", "nvshmem", HIERARCHICAL):
-            return transport, [list(range(w))], "cuda"
-        domains = nvshmem_domains(group, timeout)
-        sizes = {len(d) for d in domains}
-        if transport != "nvshmem" and len(domains) > 1 and len(sizes) == 1 and sizes.pop() > 1:
-            return HIERARCHICAL, domains, "cuda"
-        return "nvshmem", domains, "cuda"
-    if transport == "shm":  # shared memory is one host by definition (SymmBuffer refuses it otherwise): no probe
-        return transport, [list(range(w))], "cpu"
-    rv = Rendezvous(group, timeout, "EPBuffer host probe")
-    hellos = rv.gather("hello", {"host": host_identity(), "pid": os.getpid()})
-    hosts = host_groups(hellos, rv)
-    if transport not in ("auto", HIERARCHICAL):
-        return transport, hosts, "cpu"
-    if len(hosts) == 1:
-        return "shm", hosts, "cpu"
-    return (HIERARCHICAL if len({len(g) for g in hosts}) == 1 else "torch"), hosts, "cpu"
 
 
 def rail_order(to_host: torch.Tensor, to_peer: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,59 @@
+"""What a normal-mode dispatch hands back for its combine (and for a cached dispatch): the routing every path
+keeps, plus the state of the path that made it, typed (:class:`HierRoute`, :class:`DeviceRoute`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DeviceRoute", "DispatchHandle", "HierRoute"]
+
+
+@dataclass
+class HierRoute:
+    """What a rank of a hierarchical buffer forwarded and sent in one dispatch. ``host_tokens``: per host, the
+    source tokens sent there, in their rail message's order; ``in_host`` ``[T, N]`` bool; ``rail_counts``: rows
+    received from each rail peer; ``hit``: per rail peer, ``[rows, P]`` bool, which ranks of this host got each
+    row; ``tok_order``: per rail peer, its message's rows in token order (None: the message was in token order)."""
+
+    in_host: torch.Tensor | None = None
+    host_tokens: list[torch.Tensor] = field(default_factory=list)
+    rail_counts: list[int] = field(default_factory=list)
+    hit: list[torch.Tensor | None] = field(default_factory=list)
+    tok_order: list[torch.Tensor | None] = field(default_factory=list)
+
+
+@dataclass
+class DeviceRoute:
+    """A dispatch on the device kernels, on the device: ``lay`` the layout words ``notify`` wrote, ``idx`` the
+    routing, ``rows`` / ``expanded`` the rows received and expanded, ``aligned`` the per-expert counts dispatch
+    returned, ``send_pos`` ``[T, W]`` where each token went, ``m`` the expanded rows' expert ids (``m_indices``)."""
+
+    lay: torch.Tensor
+    idx: torch.Tensor
+    rows: int
+    expanded: int
+    aligned: list[int]
+    send_pos: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+
+
+@dataclass
+class DispatchHandle:
+    """State that combine (and a cached dispatch) needs. Returned by :meth:`EPBuffer.dispatch`."""
+
+    send_tokens: list[torch.Tensor]  # per destination rank: source token indices, ascending
+    recv_counts: list[int]  # rows received from each source rank
+    num_tokens: int
+    recv_topk_idx: torch.Tensor  # [R, K] local ids
+    recv_topk_weights: torch.Tensor  # [R, K] float32
+    expand: bool
+    expert_alignment: int
+    expanded_rows: torch.Tensor | None  # [X] received row per expanded row, -1 = padding
+    expanded_slot: torch.Tensor | None  # [R, K] expanded row of (j, k), -1 if not local
+    device: torch.device = torch.device("cpu")  # where the rows live (the metadata above is on the CPU)
+    buffer_id: int = 0  # the EPBuffer's SymmBuffer.buffer_id: a handle is only valid on the buffer that made it
+    epoch: int = 0  # which normal dispatch of that buffer made it (1 for the first)
+    hier: HierRoute | None = None  # a hierarchical buffer's routing
+    kernel_state: DeviceRoute | None = None  # the device kernels' layout, routing and row maps

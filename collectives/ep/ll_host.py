@@ -1,0 +1,380 @@
+"""EPBuffer's low-latency mode (decode): fixed-slot dispatch into the masked layout and its combine.
+
+Every message has a fixed size and every row move is described by fixed-length address lists
+built with tensor ops (a 0 address skips a row), so neither shapes nor the host's work depend
+on the routing. Two ways to run it, one protocol:
+
+- **host-checked** (CPU rows): the routing and the received headers are read on the host, so a bad
+  input raises ``ValueError`` on every rank in the same call; rows move through ``epkit._C``, and a message
+  holds only its rows (``ep/ll_packed``: the torch transport sends those bytes, not the region).
+- **stream-ordered** (CUDA rows; on CPU when ``ep.rows.PORTABLE`` is set, which is how the tests run
+  it): no host read of any routing-dependent value and no waiting for the device. Waits for peers are
+  timed device waits (``SymmBuffer.exchange(deferred=True)``); rows move through the Triton
+  address-list kernel; invalid expert ids, slot overflow and peers' rejections are found on the
+  device, carried in the message headers, and raised as ``ValueError`` on every rank by a later call
+  (or by :meth:`EPBuffer.synchronize`), the rows of the failing call being unspecified. Since the
+  ranks learn of it at different calls, such a failure retires the buffer on every rank (later calls
+  raise RuntimeError naming it): create a new EPBuffer. The header status words (3 per source)
+  reach the host through pinned (mapped) memory, stored there by the row-copy kernel on the stream
+  (no device-to-host memcpy), and a later call reads them once the stream has passed them.
+
+The low-latency path of every buffer that does not run the device kernels (``ll_device``); the tensors the calls
+return come from the context's pool (``ep/ll_out``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit.collectives.ep import ll_out as outputs
+from epkit.collectives.ep import ll_packed as packed
+from epkit.collectives.ep import routing
+from epkit.collectives.ep import rows as ep_rows
+from epkit.collectives.ep.context import EPContext
+from epkit.collectives.ep.ll_layout import (
+    COMBINE_HEADER,
+    OK,
+    REJECTED,
+    LowLatencyHandle,
+    describe_handles,
+    judge_headers,
+    message_spacing,
+    route_pairs,
+    slot_grid,
+    unpack_slots,
+)
+from epkit.collectives.ep.rows import (
+    META_MSG,
+    align_up,
+    decode_error,
+    encode_error,
+    move_rows,
+    reduce_gathered,
+    reduce_indexed,
+)
+
+__all__ = ["HostLowLatencyPath"]
+
+
+class HostLowLatencyPath:
+    """``low_latency_dispatch`` / ``low_latency_combine`` driven by the host (host-checked on CPU rows,
+    stream-ordered on CUDA rows: the module docstring)."""
+
+    def __init__(self, ctx: EPContext):
+        self.ctx, self.cfg = ctx, ctx.cfg
+
+    def synchronize(self) -> None:
+        """Wait for this rank's stream-ordered work; raise what it found (``EPBuffer.synchronize``)."""
+        self.ctx.buffer.synchronize()
+
+    def _stream_ordered(self) -> bool:
+        """Whether low-latency calls run without host reads of routing data (CUDA rows, or PORTABLE on CPU)."""
+        return self.ctx.device.type != "cpu" or ep_rows.PORTABLE[0]
+
+    def _row(self, use_fp8: bool) -> tuple[int, int]:
+        """(x bytes, scale bytes) of one low-latency row."""
+        h = self.cfg.hidden
+        return (h, 4 * -(-h // 128)) if use_fp8 else (2 * h, 0)
+
+    def _header(self) -> int:
+        """Header of a low-latency message: int32 [status, n_max, use_fp8, count per local expert], error text."""
+        return align_up(4 * (3 + self.cfg.num_local_experts)) + META_MSG
+
+    def _heads(self, views) -> torch.Tensor:
+        """The received headers' int words ``[W, 3 + L]`` (a copy: the views are reused by later messages)."""
+        n = 3 + self.cfg.num_local_experts
+        return torch.stack([v[: 4 * n].view(torch.int32) for v in views])
+
+    def _errors(self, heads: torch.Tensor, views, hdr: int, check_params: bool) -> list[str]:
+        """Rejections (and, with ``check_params``, parameter mismatches) in the received headers
+        (``_heads``), read on the host; worded alike on every rank."""
+        return judge_headers(
+            heads[:, :3].tolist(), lambda src: decode_error(views[src][hdr - META_MSG : hdr]), check_params
+        )
+
+    def _defer_errors(self, heads: torch.Tensor, views, hdr: int, n_max: int, use_fp8: bool) -> torch.Tensor:
+        """Stream-ordered check of the headers (``_heads``): recorded for a later call; returns the ``[W]``
+        rows-are-valid mask."""
+        texts = torch.stack([v[hdr - META_MSG : hdr] for v in views])  # read on the host only if rejected
+        w = self.cfg.world_size
+
+        def judge(values):
+            heads3 = [values[3 * src : 3 * src + 3] for src in range(w)]
+            errors = judge_headers(heads3, lambda src: decode_error(texts[src]), True)
+            if errors:
+                return ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+            return None
+
+        self.ctx.buffer.deferred.record(
+            heads[:, :3].long().reshape(-1), judge, self.cfg.timeout, "low-latency dispatch"
+        )
+        return (heads[:, 0] == OK) & (heads[:, 1] == n_max) & (heads[:, 2] == int(use_fp8))
+
+    def dispatch(self, x, topk_idx, n_max: int, use_fp8: bool, return_recv_hook: bool, out):
+        """``EPBuffer.low_latency_dispatch`` (same arguments and results)."""
+        # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
+        self.ctx.ll_dispatches += 1
+        w, L, h = self.cfg.world_size, self.cfg.num_local_experts, self.cfg.hidden
+        xb, sb = self._row(use_fp8)
+        hdr = self._header()
+        streamed = self._stream_ordered()
+        # Every message has the same bound on every rank (the buffer's capacity, bf16 rows: a stream-ordered
+        # message's size, a packed one's limit), so a rank that rejects its input still takes part, whatever it passed.
+        msg_bytes = min(self.ctx.region_bytes, align_up(hdr + L * self.cfg.num_max_dispatch_tokens_per_rank * 2 * h))
+        too_big = hdr + L * n_max * (xb + sb) > msg_bytes
+        error, route = self._prepare(x, topk_idx, n_max, use_fp8, out, too_big, streamed)
+        ex = self.ctx.buffer.exchange(self.ctx.region_bytes, tag="ll_dispatch", deferred=streamed, guarded=True)
+        if error is not None:
+            self._reject(ex, error, hdr, msg_bytes, use_fp8)
+        key, pos, per_expert, status = route
+        counts = per_expert.clamp(max=n_max).view(w, L)  # what each destination expert gets from here
+        with self.ctx.retire_on_failure("low-latency dispatch"):
+            live = self._send(ex, x, key, pos, counts, status, n_max, use_fp8, hdr, msg_bytes)
+        recv_x, recv_count = outputs.dispatch_outputs(
+            self.ctx.ll_outputs, out, L, n_max * w, h, use_fp8, self.ctx.device
+        )
+        handle = self._handle(x.shape[0], key, pos, live, n_max)
+        state = {"outputs": (recv_x, recv_count)}  # let go once filled: a kept hook holds no receive tensor
+
+        def hook():
+            if "outputs" in state:
+                self._receive(ex, handle, *state["outputs"], msg_bytes, use_fp8)
+                del state["outputs"]
+
+        if not return_recv_hook:
+            hook()
+        return recv_x, recv_count, handle, hook
+
+    def _prepare(self, x, topk_idx, n_max: int, use_fp8: bool, out, too_big: bool, streamed: bool):
+        """Validation and routing of a low-latency dispatch: ``(error or None, route)``; no exception escapes,
+        since every rank must take part in the exchange whatever this rank passed (see ``route_pairs``)."""
+        route = None
+        try:
+            routing.check_ll_dispatch(
+                self.cfg, self.ctx.device, x, topk_idx, n_max, use_fp8, out, self._stream_ordered()
+            )
+            if too_big:
+                raise ValueError(f"low-latency message exceeds the {self.ctx.region_bytes}-byte region")
+            route = route_pairs(topk_idx.to(self.ctx.device), self.cfg.num_experts, n_max)
+            if not streamed and route[2].numel() and int(route[2].max()) > n_max:
+                e = int(route[2].argmax())
+                raise ValueError(
+                    f"expert {e} gets {int(route[2][e])} (token, expert) pairs from this rank, more than "
+                    f"its {n_max} slots (duplicate expert ids within a token?)"
+                )
+        except Exception as exc:  # every rank must learn of it through the message header
+            return (str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"), route
+        return None, route
+
+    def _send(self, ex, x, key, pos, counts, status, n_max: int, use_fp8: bool, hdr: int, msg_bytes: int):
+        """Header, rows and scales of every (token, expert) pair into its destination's region, then commit;
+        every write takes the exchange's guard (none lands behind a failed wait). Returns the ``[T*K]`` mask
+        of pairs that got a slot."""
+        w, L, K = self.cfg.world_size, self.cfg.num_local_experts, self.cfg.num_topk
+        xb, sb = self._row(use_fp8)
+        if use_fp8:
+            from epkit.quant import cast_groups_to_fp8
+
+            xq, xs = cast_groups_to_fp8(x, 128)
+            x_src, s_src = xq.view(torch.uint8), xs.contiguous().view(torch.uint8)
+        else:
+            x_src, s_src = x.contiguous().view(torch.uint8), None
+        regions = [ex.send_region(dst) for dst in range(w)]  # waits (stream-ordered when streamed) for acks
+        dev = self.ctx.device
+        heads = torch.cat(
+            [
+                status.expand(w, 1),
+                torch.full((w, 1), n_max, dtype=torch.int32, device=dev),
+                torch.full((w, 1), int(use_fp8), dtype=torch.int32, device=dev),
+                counts.to(torch.int32),
+            ],
+            dim=1,
+        )
+        E, guard = self.cfg.num_experts, ex.guard
+        bases = [r.data_ptr() for r in regions]
+        region_addr = self.ctx.addresses(bases)
+        head_bytes = 4 * (3 + L)
+        head_src = heads.data_ptr() + torch.arange(w, device=dev) * head_bytes
+        move_rows(region_addr, head_src, head_bytes, [*bases, heads.data_ptr(), head_bytes], guard)
+        # One address list per field covers every destination: pair i (token i // K) goes to row `at` of its
+        # destination's message - slot expert * n_max + pos, or packed (host-checked: ep_low_latency_packed) the
+        # expert's first row + pos - unless it has no expert or no slot.
+        dst_of = key.clamp(max=E - 1) // L
+        base_of = region_addr[dst_of]
+        live = (key < E) & (pos < n_max)
+        if self._stream_ordered():
+            at = (key % L) * n_max + pos.clamp(max=n_max - 1)
+            scale_off, sizes = hdr + L * n_max * xb, [msg_bytes] * w
+        else:
+            at = packed.first_rows(counts).view(-1)[key.clamp(max=E - 1)] + pos  # key = destination * L + expert
+            scale_off, sizes = packed.dispatch_layout(counts, hdr, xb, sb)
+            scale_off = scale_off[dst_of]
+        tok = torch.arange(key.numel(), device=dev) // K
+        fields = [(x_src, xb, hdr)] + ([(s_src, sb, scale_off)] if s_src is not None else [])
+        for src, nbytes, off in fields:
+            move_rows(
+                torch.where(live, base_of + off + at * nbytes, 0),
+                torch.where(live, src.data_ptr() + tok * nbytes, 0),
+                nbytes,
+                [*bases, hdr + L * n_max * xb, src.data_ptr()],
+                guard,
+            )
+        for dst in range(w):
+            ex.commit(dst, sizes[dst])
+        return live
+
+    def _handle(self, t_num: int, key, pos, live, n_max: int) -> LowLatencyHandle:
+        """The combine's state for a dispatch of ``t_num`` tokens (counts filled by the receive)."""
+        L, K = self.cfg.num_local_experts, self.cfg.num_topk
+        ids = key.view(t_num, K)
+        live = live.view(t_num, K)
+        return LowLatencyHandle(
+            num_tokens=t_num,
+            dst_of=torch.where(live, ids // L, -1),
+            expert_of=torch.where(live, ids % L, -1),
+            pos_of=torch.where(live, pos.view(t_num, K), -1),
+            counts=torch.zeros((self.cfg.world_size, L), dtype=torch.int64, device=self.ctx.device),
+            n_max=n_max,
+            buffer_id=self.ctx.buffer.buffer_id,
+            epoch=self.ctx.ll_dispatches,
+        )
+
+    def _receive(self, ex, handle: LowLatencyHandle, recv_x, recv_count, msg_bytes: int, use_fp8: bool):
+        """The dispatch hook: wait for every message, judge the headers (now on the host, or on the stream),
+        unpack the slots into the masked layout, release the regions."""
+        w, n_max = self.cfg.world_size, handle.n_max
+        xb, sb = self._row(use_fp8)
+        hdr = self._header()
+        streamed = self._stream_ordered()
+        with self.ctx.retire_on_failure("low-latency dispatch receive"):
+            views = ex.receive([msg_bytes] * w, at_most=not streamed)
+            packed.check_lengths(views, [hdr] * w, "low-latency dispatch")
+            heads = self._heads(views)
+        if streamed:
+            ok = self._defer_errors(heads, views, hdr, n_max, use_fp8)
+        else:
+            errors = self._errors(heads, views, hdr, True)
+            if errors:
+                ex.release()
+                raise ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+            ok = torch.ones(w, dtype=torch.bool)
+        with self.ctx.retire_on_failure("low-latency dispatch receive"):
+            got = heads[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
+            got = torch.where(ok[:, None], got, 0)  # [W, L]
+            if streamed:
+                unpack_slots(views, recv_x, got, n_max, hdr, xb, sb)
+            else:
+                packed.unpack_rows(views, recv_x, got, n_max, hdr, xb, sb)
+            recv_count.copy_(got.sum(0).to(torch.int32))
+            handle.counts = got
+            ex.release()  # after the reads above on the stream
+        self.ctx.count_load(got.sum(0))
+
+    def _reject(self, ex, error: str, hdr: int, msg_bytes: int, use_fp8: bool):
+        """Tell every rank, finish the exchange so the counters stay in step, then raise."""
+        text = encode_error(error)
+        status = torch.tensor([REJECTED], dtype=torch.int32).view(torch.uint8)
+        streamed = self._stream_ordered()
+        for dst in range(self.cfg.world_size):  # guarded writes: none lands behind a failed acknowledgement wait
+            ex.write(dst, status, 0)
+            ex.write(dst, text, hdr - META_MSG)
+            ex.commit(dst, msg_bytes if streamed else hdr)  # packed: a header with no rows
+        views = ex.receive([msg_bytes] * self.cfg.world_size, at_most=not streamed)
+        packed.check_lengths(views, [hdr] * self.cfg.world_size, "low-latency dispatch")
+        self.ctx.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
+        errors = self._errors(self._heads(views), views, hdr, False)
+        ex.release()
+        exc = ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+        if self._stream_ordered():  # the peers learn of it at a later call: the buffer is done on every rank
+            self.ctx.buffer.mark_broken(str(exc))
+        raise exc
+
+    def combine(self, y, topk_idx, topk_weights, handle: LowLatencyHandle, return_recv_hook: bool, out):
+        """``EPBuffer.low_latency_combine`` (same arguments and results)."""
+        try:
+            routing.check_ll_combine(self.cfg, self.ctx.device, y, topk_idx, topk_weights, handle, out,
+                                     self._stream_ordered(), False)  # fmt: skip
+        except ValueError as exc:
+            self.ctx.reject_locally("low-latency combine", exc)
+        with self.ctx.retire_on_failure("low-latency combine"):
+            return self._combine(y, topk_weights, handle, return_recv_hook, out)
+
+    def _combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook, given):
+        w, L, h, n_max = self.cfg.world_size, self.cfg.num_local_experts, self.cfg.hidden, handle.n_max
+        row, head = 2 * h, COMBINE_HEADER
+        msg_bytes = head + L * n_max * row
+        streamed = self._stream_ordered()
+        ex = self.ctx.buffer.exchange(self.ctx.region_bytes, tag="ll_combine", deferred=streamed, guarded=True)
+        y = y.contiguous()
+        if streamed:
+            src, live, slot, y_row = slot_grid(handle.counts.to(self.ctx.device), n_max)
+            at, sizes = head + slot * row, [msg_bytes] * w
+        else:  # packed (ep_low_latency_packed): only the rows each source's pairs get back
+            live, y_row, at, sizes = packed.combine_rows(handle.counts, n_max, head, row)
+            src = torch.arange(w).view(w, 1, 1)
+        bases = [ex.send_region(s).data_ptr() for s in range(w)]
+        region_addr = self.ctx.addresses(bases)
+        # The handle's identity first, so the receivers can tell rows of another dispatch from this one's.
+        ident = self.ctx.addresses([handle.buffer_id, handle.epoch])  # a cached device table: no host sync
+        move_rows(region_addr, torch.full_like(region_addr, ident.data_ptr()), 16, [*bases, ident.data_ptr()], ex.guard)
+        move_rows(
+            torch.where(live, region_addr[src] + at, 0),
+            torch.where(live, y.data_ptr() + y_row * row, 0),
+            row,
+            [*bases, head, y.data_ptr()],
+            ex.guard,
+        )
+        for s in range(w):
+            ex.commit(s, sizes[s])
+        out = {}
+
+        def hook():
+            if "y" not in out:
+                out["y"] = self._combine_receive(ex, handle, topk_weights, msg_bytes, given)
+            return out["y"]
+
+        if return_recv_hook:
+            return None, hook
+        return hook()
+
+    def _combine_receive(self, ex, handle: LowLatencyHandle, topk_weights, msg_bytes: int, given):
+        """The combine hook: wait for every message, check that every rank sent rows of the same dispatch of this
+        buffer (on the host, or on the stream), and reduce at the source in the fixed order."""
+        w, L, h, n_max = self.cfg.world_size, self.cfg.num_local_experts, self.cfg.hidden, handle.n_max
+        row, head = 2 * h, COMBINE_HEADER
+        streamed = self._stream_ordered()
+        with self.ctx.retire_on_failure("low-latency combine receive"):
+            views = ex.receive([msg_bytes] * w, at_most=not streamed)
+            packed.check_lengths(views, [head] * w, "low-latency combine")
+            idents = torch.stack([v[:16].view(torch.int64) for v in views])  # [W, 2] buffer id, epoch
+        if not streamed:  # the handles first: a foreign one's rows need not even fit
+            error = describe_handles(idents.tolist(), self.ctx.buffer.buffer_id, "low-latency combine")
+            if error is not None:
+                ex.release()
+                raise ValueError(error)
+        with self.ctx.retire_on_failure("low-latency combine receive"):
+            if streamed:
+                slot = handle.expert_of.clamp(min=0) * n_max + handle.pos_of.clamp(min=0)
+                _, stride = message_spacing(views)
+                table = views[0][head:].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
+                res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
+                res.copy_(reduce_gathered(table, handle.dst_of, slot, topk_weights.float()))  # rounded as .to()
+            else:
+                sent = packed.sent_counts(handle.dst_of, handle.expert_of, w, L)
+                per_src = sent.sum(1).tolist()
+                packed.check_lengths(views, [head + n * row for n in per_src], "low-latency combine")
+                at = packed.first_rows(sent)[handle.dst_of.clamp(min=0), handle.expert_of.clamp(min=0)]
+                at = at + handle.pos_of.clamp(min=0)
+                sources = [v[head : head + n * row].view(torch.bfloat16).view(n, h) for v, n in zip(views, per_src)]
+                res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
+                reduce_indexed(res, sources, handle.dst_of, at, topk_weights.float())
+        if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
+            buffer_id = self.ctx.buffer.buffer_id
+
+            def judge(values):
+                msg = describe_handles([values[2 * r : 2 * r + 2] for r in range(w)], buffer_id, "low-latency combine")
+                return None if msg is None else ValueError(msg)
+
+            self.ctx.buffer.deferred.record(idents.reshape(-1).clone(), judge, self.cfg.timeout, "low-latency combine")
+        ex.release()
+        return res

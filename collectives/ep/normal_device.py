@@ -1,0 +1,290 @@
+"""EPBuffer's normal mode on the device kernels (``kernels/triton/ep_normal.py``, ``ep_normal_recv.py``,
+``ep_combine.py``).
+
+Dispatch: ``layout`` -> ``notify`` -> one host read of the summary (every rank's status and format, the rows
+received: this is what sizes the outputs) -> ``dispatch_send`` -> ``dispatch_recv``; routing and handles stay
+on the device. Combine and cached dispatch: ``agree`` -> one host read (every rank's call valid, every handle
+from the same dispatch of this buffer: else the same ValueError on every rank, before any row moves, and the
+buffer goes on) -> ``combine_send`` -> ``combine_reduce`` (or ``dispatch_send`` -> ``dispatch_recv``).
+
+The normal-mode path of a buffer that took the device kernels (``device_state``). Results are bitwise those of
+the host-driven paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from epkit.collectives.ep import routing
+from epkit.collectives.ep.agreement import judge_agreement
+from epkit.collectives.ep.context import EPContext
+from epkit.collectives.ep.device_state import DeviceState
+from epkit.collectives.ep.handles import DeviceRoute, DispatchHandle
+from epkit.collectives.ep.ll_layout import describe_header
+from epkit.collectives.ep.rows import META_MSG, check_formats, decode_error, format_code
+from epkit.kernels.triton.ep_layout import OK, REJECTED
+
+__all__ = ["DeviceNormalPath"]
+
+#: Seconds past the buffer's timeout before the host calls its stream stuck while waiting for a summary.
+_GRACE_S = 10.0
+
+
+class DeviceNormalPath:
+    """Normal-mode dispatch / combine (and ``fused_moe``) of an EPBuffer on the device kernels (``dev``: the
+    buffer's :class:`DeviceState`)."""
+
+    #: Whether dispatch and combine run as device kernels.
+    on_device = True
+
+    def __init__(self, ctx: EPContext, dev: DeviceState):
+        self.ctx, self.cfg, self.dev = ctx, ctx.cfg, dev
+        self._geo = None  # the kernels' fixed arguments and host words, made at the first call
+        #: Exchanges of each kind so far (their parity picks the area; the count is the ready word).
+        self.exchanges = {"notify": 0, "agree": 0}
+
+    def dispatch(self, x, scales, topk_idx, topk_weights, alignment, expand: bool):
+        """Normal dispatch on the kernels (see ``EPBuffer.dispatch``)."""
+        return self._dispatch(x, scales, topk_idx, topk_weights, alignment, expand)
+
+    def dispatch_cached(self, x, scales, handle: DispatchHandle):
+        """A dispatch along an earlier one's routing: the handle agreement (one launch), then the rows."""
+        error = routing.cached_dispatch_error(self.cfg, self.ctx.device, x, scales, handle)
+        self.agree("cached dispatch", handle, error)
+        return self.dispatch_cached_rows(x, scales, handle)
+
+    def combine(self, y, handle: DispatchHandle, topk_weights, bias):
+        """Combine on the kernels (see ``EPBuffer.combine``): the agreement (one launch), then the rows."""
+        error, biases, weights = routing.check_combine(self.cfg, self.ctx.device, y, handle, topk_weights, bias, True)
+        self.agree("combine", handle, error)
+        with self.ctx.retire_on_failure("combine"):
+            return self._combine(y, handle, weights, biases)
+
+    def bytes_across_hosts(self) -> int:
+        return 0  # the kernels run inside one domain only
+
+    def _geometries(self):
+        """(NormalGeometry, CombineGeometry, host summary, host agreement) for this buffer (made once)."""
+        dev = self.dev
+        if self._geo is None:
+            from epkit.kernels.triton.ep_combine import CombineGeometry
+            from epkit.kernels.triton.ep_normal import NormalGeometry, summary_words
+
+            lay, w = dev.layout, self.cfg.world_size
+            common = {
+                "rank": self.cfg.rank,
+                "world": w,
+                "num_topk": self.cfg.num_topk,
+                "text": lay["text"],
+                "ctrl": dev.ctrl,
+                "notices": dev.notices,
+                "ctrl_table": dev.tables["ctrl"],
+                "rows_table": dev.tables["rows"],
+                "rows_local": dev.local["rows"],
+                "status": dev.status.data_ptr(),
+                "clock": dev.clock,
+                "timeout_ns": dev.timeout_ns,
+                "device": self.ctx.device,
+            }
+            n = self.cfg.num_max_tokens_per_rank
+            normal = NormalGeometry(
+                num_experts=self.cfg.num_experts,
+                cap=w * n,
+                notify_table=dev.tables["notify"],
+                notify_area=lay["notify_area"],
+                notify_msg=lay["notify_msg"],
+                **common,
+            )
+            combine = CombineGeometry(
+                hidden=self.cfg.hidden,
+                n_max=n,
+                agree_table=dev.tables["agree"],
+                agree_area=lay["agree_area"],
+                agree_msg=lay["agree_msg"],
+                **common,
+            )
+            pinned = self.ctx.device.type == "cuda"
+            summary = torch.zeros(summary_words(w, self.cfg.num_local_experts), dtype=torch.int64, pin_memory=pinned)
+            agreed = torch.zeros(3 * w + 1, dtype=torch.int64, pin_memory=pinned)  # + the ready word
+            self._geo = (normal, combine, summary, agreed)
+        return self._geo
+
+    def _read_back(self, host: torch.Tensor, ready: int) -> list[int]:
+        """The words of ``host`` but its last (the one host read of the call), once the kernel that writes them
+        has written ``ready`` into that last word, which it does after every other (a system-scope release):
+        a busy poll of pinned memory, no stream synchronisation, bounded by the buffer's timeout and a grace."""
+        words = host.numpy()
+        if words[-1] != ready and self.ctx.device.type == "cuda":
+            deadline = time.monotonic() + self.cfg.timeout + _GRACE_S
+            while words[-1] != ready:
+                if time.monotonic() > deadline:
+                    exc = TimeoutError(f"rank {self.cfg.rank}: the CUDA stream did not reach the dispatch summary")
+                    self.ctx.buffer.mark_broken(str(exc), culprit=self.cfg.rank)
+                    raise exc
+        values = words.tolist()
+        if values[-1] != ready:  # a kernel that ran without publishing: a fault of epkit's, never a peer's
+            raise RuntimeError(f"rank {self.cfg.rank}: the summary's ready word is {values[-1]}, expected {ready}")
+        self.dev.poll()  # a wait that failed left its record; the summary is not to be trusted then
+        return values[:-1]
+
+    def _slot_text(self, area: str, src: int, offset: int) -> str:
+        """The error text of source ``src``'s latest ``area`` message ("notify" / "agree"), from this rank's area."""
+        dev = self.dev
+        lay = dev.layout
+        at = lay[area] + (self.exchanges[area] % 2) * lay[f"{area}_area"] + src * lay[f"{area}_msg"] + offset
+        mem = self.ctx.buffer.local[dev.area_offset :]
+        return decode_error(mem[at : at + META_MSG].cpu())
+
+    def _dispatch(self, x, scales, topk_idx, topk_weights, alignment: int, expand: bool, error=None, what=None):
+        """``dispatch`` (not cached) on the kernels: same arguments and results. ``error``: the caller's own
+        validation failed (``fused_moe``); ``what``: the caller's name in the rejection ("dispatch")."""
+        from epkit.kernels.triton.ep_normal import layout, notify
+
+        self.ctx.buffer.check_usable()
+        self.dev.poll()
+        self.ctx.dispatches += 1
+        geo, _, summary, _ = self._geometries()
+        error = error or routing.dispatch_error(
+            self.cfg, self.ctx.device, x, scales, topk_idx, topk_weights, alignment, True
+        )
+        dev, z = self.ctx.device, geo.sizes()
+        if error is None:
+            idx = topk_idx.to(dev).contiguous().clone()  # the handle's routing (a cached dispatch reuses it)
+            fmt = format_code(x.dtype, scales is not None)
+        else:
+            idx, fmt, alignment = torch.empty((0, self.cfg.num_topk), dtype=torch.int64, device=dev), 0, 1
+        counts = torch.empty((z["P_P2"], z["W_P2"] + z["E_P2"] + 1), dtype=torch.int32, device=dev)
+        layout(geo, idx, counts)
+        lay = torch.empty(geo.layout_words(), dtype=torch.int64, device=dev)
+        code = OK if error is None else REJECTED
+        self.exchanges["notify"] += 1
+        ready = self.exchanges["notify"]
+        notify(geo, counts, lay, self.dev.error_text(error), summary, code, fmt, alignment, ready)
+        got = self._read_back(summary, ready)
+        w = self.cfg.world_size
+        num_rows, num_expanded = got[0], got[1]
+        codes, fmts, recv_n = got[2 : 2 + w], got[2 + w : 2 + 2 * w], got[2 + 2 * w : 2 + 3 * w]
+        counts_l = got[2 + 3 * w :]
+        errors = []
+        for src, c in enumerate(codes):
+            if c != OK:
+                text = self._slot_text("notify", src, 8 * (2 + w + self.cfg.num_experts)) if c == REJECTED else ""
+                errors.append(describe_header(src, c, 0, text))
+        if errors:
+            what = what or "dispatch rejected on every rank before any data moved"
+            raise ValueError(f"{what}: " + "; ".join(errors))
+        check_formats(fmts)
+        weights = None if topk_weights is None else topk_weights.float().to(dev).contiguous()
+        aligned = [-(-c // alignment) * alignment for c in counts_l]
+        state = DeviceRoute(lay, idx, num_rows, num_expanded, aligned)
+        with self.ctx.retire_on_failure("dispatch"):
+            out = self._move(x, scales, weights, state, alignment, expand)
+        self.ctx.recv_tokens_per_expert_total += torch.tensor(counts_l, dtype=torch.int64)
+        handle = DispatchHandle(
+            send_tokens=[],
+            recv_counts=recv_n,
+            num_tokens=x.shape[0],
+            recv_topk_idx=out["idx"],
+            recv_topk_weights=out["w"],
+            expand=expand,
+            expert_alignment=alignment,
+            expanded_rows=out.get("rows"),
+            expanded_slot=out.get("slot"),
+            device=dev,
+            buffer_id=self.ctx.buffer.buffer_id,
+            epoch=self.ctx.dispatches,
+            kernel_state=state,
+        )
+        state.m = out.get("m")
+        x_out = (out["x"], out["s"]) if out["s"] is not None else out["x"]
+        return x_out, out["idx"], out["w"], aligned, handle
+
+    def dispatch_cached_rows(self, x, scales, handle: DispatchHandle):
+        """A cached dispatch's rows after the agreement: the handle's routing and layout, fresh rows."""
+        state = dataclasses.replace(handle.kernel_state)
+        with self.ctx.retire_on_failure("cached dispatch"):
+            out = self._move(x, scales, None, state, handle.expert_alignment, handle.expand)
+        x_out = (out["x"], out["s"]) if out["s"] is not None else out["x"]
+        return x_out, handle.recv_topk_idx, handle.recv_topk_weights, list(state.aligned), handle
+
+    def _move(self, x, scales, weights, state: DeviceRoute, alignment: int, expand: bool) -> dict:
+        """Send every row once per destination and receive into fresh outputs (two launches)."""
+        from epkit.kernels.triton.ep_normal import dispatch_send
+        from epkit.kernels.triton.ep_normal_recv import dispatch_recv
+
+        geo, _, _, _ = self._geometries()
+        dev, t, k, w, h = self.ctx.device, x.shape[0], self.cfg.num_topk, self.cfg.world_size, self.cfg.hidden
+        send_pos = torch.empty((t, w), dtype=torch.int32, device=dev)
+        x, scales = x.contiguous(), scales.contiguous() if scales is not None else None
+        dispatch_send(geo, x, scales, state.idx, weights, state.lay, send_pos)
+        state.send_pos = send_pos
+        r, rows = state.rows, state.expanded if expand else state.rows
+        g = scales.shape[1] if scales is not None else 0
+        out = {
+            "x": torch.empty((rows, h), dtype=x.dtype, device=dev),
+            "s": torch.empty((rows, g), dtype=torch.float32, device=dev) if scales is not None else None,
+            "idx": torch.empty((r, k), dtype=state.idx.dtype, device=dev),
+            "w": torch.empty((r, k), dtype=torch.float32, device=dev),
+        }
+        if expand:
+            out["rows"] = torch.empty(rows, dtype=torch.int64, device=dev)
+            out["slot"] = torch.empty((r, k), dtype=torch.int64, device=dev)
+            out["m"] = torch.empty(rows, dtype=torch.int32, device=dev)
+        dispatch_recv(geo, out, state.lay, r, alignment, h * x.element_size(), 4 * g)
+        self.dev.poll()
+        return out
+
+    def agree(self, what: str, handle, error: str | None) -> None:
+        """The device form of ``agree_on_handle`` (one launch, one host read): the same errors, raised on every
+        rank before any row moves; the buffer goes on."""
+        from epkit.kernels.triton.ep_combine import agree
+
+        self.ctx.buffer.check_usable()
+        self.dev.poll()
+        _, cgeo, _, agreed = self._geometries()
+        ident = (handle.buffer_id, handle.epoch) if error is None else (0, 0)
+        self.exchanges["agree"] += 1
+        ready = self.exchanges["agree"]
+        agree(cgeo, self.dev.error_text(error), agreed, OK if error is None else REJECTED, ident, ready)
+        got, w = self._read_back(agreed, ready), self.cfg.world_size
+        heads = [[got[r], got[w + r], got[2 * w + r]] for r in range(w)]
+        judge_agreement(self.ctx, what, heads, lambda src: self._slot_text("agree", src, 32))
+
+    def fused(self, x, topk_idx, topk_weights, alignment: int, error: str | None, biases, experts):
+        """``fused_moe`` on the kernels: dispatch (expanded, ``alignment``) -> ``experts(rows, m_indices)`` ->
+        combine, with one host read (the dispatch's summary, which sizes the expert rows) and no host barrier;
+        ``error``: the caller's validation failure (raised on every rank before any row moves)."""
+        from epkit.kernels.triton.ep_combine import agree
+
+        what = "fused_moe rejected on every rank before any row moved"
+        recv, _, _, _, handle = self._dispatch(x, None, topk_idx, topk_weights, alignment, True, error, what)
+        with self.ctx.retire_on_failure("fused_moe"):
+            y = experts(recv, handle.kernel_state.m)
+            # An exchange between the dispatch's rows and the combine's, which share memory: the agreement,
+            # whose verdict is known (every handle is this call's) and so never read back.
+            _, cgeo, _, agreed = self._geometries()
+            self.exchanges["agree"] += 1
+            agree(cgeo, self.dev.error_text(None), agreed, 0, (handle.buffer_id, handle.epoch),
+                  self.exchanges["agree"])  # fmt: skip
+            return self._combine(y, handle, handle.recv_topk_weights, biases)
+
+    def _combine(self, y, handle, weights, biases) -> torch.Tensor:
+        """``combine`` on the kernels after the agreement: expert side, then source side (two launches)."""
+        from epkit.kernels.triton.ep_combine import combine_reduce, combine_send
+
+        _, cgeo, _, _ = self._geometries()
+        state = handle.kernel_state
+        tail = self._geometries()[0].tail()
+        y = y.contiguous()
+        if handle.expand:
+            w = weights.float().to(self.ctx.device).contiguous()
+            combine_send(cgeo, y, state.lay, tail, state.rows, handle.expanded_slot, w)
+        else:
+            combine_send(cgeo, y, state.lay, tail, state.rows)
+        out = torch.empty((handle.num_tokens, self.cfg.hidden), dtype=y.dtype, device=self.ctx.device)
+        combine_reduce(cgeo, out, state.send_pos, [b.to(self.ctx.device).contiguous() for b in biases])
+        self.dev.poll()
+        return out

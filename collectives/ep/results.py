@@ -1,0 +1,66 @@
+"""What a host-driven normal dispatch returns, once its rows have arrived (flat and hierarchical paths alike):
+the per-expert counts, the expanded rows, the handle."""
+
+from __future__ import annotations
+
+import torch
+
+from epkit.collectives.ep.context import EPContext
+from epkit.collectives.ep.handles import DispatchHandle, HierRoute
+from epkit.collectives.ep.rows import expanded_layout
+
+__all__ = ["aligned_counts", "expanded", "finish_dispatch"]
+
+
+def aligned_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int) -> list[int]:
+    """Received (token, local expert) pairs per local expert, each rounded up to ``alignment``."""
+    ids = recv_topk_idx
+    counts = torch.bincount(ids[ids >= 0].long(), minlength=num_local).tolist()
+    return [int(-(-c // alignment) * alignment) for c in counts]
+
+
+def expanded(ctx: EPContext, recv_x, recv_s, rows: torch.Tensor):
+    """The expanded rows (``rows``: received row per expanded row, -1 = a zero padding row), as dispatch
+    returns them: ``x`` or ``(x, scales)``."""
+    from epkit.gather import gather_rows
+
+    rows_dev = rows.to(ctx.device)
+    out = [
+        gather_rows(part, rows_dev, out=ctx.host_empty((rows.numel(), part.shape[1]), part.dtype))
+        for part in (recv_x, recv_s)
+        if part is not None
+    ]
+    return tuple(out) if len(out) == 2 else out[0]
+
+
+def finish_dispatch(
+    ctx: EPContext, recv, tokens, recv_counts, num_tokens: int, expand: bool, alignment: int, hier: HierRoute | None
+):
+    """Dispatch's results from the received ``(x, scales or None, local ids, weights)`` (rows by source, then
+    source token): counts the load, expands if asked, makes the handle."""
+    recv_x, recv_scales, recv_idx, recv_w = recv
+    L = ctx.cfg.num_local_experts
+    counts = torch.bincount(recv_idx.reshape(-1).long() + 1, minlength=L + 1)[1:]  # bin 0: the -1 entries
+    ctx.recv_tokens_per_expert_total += counts
+    aligned = [int(-(-c // alignment) * alignment) for c in counts.tolist()]
+    rows = slot = None
+    x_out = (recv_x, recv_scales) if recv_scales is not None else recv_x
+    if expand:
+        rows, slot = expanded_layout(recv_idx, counts, alignment)
+        x_out = expanded(ctx, recv_x, recv_scales, rows)
+    handle = DispatchHandle(
+        send_tokens=tokens,
+        recv_counts=recv_counts,
+        num_tokens=num_tokens,
+        recv_topk_idx=recv_idx,
+        recv_topk_weights=recv_w,
+        expand=expand,
+        expert_alignment=alignment,
+        expanded_rows=rows,
+        expanded_slot=slot,
+        device=ctx.device,
+        buffer_id=ctx.buffer.buffer_id,
+        epoch=ctx.dispatches,
+        hier=hier,
+    )
+    return x_out, recv_idx.to(ctx.device), recv_w.to(ctx.device), aligned, handle
