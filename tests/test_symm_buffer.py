@@ -273,6 +273,9 @@ def _killed_in_bootstrap(rank, world_size, point):
     from epkit.collectives.transports import shm
 
     victim = 0 if point == "serving" else 1
+    # Every rank past init_process_group first: gloo's full mesh can still be forming on a loaded machine when a
+    # fast rank reaches its point, and a death then fails the slow rank's init instead of the buffer.
+    dist.barrier()
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
