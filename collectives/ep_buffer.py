@@ -65,7 +65,7 @@ class EPBuffer:
         one probe). On several hosts (domains) every transport combines in ``ep_reference``'s two-level order
         (``hosts``). Rows (x, y, received rows, outputs) live on the buffer's device (``self.device``: the GPU
         for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves and sums are torch
-        ops with the CPU's fused C++ rounding (tested on CPU through ``ep.rows.PORTABLE``, and over nvshmem
+        ops with the CPU's fused C++ rounding (tested on CPU through ``portable=True``, and over nvshmem
         with ``epkit.testing.nvshmem_emulator``). Normal mode synchronizes with the host (routing copied to the
         CPU, counts read back, as DeepEP's normal mode reads its counts); the low-latency mode does not (see
         ``ep/ll_host.py``: on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
@@ -82,6 +82,11 @@ class EPBuffer:
         interpreter: far slower than the C++ CPU path, for tests); ``host``: the host-driven protocol. The
         environment variable ``EPKIT_EP_KERNELS`` overrides ``auto``. Results are bitwise the same either way;
         see ``ep/device_state.py``.
+    portable : bool
+        CPU rows take the formulations CUDA rows take: the sums in torch ops, the row moves through the Triton copy
+        kernel (under the interpreter), the stream-ordered low-latency protocol (no host read of the routing; its
+        errors surface at a later call). Bitwise the same results, far slower: how an engine's CPU tests (and
+        epkit's) run the GPU path's code on CPU ranks. Default False.
 
     Attributes
     ----------
@@ -112,11 +117,11 @@ class EPBuffer:
         num_max_dispatch_tokens_per_rank: int | None = None,
         timeout: float = 30.0,
         kernels: str = "auto",
+        portable: bool = False,
     ):
         rank, w = group_info(group)[:2]
-        cfg = EPConfig.checked(
-            w, rank, hidden, num_experts, num_max_tokens_per_rank, num_topk, num_max_dispatch_tokens_per_rank, timeout
-        )
+        n_ll = num_max_dispatch_tokens_per_rank
+        cfg = EPConfig.checked(w, rank, hidden, num_experts, num_max_tokens_per_rank, num_topk, n_ll, timeout, portable)
         self._ctx, self._normal, self._ll = open_paths(group, cfg, transport, kernels)
         self.group, self.cfg = group, self._ctx.cfg
 

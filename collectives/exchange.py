@@ -66,11 +66,12 @@ class Exchange:
         otherwise (the waits end on the host, which raises before any write)."""
         return self.buf.impl.sticky_word if self.deferred else None
 
-    def write(self, dst: int, data: torch.Tensor, offset: int = 0) -> None:
+    def write(self, dst: int, data: torch.Tensor, offset: int = 0, portable: bool = False) -> None:
         """Copy ``data`` (uint8, 1-D) into :meth:`send_region` ``(dst)`` at ``offset``, guarded (see :attr:`guard`).
 
         The same bytes as ``send_region(dst)[offset:offset + n].copy_(data)``; in a stream-ordered exchange
-        the copy is skipped on the stream when a wait before it failed.
+        the copy is skipped on the stream when a wait before it failed. ``portable``: CPU rows take the device
+        path's copy kernel too (``ep.rows.move_rows``).
         """
         n = data.numel()
         if data.dtype != torch.uint8 or data.dim() != 1 or not 0 <= offset <= self.region_bytes - n:
@@ -92,7 +93,7 @@ class Exchange:
             src = src.pin_memory().to(region.device, non_blocking=True)
         dst_addr = torch.full((1,), region.data_ptr() + offset, dtype=torch.int64, device=region.device)
         src_addr = torch.full((1,), src.data_ptr(), dtype=torch.int64, device=region.device)
-        move_rows(dst_addr, src_addr, n, [region.data_ptr(), offset, src.data_ptr()], guard=guard)
+        move_rows(dst_addr, src_addr, n, [region.data_ptr(), offset, src.data_ptr()], guard=guard, portable=portable)
 
     def send_region(self, dst: int) -> torch.Tensor:
         """``[region_bytes]`` uint8 view to fill with the payload for ``dst``."""

@@ -8,7 +8,7 @@ one host read (the rows received, which size the GEMM) and no host barrier. Othe
 Allowed only when every EP peer is directly addressable (``EPBuffer.is_within_domain()``: the
 ``shm`` transport on one host, or ``nvshmem`` within one NVLink domain, where the rows live on the
 GPU and move through peer views; that path runs in CI on the nvshmem emulator with the row moves and
-sums in their torch formulations, ``ep.rows.PORTABLE``). There is no dispatch staging: each rank
+sums in their torch formulations, a buffer made with ``portable=True``). There is no dispatch staging: each rank
 publishes its tokens once in its own symmetric buffer, and every expert rank
 gathers the rows it needs straight from the senders' buffers into the grouped
 GEMM's input; the expert side then writes its weighted partial sums straight
@@ -195,17 +195,18 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
     row_addr = torch.tensor(bases, dtype=torch.int64)[recv_src] + recv_tok * xb
     addrs = torch.where(rows >= 0, row_addr[rows.clamp(min=0)], 0) if rows.numel() else rows
     n_rows = rows.numel()
-    if by_address(x):
+    portable = buffer.cfg.portable
+    if by_address(x, portable=portable):
         from epkit import _C
 
         expanded = torch.empty((n_rows, h), dtype=torch.bfloat16)
         _C.gather_rows_by_address(
             expanded.data_ptr(), addrs.contiguous().data_ptr(), n_rows, xb, torch.get_num_threads()
         )
-    else:  # device rows (or PORTABLE): the copy kernel, padding rows left zero
+    else:  # device rows (or portable): the copy kernel, padding rows left zero
         expanded = torch.zeros((n_rows, h), dtype=torch.bfloat16, device=dev)
         dst = expanded.data_ptr() + torch.arange(n_rows, dtype=torch.int64) * xb
-        move_rows(dst.to(dev), addrs.to(dev), xb, [expanded.data_ptr(), xb, *bases])
+        move_rows(dst.to(dev), addrs.to(dev), xb, [expanded.data_ptr(), xb, *bases], portable=portable)
     m_indices = torch.full((n_rows,), -1, dtype=torch.int32)
     ok = slot >= 0
     m_indices[slot[ok]] = recv_idx[ok]
@@ -224,7 +225,7 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
         if n:
             dst = sb.peer(r)[me * region : me * region + n * xb].view(torch.bfloat16).view(n, h)
             s = slot[sel]
-            reduce_indexed(dst, [y], torch.where(s >= 0, 0, -1), s.clamp(min=0), recv_w[sel])
+            reduce_indexed(dst, [y], torch.where(s >= 0, 0, -1), s.clamp(min=0), recv_w[sel], portable=portable)
     sb.barrier()  # every partial has landed
 
     # Source side: sum over ranks ascending, reading the partials in place.
@@ -239,7 +240,7 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
         row_of[toks, r] = torch.arange(toks.numel())
         sources.append(sb.local[r * region : r * region + toks.numel() * xb].view(torch.bfloat16).view(-1, h))
     out = torch.empty((t_num, h), dtype=torch.bfloat16, device=dev)
-    reduce_indexed(out, sources, src_of, row_of, None, biases)
+    reduce_indexed(out, sources, src_of, row_of, None, biases, portable=portable)
     sb.barrier()  # regions are free again for the next exchange
     return out
 

@@ -1,6 +1,6 @@
-"""The architecture rules (ARCHITECTURE.md) as tests: the previous public API still imports, transports are
+"""The architecture rules (ARCHITECTURE.md) as tests: the public API imports, transports are
 one interface, kernel files are leaves, leading-underscore names stay in their file, files and functions are
-short, and library code repeats no block of six lines."""
+short (or say why), library code repeats no block of six lines, and EPBuffer is a facade over its paths."""
 
 from __future__ import annotations
 
@@ -281,10 +281,13 @@ def test_leading_underscore_names_stay_in_their_file():
 
 
 def test_library_files_and_functions_are_short():
+    """A file holds one concept (split by concept, never by line count): one over 600 lines says why in its module
+    docstring (naming the "600 lines"); a function over 80 lines says why in its own."""
     long_files, long_functions = [], []
     for path in _sources(*LIBRARY):
         text = path.read_text()
-        if len(text.splitlines()) > 500:
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if len(text.splitlines()) > 600 and "600 lines" not in doc:
             long_files.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -318,6 +321,22 @@ def test_library_repeats_no_block_of_six_lines():
             if first != where:
                 repeats.append(f"{where} repeats {first}")
     assert repeats == []
+
+
+def test_ep_buffer_is_a_facade_over_paths_chosen_once():
+    """EPBuffer has no base classes; the EP code chooses its path once (the planner), keeps no state in
+    ``self.__dict__`` caches and no test switch in a library module."""
+    from epkit.collectives.ep_buffer import EPBuffer
+
+    assert EPBuffer.__mro__ == (EPBuffer, object)
+    banned = re.compile(r"Mixin|__dict__\[|PORTABLE|\b_hier is\b|\b_dev is\b")
+    bad = [
+        f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+        for path in _sources("collectives")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if banned.search(line)
+    ]
+    assert bad == []
 
 
 @pytest.mark.parametrize("name", ["ARCHITECTURE.md", "python/epkit/py.typed"])

@@ -45,10 +45,17 @@ def _routing(rank, world_size, case, seed):
     return x, idx, w
 
 
-def _compare(rank, world_size, transport, case, expand, alignment, fp8, seed=0):
+def _compare(rank, world_size, transport, case, expand, alignment, fp8, seed=0, portable=False):
     transport = resolve_transport(transport)
     buf = EPBuffer(
-        dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=64, num_topk=TOPK, transport=transport, timeout=20
+        dist.group.WORLD,
+        HIDDEN,
+        EXPERTS,
+        num_max_tokens_per_rank=64,
+        num_topk=TOPK,
+        transport=transport,
+        timeout=20,
+        portable=portable,
     )
     x, idx, w = _routing(rank, world_size, case, seed)
     scales = None
@@ -127,8 +134,8 @@ def test_dispatch_combine_matches_reference(transport, world_size):
     assert run_ranks(_compare_cases, world_size, transport, timeout=240) == [True] * world_size
 
 
-def _compare_cases(rank, world_size, transport):
-    return all(_compare(rank, world_size, transport, *case) for case in CASES)
+def _compare_cases(rank, world_size, transport, portable=False):
+    return all(_compare(rank, world_size, transport, *case, portable=portable) for case in CASES)
 
 
 @settings(max_examples=6, deadline=None)
@@ -186,11 +193,18 @@ def _make(rank, world_size):
     EPBuffer(dist.group.WORLD, 8, 16, 4, 2)
 
 
-def _low_latency(rank, world_size, transport, use_fp8, hook_mode, num_tokens_fn):
+def _low_latency(rank, world_size, transport, use_fp8, hook_mode, num_tokens_fn, portable=False):
     n_max = 16
     transport = resolve_transport(transport)
     buf = EPBuffer(
-        dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=n_max, num_topk=TOPK, transport=transport, timeout=20
+        dist.group.WORLD,
+        HIDDEN,
+        EXPERTS,
+        num_max_tokens_per_rank=n_max,
+        num_topk=TOPK,
+        transport=transport,
+        timeout=20,
+        portable=portable,
     )
     g = torch.Generator().manual_seed(rank + 7)
     t = num_tokens_fn(rank)
@@ -459,19 +473,11 @@ def test_row_format_mismatch_is_caught_everywhere():
     assert run_ranks(_mixed_formats, 2, timeout=40) == [(6, HIDDEN), (0, HIDDEN)]  # experts 0 and 5 live on rank 0
 
 
-def _portable(rank, world_size, fn, *args):
-    """Run a rank body with the torch formulations of the row moves and sums (the path CUDA tensors take)."""
-    from epkit.collectives.ep import rows as ep_rows
-
-    ep_rows.PORTABLE[0] = True
-    return fn(rank, world_size, *args)
-
-
 def test_device_path_arithmetic_matches_reference_on_cpu():
-    # The same protocol with torch row copies and the torch reduction instead of epkit._C by address:
-    # bitwise the same results, normal and low-latency modes.
-    assert run_ranks(_portable, 2, _compare_cases, "shm", timeout=180) == [True, True]
-    assert run_ranks(_portable, 4, _low_latency, "shm", True, False, _ll_tokens, timeout=90) == [True] * 4
+    # The same protocol with torch row copies and the torch reduction instead of epkit._C by address (a buffer
+    # made with portable=True): bitwise the same results, normal and low-latency modes.
+    assert run_ranks(_compare_cases, 2, "shm", True, timeout=180) == [True, True]
+    assert run_ranks(_low_latency, 4, "shm", True, False, _ll_tokens, True, timeout=90) == [True] * 4
 
 
 def _pooled(rank, world_size, fn, *args):

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from test_hosts import check_low_latency
 
-from epkit.collectives.ep import rows as ep_rows
 from epkit.collectives.ep.hier_rows import put_split_rows, rail_order, sum_by_host, token_order
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import (
@@ -101,16 +100,13 @@ def _predicted_bytes(hosts, idx, num_rows_bytes):
 def _hier_checks(rank, world_size, ranks_per_host, names=("auto", "torch"), emulated=None, portable=False):
     """The checks of one rank, for each transport in ``names``; ``emulated``: a test transport of
     ``resolve_transport`` to install first (NVLink domains of the NVSHMEM emulator as the hosts); ``portable``:
-    row moves and sums through the torch formulations CUDA rows take (``ep.rows.PORTABLE``)."""
-    from epkit.collectives.ep import rows as ep_rows
-
-    ep_rows.PORTABLE[0] = portable
+    row moves and sums through the torch formulations CUDA rows take (``EPBuffer(portable=True)``)."""
     if emulated is not None:
         resolve_transport(emulated)
     hosts = [list(range(h, h + ranks_per_host)) for h in range(0, world_size, ranks_per_host)]
     out = {}
     for name in names:
-        buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, CAP, TOPK, transport=name, timeout=20)
+        buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, CAP, TOPK, transport=name, timeout=20, portable=portable)
         out[name] = {"transport": buf.transport, "hosts": buf.hosts}
         x, idx, w = _routing(rank, SIZES[rank % 4], 1)
         before = buf.bytes_across_hosts()
@@ -399,21 +395,17 @@ def test_rail_order_and_split_rows(portable):
     # A rail message's order (the rail peer's tokens first) undone by its mask, and rows read across the two parts
     # (the first received elsewhere), against plain indexing.
     g = torch.Generator().manual_seed(3)
-    ep_rows.PORTABLE[0] = portable
-    try:
-        for n in (0, 1, 8, 37, 200):
-            to_host = torch.rand(n, generator=g) < 0.8
-            to_peer = to_host & (torch.rand(n, generator=g) < 0.5)
-            order, mask = rail_order(to_host, to_peer, True)
-            tokens = to_host.nonzero().flatten()
-            k = int(to_peer.sum())
-            assert torch.equal(order[:k], to_peer.nonzero().flatten()) and mask.numel() == -(-tokens.numel() // 8)
-            assert torch.equal(order[token_order(mask, tokens.numel())], tokens)
-            assert torch.equal(rail_order(to_host, to_peer, False)[0], tokens)
-            full = torch.randint(0, 256, (tokens.numel(), 24), dtype=torch.uint8, generator=g)
-            sel = torch.randperm(tokens.numel(), generator=g)[: tokens.numel() // 2]
-            out = torch.zeros((sel.numel(), 24), dtype=torch.uint8)
-            put_split_rows(full[:k].clone(), full[k:].clone(), sel, out)
-            assert torch.equal(out, full[sel])
-    finally:
-        ep_rows.PORTABLE[0] = False
+    for n in (0, 1, 8, 37, 200):
+        to_host = torch.rand(n, generator=g) < 0.8
+        to_peer = to_host & (torch.rand(n, generator=g) < 0.5)
+        order, mask = rail_order(to_host, to_peer, True)
+        tokens = to_host.nonzero().flatten()
+        k = int(to_peer.sum())
+        assert torch.equal(order[:k], to_peer.nonzero().flatten()) and mask.numel() == -(-tokens.numel() // 8)
+        assert torch.equal(order[token_order(mask, tokens.numel())], tokens)
+        assert torch.equal(rail_order(to_host, to_peer, False)[0], tokens)
+        full = torch.randint(0, 256, (tokens.numel(), 24), dtype=torch.uint8, generator=g)
+        sel = torch.randperm(tokens.numel(), generator=g)[: tokens.numel() // 2]
+        out = torch.zeros((sel.numel(), 24), dtype=torch.uint8)
+        put_split_rows(full[:k].clone(), full[k:].clone(), sel, out, portable)
+        assert torch.equal(out, full[sel])

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epkit.collectives.ep import rows as ep_rows
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_low_latency_combine, reference_low_latency_dispatch
 from epkit.testing import assert_bitwise_equal
@@ -44,8 +43,7 @@ def _check(recv_x, recv_count, x, idx, use_fp8, what):
 
 
 def _dispatch_pool(rank, world_size, use_fp8, portable):
-    ep_rows.PORTABLE[0] = portable
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=20)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=20, portable=portable)
 
     def call(seed):
         x, idx, _ = _inputs(rank, seed)

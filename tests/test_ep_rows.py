@@ -1,12 +1,11 @@
 """collectives/ep/rows.py: the fused row reduction (``epkit._C.reduce_rows``, its AVX2 kernel for bf16 rows
-included) gives the bits of the torch formulation it stands for (``PORTABLE``: each product rounded, then added in
+included) gives the bits of the torch formulation it stands for (``portable=True``: each product rounded, then added in
 float32, k ascending, the biases in order, one rounding to the output dtype). NaN payloads are the one thing compared
 by class only: a NaN is a NaN on both sides, and a bfloat16 NaN out of the fused kernels is 0x7FC0."""
 
 import pytest
 import torch
 
-from epkit.collectives.ep import rows as ep_rows
 from epkit.collectives.ep.rows import reduce_indexed
 
 
@@ -58,11 +57,8 @@ def _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hi
     weights = torch.randn(t_num, k, generator=g) if weighted else None
     biases = [] if bias_dtype is None else [_rows(t_num, hidden, bias_dtype, g) for _ in range(2)]
     fused = reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, weights, biases)
-    ep_rows.PORTABLE[0] = True
-    try:
-        want = reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, weights, biases)
-    finally:
-        ep_rows.PORTABLE[0] = False
+    out = torch.empty(t_num, hidden, dtype=out_dtype)
+    want = reduce_indexed(out, sources, src_of, row_of, weights, biases, portable=True)
     nan = want.isnan()
     assert nan.any() and torch.equal(fused.isnan(), nan)
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
@@ -78,7 +74,7 @@ def _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hi
 def test_groups_give_the_bits_of_partials_written_out_and_summed(src_dtype, out_dtype, hidden, weighted):
     # groups=[2, 1, 2]: each group's sum cast to out's dtype, then the groups with a row summed in order, then the
     # biases - what the hierarchy computed with each host's partial in memory (two calls through the torch
-    # formulation here, the oracle); the fused kernels (AVX2 for bf16 rows, the generic ones) and PORTABLE agree.
+    # formulation here, the oracle); the fused kernels (AVX2 for bf16 rows, the generic ones) and portable agree.
     g = torch.Generator().manual_seed(hidden + 3 * weighted)
     t_num, groups = 67, [2, 1, 2]
     sources = [_rows(n, hidden, src_dtype, g) for n in (40, 9, 70)]
@@ -91,26 +87,19 @@ def test_groups_give_the_bits_of_partials_written_out_and_summed(src_dtype, out_
     biases = [_rows(t_num, hidden, torch.bfloat16, g)]
 
     def run(portable):
-        ep_rows.PORTABLE[0] = portable
-        try:
-            out = torch.empty(t_num, hidden, dtype=out_dtype)
-            return reduce_indexed(out, sources, src_of, row_of, weights, biases, groups)
-        finally:
-            ep_rows.PORTABLE[0] = False
+        out = torch.empty(t_num, hidden, dtype=out_dtype)
+        return reduce_indexed(out, sources, src_of, row_of, weights, biases, groups, portable)
 
-    ep_rows.PORTABLE[0] = True
-    try:
-        partials, cols = [], [slice(0, 2), slice(2, 3), slice(3, 5)]
-        for c in cols:
-            w = weights[:, c] if weighted else None
-            out = torch.empty(t_num, hidden, dtype=out_dtype)
-            partials.append(reduce_indexed(out, sources, src_of[:, c], row_of[:, c], w))
-        had = torch.stack([(src_of[:, c] >= 0).any(1) for c in cols], 1)
-        p_src = torch.where(had, torch.arange(3), -1)
-        p_row = torch.arange(t_num).unsqueeze(1).expand(t_num, 3)
-        want = reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), partials, p_src, p_row, None, biases)
-    finally:
-        ep_rows.PORTABLE[0] = False
+    partials, cols = [], [slice(0, 2), slice(2, 3), slice(3, 5)]
+    for c in cols:
+        w = weights[:, c] if weighted else None
+        out = torch.empty(t_num, hidden, dtype=out_dtype)
+        partials.append(reduce_indexed(out, sources, src_of[:, c], row_of[:, c], w, portable=True))
+    had = torch.stack([(src_of[:, c] >= 0).any(1) for c in cols], 1)
+    p_src = torch.where(had, torch.arange(3), -1)
+    p_row = torch.arange(t_num).unsqueeze(1).expand(t_num, 3)
+    out = torch.empty(t_num, hidden, dtype=out_dtype)
+    want = reduce_indexed(out, partials, p_src, p_row, None, biases, portable=True)
     nan = want.isnan()
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
     for got in (run(False), run(True)):

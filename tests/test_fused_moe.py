@@ -27,12 +27,9 @@ def _weights(rank, world_size, fmt):
 
 
 def _fused_vs_composed(rank, world_size, fmt, num_tokens, transport="shm", portable=False):
-    from epkit.collectives.ep import rows as ep_rows
-
-    ep_rows.PORTABLE[0] = portable  # the device formulations of the row moves and sums
     transport = resolve_transport(transport)
-    buf = EPBuffer(
-        dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=64, num_topk=TOPK, transport=transport, timeout=30
+    buf = EPBuffer(  # portable: the device formulations of the row moves and sums
+        dist.group.WORLD, HIDDEN, EXPERTS, 64, TOPK, transport=transport, timeout=30, portable=portable
     )
     g = torch.Generator().manual_seed(rank)
     t = num_tokens[rank]
@@ -65,7 +62,7 @@ def test_fused_equals_composed(fmt):
 @pytest.mark.parametrize("portable", [False, True])
 def test_fused_equals_composed_over_nvshmem_views(portable):
     # nvshmem within one domain (emulated): the peers' buffers read through nvshmem_ptr views; with
-    # PORTABLE the rows move through the Triton copy kernel and sum in torch ops, as on a GPU.
+    # portable the rows move through the Triton copy kernel and sum in torch ops, as on a GPU.
     assert run_ranks(_fused_vs_composed, 2, "bf16", [9, 30], "nvemu", portable, timeout=120) == [True] * 2
 
 

@@ -1,6 +1,6 @@
 """The stream-ordered low-latency path: no host reads of routing data, deferred error reports.
 
-CUDA rows take this path; ``ep.rows.PORTABLE`` runs the same code on CPU ranks (rows through the
+CUDA rows take this path; ``EPBuffer(portable=True)`` runs the same code on CPU ranks (rows through the
 Triton kernel in the interpreter, waits on the host), where ``HostSyncDetector`` checks that nothing
 in the calls reads device data back. The rung-4 test checks the same on a GPU with
 ``torch.cuda.set_sync_debug_mode("error")``.
@@ -54,9 +54,8 @@ def _round(rank, world_size, portable, use_fp8, hook_mode, rounds=2, transport="
 
     ``calls``: a function returning counts of calls, whose increase over the dispatches and combines is returned
     with the events (not the construction's nor the close's: their timed barriers are host waits of their own)."""
-    ep_rows.PORTABLE[0] = portable
     transport = resolve_transport(transport)
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=20)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=20, portable=portable)
     before = calls() if calls is not None else {}
     events = []
     for r in range(rounds):  # the second round goes through the acknowledgements and the deferred checks
@@ -122,10 +121,9 @@ def test_detector_sees_the_host_checked_path_read_routing():
 
 
 def _hooked_dispatch(rank, timeout):
-    """A stream-ordered buffer over the emulator (PORTABLE) and one 6-token dispatch with a receive hook."""
-    ep_rows.PORTABLE[0] = True
+    """A stream-ordered buffer over the emulator (portable) and one 6-token dispatch with a receive hook."""
     transport = resolve_transport("nvemu")
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=timeout)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=timeout, portable=True)
     x, idx, wts = _inputs(rank, 6)
     return buf, x, idx, wts, buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
 
@@ -199,8 +197,8 @@ def _peer_rejects_combine(rank, world_size):
     """Rank 0 rejects its own combine input (a local error): rank 1's deferred waits end on its notice."""
     from epkit.testing import nvshmem_emulator
 
-    ep_rows.PORTABLE[0] = True
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=resolve_transport("nvemu"), timeout=30)
+    transport = resolve_transport("nvemu")
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport=transport, timeout=30, portable=True)
     x, idx, wts = _inputs(rank, 6)
     recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
     y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
@@ -225,8 +223,7 @@ def test_a_rank_rejecting_its_combine_input_ends_the_peers_deferred_waits():
 
 
 def _bad_ids_later(rank, world_size, what):
-    ep_rows.PORTABLE[0] = True
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=10)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=10, portable=True)
     x, idx, wts = _inputs(rank, 6)
     if rank == 1 and what == "ids":
         idx[2, 1] = EXPERTS + 3
@@ -254,8 +251,7 @@ def test_device_found_errors_reach_every_rank_later_and_retire_the_buffer(what, 
 
 
 def _host_rejection(rank, world_size):
-    ep_rows.PORTABLE[0] = True
-    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=10)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="shm", timeout=10, portable=True)
     x, idx, _ = _inputs(rank, 4)
     if rank == 0:
         x = x.float()  # rejected on this rank before anything moves

@@ -73,17 +73,17 @@ class DeferredChecks:
         """A fresh ``[n]`` int64 host tensor a device kernel may write (pinned, so mapped, on CUDA)."""
         return mark_host_memory(torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda"))
 
-    def record(self, values: torch.Tensor, judge, timeout: float, what: str) -> None:
+    def record(self, values: torch.Tensor, judge, timeout: float, what: str, portable: bool = False) -> None:
         """Check ``values`` once the current stream has passed this point.
 
         ``values`` is either a host tensor from :meth:`host_slot` that queued device work fills, or a
         device tensor (int64, a few words) that a copy kernel on the current stream stores into one here
         (the slot is pinned, so mapped: no device-to-host memcpy, and nothing waits). ``judge(list_of_ints)``
-        returns the exception to raise, or None.
+        returns the exception to raise, or None. ``portable``: CPU values are stored by the copy kernel too.
         """
         if not is_host_memory(values):
             host = self.host_slot(values.numel())
-            self._store(host, values)
+            self._store(host, values, portable)
             values = host
         event = None
         if self.device.type == "cuda":
@@ -91,12 +91,12 @@ class DeferredChecks:
             event.record(torch.cuda.current_stream(self.device))
         self._pending.append(_Check(event, values, judge, timeout, what))
 
-    def _store(self, host: torch.Tensor, values: torch.Tensor) -> None:
-        """``host[:] = values`` (int64): by the row-copy kernel for device data (or ``ep.rows.PORTABLE``)."""
+    def _store(self, host: torch.Tensor, values: torch.Tensor, portable: bool) -> None:
+        """``host[:] = values`` (int64): by the row-copy kernel for device data (or ``portable``)."""
         from epkit.collectives.ep import rows as ep_rows
 
         values = values.reshape(-1).to(torch.int64).contiguous()
-        if values.device.type == "cpu" and not ep_rows.PORTABLE[0]:
+        if values.device.type == "cpu" and not portable:
             host.copy_(values)
             return
         # (values and the address tensors may be freed at once: the allocator reuses their memory only for
@@ -104,7 +104,7 @@ class DeferredChecks:
         dev, nbytes = values.device, 8 * values.numel()
         dst = torch.full((1,), host.data_ptr(), dtype=torch.int64, device=dev)  # a fill, not a copy
         src = torch.full((1,), values.data_ptr(), dtype=torch.int64, device=dev)
-        ep_rows.move_rows(dst, src, nbytes, [host.data_ptr(), values.data_ptr(), nbytes])
+        ep_rows.move_rows(dst, src, nbytes, [host.data_ptr(), values.data_ptr(), nbytes], portable=portable)
 
     def _fail(self, exc: BaseException) -> BaseException:
         if self.on_failure is not None:

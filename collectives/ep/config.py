@@ -62,11 +62,23 @@ class EPConfig:
     num_max_tokens_per_rank: int
     num_max_dispatch_tokens_per_rank: int
     timeout: float
+    #: CPU rows take the formulations CUDA rows take (torch ops for the sums, the Triton copy kernel for the row
+    #: moves, the stream-ordered low-latency protocol): how the tests run the GPU path's code on CPU ranks.
+    portable: bool = False
     hosts: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def checked(
-        cls, world_size: int, rank: int, hidden, num_experts, num_max_tokens_per_rank, num_topk, n_ll, timeout: float
+        cls,
+        world_size: int,
+        rank: int,
+        hidden,
+        num_experts,
+        num_max_tokens_per_rank,
+        num_topk,
+        n_ll,
+        timeout: float,
+        portable: bool = False,
     ) -> EPConfig:
         """The config of the constructor's arguments (ValueError for any it cannot take; ``n_ll`` None: the
         default low-latency capacity)."""
@@ -82,7 +94,9 @@ class EPConfig:
         if n_ll is None:
             n_ll = min(num_max_tokens_per_rank, DEFAULT_LOW_LATENCY_TOKENS)
         _positive("num_max_dispatch_tokens_per_rank", n_ll)
-        return cls(world_size, rank, hidden, num_experts, num_topk, num_max_tokens_per_rank, n_ll, timeout)
+        if not isinstance(portable, bool):
+            raise ValueError(f"portable must be a bool, got {portable!r}")
+        return cls(world_size, rank, hidden, num_experts, num_topk, num_max_tokens_per_rank, n_ll, timeout, portable)
 
     @property
     def num_local_experts(self) -> int:

@@ -104,7 +104,7 @@ class Forward:
                     o = offs[in_region.index(f)]
                     view = region[o + row * wd : o + (row + k) * wd].view(k, wd)
                 if f == 0 and head is not None:  # the x rows this rank received straight into its result
-                    put_split_rows(head, fields[0], sel, view)
+                    put_split_rows(head, fields[0], sel, view, self.cfg.portable)
                 else:
                     self._put(fields[f], rows, sel, view, dst if f == self.id_f else None)
 

@@ -41,6 +41,7 @@ def sum_by_host(
     biases: list[torch.Tensor],
     hosts: list[list[int]] | None,
     empty=torch.empty_like,
+    portable: bool = False,
 ) -> torch.Tensor:
     """Combine's source side in the two-level order: :func:`~epkit.collectives.ep.rows.sum_by_source`
     (same arguments) when ``hosts`` is None or one host, else, per host, the one-level sum over its ranks cast to
@@ -49,19 +50,21 @@ def sum_by_host(
 
     ``sources[r] [len(send_tokens[r]), H]``: what rank r sent back for the tokens this rank sent it
     (``send_tokens[r]``, int64); ``hosts``: ``EPBuffer.hosts`` (lists of ranks, ascending); ``empty(out)``
-    makes each host partial's tensor (like ``out``; an EPBuffer passes its pool's).
+    makes each host partial's tensor (like ``out``; an EPBuffer passes its pool's); ``portable``: as
+    :func:`~epkit.collectives.ep.rows.reduce_indexed`'s.
     """
     if hosts is None or len(hosts) <= 1:
-        return sum_by_source(out, sources, send_tokens, biases)
+        return sum_by_source(out, sources, send_tokens, biases, portable)
     t_num, n = out.shape[0], len(hosts)
     partials, hit = [], torch.zeros((t_num, n), dtype=torch.bool)
     for h, ranks in enumerate(hosts):
-        partials.append(sum_by_source(empty(out), [sources[r] for r in ranks], [send_tokens[r] for r in ranks]))
+        mine = [sources[r] for r in ranks], [send_tokens[r] for r in ranks]
+        partials.append(sum_by_source(empty(out), *mine, portable=portable))
         for r in ranks:
             hit[send_tokens[r], h] = True
     src = torch.where(hit, torch.arange(n, dtype=torch.int64), -1)
     row = torch.arange(t_num, dtype=torch.int64).unsqueeze(1).expand(t_num, n)
-    return reduce_indexed(out, partials, src, row, None, biases)
+    return reduce_indexed(out, partials, src, row, None, biases, portable=portable)
 
 
 def last_sum_layout(in_host: torch.Tensor, host: int, per_host: int, own, host_tokens: list[torch.Tensor]):
@@ -133,13 +136,15 @@ def token_order(mask: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(bits, first, int(bits.sum()) + (~bits).long().cumsum(0) - 1)
 
 
-def put_split_rows(head: torch.Tensor, rest: torch.Tensor, sel: torch.Tensor, out: torch.Tensor) -> None:
+def put_split_rows(
+    head: torch.Tensor, rest: torch.Tensor, sel: torch.Tensor, out: torch.Tensor, portable=False
+) -> None:
     """``out[i] =`` row ``sel[i]`` of a message field whose first ``len(head)`` rows are ``head`` and whose others
     are ``rest`` (``[rows, width]`` uint8 each, rows contiguous; ``sel`` int64 in any order)."""
     k, wd = head.shape[0], out.shape[1]
     if not sel.numel():
         return
-    if by_address(head, rest, out):
+    if by_address(head, rest, out, portable=portable):
         addr = torch.where(sel < k, head.data_ptr() + sel * wd, rest.data_ptr() + (sel - k) * wd)
         dst = out.data_ptr() + torch.arange(sel.numel(), dtype=torch.int64) * wd
         move_rows(dst, addr, wd, [head.data_ptr(), rest.data_ptr(), out.data_ptr(), wd])

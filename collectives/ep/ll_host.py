@@ -7,7 +7,7 @@ on the routing. Two ways to run it, one protocol:
 - **host-checked** (CPU rows): the routing and the received headers are read on the host, so a bad
   input raises ``ValueError`` on every rank in the same call; rows move through ``epkit._C``, and a message
   holds only its rows (``ep/ll_packed``: the torch transport sends those bytes, not the region).
-- **stream-ordered** (CUDA rows; on CPU when ``ep.rows.PORTABLE`` is set, which is how the tests run
+- **stream-ordered** (CUDA rows; on CPU rows of a buffer made with ``portable=True``, which is how the tests run
   it): no host read of any routing-dependent value and no waiting for the device. Waits for peers are
   timed device waits (``SymmBuffer.exchange(deferred=True)``); rows move through the Triton
   address-list kernel; invalid expert ids, slot overflow and peers' rejections are found on the
@@ -29,7 +29,6 @@ import torch
 from epkit.collectives.ep import ll_out as outputs
 from epkit.collectives.ep import ll_packed as packed
 from epkit.collectives.ep import routing
-from epkit.collectives.ep import rows as ep_rows
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.ll_layout import (
     COMBINE_HEADER,
@@ -68,8 +67,8 @@ class HostLowLatencyPath:
         self.ctx.buffer.synchronize()
 
     def _stream_ordered(self) -> bool:
-        """Whether low-latency calls run without host reads of routing data (CUDA rows, or PORTABLE on CPU)."""
-        return self.ctx.device.type != "cpu" or ep_rows.PORTABLE[0]
+        """Whether low-latency calls run without host reads of routing data (CUDA rows, or portable)."""
+        return self.ctx.device.type != "cpu" or self.cfg.portable
 
     def _row(self, use_fp8: bool) -> tuple[int, int]:
         """(x bytes, scale bytes) of one low-latency row."""
@@ -106,7 +105,7 @@ class HostLowLatencyPath:
             return None
 
         self.ctx.buffer.deferred.record(
-            heads[:, :3].long().reshape(-1), judge, self.cfg.timeout, "low-latency dispatch"
+            heads[:, :3].long().reshape(-1), judge, self.cfg.timeout, "low-latency dispatch", self.cfg.portable
         )
         return (heads[:, 0] == OK) & (heads[:, 1] == n_max) & (heads[:, 2] == int(use_fp8))
 
@@ -195,7 +194,7 @@ class HostLowLatencyPath:
         region_addr = self.ctx.addresses(bases)
         head_bytes = 4 * (3 + L)
         head_src = heads.data_ptr() + torch.arange(w, device=dev) * head_bytes
-        move_rows(region_addr, head_src, head_bytes, [*bases, heads.data_ptr(), head_bytes], guard)
+        move_rows(region_addr, head_src, head_bytes, [*bases, heads.data_ptr(), head_bytes], guard, self.cfg.portable)
         # One address list per field covers every destination: pair i (token i // K) goes to row `at` of its
         # destination's message - slot expert * n_max + pos, or packed (host-checked: ep_low_latency_packed) the
         # expert's first row + pos - unless it has no expert or no slot.
@@ -218,6 +217,7 @@ class HostLowLatencyPath:
                 nbytes,
                 [*bases, hdr + L * n_max * xb, src.data_ptr()],
                 guard,
+                self.cfg.portable,
             )
         for dst in range(w):
             ex.commit(dst, sizes[dst])
@@ -262,9 +262,9 @@ class HostLowLatencyPath:
             got = heads[:, 3:].long().clamp(0, n_max)  # a corrupt header cannot overrun
             got = torch.where(ok[:, None], got, 0)  # [W, L]
             if streamed:
-                unpack_slots(views, recv_x, got, n_max, hdr, xb, sb)
+                unpack_slots(views, recv_x, got, n_max, hdr, xb, sb, self.cfg.portable)
             else:
-                packed.unpack_rows(views, recv_x, got, n_max, hdr, xb, sb)
+                packed.unpack_rows(views, recv_x, got, n_max, hdr, xb, sb, self.cfg.portable)
             recv_count.copy_(got.sum(0).to(torch.int32))
             handle.counts = got
             ex.release()  # after the reads above on the stream
@@ -276,8 +276,8 @@ class HostLowLatencyPath:
         status = torch.tensor([REJECTED], dtype=torch.int32).view(torch.uint8)
         streamed = self._stream_ordered()
         for dst in range(self.cfg.world_size):  # guarded writes: none lands behind a failed acknowledgement wait
-            ex.write(dst, status, 0)
-            ex.write(dst, text, hdr - META_MSG)
+            ex.write(dst, status, 0, self.cfg.portable)
+            ex.write(dst, text, hdr - META_MSG, self.cfg.portable)
             ex.commit(dst, msg_bytes if streamed else hdr)  # packed: a header with no rows
         views = ex.receive([msg_bytes] * self.cfg.world_size, at_most=not streamed)
         packed.check_lengths(views, [hdr] * self.cfg.world_size, "low-latency dispatch")
@@ -316,13 +316,22 @@ class HostLowLatencyPath:
         region_addr = self.ctx.addresses(bases)
         # The handle's identity first, so the receivers can tell rows of another dispatch from this one's.
         ident = self.ctx.addresses([handle.buffer_id, handle.epoch])  # a cached device table: no host sync
-        move_rows(region_addr, torch.full_like(region_addr, ident.data_ptr()), 16, [*bases, ident.data_ptr()], ex.guard)
+        portable = self.cfg.portable
+        move_rows(
+            region_addr,
+            torch.full_like(region_addr, ident.data_ptr()),
+            16,
+            [*bases, ident.data_ptr()],
+            ex.guard,
+            portable,
+        )
         move_rows(
             torch.where(live, region_addr[src] + at, 0),
             torch.where(live, y.data_ptr() + y_row * row, 0),
             row,
             [*bases, head, y.data_ptr()],
             ex.guard,
+            portable,
         )
         for s in range(w):
             ex.commit(s, sizes[s])
@@ -367,7 +376,7 @@ class HostLowLatencyPath:
                 at = at + handle.pos_of.clamp(min=0)
                 sources = [v[head : head + n * row].view(torch.bfloat16).view(n, h) for v, n in zip(views, per_src)]
                 res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
-                reduce_indexed(res, sources, handle.dst_of, at, topk_weights.float())
+                reduce_indexed(res, sources, handle.dst_of, at, topk_weights.float(), portable=self.cfg.portable)
         if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
             buffer_id = self.ctx.buffer.buffer_id
 
@@ -375,6 +384,8 @@ class HostLowLatencyPath:
                 msg = describe_handles([values[2 * r : 2 * r + 2] for r in range(w)], buffer_id, "low-latency combine")
                 return None if msg is None else ValueError(msg)
 
-            self.ctx.buffer.deferred.record(idents.reshape(-1).clone(), judge, self.cfg.timeout, "low-latency combine")
+            self.ctx.buffer.deferred.record(
+                idents.reshape(-1).clone(), judge, self.cfg.timeout, "low-latency combine", self.cfg.portable
+            )
         ex.release()
         return res

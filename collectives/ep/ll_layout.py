@@ -164,7 +164,7 @@ def message_spacing(views: list[torch.Tensor]) -> tuple[int, int]:
     return ptrs[0], stride
 
 
-def unpack_slots(views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
+def unpack_slots(views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int, portable=False) -> None:
     """Received slot messages -> the masked layout: expert e's rows ordered by source, then slot (fixed-shape:
     the stream-ordered mode's unpacking; ``counts [W, L]``, ``recv_x`` as ``low_latency_dispatch`` returns it)."""
     L = counts.shape[1]
@@ -177,6 +177,7 @@ def unpack_slots(views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: 
         torch.where(live, msg + hdr + slot * xb, 0),
         xb,
         [first, stride, hdr, x_dst],
+        portable=portable,
     )
     if sb:
         s_dst, off = recv_x[1].data_ptr(), hdr + L * n_max * xb
@@ -185,4 +186,5 @@ def unpack_slots(views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: 
             torch.where(live, msg + off + slot * sb, 0),
             sb,
             [first, stride, off, s_dst],
+            portable=portable,
         )

@@ -51,7 +51,7 @@ def check_lengths(views: list[torch.Tensor], need: list[int], what: str) -> None
         )
 
 
-def unpack_rows(views, recv_x, got: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int) -> None:
+def unpack_rows(views, recv_x, got: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int, portable=False) -> None:
     """Received packed messages -> the masked layout (expert ``e``'s rows by source, then slot); ``got [W, L]``:
     the headers' counts, already judged."""
     w = got.shape[0]
@@ -61,11 +61,12 @@ def unpack_rows(views, recv_x, got: torch.Tensor, n_max: int, hdr: int, xb: int,
     at = first_rows(got)[:, :, None] + torch.arange(n_max)  # its row within its message
     msg = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64).view(w, 1, 1)
     x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
-    move_rows(torch.where(live, x_dst + row * xb, 0), torch.where(live, msg + hdr + at * xb, 0), xb, [hdr, x_dst])
+    x_src = torch.where(live, msg + hdr + at * xb, 0)
+    move_rows(torch.where(live, x_dst + row * xb, 0), x_src, xb, [hdr, x_dst], portable=portable)
     if sb:
         s_dst = recv_x[1].data_ptr()
         src = torch.where(live, msg + scale_off.view(w, 1, 1) + at * sb, 0)
-        move_rows(torch.where(live, s_dst + row * sb, 0), src, sb, [s_dst])
+        move_rows(torch.where(live, s_dst + row * sb, 0), src, sb, [s_dst], portable=portable)
 
 
 def sent_counts(dst_of: torch.Tensor, expert_of: torch.Tensor, w: int, L: int) -> torch.Tensor:

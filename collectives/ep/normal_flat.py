@@ -208,7 +208,8 @@ class FlatNormalPath:
             out.copy_(y[lo : lo + n])
             return
         slot = handle.expanded_slot[lo : lo + n]
-        reduce_indexed(out, [y], torch.where(slot >= 0, 0, -1), slot.clamp(min=0), weights[lo : lo + n])
+        keep = torch.where(slot >= 0, 0, -1)
+        reduce_indexed(out, [y], keep, slot.clamp(min=0), weights[lo : lo + n], portable=self.cfg.portable)
 
     def _combine_rows(self, y, handle: DispatchHandle, weights, biases) -> torch.Tensor:
         """Each source rank's rows written into its region; this rank's own read where they are (``y``, or the
@@ -242,6 +243,7 @@ class FlatNormalPath:
             biases,
             self.cfg.host_lists,
             lambda t: self.ctx.host_empty(t.shape, t.dtype),
+            self.cfg.portable,
         )
         ex.release()
         return out

@@ -426,7 +426,7 @@ class HierNormalPath:
         ascending, cast) to the rank that forwarded them; returns the open exchange and, per rank of this host,
         the ``[rows, hidden]`` rows it sent back here in this rank's forwarding order (this rank's own: ``y``
         itself, unless expanded)."""
-        hy, h = self.hy, self.cfg.hidden
+        hy, h, portable = self.hy, self.cfg.hidden, self.cfg.portable
         rb = h * y.element_size()
         ex = hy.intra.exchange(hy.intra_region, tag="combine intra")
         y_bytes = y.view(torch.uint8).view(-1, rb)
@@ -439,7 +439,9 @@ class HierNormalPath:
                 out = self.ctx.host_empty((m, h), y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
                 slot = handle.expanded_slot[rows]
                 keep = torch.where(slot >= 0, 0, -1)
-                reduce_indexed(out.view(y.dtype).view(m, h), [y], keep, slot.clamp(min=0), weights[rows])
+                reduce_indexed(
+                    out.view(y.dtype).view(m, h), [y], keep, slot.clamp(min=0), weights[rows], portable=portable
+                )
                 own = out if lf == hy.local else own
             elif m and lf != hy.local:
                 torch.index_select(y_bytes, 0, rows.to(y.device), out=ex.send_region(lf)[: m * rb].view(m, rb))
@@ -471,7 +473,7 @@ class HierNormalPath:
             n = st.rail_counts[H]
             if n:  # this host's rows of each token, ranks ascending, float32, cast
                 out = rail.send_region(H)[: n * rb].view(y.dtype).view(n, h)
-                reduce_indexed(out, sources, order[H][0], order[H][1])
+                reduce_indexed(out, sources, order[H][0], order[H][1], portable=self.cfg.portable)
             rail.commit(H, n * rb)
         rail.commit(hy.host, 0)
         back = rail.receive([t.numel() * rb if hy.host != H else 0 for H, t in enumerate(st.host_tokens)])
@@ -481,7 +483,7 @@ class HierNormalPath:
         parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
         src_of, row_of, groups = plan["last"]
         out = self.ctx.host_empty((handle.num_tokens, h), y.dtype)
-        reduce_indexed(out, parts, src_of, row_of, None, biases, groups)
+        reduce_indexed(out, parts, src_of, row_of, None, biases, groups, self.cfg.portable)
         ex.release()  # the rows the peers sent back were read in place
         rail.release()
         return out

@@ -2,8 +2,9 @@
 the fused row reduction and row copies by address (``epkit._C``), and small shape helpers.
 
 Rows in CPU memory go through ``epkit._C`` by address (no staging copies). Rows anywhere else
-(CUDA views of nvshmem buffers), or all rows when ``PORTABLE[0]`` is set (tests use it to run the
-device path on CPU), take the same arithmetic in torch ops: bitwise the same results.
+(CUDA views of nvshmem buffers), or all rows when a caller passes ``portable=True`` (an EPBuffer made with
+``portable=True``: how the tests run the device formulations on CPU), take the same arithmetic in torch ops and
+the Triton copy kernel: bitwise the same results.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 __all__ = [
     "FIELD_ALIGN",
     "META_MSG",
-    "PORTABLE",
     "ROW_DTYPES",
     "RowPool",
     "align_up",
@@ -43,8 +43,6 @@ META_MSG = 192
 FIELD_ALIGN = 16
 #: Row dtypes dispatch moves, in the order of the format codes its layout exchange carries.
 ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
-#: Force the torch formulations (the path CUDA tensors take) on CPU tensors too.
-PORTABLE = [False]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -168,8 +166,10 @@ def _fused_ok(out: torch.Tensor, src_dtype: torch.dtype, biases) -> bool:
     )
 
 
-def by_address(*tensors: torch.Tensor) -> bool:
-    return not PORTABLE[0] and all(t.device.type == "cpu" for t in tensors)
+def by_address(*tensors: torch.Tensor, portable: bool = False) -> bool:
+    """Whether rows in these tensors move and sum through ``epkit._C`` by address: CPU memory, unless ``portable``
+    asks for the formulations device rows take."""
+    return not portable and all(t.device.type == "cpu" for t in tensors)
 
 
 def reduce_indexed(
@@ -180,6 +180,7 @@ def reduce_indexed(
     weights: torch.Tensor | None = None,
     biases: list[torch.Tensor] = (),
     groups: list[int] | None = None,
+    portable: bool = False,
 ) -> torch.Tensor:
     """``out[t] = cast(sum_k (w[t, k] *) sources[src_of[t, k]][row_of[t, k]] + sum biases)``, float32, k ascending.
 
@@ -198,7 +199,7 @@ def reduce_indexed(
     groups : list of int, optional
 
     CPU rows of bf16/float32 are read in place by ``epkit._C.reduce_rows``; other dtypes, other devices
-    (or ``PORTABLE``) use torch ops with the same rounding (each product rounded, then added), so the
+    (or ``portable``) use torch ops with the same rounding (each product rounded, then added), so the
     bits agree.
     """
     t_num, h = out.shape
@@ -206,7 +207,7 @@ def reduce_indexed(
         return out
     src_of, row_of = src_of.long(), row_of.long()
     dtype = sources[0].dtype if sources else out.dtype
-    if by_address(out, *sources) and _fused_ok(out, dtype, biases):
+    if by_address(out, *sources, portable=portable) and _fused_ok(out, dtype, biases):
         if sources:
             es = sources[0].element_size()
             bases = torch.tensor([src.data_ptr() for src in sources], dtype=torch.int64)
@@ -250,13 +251,14 @@ def move_rows(
     row_bytes: int,
     bases: list[int],
     guard: torch.Tensor | None = None,
+    portable: bool = False,
 ) -> None:
     """Row i: copy ``row_bytes`` from address ``src_addrs[i]`` to ``dst_addrs[i]``; a 0 on either side skips it.
 
     The lists have a fixed length (routing-independent), so callers build them with tensor ops and
     never read them on the host. ``bases``: every base address and offset the addresses were formed
     from (their common alignment picks the word width). CPU lists go to ``epkit._C`` (multi-threaded
-    memcpy); device lists (or ``PORTABLE``) to the Triton kernel, which on CPU runs in the interpreter.
+    memcpy); device lists (or ``portable``) to the Triton kernel, which on CPU runs in the interpreter.
     ``guard`` (a ``[1]`` int64 word on the lists' device, see ``Exchange.guard``): copy nothing if it is
     nonzero when the copy runs (in stream order on a GPU; on CPU, where ops run in call order, when called).
     """
@@ -264,7 +266,7 @@ def move_rows(
         return
     if guard is not None and guard.device != dst_addrs.device:
         raise ValueError(f"the guard word is on {guard.device}, the address lists on {dst_addrs.device}")
-    if by_address(dst_addrs, src_addrs):
+    if by_address(dst_addrs, src_addrs, portable=portable):
         from epkit import _C
 
         d, s = dst_addrs.contiguous(), src_addrs.contiguous()
@@ -420,7 +422,11 @@ class _Lease:
 
 
 def sum_by_source(
-    out: torch.Tensor, sources: list[torch.Tensor], send_tokens: list[torch.Tensor], biases: list[torch.Tensor] = ()
+    out: torch.Tensor,
+    sources: list[torch.Tensor],
+    send_tokens: list[torch.Tensor],
+    biases: list[torch.Tensor] = (),
+    portable: bool = False,
 ) -> torch.Tensor:
     """Combine's source side: ``out[t] = cast(sum_r sources[r][i] + sum biases)`` in float32, ranks r ascending,
     where ``send_tokens[r][i] == t`` (a token that went nowhere gets the biases only, or zeros).
@@ -432,7 +438,7 @@ def sum_by_source(
     """
     t_num, w = out.shape[0], len(sources)
     dtype = sources[0].dtype if sources else out.dtype
-    if by_address(out, *sources) and _fused_ok(out, dtype, biases):
+    if by_address(out, *sources, portable=portable) and _fused_ok(out, dtype, biases):
         addrs = torch.zeros((t_num, w), dtype=torch.int64)
         for r, (src, t) in enumerate(zip(sources, send_tokens)):
             if t.numel():
@@ -445,4 +451,4 @@ def sum_by_source(
         if t.numel():
             src_of[t, r] = r
             row_of[t, r] = torch.arange(t.numel(), dtype=torch.int64)
-    return reduce_indexed(out, sources, src_of, row_of, None, biases)
+    return reduce_indexed(out, sources, src_of, row_of, None, biases, portable=portable)
