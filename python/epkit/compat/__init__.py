@@ -12,7 +12,7 @@ Each module takes its library's names, parameter names and order, defaults, retu
 call epkit cannot serve raises ``TypeError`` or ``ValueError`` naming the library's parameter and saying what
 epkit supports; nothing is bound to another parameter. Tuning arguments that change no result here (DeepEP's
 ``config``, DeepGEMM's ``compiled_dims``, ...) are checked and accepted; each module's docstring (and
-``deep_ep.Buffer``'s) lists them. README ("In an engine: custom ops and drop-in interfaces") has the table of
+``deep_ep.Buffer``'s) lists them. bench/README.md ("Drop-in interfaces: supported and refused") has the table of
 what each module supports and refuses.
 
 The modules are imported on demand (``import epkit.compat.deep_ep``): ``import epkit`` does not load them.

@@ -34,7 +34,7 @@ Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py co
 ``num_tokens_per_rdma_rank`` (internode), a dispatch without ``topk_idx``/``topk_weights`` or with a layout
 that does not match ``topk_idx``, ``use_logfmt``, ``dispatch_wait_recv_cost_stats`` /
 ``combine_wait_recv_cost_stats``, more scale columns than ``ceil(hidden / 128)``. :class:`Buffer` lists every
-argument accepted with no effect; README ("In an engine: custom ops and drop-in interfaces") has the table.
+argument accepted with no effect; bench/README.md ("Drop-in interfaces: supported and refused") has the table.
 """
 
 from __future__ import annotations
