@@ -261,3 +261,6 @@ class TorchTransport(Transport):
         self._closed = True
         self.local = self._recv = torch.empty(0, dtype=torch.uint8)
         self._staging.clear()
+        # The group's sockets go now, not when the garbage collector finds the buffer (a retired exchange's posted
+        # requests keep their group alive in _RETIRED until they end).
+        self.pg = None
