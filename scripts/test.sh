@@ -12,6 +12,7 @@ bash scripts/setup.sh --tests
 . .venv/bin/activate
 ruff check .
 ruff format --check .
+bash scripts/typecheck.sh
 rm -rf build/launches
 recorded=
 if [ $# -eq 0 ]; then  # recorded once: pytest's rung-3 tests check the records the sweep compiles

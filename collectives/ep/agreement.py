@@ -5,12 +5,18 @@ agreement in a kernel (``normal_device``) and judges it here too (:func:`judge_a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from epkit.collectives.ep.context import EPContext
+from epkit.collectives.ep.handles import DispatchHandle
 from epkit.collectives.ep.rows import META_MSG, decode_error, encode_error
 
-__all__ = ["agree_on_handle", "agree_rows", "error_text", "judge_agreement"]
+__all__ = ["Meanwhile", "agree_on_handle", "agree_rows", "error_text", "judge_agreement"]
+
+#: Work of this rank's to do while an exchange's messages move (``Exchange.receive``'s ``meanwhile``), or None.
+Meanwhile = Callable[[], None] | None
 
 
 def error_text(exc: BaseException) -> str:
@@ -18,7 +24,9 @@ def error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
 
 
-def agree_rows(ctx: EPContext, error: str | None, rows: list[torch.Tensor], num_words: int, meanwhile=None):
+def agree_rows(
+    ctx: EPContext, error: str | None, rows: list[torch.Tensor], num_words: int, meanwhile: Meanwhile = None
+) -> list[torch.Tensor]:
     """Send each destination its int64 meta row (or this rank's error); raise if any rank failed. ``meanwhile``:
     work of this rank's to do while the messages move (``Exchange.receive``'s). Returns the rows received."""
     w = ctx.cfg.world_size
@@ -42,7 +50,9 @@ def agree_rows(ctx: EPContext, error: str | None, rows: list[torch.Tensor], num_
     return [g[: num_words * 8].view(torch.int64) for g in got]
 
 
-def agree_on_handle(ctx: EPContext, what: str, handle, error: str | None, meanwhile=None) -> None:
+def agree_on_handle(
+    ctx: EPContext, what: str, handle: DispatchHandle, error: str | None, meanwhile: Meanwhile = None
+) -> None:
     """Before any row of a combine or cached dispatch moves: every rank tells every rank which dispatch its
     handle comes from, or why its call is invalid (one small exchange). Raises the same ValueError on every rank
     unless every call is valid and every handle is this buffer's, from one and the same dispatch (a handle of
@@ -62,7 +72,7 @@ def agree_on_handle(ctx: EPContext, what: str, handle, error: str | None, meanwh
     judge_agreement(ctx, what, heads, lambda r: decode_error(got[r][24:]))
 
 
-def judge_agreement(ctx: EPContext, what: str, heads: list[list[int]], text_of) -> None:
+def judge_agreement(ctx: EPContext, what: str, heads: list[list[int]], text_of: Callable[[int], str]) -> None:
     """The agreement's verdict from every rank's ``[status (0: valid), buffer id, dispatch epoch]``;
     ``text_of(rank)`` reads a rejecting rank's error text. The same ValueError on every rank, or None."""
     errors = [f"rank {r}: {text_of(r)}" for r, h in enumerate(heads) if h[0] != 0]

@@ -43,7 +43,7 @@ def region_sizes(
     return RegionSizes(row, normal, low_latency, region)
 
 
-def _positive(name: str, v) -> int:
+def _positive(name: str, v: object) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive integer, got {v!r}")
     return v
@@ -72,11 +72,11 @@ class EPConfig:
         cls,
         world_size: int,
         rank: int,
-        hidden,
-        num_experts,
-        num_max_tokens_per_rank,
-        num_topk,
-        n_ll,
+        hidden: int,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_topk: int,
+        n_ll: int | None,
         timeout: float,
         portable: bool = False,
     ) -> EPConfig:

@@ -5,12 +5,15 @@ agreement leaves the ranks' exchanges out of step: the buffer is retired on ever
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
 from epkit._details.host_memory import mark_host_memory
 from epkit.collectives.ep.config import EPConfig
+from epkit.collectives.ep.ll_out import Pool
 from epkit.collectives.ep.result_slots import ResultSlots
 from epkit.collectives.ep.rows import RowPool, device_table
 from epkit.collectives.symm_buffer import SymmBuffer
@@ -38,11 +41,11 @@ class EPContext:
     #: The same, counted on the device by stream-ordered calls on CUDA rows (None until one counts).
     device_load: torch.Tensor | None = None
     row_pool: RowPool = field(default_factory=RowPool)
-    addr_tables: dict = field(default_factory=dict)
+    addr_tables: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     #: The pool of the tensors low-latency calls return (``ll_out``).
-    ll_outputs: dict = field(default_factory=dict)
+    ll_outputs: Pool = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         counts = torch.zeros(self.cfg.num_local_experts, dtype=torch.int64)
         self.recv_tokens_per_expert_total = mark_host_memory(counts)
 
@@ -90,7 +93,7 @@ class EPContext:
         self.row_pool = RowPool()
 
     @contextlib.contextmanager
-    def retire_on_failure(self, what: str):
+    def retire_on_failure(self, what: str) -> Iterator[None]:
         """Context for code that moves rows after every rank agreed on the call: any exception inside leaves the
         ranks' exchange counters out of step, so it retires every buffer of this EPBuffer and tells the peers
         before it propagates (their waits on this rank end at once with PeerFailedError). A sub-buffer's timeout
@@ -104,7 +107,7 @@ class EPContext:
                 buf.mark_broken(reason, culprit=buf.rank)
             raise
 
-    def reject_locally(self, what: str, exc: Exception):
+    def reject_locally(self, what: str, exc: Exception) -> NoReturn:
         """A call with no agreement step failed validation on this rank only: retire the buffer here, so the next
         call cannot pair with the peers' stale messages, and tell the peers, whose waits on this rank end at once
         (PeerFailedError) instead of timing out."""

@@ -31,6 +31,7 @@ import ctypes
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,9 @@ from epkit.kernels.triton.ep_layout import (
     STATUS_WORDS,
     control_words,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "ENV",
@@ -103,7 +107,7 @@ def use_device_kernels(mode: str, device: torch.device, transport: str, in_reach
     return mode == "device" or (mode == "auto" and in_reach and device.type == "cuda")
 
 
-def kernel_area(cfg: EPConfig, kernels: str, transport: str, group) -> tuple[str, dict]:
+def kernel_area(cfg: EPConfig, kernels: str, transport: str, group: ProcessGroup | None) -> tuple[str, dict[str, int]]:
     """``(mode, layout)`` of a buffer of ``cfg`` asking for ``kernels`` on ``transport``: the device area's layout
     (:func:`device_layout`), or ``{}`` when the kernels cannot be used (CPU rows on ``auto``, the torch transport, a
     hidden size that is not a multiple of 16; ValueError where ``"device"`` was asked for)."""
@@ -116,7 +120,7 @@ def kernel_area(cfg: EPConfig, kernels: str, transport: str, group) -> tuple[str
     return mode, device_layout(cfg.world_size, cfg.hidden, cfg.num_experts, cfg.num_topk, n_ll, n)
 
 
-def attach(ctx: EPContext, mode: str, layout: dict) -> DeviceState | None:
+def attach(ctx: EPContext, mode: str, layout: dict[str, int]) -> DeviceState | None:
     """The DeviceState of a buffer that takes the device path (else None); its area is past the regions."""
     if not layout:
         return None
@@ -126,7 +130,7 @@ def attach(ctx: EPContext, mode: str, layout: dict) -> DeviceState | None:
     return DeviceState(ctx, ctx.cfg.world_size * ctx.region_bytes, layout)
 
 
-def may_be_nvshmem(transport: str, group) -> bool:
+def may_be_nvshmem(transport: str, group: ProcessGroup | None) -> bool:
     """Whether a buffer asking for ``transport`` on ``group`` may get the nvshmem transport (``auto`` picks it
     for an NCCL group whose every rank can run it: this rank's view decides how the buffer is sized; the
     transport the buffer gets decides whether the kernels run)."""
@@ -139,7 +143,7 @@ def may_be_nvshmem(transport: str, group) -> bool:
     return nvshmem_job.missing_reason() is None
 
 
-def device_layout(world: int, hidden: int, num_experts: int, num_topk: int, n_ll: int, n_normal: int) -> dict:
+def device_layout(world: int, hidden: int, num_experts: int, num_topk: int, n_ll: int, n_normal: int) -> dict[str, int]:
     """Byte offsets (and sizes) of the device area's parts; ``total`` bytes in all (see the module docstring).
 
     Low-latency messages hold ``n_ll`` slots per local expert of bf16 rows (FP8 rows and scales fit in them);
@@ -166,7 +170,7 @@ def device_layout(world: int, hidden: int, num_experts: int, num_topk: int, n_ll
     return out
 
 
-_CLOCK: list = []
+_CLOCK: list[torch.Tensor] = []
 
 
 def host_clock() -> torch.Tensor:
@@ -177,7 +181,7 @@ def host_clock() -> torch.Tensor:
         word_ = mark_host_memory(torch.full((1,), time.monotonic_ns(), dtype=torch.int64))
         cell = ctypes.c_int64.from_address(word_.data_ptr())
 
-        def tick():
+        def tick() -> None:
             while True:
                 cell.value = time.monotonic_ns()
                 time.sleep(0.001)
@@ -191,14 +195,16 @@ class DeviceState:
     """The device path's addresses and failure state for one EPBuffer (context ``ctx``), whose buffer holds the device
     area at byte ``area_offset`` of every rank's data (laid out by :func:`device_layout`)."""
 
-    def __init__(self, ctx: EPContext, area_offset: int, layout: dict):
+    def __init__(self, ctx: EPContext, area_offset: int, layout: dict[str, int]) -> None:
         sb, w, dev = ctx.buffer, ctx.cfg.world_size, ctx.device
         self.sb, self.layout, self.device, self.area_offset = sb, layout, dev, area_offset
         self.rank, self.world, self.timeout = ctx.cfg.rank, w, ctx.cfg.timeout
         self.bases = [sb.peer(r).data_ptr() + area_offset for r in range(w)]
         me = self.bases[self.rank]
         self.ctrl = me
-        self.notices = sb.impl.word_address(word(NOTICE, 0, w))
+        notices = sb.impl.word_address(word(NOTICE, 0, w))
+        assert notices is not None  # the device path runs on direct transports only, which have signal words
+        self.notices = notices
         self.tables = {
             name: torch.tensor([b + layout[name] for b in self.bases], dtype=torch.int64).to(dev)
             for name in ("ll_dispatch", "ll_combine", "notify", "agree", "rows")
@@ -229,7 +235,9 @@ class DeviceState:
             try:
                 _drain(self.device, self.timeout)
             except TimeoutError as exc:
-                self.sb.deferred.on_failure(exc)  # the buffer is broken: its later calls raise at once
+                on_failure = self.sb.deferred.on_failure
+                assert on_failure is not None  # a SymmBuffer's checks always retire it
+                on_failure(exc)  # the buffer is broken: its later calls raise at once
                 raise
         if self._status[0] == 0:
             if wait:
@@ -237,9 +245,11 @@ class DeviceState:
             return
         if self.device.type == "cuda":  # the record is complete once the failing kernel has finished
             _drain(self.device, self.timeout)
-        exc = self._error()
-        self.sb.deferred.on_failure(exc)
-        raise exc
+        error = self._error()
+        on_failure = self.sb.deferred.on_failure
+        assert on_failure is not None  # a SymmBuffer's checks always retire it
+        on_failure(error)
+        raise error
 
     def _error(self) -> BaseException:
         code, kind, peer, seen, _, epoch = (int(v) for v in self._status[:6])
@@ -269,10 +279,10 @@ class DeviceState:
 def _drain(device: torch.device, timeout: float) -> None:
     """Wait (bounded) for the current stream: a failing kernel's record is complete when it has finished.
     TimeoutError where the stream has not finished ``timeout`` + 10 s later."""
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event's __init__ unannotated
     event.record(torch.cuda.current_stream(device))
     deadline = time.monotonic() + timeout + 10.0
-    while not event.query():
+    while not event.query():  # type: ignore[no-untyped-call]  # torch leaves Event.query unannotated
         if time.monotonic() >= deadline:  # past the kernels' own timeouts: the stream itself is stuck
             raise TimeoutError(
                 f"the device kernels of this EPBuffer did not finish within {timeout + 10.0:g} s (the buffer's "

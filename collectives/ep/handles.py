@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DeviceRoute", "DispatchHandle", "HierRoute"]
+__all__ = ["DeviceRoute", "DispatchHandle", "DispatchResult", "HierRoute", "Rows"]
 
 
 @dataclass
@@ -22,6 +22,12 @@ class HierRoute:
     rail_counts: list[int] = field(default_factory=list)
     hit: list[torch.Tensor | None] = field(default_factory=list)
     tok_order: list[torch.Tensor | None] = field(default_factory=list)
+
+    def hits(self) -> list[torch.Tensor]:
+        """``hit`` once every rail peer's is known (after the dispatch's forwarding: a combine, a cached dispatch)."""
+        hits = [h for h in self.hit if h is not None]
+        assert len(hits) == len(self.hit), "a rail peer's hit is not known yet"
+        return hits
 
 
 @dataclass
@@ -57,3 +63,9 @@ class DispatchHandle:
     epoch: int = 0  # which normal dispatch of that buffer made it (1 for the first)
     hier: HierRoute | None = None  # a hierarchical buffer's routing
     kernel_state: DeviceRoute | None = None  # the device kernels' layout, routing and row maps
+
+
+#: Rows as a normal dispatch returns them: ``x``, or ``(x, scales)`` for FP8 rows.
+Rows = torch.Tensor | tuple[torch.Tensor, ...]
+#: What a normal dispatch returns: ``(recv_x, recv_topk_idx, recv_topk_weights, per-expert counts, handle)``.
+DispatchResult = tuple[Rows, torch.Tensor, torch.Tensor, list[int], DispatchHandle]

@@ -10,13 +10,20 @@ fixed when the intra exchange opens.
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 
 from epkit.collectives.ep.handles import HierRoute
 from epkit.collectives.ep.hier_rows import field_offsets, put_split_rows
 
-__all__ = ["Forward", "rows_for"]
+if TYPE_CHECKING:
+    from epkit.collectives.ep.normal_hier import HierNormalPath
+
+__all__ = ["Forward", "Place", "rows_for"]
+
+#: A dispatch's placement per rank of this host: its result slot (-1: none) and the rows each source sends it.
+Place = list[tuple[int, torch.Tensor]]
 
 
 def rows_for(hit: torch.Tensor, order: torch.Tensor | None, lp: int) -> torch.Tensor:
@@ -39,7 +46,15 @@ class Forward:
     order; the other fields (and every field without a slot) travel through the region and are copied out.
     """
 
-    def __init__(self, path, widths: list[int], state: HierRoute, recv_counts: list[int], with_meta: bool, place):
+    def __init__(
+        self,
+        path: HierNormalPath,
+        widths: list[int],
+        state: HierRoute,
+        recv_counts: list[int],
+        with_meta: bool,
+        place: Place | None,
+    ) -> None:
         hy = self.hy = path.hy
         self.cfg, self.ctx, self.widths, self.state, self.place = path.cfg, path.ctx, widths, state, place
         self.id_f = len(widths) - 2 if with_meta else -1
@@ -48,10 +63,13 @@ class Forward:
         if place is not None:
             self.counts = [[int(place[lp][1][s]) for s in hy.rail_ranks] for lp in range(P)]
         else:
-            self.counts = [[rows_for(h, o, lp).numel() for h, o in zip(state.hit, state.tok_order)] for lp in range(P)]
+            self.counts = [
+                [rows_for(h, o, lp).numel() for h, o in zip(state.hits(), state.tok_order)] for lp in range(P)
+            ]
         self.slots = [place[lp][0] if place is not None else -1 for lp in range(P)]
         self.ex = hy.intra.exchange(hy.intra_region, tag="dispatch intra")
-        self.dest = {}  # per other rank of this host: the fields through its region, their offsets, region, bytes
+        # Per other rank of this host: the fields through its region, their offsets, region, bytes.
+        self.dest: dict[int, tuple[list[int], list[int], torch.Tensor | None, int]] = {}
         for lp in range(P):
             in_region = list(range(self.n_rows if self.slots[lp] >= 0 else 0, len(widths)))
             m = sum(self.counts[lp])
@@ -61,8 +79,10 @@ class Forward:
         self.starts = list(accumulate(recv_counts, initial=0))
         self.recv_counts = recv_counts
         total, slot = self.starts[-1], self.slots[hy.local]
-        self.outs = []  # with a slot: its x (and scale) rows first, then the fields that came through the regions
+        # With a slot: its x (and scale) rows first, then the fields that came through the regions.
+        self.outs: list[torch.Tensor] = []
         if slot >= 0:
+            assert hy.result_slots is not None  # the slot is one of them
             sb = widths[1] if self.n_rows == 2 else 0
             self.outs = [o for o in hy.result_slots.results(slot, total, widths[0], sb) if o is not None]
         self.outs += [self.ctx.host_empty((total, widths[f]), torch.uint8) for f in self.dest[hy.local][0]]
@@ -74,6 +94,7 @@ class Forward:
         hy, w = self.hy, self.widths
         source = hy.rail_ranks[H]
         hit, order = self.state.hit[H], self.state.tok_order[H]
+        assert hit is not None  # found before the rows are forwarded
         for lp in range(hy.per_host):
             dst = hy.hosts[hy.host][lp]
             sel = rows_for(hit, order, lp)
@@ -96,11 +117,16 @@ class Forward:
                 continue
             in_region, offs, region, _ = self.dest[lp]
             row = sum(self.counts[lp][:H])  # where this source's rows start in dst's region
-            first = int(self.place[lp][1][:source].sum()) if self.slots[lp] >= 0 else 0  # ... and in its result
+            first = 0  # ... and in its result
+            if self.slots[lp] >= 0:
+                assert self.place is not None  # the slots come from it
+                first = int(self.place[lp][1][:source].sum())
             for f, wd in enumerate(w):
                 if f < self.n_rows and self.slots[lp] >= 0:
+                    assert hy.result_slots is not None  # the slot is one of them
                     view = hy.result_slots.area(lp, self.slots[lp], f, first, k, wd)
                 else:
+                    assert region is not None  # rows for another rank: its region was opened
                     o = offs[in_region.index(f)]
                     view = region[o + row * wd : o + (row + k) * wd].view(k, wd)
                 if f == 0 and head is not None:  # the x rows this rank received straight into its result
@@ -129,7 +155,9 @@ class Forward:
         ex.release()
         return self.outs
 
-    def _put(self, field, rows, sel, out, to_rank: int | None) -> None:
+    def _put(
+        self, field: torch.Tensor, rows: torch.Tensor | None, sel: torch.Tensor, out: torch.Tensor, to_rank: int | None
+    ) -> None:
         """Rows ``sel`` of one field (``rows``: None, or the field's row of each message row) into ``out``
         (``[k, width]`` uint8); ``to_rank``: the global ids field becomes that rank's local ids (-1 elsewhere);
         None: the bytes as they are."""

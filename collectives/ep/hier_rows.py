@@ -10,6 +10,8 @@ forwarding rank and the last sum at the source. With one host it is the one-leve
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from epkit.collectives.ep.rows import align_up, by_address, move_rows, reduce_indexed, sum_by_source
@@ -38,9 +40,9 @@ def sum_by_host(
     out: torch.Tensor,
     sources: list[torch.Tensor],
     send_tokens: list[torch.Tensor],
-    biases: list[torch.Tensor],
+    biases: Sequence[torch.Tensor],
     hosts: list[list[int]] | None,
-    empty=torch.empty_like,
+    empty: Callable[[torch.Tensor], torch.Tensor] = torch.empty_like,
     portable: bool = False,
 ) -> torch.Tensor:
     """Combine's source side in the two-level order: :func:`~epkit.collectives.ep.rows.sum_by_source`
@@ -67,7 +69,13 @@ def sum_by_host(
     return reduce_indexed(out, partials, src, row, None, biases, portable=portable)
 
 
-def last_sum_layout(in_host: torch.Tensor, host: int, per_host: int, own, host_tokens: list[torch.Tensor]):
+def last_sum_layout(
+    in_host: torch.Tensor,
+    host: int,
+    per_host: int,
+    own: tuple[torch.Tensor, torch.Tensor] | None,
+    host_tokens: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The terms of a hierarchical combine's last sum at the source, for ``reduce_indexed`` with groups: per token,
     in host order, one term per other host (its partial, as received: source ``k`` for the k-th other host, row =
     the token's place in the message sent there) and a group of ``per_host`` terms for this host (the rows its
@@ -99,7 +107,7 @@ def last_sum_layout(in_host: torch.Tensor, host: int, per_host: int, own, host_t
     return torch.cat(src_cols, 1), torch.cat(row_cols, 1), groups
 
 
-def field_offsets(n, widths: list[int]) -> tuple[list[int], int]:
+def field_offsets(n: int | list[int], widths: list[int]) -> tuple[list[int], int]:
     """Byte offsets of the field blocks of an ``n``-row message (``widths``: bytes per row of each field, each
     block aligned to ``FIELD_ALIGN``) and the message's size; ``n`` a list: each field's rows."""
     offs, at = [], 0
@@ -137,7 +145,7 @@ def token_order(mask: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def put_split_rows(
-    head: torch.Tensor, rest: torch.Tensor, sel: torch.Tensor, out: torch.Tensor, portable=False
+    head: torch.Tensor, rest: torch.Tensor, sel: torch.Tensor, out: torch.Tensor, portable: bool = False
 ) -> None:
     """``out[i] =`` row ``sel[i]`` of a message field whose first ``len(head)`` rows are ``head`` and whose others
     are ``rest`` (``[rows, width]`` uint8 each, rows contiguous; ``sel`` int64 in any order)."""

@@ -11,14 +11,20 @@ on a GPU) and retires the buffer on every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from epkit.collectives.ep import ll_out as outputs
 from epkit.collectives.ep import routing
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.device_state import DeviceState
-from epkit.collectives.ep.ll_layout import LowLatencyHandle
+from epkit.collectives.ep.ll_layout import LLCombineResult, LLDispatchResult, LowLatencyHandle
+from epkit.collectives.ep.ll_out import LLOut
 from epkit.kernels.triton.ep_layout import check_aligned
+
+if TYPE_CHECKING:
+    from epkit.kernels.triton.ep_low_latency import LLGeometry
 
 __all__ = ["DeviceLowLatencyPath"]
 
@@ -26,16 +32,19 @@ __all__ = ["DeviceLowLatencyPath"]
 class DeviceLowLatencyPath:
     """The low-latency calls of an EPBuffer on the device kernels (``dev``: the buffer's DeviceState)."""
 
-    def __init__(self, ctx: EPContext, dev: DeviceState):
+    def __init__(self, ctx: EPContext, dev: DeviceState) -> None:
         self.ctx, self.cfg, self.dev = ctx, ctx.cfg, dev
-        self._geo = None  # the kernels' fixed arguments, made at the first call
+        self._geo: LLGeometry | None = None  # the kernels' fixed arguments, made at the first call
 
     def synchronize(self) -> None:
         """Wait for this rank's queued kernels (bounded) and raise what they recorded (``EPBuffer.synchronize``)."""
         self.ctx.buffer.synchronize()
         self.dev.poll(drain=True)
 
-    def combine(self, y, topk_idx, topk_weights, handle: LowLatencyHandle, return_recv_hook: bool, out):
+    def combine(
+        self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+        return_recv_hook: bool, out: torch.Tensor | None,
+    ) -> LLCombineResult:  # fmt: skip
         """``EPBuffer.low_latency_combine`` on the kernels (same arguments and results)."""
         try:
             routing.check_ll_combine(self.cfg, self.ctx.device, y, topk_idx, topk_weights, handle, out, True, True)
@@ -44,7 +53,7 @@ class DeviceLowLatencyPath:
         with self.ctx.retire_on_failure("low-latency combine"):
             return self._combine(y, topk_weights, handle, return_recv_hook, out)
 
-    def _geometry(self):
+    def _geometry(self) -> LLGeometry:
         """The kernels' fixed arguments for this buffer (made once)."""
         dev = self.dev
         if self._geo is None:
@@ -77,7 +86,9 @@ class DeviceLowLatencyPath:
             )
         return self._geo
 
-    def dispatch(self, x, topk_idx, n_max: int, use_fp8: bool, return_recv_hook: bool, out):
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, n_max: int, use_fp8: bool, return_recv_hook: bool, out: LLOut
+    ) -> LLDispatchResult:
         """``low_latency_dispatch`` on the kernels (same arguments and results)."""
         from epkit.kernels.triton.ep_low_latency import ll_dispatch_recv, ll_dispatch_send
 
@@ -117,18 +128,21 @@ class DeviceLowLatencyPath:
         )
         state = {"outputs": (recv_x, recv_count)}  # let go once filled: a kept hook holds no receive tensor
 
-        def hook():
+        def hook() -> None:
             if "outputs" in state:
                 xs, count = state.pop("outputs")
-                xs = xs if use_fp8 else (xs, None)
-                ll_dispatch_recv(geo, xs[0], xs[1], counts, count, self.ctx.device_load_counter(), n_max, use_fp8)
+                parts = xs if use_fp8 else (xs, None)
+                ll_dispatch_recv(geo, parts[0], parts[1], counts, count, self.ctx.device_load_counter(), n_max, use_fp8)
                 self.dev.poll(wait=error is not None)  # a rejecting rank raises now, as every rank will
 
         if error is not None or not return_recv_hook:
             hook()
         return recv_x, recv_count, handle, hook
 
-    def _combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook: bool, given):
+    def _combine(
+        self, y: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle, return_recv_hook: bool,
+        given: torch.Tensor | None,
+    ) -> LLCombineResult:  # fmt: skip
         """``low_latency_combine`` on the kernels, after its validation (same results)."""
         from epkit.kernels.triton.ep_low_latency import ll_combine_recv, ll_combine_send
 
@@ -139,9 +153,9 @@ class DeviceLowLatencyPath:
         geo, n_max = self._geometry(), handle.n_max
         ident = (handle.buffer_id, handle.epoch)
         ll_combine_send(geo, y.contiguous(), handle.counts, n_max, ident)
-        out = {}
+        out: dict[str, torch.Tensor] = {}
 
-        def hook():
+        def hook() -> torch.Tensor:
             if "y" not in out:
                 res = outputs.combine_output(
                     self.ctx.ll_outputs, given, handle.num_tokens, n_max, self.cfg.hidden, self.ctx.device

@@ -24,6 +24,8 @@ return come from the context's pool (``ep/ll_out``).
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 
 from epkit.collectives.ep import ll_out as outputs
@@ -34,6 +36,8 @@ from epkit.collectives.ep.ll_layout import (
     COMBINE_HEADER,
     OK,
     REJECTED,
+    LLCombineResult,
+    LLDispatchResult,
     LowLatencyHandle,
     describe_handles,
     judge_headers,
@@ -42,6 +46,7 @@ from epkit.collectives.ep.ll_layout import (
     slot_grid,
     unpack_slots,
 )
+from epkit.collectives.ep.ll_out import LLOut, LLRows
 from epkit.collectives.ep.rows import (
     META_MSG,
     align_up,
@@ -51,15 +56,19 @@ from epkit.collectives.ep.rows import (
     reduce_gathered,
     reduce_indexed,
 )
+from epkit.collectives.exchange import Exchange
 
 __all__ = ["HostLowLatencyPath"]
+
+#: A low-latency dispatch's routing (``route_pairs``): ``(key, pos, per_expert, status)``.
+_Route = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class HostLowLatencyPath:
     """``low_latency_dispatch`` / ``low_latency_combine`` driven by the host (host-checked on CPU rows,
     stream-ordered on CUDA rows: the module docstring)."""
 
-    def __init__(self, ctx: EPContext):
+    def __init__(self, ctx: EPContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
 
     def synchronize(self) -> None:
@@ -79,25 +88,27 @@ class HostLowLatencyPath:
         """Header of a low-latency message: int32 [status, n_max, use_fp8, count per local expert], error text."""
         return align_up(4 * (3 + self.cfg.num_local_experts)) + META_MSG
 
-    def _heads(self, views) -> torch.Tensor:
+    def _heads(self, views: list[torch.Tensor]) -> torch.Tensor:
         """The received headers' int words ``[W, 3 + L]`` (a copy: the views are reused by later messages)."""
         n = 3 + self.cfg.num_local_experts
         return torch.stack([v[: 4 * n].view(torch.int32) for v in views])
 
-    def _errors(self, heads: torch.Tensor, views, hdr: int, check_params: bool) -> list[str]:
+    def _errors(self, heads: torch.Tensor, views: list[torch.Tensor], hdr: int, check_params: bool) -> list[str]:
         """Rejections (and, with ``check_params``, parameter mismatches) in the received headers
         (``_heads``), read on the host; worded alike on every rank."""
         return judge_headers(
             heads[:, :3].tolist(), lambda src: decode_error(views[src][hdr - META_MSG : hdr]), check_params
         )
 
-    def _defer_errors(self, heads: torch.Tensor, views, hdr: int, n_max: int, use_fp8: bool) -> torch.Tensor:
+    def _defer_errors(
+        self, heads: torch.Tensor, views: list[torch.Tensor], hdr: int, n_max: int, use_fp8: bool
+    ) -> torch.Tensor:
         """Stream-ordered check of the headers (``_heads``): recorded for a later call; returns the ``[W]``
         rows-are-valid mask."""
         texts = torch.stack([v[hdr - META_MSG : hdr] for v in views])  # read on the host only if rejected
         w = self.cfg.world_size
 
-        def judge(values):
+        def judge(values: list[int]) -> ValueError | None:
             heads3 = [values[3 * src : 3 * src + 3] for src in range(w)]
             errors = judge_headers(heads3, lambda src: decode_error(texts[src]), True)
             if errors:
@@ -109,7 +120,9 @@ class HostLowLatencyPath:
         )
         return (heads[:, 0] == OK) & (heads[:, 1] == n_max) & (heads[:, 2] == int(use_fp8))
 
-    def dispatch(self, x, topk_idx, n_max: int, use_fp8: bool, return_recv_hook: bool, out):
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, n_max: int, use_fp8: bool, return_recv_hook: bool, out: LLOut
+    ) -> LLDispatchResult:
         """``EPBuffer.low_latency_dispatch`` (same arguments and results)."""
         # Counted on every rank at every call, rejected ones too, so that the ranks' handles stay comparable.
         self.ctx.ll_dispatches += 1
@@ -125,6 +138,7 @@ class HostLowLatencyPath:
         ex = self.ctx.buffer.exchange(self.ctx.region_bytes, tag="ll_dispatch", deferred=streamed, guarded=True)
         if error is not None:
             self._reject(ex, error, hdr, msg_bytes, use_fp8)
+        assert route is not None  # no error: the routing was made
         key, pos, per_expert, status = route
         counts = per_expert.clamp(max=n_max).view(w, L)  # what each destination expert gets from here
         with self.ctx.retire_on_failure("low-latency dispatch"):
@@ -135,7 +149,7 @@ class HostLowLatencyPath:
         handle = self._handle(x.shape[0], key, pos, live, n_max)
         state = {"outputs": (recv_x, recv_count)}  # let go once filled: a kept hook holds no receive tensor
 
-        def hook():
+        def hook() -> None:
             if "outputs" in state:
                 self._receive(ex, handle, *state["outputs"], msg_bytes, use_fp8)
                 del state["outputs"]
@@ -144,10 +158,13 @@ class HostLowLatencyPath:
             hook()
         return recv_x, recv_count, handle, hook
 
-    def _prepare(self, x, topk_idx, n_max: int, use_fp8: bool, out, too_big: bool, streamed: bool):
+    def _prepare(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, n_max: int, use_fp8: bool, out: LLOut, too_big: bool,
+        streamed: bool,
+    ) -> tuple[str | None, _Route | None]:  # fmt: skip
         """Validation and routing of a low-latency dispatch: ``(error or None, route)``; no exception escapes,
         since every rank must take part in the exchange whatever this rank passed (see ``route_pairs``)."""
-        route = None
+        route: _Route | None = None
         try:
             routing.check_ll_dispatch(
                 self.cfg, self.ctx.device, x, topk_idx, n_max, use_fp8, out, self._stream_ordered()
@@ -165,7 +182,10 @@ class HostLowLatencyPath:
             return (str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"), route
         return None, route
 
-    def _send(self, ex, x, key, pos, counts, status, n_max: int, use_fp8: bool, hdr: int, msg_bytes: int):
+    def _send(
+        self, ex: Exchange, x: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor,
+        status: torch.Tensor, n_max: int, use_fp8: bool, hdr: int, msg_bytes: int,
+    ) -> torch.Tensor:  # fmt: skip
         """Header, rows and scales of every (token, expert) pair into its destination's region, then commit;
         every write takes the exchange's guard (none lands behind a failed wait). Returns the ``[T*K]`` mask
         of pairs that got a slot."""
@@ -201,6 +221,7 @@ class HostLowLatencyPath:
         dst_of = key.clamp(max=E - 1) // L
         base_of = region_addr[dst_of]
         live = (key < E) & (pos < n_max)
+        scale_off: int | torch.Tensor  # where each pair's scale row goes: one offset, or one per pair
         if self._stream_ordered():
             at = (key % L) * n_max + pos.clamp(max=n_max - 1)
             scale_off, sizes = hdr + L * n_max * xb, [msg_bytes] * w
@@ -223,7 +244,9 @@ class HostLowLatencyPath:
             ex.commit(dst, sizes[dst])
         return live
 
-    def _handle(self, t_num: int, key, pos, live, n_max: int) -> LowLatencyHandle:
+    def _handle(
+        self, t_num: int, key: torch.Tensor, pos: torch.Tensor, live: torch.Tensor, n_max: int
+    ) -> LowLatencyHandle:
         """The combine's state for a dispatch of ``t_num`` tokens (counts filled by the receive)."""
         L, K = self.cfg.num_local_experts, self.cfg.num_topk
         ids = key.view(t_num, K)
@@ -239,7 +262,10 @@ class HostLowLatencyPath:
             epoch=self.ctx.ll_dispatches,
         )
 
-    def _receive(self, ex, handle: LowLatencyHandle, recv_x, recv_count, msg_bytes: int, use_fp8: bool):
+    def _receive(
+        self, ex: Exchange, handle: LowLatencyHandle, recv_x: LLRows, recv_count: torch.Tensor, msg_bytes: int,
+        use_fp8: bool,
+    ) -> None:  # fmt: skip
         """The dispatch hook: wait for every message, judge the headers (now on the host, or on the stream),
         unpack the slots into the masked layout, release the regions."""
         w, n_max = self.cfg.world_size, handle.n_max
@@ -270,7 +296,7 @@ class HostLowLatencyPath:
             ex.release()  # after the reads above on the stream
         self.ctx.count_load(got.sum(0))
 
-    def _reject(self, ex, error: str, hdr: int, msg_bytes: int, use_fp8: bool):
+    def _reject(self, ex: Exchange, error: str, hdr: int, msg_bytes: int, use_fp8: bool) -> NoReturn:
         """Tell every rank, finish the exchange so the counters stay in step, then raise."""
         text = encode_error(error)
         status = torch.tensor([REJECTED], dtype=torch.int32).view(torch.uint8)
@@ -289,7 +315,10 @@ class HostLowLatencyPath:
             self.ctx.buffer.mark_broken(str(exc))
         raise exc
 
-    def combine(self, y, topk_idx, topk_weights, handle: LowLatencyHandle, return_recv_hook: bool, out):
+    def combine(
+        self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+        return_recv_hook: bool, out: torch.Tensor | None,
+    ) -> LLCombineResult:  # fmt: skip
         """``EPBuffer.low_latency_combine`` (same arguments and results)."""
         try:
             routing.check_ll_combine(self.cfg, self.ctx.device, y, topk_idx, topk_weights, handle, out,
@@ -299,7 +328,10 @@ class HostLowLatencyPath:
         with self.ctx.retire_on_failure("low-latency combine"):
             return self._combine(y, topk_weights, handle, return_recv_hook, out)
 
-    def _combine(self, y, topk_weights, handle: LowLatencyHandle, return_recv_hook, given):
+    def _combine(
+        self, y: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle, return_recv_hook: bool,
+        given: torch.Tensor | None,
+    ) -> LLCombineResult:  # fmt: skip
         w, L, h, n_max = self.cfg.world_size, self.cfg.num_local_experts, self.cfg.hidden, handle.n_max
         row, head = 2 * h, COMBINE_HEADER
         msg_bytes = head + L * n_max * row
@@ -335,9 +367,9 @@ class HostLowLatencyPath:
         )
         for s in range(w):
             ex.commit(s, sizes[s])
-        out = {}
+        out: dict[str, torch.Tensor] = {}
 
-        def hook():
+        def hook() -> torch.Tensor:
             if "y" not in out:
                 out["y"] = self._combine_receive(ex, handle, topk_weights, msg_bytes, given)
             return out["y"]
@@ -346,7 +378,10 @@ class HostLowLatencyPath:
             return None, hook
         return hook()
 
-    def _combine_receive(self, ex, handle: LowLatencyHandle, topk_weights, msg_bytes: int, given):
+    def _combine_receive(
+        self, ex: Exchange, handle: LowLatencyHandle, topk_weights: torch.Tensor, msg_bytes: int,
+        given: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
         """The combine hook: wait for every message, check that every rank sent rows of the same dispatch of this
         buffer (on the host, or on the stream), and reduce at the source in the fixed order."""
         w, L, h, n_max = self.cfg.world_size, self.cfg.num_local_experts, self.cfg.hidden, handle.n_max
@@ -380,7 +415,7 @@ class HostLowLatencyPath:
         if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
             buffer_id = self.ctx.buffer.buffer_id
 
-            def judge(values):
+            def judge(values: list[int]) -> ValueError | None:
                 msg = describe_handles([values[2 * r : 2 * r + 2] for r in range(w)], buffer_id, "low-latency combine")
                 return None if msg is None else ValueError(msg)
 

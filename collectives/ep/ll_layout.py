@@ -9,11 +9,13 @@ slots (``ep/ll_packed``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 # The status words of a message header (shared with the device kernels).
+from epkit.collectives.ep.ll_out import LLRows
 from epkit.collectives.ep.rows import move_rows
 from epkit.kernels.triton.ep_layout import BAD_IDS, COMBINE_HEAD, OK, OVERFLOW, REJECTED
 
@@ -23,6 +25,8 @@ __all__ = [
     "OK",
     "OVERFLOW",
     "REJECTED",
+    "LLCombineResult",
+    "LLDispatchResult",
     "LowLatencyHandle",
     "describe_handles",
     "describe_header",
@@ -48,6 +52,12 @@ class LowLatencyHandle:
     buffer_id: int = 0  # the EPBuffer's SymmBuffer.buffer_id: a handle is only valid on the buffer that made it
     epoch: int = 0  # which low-latency dispatch of that buffer made it (1 for the first)
     route: torch.Tensor | None = None  # device kernels: [3, T, K] int32 destination, local expert, slot (-1: none)
+
+
+#: What a low-latency dispatch returns: ``(recv_x, recv_count, handle, hook)``.
+LLDispatchResult = tuple[LLRows, torch.Tensor, LowLatencyHandle, Callable[[], None]]
+#: What a low-latency combine returns: the ``[T, hidden]`` result, or with ``return_recv_hook`` ``(None, hook)``.
+LLCombineResult = torch.Tensor | tuple[None, Callable[[], torch.Tensor]]
 
 
 #: Bytes before the rows of a low-latency combine message: int64 [buffer id, dispatch epoch] of the handle.
@@ -99,14 +109,14 @@ def describe_parameters(heads: list[list[int]]) -> str | None:
     )
 
 
-def judge_headers(heads: list[list[int]], text_of, check_params: bool) -> list[str]:
+def judge_headers(heads: list[list[int]], text_of: Callable[[int], str], check_params: bool) -> list[str]:
     """Every error the ranks' dispatch headers ``[status, n_max, use_fp8]`` report, worded alike on every rank;
     ``text_of(src)`` reads a rejecting rank's error text; ``check_params``: also compare the parameters."""
-    errors = [
+    found = [
         describe_header(src, code, n_used, text_of(src) if code == REJECTED else "")
         for src, (code, n_used, _) in enumerate(heads)
     ]
-    errors = [e for e in errors if e is not None]
+    errors = [e for e in found if e is not None]
     if not errors and check_params:
         mismatch = describe_parameters(heads)
         if mismatch is not None:
@@ -114,7 +124,9 @@ def judge_headers(heads: list[list[int]], text_of, check_params: bool) -> list[s
     return errors
 
 
-def route_pairs(topk_idx: torch.Tensor, num_experts: int, n_max: int):
+def route_pairs(
+    topk_idx: torch.Tensor, num_experts: int, n_max: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fixed-shape routing of a low-latency dispatch, on ``topk_idx``'s device (no host read).
 
     Returns ``key [T*K]`` (global expert, ``num_experts`` for none), ``pos [T*K]`` (slot among this
@@ -135,7 +147,7 @@ def route_pairs(topk_idx: torch.Tensor, num_experts: int, n_max: int):
     return key, pos, per[:E], status
 
 
-def slot_grid(counts: torch.Tensor, n_max: int):
+def slot_grid(counts: torch.Tensor, n_max: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``[W, L, n_max]`` grid of low-latency slots (source, local expert, index), for ``counts [W, L]``.
 
     Returns ``(src, live, slot, row)``: the source index (``[W, 1, 1]``, broadcastable), which slots hold a
@@ -164,7 +176,10 @@ def message_spacing(views: list[torch.Tensor]) -> tuple[int, int]:
     return ptrs[0], stride
 
 
-def unpack_slots(views, recv_x, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int, portable=False) -> None:
+def unpack_slots(
+    views: list[torch.Tensor], recv_x: LLRows, counts: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int,
+    portable: bool = False,
+) -> None:  # fmt: skip
     """Received slot messages -> the masked layout: expert e's rows ordered by source, then slot (fixed-shape:
     the stream-ordered mode's unpacking; ``counts [W, L]``, ``recv_x`` as ``low_latency_dispatch`` returns it)."""
     L = counts.shape[1]

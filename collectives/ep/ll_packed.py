@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from epkit.collectives.ep.ll_layout import slot_grid
+from epkit.collectives.ep.ll_out import LLRows
 from epkit.collectives.ep.rows import align_up, move_rows
 
 __all__ = ["check_lengths", "combine_rows", "dispatch_layout", "first_rows", "sent_counts", "unpack_rows"]
@@ -51,7 +52,10 @@ def check_lengths(views: list[torch.Tensor], need: list[int], what: str) -> None
         )
 
 
-def unpack_rows(views, recv_x, got: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int, portable=False) -> None:
+def unpack_rows(
+    views: list[torch.Tensor], recv_x: LLRows, got: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int,
+    portable: bool = False,
+) -> None:  # fmt: skip
     """Received packed messages -> the masked layout (expert ``e``'s rows by source, then slot); ``got [W, L]``:
     the headers' counts, already judged."""
     w = got.shape[0]
@@ -77,7 +81,9 @@ def sent_counts(dst_of: torch.Tensor, expert_of: torch.Tensor, w: int, L: int) -
     return torch.bincount(key, minlength=w * L).view(w, L)
 
 
-def combine_rows(counts: torch.Tensor, n_max: int, head: int, row_bytes: int):
+def combine_rows(
+    counts: torch.Tensor, n_max: int, head: int, row_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Where an expert rank's combine rows go: ``(live, y_row, dst_row, sizes)`` over the ``[W, L, n_max]`` slot
     grid of ``counts [W, L]`` (rows received from each source per local expert): which slots hold a row, its
     row in the masked ``y``, its byte offset in the message to its source, and each message's bytes."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -22,15 +24,37 @@ from epkit.collectives.ep import routing
 from epkit.collectives.ep.agreement import judge_agreement
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.device_state import DeviceState
-from epkit.collectives.ep.handles import DeviceRoute, DispatchHandle
+from epkit.collectives.ep.handles import DeviceRoute, DispatchHandle, DispatchResult, Rows
 from epkit.collectives.ep.ll_layout import describe_header
-from epkit.collectives.ep.rows import META_MSG, check_formats, decode_error, format_code
+from epkit.collectives.ep.rows import META_MSG, Bias, check_formats, decode_error, format_code
 from epkit.kernels.triton.ep_layout import OK, REJECTED
+
+if TYPE_CHECKING:
+    from epkit.kernels.triton.ep_combine import CombineGeometry
+    from epkit.kernels.triton.ep_normal import NormalGeometry
 
 __all__ = ["DeviceNormalPath"]
 
 #: Seconds past the buffer's timeout before the host calls its stream stuck while waiting for a summary.
 _GRACE_S = 10.0
+
+
+class _RecvRows(TypedDict):
+    """The outputs ``dispatch_recv`` fills: rows, FP8 scales (None without), local expert ids, weights."""
+
+    x: torch.Tensor
+    s: torch.Tensor | None
+    idx: torch.Tensor
+    w: torch.Tensor
+
+
+class _Outputs(_RecvRows, total=False):
+    """... and with ``expand`` the expanded layout: received row per expanded row, expanded row per (row, k),
+    expert per expanded row."""
+
+    rows: torch.Tensor
+    slot: torch.Tensor
+    m: torch.Tensor
 
 
 class DeviceNormalPath:
@@ -40,23 +64,29 @@ class DeviceNormalPath:
     #: Whether dispatch and combine run as device kernels.
     on_device = True
 
-    def __init__(self, ctx: EPContext, dev: DeviceState):
+    def __init__(self, ctx: EPContext, dev: DeviceState) -> None:
         self.ctx, self.cfg, self.dev = ctx, ctx.cfg, dev
-        self._geo = None  # the kernels' fixed arguments and host words, made at the first call
+        # the kernels' fixed arguments and host words, made at the first call
+        self._geo: tuple[NormalGeometry, CombineGeometry, torch.Tensor, torch.Tensor] | None = None
         #: Exchanges of each kind so far (their parity picks the area; the count is the ready word).
         self.exchanges = {"notify": 0, "agree": 0}
 
-    def dispatch(self, x, scales, topk_idx, topk_weights, alignment, expand: bool):
+    def dispatch(
+        self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
+        alignment: int, expand: bool,
+    ) -> DispatchResult:  # fmt: skip
         """Normal dispatch on the kernels (see ``EPBuffer.dispatch``)."""
         return self._dispatch(x, scales, topk_idx, topk_weights, alignment, expand)
 
-    def dispatch_cached(self, x, scales, handle: DispatchHandle):
+    def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
         """A dispatch along an earlier one's routing: the handle agreement (one launch), then the rows."""
         error = routing.cached_dispatch_error(self.cfg, self.ctx.device, x, scales, handle)
         self.agree("cached dispatch", handle, error)
         return self.dispatch_cached_rows(x, scales, handle)
 
-    def combine(self, y, handle: DispatchHandle, topk_weights, bias):
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias
+    ) -> torch.Tensor:
         """Combine on the kernels (see ``EPBuffer.combine``): the agreement (one launch), then the rows."""
         error, biases, weights = routing.check_combine(self.cfg, self.ctx.device, y, handle, topk_weights, bias, True)
         self.agree("combine", handle, error)
@@ -66,7 +96,7 @@ class DeviceNormalPath:
     def bytes_across_hosts(self) -> int:
         return 0  # the kernels run inside one domain only
 
-    def _geometries(self):
+    def _geometries(self) -> tuple[NormalGeometry, CombineGeometry, torch.Tensor, torch.Tensor]:
         """(NormalGeometry, CombineGeometry, host summary, host agreement) for this buffer (made once)."""
         dev = self.dev
         if self._geo is None:
@@ -74,7 +104,7 @@ class DeviceNormalPath:
             from epkit.kernels.triton.ep_normal import NormalGeometry, summary_words
 
             lay, w = dev.layout, self.cfg.world_size
-            common = {
+            common: dict[str, Any] = {
                 "rank": self.cfg.rank,
                 "world": w,
                 "num_topk": self.cfg.num_topk,
@@ -124,7 +154,7 @@ class DeviceNormalPath:
                     exc = TimeoutError(f"rank {self.cfg.rank}: the CUDA stream did not reach the dispatch summary")
                     self.ctx.buffer.mark_broken(str(exc), culprit=self.cfg.rank)
                     raise exc
-        values = words.tolist()
+        values: list[int] = words.tolist()
         if values[-1] != ready:  # a kernel that ran without publishing: a fault of epkit's, never a peer's
             raise RuntimeError(f"rank {self.cfg.rank}: the summary's ready word is {values[-1]}, expected {ready}")
         self.dev.poll()  # a wait that failed left its record; the summary is not to be trusted then
@@ -138,7 +168,10 @@ class DeviceNormalPath:
         mem = self.ctx.buffer.local[dev.area_offset :]
         return decode_error(mem[at : at + META_MSG].cpu())
 
-    def _dispatch(self, x, scales, topk_idx, topk_weights, alignment: int, expand: bool, error=None, what=None):
+    def _dispatch(
+        self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
+        alignment: int, expand: bool, error: str | None = None, what: str | None = None,
+    ) -> DispatchResult:  # fmt: skip
         """``dispatch`` (not cached) on the kernels: same arguments and results. ``error``: the caller's own
         validation failed (``fused_moe``); ``what``: the caller's name in the rejection ("dispatch")."""
         from epkit.kernels.triton.ep_normal import layout, notify
@@ -172,7 +205,9 @@ class DeviceNormalPath:
         for src, c in enumerate(codes):
             if c != OK:
                 text = self._slot_text("notify", src, 8 * (2 + w + self.cfg.num_experts)) if c == REJECTED else ""
-                errors.append(describe_header(src, c, 0, text))
+                found = describe_header(src, c, 0, text)
+                assert found is not None  # every status but OK is an error
+                errors.append(found)
         if errors:
             what = what or "dispatch rejected on every rank before any data moved"
             raise ValueError(f"{what}: " + "; ".join(errors))
@@ -202,15 +237,21 @@ class DeviceNormalPath:
         x_out = (out["x"], out["s"]) if out["s"] is not None else out["x"]
         return x_out, out["idx"], out["w"], aligned, handle
 
-    def dispatch_cached_rows(self, x, scales, handle: DispatchHandle):
+    def dispatch_cached_rows(
+        self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle
+    ) -> DispatchResult:
         """A cached dispatch's rows after the agreement: the handle's routing and layout, fresh rows."""
+        assert handle.kernel_state is not None  # the agreement found the handle this buffer's: the kernels'
         state = dataclasses.replace(handle.kernel_state)
         with self.ctx.retire_on_failure("cached dispatch"):
             out = self._move(x, scales, None, state, handle.expert_alignment, handle.expand)
-        x_out = (out["x"], out["s"]) if out["s"] is not None else out["x"]
+        x_out: Rows = (out["x"], out["s"]) if out["s"] is not None else out["x"]
         return x_out, handle.recv_topk_idx, handle.recv_topk_weights, list(state.aligned), handle
 
-    def _move(self, x, scales, weights, state: DeviceRoute, alignment: int, expand: bool) -> dict:
+    def _move(
+        self, x: torch.Tensor, scales: torch.Tensor | None, weights: torch.Tensor | None, state: DeviceRoute,
+        alignment: int, expand: bool,
+    ) -> _Outputs:  # fmt: skip
         """Send every row once per destination and receive into fresh outputs (two launches)."""
         from epkit.kernels.triton.ep_normal import dispatch_send
         from epkit.kernels.triton.ep_normal_recv import dispatch_recv
@@ -223,7 +264,7 @@ class DeviceNormalPath:
         state.send_pos = send_pos
         r, rows = state.rows, state.expanded if expand else state.rows
         g = scales.shape[1] if scales is not None else 0
-        out = {
+        out: _Outputs = {
             "x": torch.empty((rows, h), dtype=x.dtype, device=dev),
             "s": torch.empty((rows, g), dtype=torch.float32, device=dev) if scales is not None else None,
             "idx": torch.empty((r, k), dtype=state.idx.dtype, device=dev),
@@ -237,7 +278,7 @@ class DeviceNormalPath:
         self.dev.poll()
         return out
 
-    def agree(self, what: str, handle, error: str | None) -> None:
+    def agree(self, what: str, handle: DispatchHandle, error: str | None) -> None:
         """The device form of ``agree_on_handle`` (one launch, one host read): the same errors, raised on every
         rank before any row moves; the buffer goes on."""
         from epkit.kernels.triton.ep_combine import agree
@@ -253,7 +294,10 @@ class DeviceNormalPath:
         heads = [[got[r], got[w + r], got[2 * w + r]] for r in range(w)]
         judge_agreement(self.ctx, what, heads, lambda src: self._slot_text("agree", src, 32))
 
-    def fused(self, x, topk_idx, topk_weights, alignment: int, error: str | None, biases, experts):
+    def fused(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, alignment: int,
+        error: str | None, biases: list[torch.Tensor], experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
         """``fused_moe`` on the kernels: dispatch (expanded, ``alignment``) -> ``experts(rows, m_indices)`` ->
         combine, with one host read (the dispatch's summary, which sizes the expert rows) and no host barrier;
         ``error``: the caller's validation failure (raised on every rank before any row moves)."""
@@ -262,7 +306,9 @@ class DeviceNormalPath:
         what = "fused_moe rejected on every rank before any row moved"
         recv, _, _, _, handle = self._dispatch(x, None, topk_idx, topk_weights, alignment, True, error, what)
         with self.ctx.retire_on_failure("fused_moe"):
-            y = experts(recv, handle.kernel_state.m)
+            state = handle.kernel_state
+            assert isinstance(recv, torch.Tensor) and state is not None and state.m is not None  # x only, expanded
+            y = experts(recv, state.m)
             # An exchange between the dispatch's rows and the combine's, which share memory: the agreement,
             # whose verdict is known (every handle is this call's) and so never read back.
             _, cgeo, _, agreed = self._geometries()
@@ -271,15 +317,19 @@ class DeviceNormalPath:
                   self.exchanges["agree"])  # fmt: skip
             return self._combine(y, handle, handle.recv_topk_weights, biases)
 
-    def _combine(self, y, handle, weights, biases) -> torch.Tensor:
+    def _combine(
+        self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor]
+    ) -> torch.Tensor:
         """``combine`` on the kernels after the agreement: expert side, then source side (two launches)."""
         from epkit.kernels.triton.ep_combine import combine_reduce, combine_send
 
         _, cgeo, _, _ = self._geometries()
         state = handle.kernel_state
+        assert state is not None  # a dispatch on the kernels made the handle (the agreement checked it)
         tail = self._geometries()[0].tail()
         y = y.contiguous()
         if handle.expand:
+            assert weights is not None  # the expanded mode's
             w = weights.float().to(self.ctx.device).contiguous()
             combine_send(cgeo, y, state.lay, tail, state.rows, handle.expanded_slot, w)
         else:

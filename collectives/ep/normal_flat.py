@@ -18,12 +18,15 @@ import torch
 from epkit.collectives.ep import routing
 from epkit.collectives.ep.agreement import agree_on_handle, agree_rows
 from epkit.collectives.ep.context import EPContext
-from epkit.collectives.ep.handles import DispatchHandle
+from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, Rows
 from epkit.collectives.ep.hier_rows import sum_by_host
 from epkit.collectives.ep.results import aligned_counts, expanded, finish_dispatch
-from epkit.collectives.ep.rows import align_up, check_formats, format_code, reduce_indexed
+from epkit.collectives.ep.rows import Bias, align_up, check_formats, format_code, reduce_indexed
 
 __all__ = ["FlatNormalPath"]
+
+#: Rows as ``_send_rows`` moves them: ``(x, scales or None, local ids int32, weights float32)``.
+_Fields = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
 
 
 class FlatNormalPath:
@@ -33,10 +36,13 @@ class FlatNormalPath:
     #: Whether dispatch and combine run as device kernels.
     on_device = False
 
-    def __init__(self, ctx: EPContext):
+    def __init__(self, ctx: EPContext) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
 
-    def dispatch(self, x, scales, topk_idx, topk_weights, alignment, expand: bool):
+    def dispatch(
+        self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
+        alignment: int, expand: bool,
+    ) -> DispatchResult:  # fmt: skip
         """Normal dispatch (see ``EPBuffer.dispatch``). The layout agreement tells each destination the row
         format, the rows and the rows per local expert it gets from here (or this rank's error: then every rank
         raises it); with result slots also the slot this rank's results take (-1: none free) and the rows this
@@ -48,7 +54,8 @@ class FlatNormalPath:
         slots = ctx.result_slots
         slot = slots.take() if slots is not None else -1
         try:
-            meta_rows, tokens = [], []
+            meta_rows: list[torch.Tensor] = []
+            tokens: list[torch.Tensor] = []
             if error is None:
                 # Routing metadata lives on the CPU (one copy of topk per call); rows stay on the buffer's device.
                 topk_idx = topk_idx.cpu()
@@ -65,7 +72,8 @@ class FlatNormalPath:
             got = agree_rows(ctx, error, meta_rows, 2 + L + (1 + w if slots is not None else 0))
             check_formats([int(g[0]) for g in got])
             recv_counts = [int(g[1]) for g in got]
-            place = matrix = None
+            place: tuple[list[int], list[int]] | None = None
+            matrix: torch.Tensor | None = None
             if slots is not None:
                 matrix = torch.stack([g[3 + L :] for g in got])  # [source, destination] rows
                 place = ([int(g[2 + L]) for g in got], matrix[:me].sum(0).tolist())
@@ -82,7 +90,7 @@ class FlatNormalPath:
         recv = (*recv[:2], recv[2].to(topk_idx.dtype), recv[3])
         return finish_dispatch(ctx, recv, tokens, recv_counts, x.shape[0], expand, alignment, None)
 
-    def dispatch_cached(self, x, scales, handle: DispatchHandle):
+    def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
         """A dispatch along an earlier one's routing (``handle``), after the handle agreement."""
         ctx, cfg = self.ctx, self.cfg
         error = routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
@@ -93,13 +101,16 @@ class FlatNormalPath:
             recv_x, recv_s, _, _ = self._send_rows(
                 x, scales, dummy_idx, dummy_w, handle.send_tokens, handle.recv_counts
             )
-        x_out = (recv_x, recv_s) if recv_s is not None else recv_x
+        x_out: Rows = (recv_x, recv_s) if recv_s is not None else recv_x
         if handle.expand:
+            assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
             x_out = expanded(ctx, recv_x, recv_s, handle.expanded_rows)
         aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
         return x_out, handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device), aligned, handle
 
-    def combine(self, y, handle: DispatchHandle, topk_weights, bias):
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias
+    ) -> torch.Tensor:
         """Combine (see ``EPBuffer.combine``): the handle agreement, then the rows."""
         ctx = self.ctx
         error, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
@@ -115,7 +126,11 @@ class FlatNormalPath:
         sent = getattr(self.ctx.buffer.impl, "bytes_sent", None) or []
         return sum(b for r, b in enumerate(sent) if host_of[r] != me)
 
-    def _pack(self, dst, t, x_bytes, s_bytes, ids, topk_weights, out_x, out_s, out_i, out_w):
+    def _pack(
+        self, dst: int, t: torch.Tensor, x_bytes: torch.Tensor, s_bytes: torch.Tensor | None, ids: torch.Tensor,
+        topk_weights: torch.Tensor, out_x: torch.Tensor, out_s: torch.Tensor | None, out_i: torch.Tensor,
+        out_w: torch.Tensor,
+    ) -> None:  # fmt: skip
         """The fields of the rows of tokens ``t`` for rank ``dst`` (x bytes, scale bytes, local ids int32 with
         -1 where the expert lives elsewhere, weights float32), written into the four given views."""
         L = self.cfg.num_local_experts
@@ -127,7 +142,10 @@ class FlatNormalPath:
         out_i.copy_(torch.where((loc >= 0) & (loc < L), loc, -1))
         out_w.copy_(topk_weights[t])  # the views may be on the rows' device; the routing is on the CPU
 
-    def _send_rows(self, x, scales, topk_idx, topk_weights, tokens, recv_counts, place=None):
+    def _send_rows(
+        self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+        tokens: list[torch.Tensor], recv_counts: list[int], place: tuple[list[int], list[int]] | None = None,
+    ) -> _Fields:  # fmt: skip
         """Move rows; returns (recv_x, recv_scales, recv_idx int32, recv_w float32), rows by source then token.
 
         Each peer's rows are written into its region (one copy) and copied out by it into the results (the
@@ -143,6 +161,7 @@ class FlatNormalPath:
         offs = [sum(recv_counts[:r]) for r in range(w + 1)]
         slots, starts = place if place is not None else ([-1] * w, None)
         if slots[me] >= 0:  # the senders write the x and scale rows straight into these
+            assert self.ctx.result_slots is not None  # the slot is one of them
             recv_x, recv_s = self.ctx.result_slots.results(slots[me], total, xb, sb)
         else:
             recv_x = self.ctx.host_empty((total, xb), torch.uint8)
@@ -150,18 +169,17 @@ class FlatNormalPath:
         recv_i = torch.empty((total, K), dtype=torch.int32)
         recv_w = torch.empty((total, K), dtype=torch.float32)
 
-        def blocks(n, slot):  # byte offsets of the field blocks of an n-row message, and its end
+        # byte offsets of the field blocks of an n-row message, and its end
+        def blocks(n: int, slot: int) -> tuple[int, int, int, int]:
             xw, sw = (0, 0) if slot >= 0 else (xb, sb)  # with a slot: the routing fields only
             o_s = align_up(n * xw)
             o_i = align_up(o_s + n * sw)
             o_w = align_up(o_i + n * 4 * K)
             return o_s, o_i, o_w, align_up(o_w + n * 4 * K)
 
-        def fields(buf_x, buf_s, buf_i, buf_w, lo, n):  # rows [lo, lo + n) of the results
-            s = buf_s[lo : lo + n] if buf_s is not None else None
-            return buf_x[lo : lo + n], s, buf_i[lo : lo + n], buf_w[lo : lo + n]
-
-        def in_region(v, n, slot):  # the field views of an n-row message in region (or view) v
+        def in_region(  # the field views of an n-row message in region (or view) v
+            v: torch.Tensor, n: int, slot: int
+        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
             o_s, o_i, o_w, _ = blocks(n, slot)
             s = v[o_s : o_s + n * sb].view(n, sb) if s_bytes is not None and slot < 0 else None
             i = v[o_i : o_i + n * 4 * K].view(torch.int32).view(n, K)
@@ -178,14 +196,16 @@ class FlatNormalPath:
             end = blocks(n, slots[dst])[3]
             o_x, o_s, o_i, o_w = in_region(ex.send_region(dst)[:end], n, slots[dst])
             if slots[dst] >= 0:  # x and scales into the peer's result
+                assert self.ctx.result_slots is not None and starts is not None  # the slot is one of them
                 o_x = self.ctx.result_slots.area(dst, slots[dst], 0, starts[dst], n, xb)
                 o_s = (
                     self.ctx.result_slots.area(dst, slots[dst], 1, starts[dst], n, sb) if s_bytes is not None else None
                 )
+            assert o_x is not None  # in the region, or in the peer's slot
             self._pack(dst, tokens[dst], x_bytes, s_bytes, ids, topk_weights, o_x, o_s, o_i, o_w)
             ex.commit(dst, end)
         if recv_counts[me]:
-            own = fields(recv_x, recv_s, recv_i, recv_w, offs[me], recv_counts[me])
+            own = _result_rows(recv_x, recv_s, recv_i, recv_w, offs[me], recv_counts[me])
             self._pack(me, tokens[me], x_bytes, s_bytes, ids, topk_weights, *own)
         sizes = [blocks(n, slots[me])[3] if n and src != me else 0 for src, n in enumerate(recv_counts)]
         views = ex.receive(sizes)
@@ -193,25 +213,31 @@ class FlatNormalPath:
             n = recv_counts[src]
             if n and src != me:
                 got = in_region(v, n, slots[me])
-                for out, part in zip(fields(recv_x, recv_s, recv_i, recv_w, offs[src], n), got):
+                for out, part in zip(_result_rows(recv_x, recv_s, recv_i, recv_w, offs[src], n), got):
                     if part is not None:
+                        assert out is not None  # a field that came has its place in the results
                         out.copy_(part)
         ex.release()
         recv_x = recv_x.view(x.dtype).view(total, h)
         recv_s = recv_s.view(torch.float32).view(total, sb // 4) if recv_s is not None else None
         return recv_x, recv_s, recv_i, recv_w
 
-    def _expert_side(self, out, y, handle: DispatchHandle, weights, lo: int, n: int) -> None:
+    def _expert_side(
+        self, out: torch.Tensor, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, lo: int, n: int
+    ) -> None:
         """Combine's expert side for received rows ``[lo, lo + n)`` (one source rank's): their rows of ``y``, or
         with ``expand`` the weighted sum over this rank's experts, written into ``out [n, hidden]``."""
         if not handle.expand:
             out.copy_(y[lo : lo + n])
             return
+        assert handle.expanded_slot is not None and weights is not None  # the expanded mode's
         slot = handle.expanded_slot[lo : lo + n]
         keep = torch.where(slot >= 0, 0, -1)
         reduce_indexed(out, [y], keep, slot.clamp(min=0), weights[lo : lo + n], portable=self.cfg.portable)
 
-    def _combine_rows(self, y, handle: DispatchHandle, weights, biases) -> torch.Tensor:
+    def _combine_rows(
+        self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor]
+    ) -> torch.Tensor:
         """Each source rank's rows written into its region; this rank's own read where they are (``y``, or the
         expert-side sum); then the source-side sum (:func:`~epkit.collectives.ep.hier_rows.sum_by_host`:
         ranks ascending on one host, ep_reference's two-level order on several)."""
@@ -247,3 +273,11 @@ class FlatNormalPath:
         )
         ex.release()
         return out
+
+
+def _result_rows(
+    buf_x: torch.Tensor, buf_s: torch.Tensor | None, buf_i: torch.Tensor, buf_w: torch.Tensor, lo: int, n: int
+) -> _Fields:
+    """Rows ``[lo, lo + n)`` of the results (``_send_rows``'s)."""
+    s = buf_s[lo : lo + n] if buf_s is not None else None
+    return buf_x[lo : lo + n], s, buf_i[lo : lo + n], buf_w[lo : lo + n]

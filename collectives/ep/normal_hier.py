@@ -49,22 +49,31 @@ agreements cross hosts too (per remote rank: ``8 * (4 + world_size) + META_MSG``
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from epkit.collectives.ep import routing
-from epkit.collectives.ep.agreement import agree_on_handle, agree_rows
+from epkit.collectives.ep.agreement import Meanwhile, agree_on_handle, agree_rows
+from epkit.collectives.ep.config import RegionSizes
 from epkit.collectives.ep.context import EPContext
-from epkit.collectives.ep.handles import DispatchHandle, HierRoute
-from epkit.collectives.ep.hier_forward import Forward
+from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, HierRoute, Rows
+from epkit.collectives.ep.hier_forward import Forward, Place
 from epkit.collectives.ep.hier_rows import field_offsets, last_sum_layout, rail_order, token_order
 from epkit.collectives.ep.result_slots import ResultSlots, result_slot_count
 from epkit.collectives.ep.results import aligned_counts, expanded, finish_dispatch
-from epkit.collectives.ep.rows import META_MSG, align_up, check_formats, format_code, reduce_indexed
+from epkit.collectives.ep.rows import META_MSG, Bias, align_up, check_formats, format_code, reduce_indexed
+from epkit.collectives.exchange import Exchange
 from epkit.collectives.symm_buffer import SymmBuffer
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["HierNormalPath", "Hierarchy", "flat_region"]
+
+#: A received rail message (``_rail_receive``): its field views, the row of each (None: as they are), the x rows
+#: received straight into this rank's result (None: none).
+_Message = tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]
 
 
 class RailCall(NamedTuple):
@@ -73,11 +82,11 @@ class RailCall(NamedTuple):
     rows its rail message begins with, received straight into this rank's result)."""
 
     matrix: torch.Tensor
-    place: list
+    place: Place
     k_in: list[int]
 
 
-def flat_region(sizes, hidden: int, num_topk: int, num_local_experts: int, n_ll: int) -> int:
+def flat_region(sizes: RegionSizes, hidden: int, num_topk: int, num_local_experts: int, n_ll: int) -> int:
     """Region bytes of a hierarchical buffer's flat ``torch`` buffer: the low-latency messages and the
     agreements only (normal-mode rows travel through ``rail`` and ``intra``)."""
     ll = sizes.low_latency + align_up(4 * (3 + num_local_experts)) + META_MSG
@@ -90,8 +99,16 @@ class Hierarchy:
     CPU rows, nvshmem for both on CUDA, where every rank of the group makes both buffers at once)."""
 
     def __init__(
-        self, group, hosts: list[list[int]], hidden: int, num_topk: int, n: int, timeout: float, parts, hint=""
-    ):
+        self,
+        group: ProcessGroup | None,
+        hosts: list[list[int]],
+        hidden: int,
+        num_topk: int,
+        n: int,
+        timeout: float,
+        parts: tuple[str, str, str],
+        hint: str = "",
+    ) -> None:
         from epkit.collectives.bootstrap import SubGroup, group_info
 
         rank = group_info(group)[0]
@@ -109,7 +126,7 @@ class Hierarchy:
         intra_bytes, count = self.per_host * self.intra_region, result_slot_count()
         #: Result slots in the ``intra`` buffer (``shm`` only): forwarders write x and scale rows straight into
         #: the receiver's result (``ep/result_slots``), as the senders of a flat ``shm`` buffer do.
-        self.result_slots = None
+        self.result_slots: ResultSlots | None = None
         if intra == "shm" and count:
             rows = self.num_hosts * self.per_host * n
             self.result_slots = ResultSlots(intra_bytes, count, rows, 4 * hidden, 4 * -(-hidden // 128))
@@ -135,7 +152,7 @@ class Hierarchy:
             self.intra.close()
             raise
 
-    def buffers(self):
+    def buffers(self) -> tuple[SymmBuffer, SymmBuffer]:
         return (self.intra, self.rail)
 
     def close(self) -> None:
@@ -150,17 +167,19 @@ class HierNormalPath:
     #: Whether dispatch and combine run as device kernels.
     on_device = False
 
-    def __init__(self, ctx: EPContext, hy: Hierarchy):
+    def __init__(self, ctx: EPContext, hy: Hierarchy) -> None:
         self.ctx, self.cfg, self.hy = ctx, ctx.cfg, hy
 
-    def combine(self, y, handle: DispatchHandle, topk_weights, bias):
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias
+    ) -> torch.Tensor:
         """Combine (see ``EPBuffer.combine``): the handle agreement, while it is under way the routing of the
         combine from the handle, then the rows."""
         ctx = self.ctx
         error, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
-        plan: dict = {}  # the combine's routing, made from the handle while the agreement is under way
+        plan: dict[str, Any] = {}  # the combine's routing, made from the handle while the agreement is under way
 
-        def prepare():
+        def prepare() -> None:
             try:
                 self._combine_plan(handle, plan)
             except Exception:  # noqa: BLE001 -- a handle the agreement rejects; a valid one's plan is made again
@@ -177,11 +196,15 @@ class HierNormalPath:
         with a signal on ``nvshmem`` (its peer views stay inside a domain)."""
         host_of = {r: h for h, g in enumerate(self.cfg.hosts) for r in g}
         me = host_of[self.cfg.rank]
-        sent = getattr(self.ctx.buffer.impl, "bytes_sent", None) or []
+        sent: list[int] = getattr(self.ctx.buffer.impl, "bytes_sent", None) or []
         total = sum(b for r, b in enumerate(sent) if host_of[r] != me)
-        return total + sum(self.hy.rail.impl.bytes_sent)  # its own slot (a local copy) stays 0
+        rail_sent: list[int] = self.hy.rail.impl.bytes_sent  # type: ignore[attr-defined]  # torch, nvshmem: both count
+        return total + sum(rail_sent)  # its own slot (a local copy) stays 0
 
-    def dispatch(self, x, scales, topk_idx, topk_weights, alignment, expand: bool):
+    def dispatch(
+        self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
+        alignment: int, expand: bool,
+    ) -> DispatchResult:  # fmt: skip
         """Normal dispatch through the hierarchy (see ``EPBuffer.dispatch``). On a two-sided rail (``torch``) the rail
         messages are staged while the layout agreement is under way; nothing leaves the rank before it, and a
         rejected call drops them."""
@@ -189,21 +212,25 @@ class HierNormalPath:
         w, me = cfg.world_size, cfg.rank
         ctx.dispatches += 1  # on every rank at every call, rejected ones too: the ranks' handles stay comparable
         error = routing.dispatch_error(cfg, ctx.device, x, scales, topk_idx, topk_weights, alignment, False)
-        rows, state, cols, masks = [], HierRoute(), None, None
+        rows: list[torch.Tensor] = []
+        state = HierRoute()
+        cols: list[torch.Tensor] | None = None
+        masks: list[torch.Tensor | None] | None = None
         slots = hy.result_slots
-        slot, rail = (slots.take() if slots is not None else -1), None
-        failed = []  # the staging's failure: raised once every rank has the agreement's verdict
+        slot = slots.take() if slots is not None else -1
+        rail: Exchange | None = None
+        failed: list[Exception] = []  # the staging's failure: raised once every rank has the agreement's verdict
         try:  # until the agreement no row moves: the slot was never written, whatever fails
             rail = None if hy.rail.impl.direct else hy.rail.exchange(hy.rail_region, tag="dispatch rail")
             if error is None:
                 topk_idx = topk_idx.cpu()
                 weights = torch.zeros(topk_idx.shape) if topk_weights is None else topk_weights.cpu()
-                per_rank, _, in_rank = routing.dispatch_layout(cfg, topk_idx)
+                rank_counts, _, in_rank = routing.dispatch_layout(cfg, topk_idx)
                 in_host = torch.stack([in_rank[:, g].any(1) for g in hy.hosts], 1)
                 tokens = [in_rank[:, r].nonzero().flatten() for r in range(w)]
                 state.in_host = in_host
                 fmt = format_code(x.dtype, scales is not None)
-                per_rank, per_host = per_rank.tolist(), in_host.sum(0).tolist()
+                per_rank, per_host = rank_counts.tolist(), in_host.sum(0).tolist()
                 rows = [torch.tensor([fmt, per_rank[r], per_host[hy.host_of[r]], slot, *per_rank]) for r in range(w)]
                 cols = self._cols(x, scales, (topk_idx.to(torch.int32), weights.float()))
                 k_out = [
@@ -214,8 +241,9 @@ class HierNormalPath:
                     order, masks[H] = rail_order(in_host[:, H], in_rank[:, g[hy.local]], 0 < k_out[H] < per_host[H])
                     state.host_tokens.append(order)
 
-            def stage():
+            def stage() -> None:
                 try:
+                    assert rail is not None and cols is not None  # passed only then
                     self._stage(rail, cols, state, k_out, masks)
                 except Exception as exc:  # noqa: BLE001 -- after the verdict, so that every rank learns of it
                     failed.append(exc)
@@ -237,12 +265,14 @@ class HierNormalPath:
             call = self._route(got, state, rail is not None)
             if call.matrix[:, me].tolist() != recv_counts:
                 raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
+            assert cols is not None  # the call was valid on every rank: its fields were made
             recv_x, recv_s, recv_i, recv_w = self._move(cols, x.dtype, scales, state, recv_counts, call, rail)
+        assert recv_i is not None and recv_w is not None  # a dispatch's fields carry the routing
         recv_i, recv_w = recv_i.cpu().to(topk_idx.dtype), recv_w.cpu()  # the routing stays on the host
         recv = (recv_x, recv_s, recv_i, recv_w)
         return finish_dispatch(ctx, recv, tokens, recv_counts, x.shape[0], expand, alignment, state)
 
-    def _route(self, got, state: HierRoute, split: bool) -> RailCall:
+    def _route(self, got: list[torch.Tensor], state: HierRoute, split: bool) -> RailCall:
         """After the layout agreement (``got``): the call's ``matrix`` ([source, destination] rows), ``place`` (per
         rank of this host: its result slot, -1: none, and the rows each source sends it) and ``k_in`` (per host, the
         x rows its rail message begins with, received straight into this rank's result: its own; ``split``: the
@@ -255,21 +285,25 @@ class HierNormalPath:
         k_in = [int(matrix[r, self.cfg.rank]) if split and hy.host != H else 0 for H, r in enumerate(hy.rail_ranks)]
         return RailCall(matrix, place, k_in)
 
-    def dispatch_cached(self, x, scales, handle: DispatchHandle):
+    def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
         """A dispatch along an earlier one's routing (``handle``): rows and scales only cross hosts."""
         ctx, cfg = self.ctx, self.cfg
         error = routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
         agree_on_handle(ctx, "cached dispatch", handle, error)  # a handle of another buffer is rejected here
         with ctx.retire_on_failure("cached dispatch"):
             cols = self._cols(x, scales, None)
+            assert handle.hier is not None  # the agreement found it this buffer's: a hierarchical dispatch's
             recv_x, recv_s, _, _ = self._move(cols, x.dtype, scales, handle.hier, handle.recv_counts)
-        x_out = recv_x if recv_s is None else (recv_x, recv_s)
+        x_out: Rows = recv_x if recv_s is None else (recv_x, recv_s)
         if handle.expand:
+            assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
             x_out = expanded(ctx, recv_x, recv_s, handle.expanded_rows)
         aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
         return x_out, handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device), aligned, handle
 
-    def _cols(self, x, scales, meta) -> list[torch.Tensor]:
+    def _cols(
+        self, x: torch.Tensor, scales: torch.Tensor | None, meta: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> list[torch.Tensor]:
         """The fields of a rail message, as ``[T, width]`` uint8 views: the rows, their FP8 scales, and for a dispatch
         (``meta``: global ids int32, weights float32 ``[T, K]``) the routing, in the rows' memory."""
         xb = x.element_size() * self.cfg.hidden
@@ -282,7 +316,10 @@ class HierNormalPath:
             ]
         return cols
 
-    def _move(self, cols, dtype, scales, state: HierRoute, recv_counts: list[int], call=None, rail=None):
+    def _move(
+        self, cols: list[torch.Tensor], dtype: torch.dtype, scales: torch.Tensor | None, state: HierRoute,
+        recv_counts: list[int], call: RailCall | None = None, rail: Exchange | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """Rows over the rail, then forwarded inside the host. ``cols``: ``_hier_cols``'s (with the routing for a
         dispatch, which is then found from it and stored in ``state``; without for a cached dispatch, whose
         ``state`` holds it); ``call``: ``_hier_route``'s (None: no result slots, no rows straight into a result);
@@ -290,14 +327,15 @@ class HierNormalPath:
         recv_scales, recv_idx int32, recv_w) in the flat order (the last two None without the routing)."""
         h, K, hy = self.cfg.hidden, self.cfg.num_topk, self.hy
         meta = len(cols) - (scales is not None) > 1
-        widths, fw = [c.shape[1] for c in cols], []
+        widths = [c.shape[1] for c in cols]
+        fw: list[Forward] = []
         if meta:
             state.hit = [None] * hy.num_hosts
         if rail is None:
             rail = hy.rail.exchange(hy.rail_region, tag="dispatch rail")
             self._stage(rail, cols, state, [0] * hy.num_hosts, None)
 
-        def own_host():  # while the rail messages arrive: this host's own tokens, to every rank of the host
+        def own_host() -> None:  # while the rail messages arrive: this host's own tokens, to every rank of the host
             here = hy.host
             if meta:
                 state.hit[here] = self._hits(cols, state.host_tokens[here])
@@ -324,7 +362,7 @@ class HierNormalPath:
         recv_i, recv_w = (outs[-2 + i].view(dt).view(total, K) for i, dt in enumerate((torch.int32, torch.float32)))
         return recv_x, recv_s, recv_i, recv_w
 
-    def _rail_layout(self, widths: list[int], n: int, k: int):
+    def _rail_layout(self, widths: list[int], n: int, k: int) -> tuple[list[int], int, list[int]]:
         """A rail message of ``n`` rows whose first part is the x rows of ``k`` (``rail_order``): the byte offsets of
         the field blocks after it (fewer x rows by ``k``; the mask last when ``0 < k < n``), its bytes, and the
         rows of each block."""
@@ -333,7 +371,10 @@ class HierNormalPath:
         offs, end = field_offsets(rows, widths + ([-(-n // 8)] if mask else []))
         return offs, end, rows
 
-    def _stage(self, ex, cols, state: HierRoute, k_out: list[int], masks) -> None:
+    def _stage(
+        self, ex: Exchange, cols: list[torch.Tensor], state: HierRoute, k_out: list[int],
+        masks: list[torch.Tensor | None] | None,
+    ) -> None:  # fmt: skip
         """Each other host's tokens (``state.host_tokens``, in their message's order) for this rank's rail peer
         there, every field block by index_select into the staging region, and committed (a two-sided exchange sends
         nothing before its receive); this host's own tokens take no message (they are read where they are). A
@@ -355,28 +396,35 @@ class HierNormalPath:
                 for c, wd, o, m in zip(cols, widths, offs, rows):
                     torch.index_select(c, 0, t[n - m :], out=body[o : o + m * wd].view(m, wd))
                 if 0 < k < n:
-                    body[offs[-1] : offs[-1] + masks[H].numel()].copy_(masks[H])
+                    mask = masks[H] if masks is not None else None
+                    assert mask is not None  # a split message has its mask
+                    body[offs[-1] : offs[-1] + mask.numel()].copy_(mask)
             ex.commit(H, k * xb + end if n else 0, split=k * xb)
         ex.commit(here, 0)
 
-    def _rail_receive(self, ex, cols, widths: list[int], state: HierRoute, call, meanwhile):
+    def _rail_receive(
+        self, ex: Exchange, cols: list[torch.Tensor], widths: list[int], state: HierRoute, call: RailCall | None,
+        meanwhile: Meanwhile,
+    ) -> list[_Message]:  # fmt: skip
         """The staged rail exchange's messages (``meanwhile`` run while they move). Returns, per rail peer, ``(fields,
         rows, head)``: the received field views (``[rows, width]`` uint8 each; the x field without the rows in
         ``head``), None, and the x rows received straight into this rank's result (its slot; without one, memory
         of its own) or None; for this host the sender's fields, the row of each, None."""
         hy = self.hy
         N, here, xb = hy.num_hosts, hy.host, widths[0]
-        k_in, counts, heads = call.k_in if call is not None else [0] * N, state.rail_counts, [None] * N
+        k_in, counts = call.k_in if call is not None else [0] * N, state.rail_counts
+        heads: list[torch.Tensor | None] = [None] * N
         for H, k in enumerate(k_in):
-            slot, rows_from = call.place[hy.local] if k else (-1, None)
+            slot, rows_from = call.place[hy.local] if call is not None and k else (-1, None)  # k > 0: from call
             if k and slot >= 0:  # where that source's rows start in this rank's result
+                assert hy.result_slots is not None and rows_from is not None  # the slot is one of them
                 heads[H] = hy.result_slots.area(hy.local, slot, 0, int(rows_from[: hy.rail_ranks[H]].sum()), k, xb)
             elif k:
                 heads[H] = self.ctx.host_empty((k, xb), torch.uint8)
         lays = [self._rail_layout(widths, n, k) for n, k in zip(counts, k_in)]
         sizes = [k * xb + lay[1] if n and here != H else 0 for H, (lay, n, k) in enumerate(zip(lays, counts, k_in))]
         views = ex.receive(sizes, into=[None if h is None else h.view(-1) for h in heads], meanwhile=meanwhile)
-        got = []
+        got: list[_Message] = []
         for H, (v, n, (offs, _, rows)) in enumerate(zip(views, counts, lays)):
             if here == H:
                 got.append((cols, state.host_tokens[H], None))
@@ -386,7 +434,7 @@ class HierNormalPath:
             got.append(([v[o : o + m * wd].view(m, wd) for o, wd, m in zip(offs, widths, rows)], None, heads[H]))
         return got
 
-    def _hits(self, fields_, rows) -> torch.Tensor:
+    def _hits(self, fields_: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
         """``[rows, P]`` bool: which ranks of this host hold one of each of a rail message's rows' experts
         (``fields_``, ``rows``: as in ``_hier_rail_receive``'s result)."""
         hy, K, L = self.hy, self.cfg.num_topk, self.cfg.num_local_experts
@@ -395,20 +443,21 @@ class HierNormalPath:
         rank_of = torch.where(ids >= 0, ids // L, -1)
         return torch.stack([(rank_of == r).any(1) for r in hy.hosts[hy.host]], 1).cpu()
 
-    def _forwarded_by(self, handle, lf: int) -> torch.Tensor:
+    def _forwarded_by(self, handle: DispatchHandle, lf: int) -> torch.Tensor:
         """The received rows (in the flat order) that rank ``lf`` of this host forwarded here: its rail's sources'."""
         starts = list(accumulate(handle.recv_counts, initial=0))
         return torch.cat([torch.arange(starts[g[lf]], starts[g[lf] + 1]) for g in self.hy.hosts])
 
-    def _combine_plan(self, handle, plan: dict) -> None:
+    def _combine_plan(self, handle: DispatchHandle, plan: dict[str, Any]) -> None:
         """The combine's routing, from the handle alone (run while the handle agreement is under way): ``order``, per
         rail peer ``(src_of, row_of)`` ``[rows, P]`` into the rows each rank of this host sends back (this rank's own:
         rows of ``y``, unless expanded), and ``last``, the last sum's terms (``last_sum_layout``)."""
         hy, st = self.hy, handle.hier
+        assert st is not None and st.in_host is not None  # a hierarchical dispatch's handle
         remap = None if handle.expand else self._forwarded_by(handle, hy.local)
         base = torch.zeros(hy.per_host, dtype=torch.int64)
         order = []
-        for hit, to in zip(st.hit, st.tok_order):  # each rank's rows came back in token order
+        for hit, to in zip(st.hits(), st.tok_order):  # each rank's rows came back in token order
             at = hit.long().cumsum(0) - 1 if to is None else hit.index_select(0, to).long().cumsum(0) - 1
             if to is not None:
                 at = torch.empty_like(at).index_copy_(0, to, at)  # to the message's order
@@ -421,7 +470,9 @@ class HierNormalPath:
         plan["order"] = order
         plan["last"] = last_sum_layout(st.in_host, hy.host, hy.per_host, own, st.host_tokens)
 
-    def _combine_intra(self, y, handle, weights):
+    def _combine_intra(
+        self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None
+    ) -> tuple[Exchange, list[torch.Tensor]]:
         """Combine's first step: each rank's rows (expanded: its partial per received row, its local experts, k
         ascending, cast) to the rank that forwarded them; returns the open exchange and, per rank of this host,
         the ``[rows, hidden]`` rows it sent back here in this rank's forwarding order (this rank's own: ``y``
@@ -430,12 +481,13 @@ class HierNormalPath:
         rb = h * y.element_size()
         ex = hy.intra.exchange(hy.intra_region, tag="combine intra")
         y_bytes = y.view(torch.uint8).view(-1, rb)
-        own = None
+        own: torch.Tensor | None = None
         for step in range(hy.per_host):
             lf = (hy.local + step) % hy.per_host
             rows = self._forwarded_by(handle, lf)
             m = rows.numel()
             if m and handle.expand:
+                assert handle.expanded_slot is not None and weights is not None  # the expanded mode's
                 out = self.ctx.host_empty((m, h), y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
                 slot = handle.expanded_slot[rows]
                 keep = torch.where(slot >= 0, 0, -1)
@@ -448,18 +500,23 @@ class HierNormalPath:
             elif lf == hy.local and not handle.expand:
                 own = y
             ex.commit(lf, 0 if lf == hy.local else m * rb)
-        hits = handle.hier.hit
+        assert handle.hier is not None  # a hierarchical dispatch's handle
+        hits = handle.hier.hits()
         sizes = [0 if lp == hy.local else int(sum(hit[:, lp].sum() for hit in hits)) * rb for lp in range(hy.per_host)]
         views = ex.receive(sizes)
         sources = [v.view(y.dtype).view(-1, h) for v in views]
         sources[hy.local] = own if own is not None else y[:0]
         return ex, sources
 
-    def _combine(self, y, handle, weights, biases, plan: dict | None = None) -> torch.Tensor:
+    def _combine(
+        self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor],
+        plan: dict[str, Any] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Rows back to their forwarders, host partials over the rail, the last sum at the source (the module
         docstring's order); ``weights``: the expanded mode's (None otherwise); ``plan``: ``_hier_combine_plan``'s
         (made here when empty)."""
         hy, st, h, N = self.hy, handle.hier, self.cfg.hidden, self.hy.num_hosts
+        assert st is not None  # a hierarchical dispatch's handle
         y = y.contiguous()
         rb = h * y.element_size()
         plan = plan if plan else {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from epkit.collectives.ep.config import EPConfig
 from epkit.collectives.ep.context import EPContext
@@ -27,6 +27,9 @@ from epkit.collectives.ep.normal_flat import FlatNormalPath
 from epkit.collectives.ep.normal_hier import Hierarchy, HierNormalPath, flat_region
 from epkit.collectives.ep.result_slots import ResultSlots, result_slot_count
 from epkit.collectives.symm_buffer import SymmBuffer
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["Paths", "TRANSPORTS", "nvshmem_domains", "open_paths", "plan_transport"]
 
@@ -45,7 +48,7 @@ class Paths(NamedTuple):
     low_latency: LowLatencyPath
 
 
-def nvshmem_domains(group, timeout: float) -> list[list[int]]:
+def nvshmem_domains(group: ProcessGroup | None, timeout: float) -> list[list[int]]:
     """The group's NVLink domains (collective over ``group``): the ranks each rank reaches directly through
     NVSHMEM (``nvshmem_ptr`` of a small probe allocation, freed again), gathered; ascending lists, by first rank.
     When those sets are not a partition (a rank that reaches a peer which does not reach it back, or reaches a
@@ -56,7 +59,8 @@ def nvshmem_domains(group, timeout: float) -> list[list[int]]:
 
     probe = SymmBuffer(group, 0, transport="nvshmem", num_signals=0, timeout=timeout)
     try:
-        reach = [r for r, addr in enumerate(probe.impl.peer_data) if addr]
+        peer_data: list[int] = probe.impl.peer_data  # type: ignore[attr-defined]  # nvshmem's (the base lacks it)
+        reach = [r for r, addr in enumerate(peer_data) if addr]
     finally:
         probe.close()
     sets = [tuple(s) for s in Rendezvous(group, timeout, "EPBuffer domain probe").gather("reach", reach)]
@@ -65,7 +69,7 @@ def nvshmem_domains(group, timeout: float) -> list[list[int]]:
     return [list(s) for s in sorted(set(sets))]
 
 
-def plan_transport(group, transport: str, timeout: float) -> tuple[str, list[list[int]], str]:
+def plan_transport(group: ProcessGroup | None, transport: str, timeout: float) -> tuple[str, list[list[int]], str]:
     """``(transport, hosts, rows)`` for an EPBuffer on ``group`` asking for ``transport``; collective over the group.
     ``rows``: ``"cpu"`` or ``"cuda"``, the kind of ranks (the key of :data:`PARTS` a hierarchy is made of).
 
@@ -104,7 +108,7 @@ def plan_transport(group, transport: str, timeout: float) -> tuple[str, list[lis
     return (HIERARCHICAL if len({len(g) for g in hosts}) == 1 else "torch"), hosts, "cpu"
 
 
-def open_paths(group, cfg: EPConfig, transport: str, kernels: str) -> Paths:
+def open_paths(group: ProcessGroup | None, cfg: EPConfig, transport: str, kernels: str) -> Paths:
     """Plan the transport (collective over ``group``), make the buffers and choose the paths. ``cfg`` without
     hosts (they are found here). Every buffer made is closed again if a later step fails."""
     if transport not in TRANSPORTS:

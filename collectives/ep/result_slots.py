@@ -25,10 +25,14 @@ slot, where the row's source starts (2 hosts x 2 ranks, 4096 tokens: ~6% of a di
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from epkit.collectives.ep.rows import align_up, leased_bytes
+
+if TYPE_CHECKING:
+    from epkit.collectives.symm_buffer import SymmBuffer
 
 __all__ = ["RESULT_SLOTS", "ResultSlots", "result_slot_count"]
 
@@ -69,7 +73,7 @@ class ResultSlots:
         self.slot_bytes = self.x_area + align_up(rows * s_bytes, 4096)
         self.nbytes = count * self.slot_bytes
         self._busy = [False] * count
-        self.buffer = None
+        self.buffer: SymmBuffer | None = None  # the buffer they are in: set by their maker before any call
 
     def take(self) -> int:
         """A slot no result uses (now reserved), or -1 when every one is held."""
@@ -88,14 +92,16 @@ class ResultSlots:
         """Rows ``[first, first + n)`` of field ``field`` (0: x, 1: scales) of rank ``rank``'s slot ``k``, as an
         ``[n, width]`` uint8 view of its memory (a peer's: one-sided writes)."""
         at = self.offset + k * self.slot_bytes + field * self.x_area + first * width
+        assert self.buffer is not None  # attached by the maker before any call
         return self.buffer.peer(rank)[at : at + n * width].view(n, width)
 
     def results(self, k: int, total: int, xb: int, sb: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's slot ``k`` as its results, ``[total, xb]`` and ``[total, sb]`` uint8 (None without scales);
         the slot comes back when the last tensor or view of either is freed."""
+        assert self.buffer is not None  # attached by the maker before any call
         hold = _Hold(self, k, self.buffer.local)
         base = self.buffer.local.data_ptr() + self.offset + k * self.slot_bytes
-        out = []
+        out: list[torch.Tensor | None] = []
         for at, width in ((0, xb), (self.x_area, sb)):
             if width == 0:
                 out.append(None)
@@ -105,6 +111,7 @@ class ResultSlots:
                 out.append(torch.empty((0, width), dtype=torch.uint8))
                 continue
             out.append(leased_bytes(base + at, nbytes, hold).view(total, width))
+        assert out[0] is not None  # xb > 0: every row has x bytes
         return out[0], out[1]
 
 
@@ -115,5 +122,5 @@ class _Hold:
     def __init__(self, slots: ResultSlots, k: int, memory: torch.Tensor):
         self.slots, self.k, self.memory = slots, k, memory
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.slots.give_back(self.k)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from epkit.collectives.ep.context import EPContext
-from epkit.collectives.ep.handles import DispatchHandle, HierRoute
+from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, HierRoute, Rows
 from epkit.collectives.ep.rows import expanded_layout
 
 __all__ = ["aligned_counts", "expanded", "finish_dispatch"]
@@ -19,7 +19,7 @@ def aligned_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int) 
     return [int(-(-c // alignment) * alignment) for c in counts]
 
 
-def expanded(ctx: EPContext, recv_x, recv_s, rows: torch.Tensor):
+def expanded(ctx: EPContext, recv_x: torch.Tensor, recv_s: torch.Tensor | None, rows: torch.Tensor) -> Rows:
     """The expanded rows (``rows``: received row per expanded row, -1 = a zero padding row), as dispatch
     returns them: ``x`` or ``(x, scales)``."""
     from epkit.gather import gather_rows
@@ -34,8 +34,15 @@ def expanded(ctx: EPContext, recv_x, recv_s, rows: torch.Tensor):
 
 
 def finish_dispatch(
-    ctx: EPContext, recv, tokens, recv_counts, num_tokens: int, expand: bool, alignment: int, hier: HierRoute | None
-):
+    ctx: EPContext,
+    recv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    tokens: list[torch.Tensor],
+    recv_counts: list[int],
+    num_tokens: int,
+    expand: bool,
+    alignment: int,
+    hier: HierRoute | None,
+) -> DispatchResult:
     """Dispatch's results from the received ``(x, scales or None, local ids, weights)`` (rows by source, then
     source token): counts the load, expands if asked, makes the handle."""
     recv_x, recv_scales, recv_idx, recv_w = recv
@@ -43,8 +50,9 @@ def finish_dispatch(
     counts = torch.bincount(recv_idx.reshape(-1).long() + 1, minlength=L + 1)[1:]  # bin 0: the -1 entries
     ctx.recv_tokens_per_expert_total += counts
     aligned = [int(-(-c // alignment) * alignment) for c in counts.tolist()]
-    rows = slot = None
-    x_out = (recv_x, recv_scales) if recv_scales is not None else recv_x
+    rows: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+    x_out: Rows = (recv_x, recv_scales) if recv_scales is not None else recv_x
     if expand:
         rows, slot = expanded_layout(recv_idx, counts, alignment)
         x_out = expanded(ctx, recv_x, recv_scales, rows)

@@ -10,7 +10,9 @@ from epkit.collectives.ep import ll_out
 from epkit.collectives.ep.agreement import error_text
 from epkit.collectives.ep.config import EPConfig
 from epkit.collectives.ep.handles import DispatchHandle
-from epkit.collectives.ep.rows import check_biases
+from epkit.collectives.ep.ll_layout import LowLatencyHandle
+from epkit.collectives.ep.ll_out import LLOut
+from epkit.collectives.ep.rows import Bias, check_biases
 from epkit.kernels.triton.ep_layout import check_aligned
 from epkit.utils import check_topk_idx
 
@@ -26,13 +28,22 @@ __all__ = [
 ]
 
 
-def check_topk(cfg: EPConfig, topk_idx, num_tokens: int, check_values: bool = True) -> None:
+def check_topk(cfg: EPConfig, topk_idx: torch.Tensor, num_tokens: int, check_values: bool = True) -> None:
     check_topk_idx(topk_idx, cfg.num_experts, cfg.num_topk, check_values)
     if topk_idx.shape[0] != num_tokens:
         raise ValueError(f"topk_idx has shape {tuple(topk_idx.shape)}, expected ({num_tokens}, {cfg.num_topk})")
 
 
-def validate_dispatch(cfg: EPConfig, device, x, scales, topk_idx, topk_weights, capacity: int, check_values=True):
+def validate_dispatch(
+    cfg: EPConfig,
+    device: torch.device,
+    x: torch.Tensor,
+    scales: torch.Tensor | None,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    capacity: int,
+    check_values: bool = True,
+) -> None:
     """Raise ValueError for dispatch inputs a buffer of ``cfg`` moving rows on ``device`` cannot take.
     ``check_values=False`` leaves the expert ids' range to the caller (the device kernels check it on the device:
     no host read).
@@ -60,7 +71,10 @@ def validate_dispatch(cfg: EPConfig, device, x, scales, topk_idx, topk_weights, 
         raise ValueError(f"topk_weights must be [{t}, {cfg.num_topk}], got {tuple(topk_weights.shape)}")
 
 
-def dispatch_error(cfg: EPConfig, device, x, scales, topk_idx, topk_weights, alignment, on_device: bool):
+def dispatch_error(
+    cfg: EPConfig, device: torch.device, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None, alignment: int, on_device: bool,
+) -> str | None:  # fmt: skip
     """A dispatch's verdict on its own inputs: the error text every rank is to raise, or None. ``on_device``: the
     device kernels check the expert ids on the device, and need 16-byte aligned rows."""
     try:
@@ -76,7 +90,9 @@ def dispatch_error(cfg: EPConfig, device, x, scales, topk_idx, topk_weights, ali
     return None
 
 
-def cached_dispatch_error(cfg: EPConfig, device, x, scales, handle) -> str | None:
+def cached_dispatch_error(
+    cfg: EPConfig, device: torch.device, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle
+) -> str | None:
     """A cached dispatch's verdict on its own inputs (``x`` and ``scales`` as a dispatch takes them, as many tokens
     as the handle's dispatch had): the error text, or None."""
     try:
@@ -93,16 +109,29 @@ def cached_dispatch_error(cfg: EPConfig, device, x, scales, handle) -> str | Non
     return None
 
 
-def check_combine(cfg: EPConfig, device, y, handle, topk_weights, bias, on_device: bool):
+def check_combine(
+    cfg: EPConfig,
+    device: torch.device,
+    y: torch.Tensor,
+    handle: DispatchHandle,
+    topk_weights: torch.Tensor | None,
+    bias: Bias,
+    on_device: bool,
+) -> tuple[str | None, list[torch.Tensor], torch.Tensor | None]:
     """A combine's verdict on its own inputs: ``(error text or None, biases, weights)`` (the biases as a list, the
     expanded mode's weights, else None)."""
     h = cfg.hidden
-    biases, weights = [], None
+    biases: list[torch.Tensor] = []
+    weights: torch.Tensor | None = None
     try:
         if not isinstance(handle, DispatchHandle):
             raise ValueError(f"handle must be the DispatchHandle of a dispatch, got {type(handle).__name__}")
         biases = check_biases(bias, handle.num_tokens, h)
-        want_rows = handle.expanded_rows.numel() if handle.expand else sum(handle.recv_counts)
+        if handle.expand:
+            assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
+            want_rows = handle.expanded_rows.numel()
+        else:
+            want_rows = sum(handle.recv_counts)
         if (
             not isinstance(y, torch.Tensor)
             or y.dim() != 2
@@ -128,7 +157,7 @@ def check_combine(cfg: EPConfig, device, y, handle, topk_weights, bias, on_devic
     return None, biases, weights
 
 
-def dispatch_layout(cfg: EPConfig, topk_idx: torch.Tensor):
+def dispatch_layout(cfg: EPConfig, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(num_tokens_per_rank [W] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool)`` on
     ``topk_idx``'s device. Entries of -1 are skipped; a token counts once per rank however many of its experts
     live there."""
@@ -147,7 +176,16 @@ def dispatch_layout(cfg: EPConfig, topk_idx: torch.Tensor):
     return per_rank.to(dev), per_expert.to(dev), in_rank.to(dev)
 
 
-def check_ll_dispatch(cfg: EPConfig, device, x, topk_idx, n_max: int, use_fp8: bool, out, stream_ordered: bool):
+def check_ll_dispatch(
+    cfg: EPConfig,
+    device: torch.device,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    n_max: int,
+    use_fp8: bool,
+    out: LLOut,
+    stream_ordered: bool,
+) -> None:
     """A low-latency dispatch's checks that need no data (every path), then, on a host-checked path (not
     ``stream_ordered``), the expert ids' range."""
     h, cap = cfg.hidden, cfg.num_max_dispatch_tokens_per_rank
@@ -175,7 +213,17 @@ def check_ll_dispatch(cfg: EPConfig, device, x, topk_idx, n_max: int, use_fp8: b
         check_topk(cfg, topk_idx, x.shape[0])
 
 
-def check_ll_combine(cfg: EPConfig, device, y, topk_idx, topk_weights, handle, out, stream_ordered, on_device):
+def check_ll_combine(
+    cfg: EPConfig,
+    device: torch.device,
+    y: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    handle: LowLatencyHandle,
+    out: torch.Tensor | None,
+    stream_ordered: bool,
+    on_device: bool,
+) -> None:
     """A low-latency combine's local checks (ValueError): ``y`` in the dispatch's masked layout, the routing of the
     handle's size, ``out`` if given; ``stream_ordered``: the weights on ``device``; ``on_device``: the device kernels
     need 16-byte aligned rows."""

@@ -12,10 +12,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import math
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
 __all__ = [
+    "Bias",
     "FIELD_ALIGN",
     "META_MSG",
     "ROW_DTYPES",
@@ -44,6 +47,8 @@ FIELD_ALIGN = 16
 #: Row dtypes dispatch moves, in the order of the format codes its layout exchange carries.
 ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+#: What combine takes as ``bias``: a ``[T, hidden]`` tensor, up to two of them, or None.
+Bias = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | None
 
 
 def check_formats(formats: list[int]) -> None:
@@ -61,12 +66,15 @@ def format_code(dtype: torch.dtype, has_scales: bool) -> int:
     return 1 + 2 * ROW_DTYPES.index(dtype) + int(has_scales)
 
 
-def align_up(n: int, a: int = FIELD_ALIGN) -> int:
-    """``n`` rounded up to a multiple of ``a``."""
+_Size = TypeVar("_Size", int, torch.Tensor)
+
+
+def align_up(n: _Size, a: int = FIELD_ALIGN) -> _Size:
+    """``n`` rounded up to a multiple of ``a`` (elementwise for a tensor)."""
     return -(-n // a) * a
 
 
-def device_table(cache: dict, values: list[int], device: torch.device) -> torch.Tensor:
+def device_table(cache: dict[tuple[int, ...], torch.Tensor], values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``, cached in ``cache`` by value: the regions of a buffer do
     not move, so the upload (non-blocking, from pinned memory) happens once and no call reads the host."""
     key = tuple(values)
@@ -99,7 +107,7 @@ def reduce_rows(
     addrs: torch.Tensor,
     src_dtype: torch.dtype,
     weights: torch.Tensor | None = None,
-    biases: list[torch.Tensor] = (),
+    biases: Sequence[torch.Tensor] = (),
     groups: list[int] | None = None,
 ) -> torch.Tensor:
     """``out[t] = cast(sum_k (w[t, k] *) row(addrs[t, k]) + sum biases)`` in float32, k ascending.
@@ -152,7 +160,7 @@ def _group_ends(groups: list[int] | None, k: int) -> torch.Tensor | None:
     return ends
 
 
-def _fused_ok(out: torch.Tensor, src_dtype: torch.dtype, biases) -> bool:
+def _fused_ok(out: torch.Tensor, src_dtype: torch.dtype, biases: Sequence[torch.Tensor]) -> bool:
     """Whether epkit._C.reduce_rows takes these dtypes (one bias dtype) and layout."""
     bias_dtypes = {b.dtype for b in biases}
     return (
@@ -178,7 +186,7 @@ def reduce_indexed(
     src_of: torch.Tensor,
     row_of: torch.Tensor,
     weights: torch.Tensor | None = None,
-    biases: list[torch.Tensor] = (),
+    biases: Sequence[torch.Tensor] = (),
     groups: list[int] | None = None,
     portable: bool = False,
 ) -> torch.Tensor:
@@ -234,6 +242,7 @@ def reduce_indexed(
                 rows = w_d[sel, k].unsqueeze(1) * rows
             acc.index_add_(0, sel, rows)  # one row per (t, k): a plain, ordered add
         if ends is not None and ends[k]:  # the group's partial, in out's dtype, joins the groups' sum
+            assert total is not None  # made whenever ends is
             had = (src_of_d[:, start : k + 1] >= 0).any(1).nonzero().flatten()
             total.index_add_(0, had, acc[had].to(out.dtype).float())
             acc.zero_()
@@ -300,7 +309,7 @@ def reduce_gathered(
     return acc
 
 
-def check_biases(bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:
+def check_biases(bias: Bias, num_tokens: int, hidden: int) -> list[torch.Tensor]:
     """``bias`` as a list of at most two ``[num_tokens, hidden]`` tensors (the fused reduction reads T*H of each)."""
     biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
     if len(biases) > 2:
@@ -407,7 +416,7 @@ def leased_bytes(address: int, nbytes: int, lease: object) -> torch.Tensor:
     last tensor or view over it is freed (it owns a ctypes array, which ``torch.frombuffer`` keeps alive): the
     lease's ``__del__`` says the memory is free again, and any reference it keeps keeps the memory valid."""
     arr = (ctypes.c_uint8 * nbytes).from_address(address)
-    arr._epkit_lease = lease
+    arr._epkit_lease = lease  # type: ignore[attr-defined]  # a ctypes array takes any attribute; its stub lists none
     return torch.frombuffer(arr, dtype=torch.uint8)
 
 
@@ -417,7 +426,7 @@ class _Lease:
     def __init__(self, pool: RowPool, block: torch.Tensor):
         self.pool, self.block = pool, block
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.pool.give_back(self.block)
 
 
@@ -425,7 +434,7 @@ def sum_by_source(
     out: torch.Tensor,
     sources: list[torch.Tensor],
     send_tokens: list[torch.Tensor],
-    biases: list[torch.Tensor] = (),
+    biases: Sequence[torch.Tensor] = (),
     portable: bool = False,
 ) -> torch.Tensor:
     """Combine's source side: ``out[t] = cast(sum_r sources[r][i] + sum biases)`` in float32, ranks r ascending,
