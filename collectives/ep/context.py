@@ -45,13 +45,13 @@ class EPContext:
     #: The pool of the tensors low-latency calls return (``ll_out``).
     ll_outputs: Pool = field(default_factory=dict)
 
+    #: Where rows live (the buffer's memory when made: a closed buffer's ``local`` is an empty CPU tensor).
+    device: torch.device = field(init=False)
+
     def __post_init__(self) -> None:
         counts = torch.zeros(self.cfg.num_local_experts, dtype=torch.int64)
         self.recv_tokens_per_expert_total = mark_host_memory(counts)
-
-    @property
-    def device(self) -> torch.device:
-        return self.buffer.local.device
+        self.device = self.buffer.local.device
 
     def all_buffers(self) -> tuple[SymmBuffer, ...]:
         return (self.buffer, *self.sub_buffers)
