@@ -98,6 +98,8 @@ class EPBuffer:
         The transport's name (the hierarchy's: ``"hierarchical(shm+torch)"``, ``"hierarchical(nvshmem+nvshmem)"``).
     hosts : list of list of int
         The group's ranks by host (NVLink domain for CUDA ranks; one list on one host); picks the combine order.
+    paths : tuple of str
+        The normal-mode and low-latency paths the planner chose (``ep/planner.py``'s table), by class name.
     result_slots : ResultSlots or None
         On ``shm`` (host kernels): where the senders of a normal dispatch write its x and scale rows straight into
         this rank's results (``ep/result_slots.py``: 2 slots of every row a rank can receive, past the
@@ -149,6 +151,12 @@ class EPBuffer:
         low-latency calls on CUDA rows count on the device instead (no host read): read the total, both
         included, with :meth:`take_expert_load`."""
         return self._ctx.recv_tokens_per_expert_total
+
+    @property
+    def paths(self) -> tuple[str, str]:
+        """The paths the planner chose at construction (``ep/planner.py``), by class name: the normal mode's and the
+        low-latency mode's, e.g. ``("FlatNormalPath", "HostLowLatencyPath")``; they do not change afterwards."""
+        return type(self._normal).__name__, type(self._ll).__name__
 
     @property
     def uses_device_kernels(self) -> bool:
