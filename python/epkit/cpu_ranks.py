@@ -3,9 +3,9 @@
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes; rank r
 calls ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``
 and sends back its return value. The processes are forked from a
-multiprocessing fork server that has imported torch (once per parent
-process), not spawned: a spawned rank spends about 2 s importing torch,
-most of a small test's time. A rank still starts as a fresh interpreter
+multiprocessing fork server that has imported torch and its compiler
+front end (once per parent process; see ``_PRELOAD``), not spawned: a
+spawned rank spends about 3 s importing them, most of a small test's time. A rank still starts as a fresh interpreter
 would for everything else: it gets the parent's environment, working
 directory, stdout and stderr as they are at the call, and imports ``fn``'s
 module after taking that environment (epkit's own modules read the
@@ -53,9 +53,12 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} raised {exc_type}:\n{tb}")
 
 
-#: What the fork server imports before forking ranks: torch only. Modules that read the environment at import
-#: (epkit's, triton's) are imported by each rank after it has taken the parent's environment.
-_PRELOAD = ["torch", "torch.distributed"]
+#: What the fork server imports before forking ranks: torch, and torch._dynamo, which the first call of any custom
+#: op imports (with sympy and triton: ~1.7 s of CPU per rank, a third of the EP tests' time before it was
+#: preloaded). Triton reads its settings (TRITON_INTERPRET, the cache directory) when they are used, not at import;
+#: torch's compiler settings read at import (TORCHDYNAMO_*, TORCHINDUCTOR_*) are the parent's as they were when
+#: the server started. epkit's modules are imported by each rank after it has taken the parent's environment.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def start_context():
