@@ -12,4 +12,4 @@ for f in python/epkit/*; do ln -s "$PWD/$f" "$root/epkit/"; done
 ln -s "$PWD/collectives" "$root/epkit/collectives"
 ln -s "$PWD/kernels" "$root/epkit/kernels"
 cd "$root"
-mypy --config-file "$OLDPWD/pyproject.toml" -p epkit.collectives.ep
+mypy --config-file "$OLDPWD/pyproject.toml" -p epkit.collectives.ep -p epkit.compat

@@ -26,6 +26,7 @@ Also here: :func:`gpu_load` and :func:`imbalance` to score a placement, and
 from __future__ import annotations
 
 import heapq
+from typing import Literal, overload
 
 import torch
 
@@ -212,6 +213,23 @@ def rebalance_experts_hierarchical(
     return _hierarchical(w, num_physical_experts, num_groups, num_nodes, num_gpus)
 
 
+# fmt: off
+@overload
+def rebalance_experts(
+    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
+    old_global_expert_indices: torch.Tensor | None = None, *, return_num_moved: Literal[False] = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def rebalance_experts(
+    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
+    old_global_expert_indices: torch.Tensor | None = None, *, return_num_moved: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def rebalance_experts(
+    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
+    old_global_expert_indices: torch.Tensor | None = None, *, return_num_moved: bool = False,
+) -> tuple[torch.Tensor, ...]: ...
+# fmt: on
 def rebalance_experts(
     weight: torch.Tensor,
     num_replicas: int,
@@ -221,7 +239,7 @@ def rebalance_experts(
     old_global_expert_indices: torch.Tensor | None = None,
     *,
     return_num_moved: bool = False,
-):
+) -> tuple[torch.Tensor, ...]:
     """Choose replica counts and physical placement of experts from their measured loads.
 
     Hierarchical policy when ``num_groups % num_nodes == 0`` (groups -> nodes by balanced

@@ -39,14 +39,17 @@ argument accepted with no effect; bench/README.md ("Drop-in interfaces: supporte
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, overload
+
 import torch
 import torch.distributed as dist
 
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_layout
-from epkit.compat._details.deep_ep_agreement import CallAgreement, size_of
+from epkit.compat._details.deep_ep_agreement import CallAgreement, FieldValue, size_of
 from epkit.compat._details.deep_ep_config import HINT_TOPK, Config, EventHandle, EventOverlap, epbuffer_bytes
 from epkit.compat._details.deep_ep_layouts import (
+    DeepEPRows,
     NormalHandle,
     carry_scales,
     restore_scales,
@@ -54,13 +57,26 @@ from epkit.compat._details.deep_ep_layouts import (
 from epkit.compat._details.deep_ep_low_latency import LowLatencyMixin
 from epkit.utils import check_topk_idx
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from epkit.collectives.ep.handles import DispatchResult
+
 __all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t"]
 
 #: DeepEP's dtype of expert ids (int32 ids are taken too).
 topk_idx_t = torch.int64
 
+#: What :meth:`Buffer.dispatch` returns: ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+#: handle, event)``; a cached dispatch (with a handle) returns only ``recv_x`` and the event, the rest None.
+DispatchOutput = tuple[
+    DeepEPRows, torch.Tensor | None, torch.Tensor | None, list[int] | None, NormalHandle | None, EventOverlap
+]
 
-def _events(fn: str, previous_event, async_finish, allocate_on_comm_stream) -> None:
+
+def _events(
+    fn: str, previous_event: EventOverlap | None, async_finish: object, allocate_on_comm_stream: object
+) -> None:
     """Check the stream arguments DeepEP's calls take, and wait for ``previous_event``."""
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise ValueError(f"{fn}: previous_event must be an EventOverlap (Buffer.capture()) or None")
@@ -75,7 +91,7 @@ def _events(fn: str, previous_event, async_finish, allocate_on_comm_stream) -> N
         previous_event.event.current_stream_wait()
 
 
-def _rows(x, num_worst_tokens):
+def _rows(x: DeepEPRows, num_worst_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x, scales or None)`` of a dispatch's ``x`` once it and ``num_worst_tokens`` are DeepEP's kinds."""
     x0, scales = x if isinstance(x, tuple) else (x, None)
     if not isinstance(x0, torch.Tensor) or x0.dim() != 2:
@@ -85,11 +101,11 @@ def _rows(x, num_worst_tokens):
     return x0, scales
 
 
-def _rows_of(x0) -> int:
+def _rows_of(x0: torch.Tensor | None) -> int:
     return x0.shape[0] if x0 is not None else 0
 
 
-def _dispatch_fields(x, topk_idx, per_expert) -> list[tuple[str, object]]:
+def _dispatch_fields(x: object, topk_idx: object, per_expert: object) -> list[tuple[str, FieldValue]]:
     """What every rank's normal dispatch must share (``CallAgreement``'s fields): read from the arguments as they
     are, None where a rejected call has no such value."""
     x0, scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
@@ -97,7 +113,7 @@ def _dispatch_fields(x, topk_idx, per_expert) -> list[tuple[str, object]]:
     experts = per_expert.numel() if isinstance(per_expert, torch.Tensor) else None
     return [
         ("x hidden size", size_of(x0, 1)),
-        ("x dtype", x0.dtype if tensor else None),
+        ("x dtype", x0.dtype if isinstance(x0, torch.Tensor) else None),
         ("x scales dtype", scales.dtype if isinstance(scales, torch.Tensor) else None),
         ("x scale columns", (size_of(scales, 1) if scales is not None else 0) if tensor else None),
         ("num_experts (num_tokens_per_expert's size)", experts),
@@ -105,11 +121,34 @@ def _dispatch_fields(x, topk_idx, per_expert) -> list[tuple[str, object]]:
     ]
 
 
-def _event(async_finish: bool, extra=None) -> EventOverlap:
+def _event(async_finish: bool, extra: tuple[torch.Tensor, ...] | None = None) -> EventOverlap:
     return EventOverlap(EventHandle() if async_finish else None, extra if async_finish else None)
 
 
-def _check_config(fn: str, config) -> None:
+@overload
+def _pad_rows(t: torch.Tensor, n: int, fill: int) -> torch.Tensor: ...
+@overload
+def _pad_rows(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None: ...
+def _pad_rows(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None:
+    """Received rows ``t`` padded to ``n`` rows of ``fill`` (DeepEP's num_worst_tokens: ids -1, weights and rows
+    0); None stays None."""
+    if t is None:
+        return None
+    have = t.shape[0]
+    if have > n:
+        raise ValueError(f"dispatch: {have} rows were received, more than num_worst_tokens = {n}")
+    return torch.cat([t, t.new_full((n - have, *t.shape[1:]), fill)])
+
+
+def _with_scales(recv_x: torch.Tensor, recv_s: torch.Tensor | None, s: int, sdtype: torch.dtype | None) -> DeepEPRows:
+    """DeepEP's recv_x: ``recv_x``, or ``(recv_x, scales)`` with the scales in the columns and dtype x's came in."""
+    if recv_s is None:
+        return recv_x
+    assert sdtype is not None  # rows come back with scales only where x carried them (carry_scales set sdtype)
+    return recv_x, restore_scales(recv_s, s, sdtype)
+
+
+def _check_config(fn: str, config: object) -> None:
     if config is not None and not isinstance(config, Config):
         raise ValueError(f"{fn}: config must be a deep_ep Config (epkit.compat.deep_ep.Config) or None, got {config!r}")
 
@@ -148,7 +187,7 @@ class Buffer(LowLatencyMixin):
 
     def __init__(
         self,
-        group,
+        group: ProcessGroup,
         num_nvl_bytes: int = 0,
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
@@ -157,7 +196,7 @@ class Buffer(LowLatencyMixin):
         allow_mnnvl: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
-        comm=None,
+        comm: object = None,
     ) -> None:
         if comm is not None:
             raise ValueError("Buffer: comm (an mpi4py communicator) is not supported; pass a torch.distributed group")
@@ -180,7 +219,9 @@ class Buffer(LowLatencyMixin):
         self.low_latency_mode, self.explicitly_destroy, self.enable_shrink = low_latency_mode, explicitly_destroy, False
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl = allow_nvlink_for_low_latency_mode, allow_mnnvl
-        self._current: dict[tuple, EPBuffer] = {}  # (hidden, num_experts, num_topk) -> the buffer calls use
+        self._current: dict[
+            tuple[int, int, int], EPBuffer
+        ] = {}  # (hidden, num_experts, num_topk) -> the buffer calls use
         self._made: list[EPBuffer] = []  # every buffer made, in order (outstanding handles keep using theirs)
         self._destroyed = False
         self._broken: str | None = None  # why an agreement failed: the Buffer is then unusable
@@ -188,7 +229,9 @@ class Buffer(LowLatencyMixin):
 
     # buffers
 
-    def _epbuffer(self, hidden: int, num_experts: int, num_topk: int, device, tokens: int, ll_tokens: int = 0):
+    def _epbuffer(
+        self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0
+    ) -> EPBuffer:
         """The EPBuffer for these shapes, made (collectively: every rank gets here with the same arguments) when
         there is none yet or the current one is too small."""
         if self._destroyed:
@@ -280,7 +323,7 @@ class Buffer(LowLatencyMixin):
         for both modes: ``use_rdma_buffer`` names the same memory); its layout is epkit's, not DeepEP's."""
         if not self._made:
             raise RuntimeError("Buffer.get_local_buffer_tensor: no buffer yet (epkit makes it at the first dispatch)")
-        raw = self._made[-1].buffer.local.reshape(-1).view(torch.uint8)
+        raw: torch.Tensor = self._made[-1].buffer.local.reshape(-1).view(torch.uint8)
         flat = raw[: raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)[offset:]
         if size is None:
             return flat
@@ -297,7 +340,7 @@ class Buffer(LowLatencyMixin):
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-    ):
+    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:
         """``(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool,
         event)``, on ``topk_idx``'s device; ``-1`` ids are skipped. The second value, DeepEP's per-RDMA-rank
         counts, is None: epkit's group is one domain (DeepEP's intranode answer)."""
@@ -314,7 +357,7 @@ class Buffer(LowLatencyMixin):
         dev = topk_idx.device
         return per_rank.to(dev), None, per_expert.to(dev), in_rank.to(dev), _event(async_finish)
 
-    def _agree(self, fn: str, error: str | None, fields: list[tuple[str, object]], tokens: int = 0) -> int:
+    def _agree(self, fn: str, error: str | None, fields: list[tuple[str, FieldValue]], tokens: int = 0) -> int:
         """The call's agreement (``CallAgreement``): the largest token count of any rank, or the same ValueError on
         every rank (a rank's rejection, or ``fields`` that differ across ranks)."""
         if self._destroyed:
@@ -330,8 +373,8 @@ class Buffer(LowLatencyMixin):
 
     def dispatch(
         self,
-        x,
-        handle=None,
+        x: DeepEPRows,
+        handle: NormalHandle | None = None,
         num_tokens_per_rank: torch.Tensor | None = None,
         num_tokens_per_rdma_rank: torch.Tensor | None = None,
         is_token_in_rank: torch.Tensor | None = None,
@@ -344,7 +387,7 @@ class Buffer(LowLatencyMixin):
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-    ):
+    ) -> DispatchOutput:
         """``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``.
 
         ``x``: bf16 ``[T, hidden]``, or ``(e4m3 [T, hidden], scales [T, S])`` (float32 or int32, ``S <=
@@ -359,9 +402,13 @@ class Buffer(LowLatencyMixin):
         _check_config(fn, config)
         self._settle()
         if handle is not None:
-            x0, scales = _rows(x, num_worst_tokens)
-            return self._dispatch_cached(x0, scales, handle, topk_idx, topk_weights, num_worst_tokens, async_finish)
-        error, words, s, sdtype, x0 = None, None, 0, None, None
+            return self._dispatch_cached(
+                *_rows(x, num_worst_tokens), handle, topk_idx, topk_weights, num_worst_tokens, async_finish
+            )
+        error: str | None = None
+        words: torch.Tensor | None = None
+        s, sdtype = 0, None
+        x0: torch.Tensor | None = None
         try:  # a call rejected on one rank is rejected on every rank (one agreement below)
             x0, scales = _rows(x, num_worst_tokens)
             self._check_layout(topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
@@ -371,21 +418,32 @@ class Buffer(LowLatencyMixin):
         except ValueError as exc:
             error = str(exc)
         tokens = self._agree(fn, error, _dispatch_fields(x, topk_idx, num_tokens_per_expert), _rows_of(x0))
+        # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
+        assert x0 is not None and topk_idx is not None and num_tokens_per_expert is not None
         buf = self._epbuffer(x0.shape[1], num_tokens_per_expert.numel(), topk_idx.shape[1], x0.device, tokens)
-        recv_x, recv_idx, recv_w, counts, h = buf.dispatch(
+        dispatched: DispatchResult = buf.dispatch(
             (x0, words) if words is not None else x0, topk_idx, topk_weights, expert_alignment=expert_alignment
         )
-        recv_x, recv_s = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        recv_rows, recv_idx, recv_w, counts, h = dispatched
+        recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
         recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))  # DeepEP: 0 for another rank's expert
         out = NormalHandle(buf, h, recv_x.shape[0], topk_idx.shape[1])
-        rows = [recv_x, recv_s, recv_idx, recv_w]
         if num_worst_tokens:
-            rows, counts = self._pad_rows(rows, num_worst_tokens), []
-        recv_x, recv_s, recv_idx, recv_w = rows
-        x_out = (recv_x, restore_scales(recv_s, s, sdtype)) if recv_s is not None else recv_x
-        return x_out, recv_idx, recv_w, counts, out, _event(async_finish)
+            n = num_worst_tokens
+            recv_x, recv_s = _pad_rows(recv_x, n, 0), _pad_rows(recv_s, n, 0)
+            recv_idx, recv_w, counts = _pad_rows(recv_idx, n, -1), _pad_rows(recv_w, n, 0), []
+        return _with_scales(recv_x, recv_s, s, sdtype), recv_idx, recv_w, counts, out, _event(async_finish)
 
-    def _check_layout(self, topk_idx, topk_weights, per_rank, per_rdma_rank, in_rank, per_expert, num_tokens) -> None:
+    def _check_layout(
+        self,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        per_rank: torch.Tensor | None,
+        per_rdma_rank: torch.Tensor | None,
+        in_rank: torch.Tensor | None,
+        per_expert: torch.Tensor | None,
+        num_tokens: int,
+    ) -> None:
         """A non-cached dispatch's routing arguments: all given, and the layout ``topk_idx``'s."""
         if per_rdma_rank is not None:
             raise ValueError(
@@ -398,6 +456,7 @@ class Buffer(LowLatencyMixin):
             raise ValueError(
                 f"dispatch: {', '.join(missing)} must be given (from get_dispatch_layout) without a handle"
             )
+        assert per_rank is not None and in_rank is not None and per_expert is not None  # none is missing
         if topk_idx is None or topk_weights is None:
             raise ValueError(
                 "dispatch: topk_idx and topk_weights must both be given without a handle (epkit routes by topk_idx)"
@@ -418,18 +477,16 @@ class Buffer(LowLatencyMixin):
                     "get_dispatch_layout returned for it)"
                 )
 
-    @staticmethod
-    def _pad_rows(rows: list, n: int) -> list:
-        """The received rows padded to ``n`` (DeepEP's num_worst_tokens): ids -1, weights and rows 0."""
-        have = rows[0].shape[0]
-        if have > n:
-            raise ValueError(f"dispatch: {have} rows were received, more than num_worst_tokens = {n}")
-        fills = (0, 0, -1, 0)
-        return [
-            None if t is None else torch.cat([t, t.new_full((n - have, *t.shape[1:]), f)]) for t, f in zip(rows, fills)
-        ]
-
-    def _dispatch_cached(self, x0, scales, handle, topk_idx, topk_weights, num_worst_tokens, async_finish):
+    def _dispatch_cached(
+        self,
+        x0: torch.Tensor,
+        scales: torch.Tensor | None,
+        handle: NormalHandle,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        num_worst_tokens: int,
+        async_finish: bool,
+    ) -> DispatchOutput:
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("dispatch: with a handle (cached dispatch), topk_idx and topk_weights must be None")
         if not isinstance(handle, NormalHandle):
@@ -437,24 +494,26 @@ class Buffer(LowLatencyMixin):
                 f"dispatch: handle must be the handle a dispatch of this Buffer returned, got {handle!r:.60}"
             )
         words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1]) if scales is not None else (None, 0, None)
-        recv_x, *_ = handle.buffer.dispatch((x0, words) if words is not None else x0, handle=handle.handle)
-        recv_x, recv_s = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        dispatched: DispatchResult = handle.buffer.dispatch(
+            (x0, words) if words is not None else x0, handle=handle.handle
+        )
+        recv_rows = dispatched[0]
+        recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
         if num_worst_tokens:
-            recv_x, recv_s = self._pad_rows([recv_x, recv_s, None, None], num_worst_tokens)[:2]
-        x_out = (recv_x, restore_scales(recv_s, s, sdtype)) if recv_s is not None else recv_x
-        return x_out, None, None, None, None, _event(async_finish)
+            recv_x, recv_s = _pad_rows(recv_x, num_worst_tokens, 0), _pad_rows(recv_s, num_worst_tokens, 0)
+        return _with_scales(recv_x, recv_s, s, sdtype), None, None, None, None, _event(async_finish)
 
     def combine(
         self,
         x: torch.Tensor,
-        handle,
+        handle: NormalHandle,
         topk_weights: torch.Tensor | None = None,
-        bias=None,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
         config: Config | None = None,
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """``(combined_x [T, hidden], combined_topk_weights [T, num_topk] or None, event)``: each token's rows summed
         over the ranks it went to (no weights applied: the rows are the expert outputs already weighted), plus
         ``bias`` (a tensor or two); ``topk_weights`` ``[R, num_topk]`` are summed the same way (in float32)."""

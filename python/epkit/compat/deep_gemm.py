@@ -25,6 +25,8 @@ cuBLASLt kernels, and the ``deep_gemm.utils.layout`` module path (its functions 
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from epkit import grouped_gemm as gemm
@@ -72,7 +74,19 @@ __all__ = [
     "bf16_m_grouped_gemm_nt_masked",
 ]
 
-_STATE = {"num_sms": None, "alignment": DEFAULT_ALIGNMENT}
+#: DeepGEMM's FP8 / FP4 operands: ``(values, scales)``.
+_Pair = tuple[torch.Tensor, torch.Tensor]
+#: DeepGEMM's scale granularities: ``recipe`` ``(mn of a, mn of b, k)``, ``recipe_a`` / ``recipe_b`` ``(mn, k)``.
+_Recipe = tuple[int, int, int]
+_Gran = tuple[int, int]
+
+
+class _State(TypedDict):
+    num_sms: int | None  # set by set_num_sms (None: the device's)
+    alignment: int  # the M alignment of the contiguous layouts
+
+
+_STATE: _State = {"num_sms": None, "alignment": DEFAULT_ALIGNMENT}
 
 
 # Runtime settings
@@ -128,7 +142,15 @@ get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
 # Operands
 
 
-def _fp8_operands(fn: str, a, b, recipe, recipe_a, recipe_b, nn: bool = False):
+def _fp8_operands(
+    fn: str,
+    a: _Pair,
+    b: _Pair,
+    recipe: _Recipe | None,
+    recipe_a: _Gran | None,
+    recipe_b: _Gran | None,
+    nn: bool = False,
+) -> tuple[str, _Pair, _Pair]:
     """``(kind, a pair, b pair)`` in epkit's formats from DeepGEMM's FP8 / FP8xFP4 operands."""
     for name, x in (("a", a), ("b", b)):
         if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x)):
@@ -148,7 +170,9 @@ def _fp8_operands(fn: str, a, b, recipe, recipe_a, recipe_b, nn: bool = False):
     return "fp8", (a0, sfa), (b0, fp8_weight_scales(fn, sfb))
 
 
-def _recipe(fn: str, recipe, recipe_a, recipe_b, fp4: bool) -> tuple[int, int]:
+def _recipe(
+    fn: str, recipe: _Recipe | None, recipe_a: _Gran | None, recipe_b: _Gran | None, fp4: bool
+) -> tuple[int, int]:
     """The weight-scale granularity (MN, K) of a call's recipe, after checking epkit takes it."""
     if (recipe_a is None) != (recipe_b is None) or (recipe is not None and recipe_a is not None):
         raise ValueError(
@@ -168,7 +192,9 @@ def _recipe(fn: str, recipe, recipe_a, recipe_b, fp4: bool) -> tuple[int, int]:
     return want_b
 
 
-def _contiguous_layout(fn: str, a0: torch.Tensor, grouped_layout, use_psum_layout: bool, g: int):
+def _contiguous_layout(
+    fn: str, a0: torch.Tensor, grouped_layout: torch.Tensor, use_psum_layout: bool, g: int
+) -> tuple[torch.Tensor, bool]:
     """``(layout for epkit, use_psum_layout)``: a psum layout aligned to other than 128 becomes per-row ids (device
     ops, no host read)."""
     align = _STATE["alignment"]
@@ -185,19 +211,11 @@ def _contiguous_layout(fn: str, a0: torch.Tensor, grouped_layout, use_psum_layou
 
 
 def m_grouped_fp8_fp4_gemm_nt_contiguous(
-    a,
-    b,
-    d,
-    grouped_layout,
-    recipe=None,
-    recipe_a=None,
-    recipe_b=None,
-    compiled_dims="nk",
-    disable_ue8m0_cast=False,
-    use_psum_layout=False,
-    ensure_zero_padding=True,
-    expected_m_for_psum_layout=None,
-):
+    a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None = None,
+    recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False, use_psum_layout: bool = False, ensure_zero_padding: bool = True,
+    expected_m_for_psum_layout: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``d[i] = a[i] @ b[grouped_layout[i]].T``: FP8 ``a`` (``(e4m3 [M, K], scales)``) with FP8 ``b`` (``(e4m3 [G, N,
     K], float32 [G, N/128, K/128])``) or packed FP4 ``b`` (``(int8 [G, N, K/2], int32 [G, N, K/128] packed UE8M0 or
     float32 [G, N, K/32])``); ``grouped_layout [M]`` int32 (-1 padding; each group starting a multiple of the
@@ -208,9 +226,10 @@ def m_grouped_fp8_fp4_gemm_nt_contiguous(
 
 
 def m_grouped_fp8_fp4_gemm_nn_contiguous(
-    a, b, d, grouped_layout, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False,
-    use_psum_layout=False, ensure_zero_padding=True,
-):  # fmt: skip
+    a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None = None,
+    recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False, use_psum_layout: bool = False, ensure_zero_padding: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """:func:`m_grouped_fp8_fp4_gemm_nt_contiguous` with ``b`` given as ``[G, K, N]`` (scales ``[G, K/128, N/128]``),
     FP8 only; it is transposed (a copy) first."""
     fn = "m_grouped_fp8_fp4_gemm_nn_contiguous"
@@ -218,7 +237,10 @@ def m_grouped_fp8_fp4_gemm_nn_contiguous(
     return _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn=True)
 
 
-def _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn):
+def _grouped(
+    fn: str, a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None,
+    recipe_a: _Gran | None, recipe_b: _Gran | None, use_psum_layout: bool, nn: bool,
+) -> torch.Tensor:  # fmt: skip
     kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=nn)
     layout, psum = _contiguous_layout(fn, aa[0], grouped_layout, use_psum_layout, bb[0].shape[0])
     getattr(gemm, f"m_grouped_{kind}_gemm_nt_contiguous")(aa, bb, d, layout, psum)
@@ -226,17 +248,10 @@ def _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_l
 
 
 def m_grouped_fp8_fp4_gemm_nt_masked(
-    a,
-    b,
-    d,
-    masked_m,
-    expected_m,
-    recipe=None,
-    recipe_a=None,
-    recipe_b=None,
-    compiled_dims="nk",
-    disable_ue8m0_cast=False,
-):
+    a: _Pair, b: _Pair, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int, recipe: _Recipe | None = None,
+    recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` with ``a`` ``(e4m3 [G, M_max, K], scales)`` and ``b`` as in
     :func:`m_grouped_fp8_fp4_gemm_nt_contiguous`; rows past ``masked_m[g]`` are left untouched."""
     fn = "m_grouped_fp8_fp4_gemm_nt_masked"
@@ -247,43 +262,47 @@ def m_grouped_fp8_fp4_gemm_nt_masked(
 
 
 def m_grouped_bf16_gemm_nt_contiguous(
-    a,
-    b,
-    d,
-    grouped_layout,
-    compiled_dims="nk",
-    use_psum_layout=False,
-    ensure_zero_padding=True,
-    expected_m_for_psum_layout=None,
-):
+    a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, grouped_layout: torch.Tensor, compiled_dims: str = "nk",
+    use_psum_layout: bool = False, ensure_zero_padding: bool = True, expected_m_for_psum_layout: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``d[i] = a[i] @ b[grouped_layout[i]].T`` in bf16 (``a [M, K]``, ``b [G, N, K]``), layouts as for FP8."""
     fn = "m_grouped_bf16_gemm_nt_contiguous"
     check_flags(fn, compiled_dims, False, use_psum_layout, ensure_zero_padding, expected_m_for_psum_layout)
     layout, psum = _contiguous_layout(fn, a, grouped_layout, use_psum_layout, b.shape[0])
-    gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout, psum)
+    # epkit.grouped_gemm's wrappers are unannotated (that module is not held to strict typing yet)
+    gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout, psum)  # type: ignore[no-untyped-call]
     return d
 
 
 def m_grouped_bf16_gemm_nn_contiguous(
-    a, b, d, grouped_layout, compiled_dims="nk", use_psum_layout=False, ensure_zero_padding=True
-):
+    a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, grouped_layout: torch.Tensor, compiled_dims: str = "nk",
+    use_psum_layout: bool = False, ensure_zero_padding: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """:func:`m_grouped_bf16_gemm_nt_contiguous` with ``b`` given as ``[G, K, N]`` (transposed first, a copy)."""
     return m_grouped_bf16_gemm_nt_contiguous(
         a, b.transpose(-1, -2).contiguous(), d, grouped_layout, compiled_dims, use_psum_layout, ensure_zero_padding
     )
 
 
-def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk"):
+def m_grouped_bf16_gemm_nt_masked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    compiled_dims: str = "nk",
+) -> torch.Tensor:
     """The masked layout in bf16 (``a [G, M_max, K]``, ``b [G, N, K]``); rows past ``masked_m[g]`` untouched."""
     check_flags("m_grouped_bf16_gemm_nt_masked", compiled_dims, False)
-    gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)
+    # epkit.grouped_gemm's wrappers are unannotated (that module is not held to strict typing yet)
+    gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)  # type: ignore[no-untyped-call]
     return d
 
 
 # Dense GEMMs: one group of the masked layout
 
 
-def _no_alpha(fn: str, alpha) -> None:
+def _no_alpha(fn: str, alpha: object) -> None:
     if alpha is not None:
         raise ValueError(
             f"{fn}: alpha={alpha!r} is not supported (DeepGEMM's output scale, which its SM90 FP8 kernels refuse "
@@ -291,7 +310,9 @@ def _no_alpha(fn: str, alpha) -> None:
         )
 
 
-def _dense(fn: str, kind: str, a, b, d: torch.Tensor, c) -> torch.Tensor:
+def _dense(
+    fn: str, kind: str, a: torch.Tensor | _Pair, b: torch.Tensor | _Pair, d: torch.Tensor, c: torch.Tensor | None
+) -> torch.Tensor:
     """``d = a @ b.T (+ c)`` as the masked grouped GEMM of one group (float32 accumulation; with ``c``, one rounding
     of ``a @ b.T + c`` to ``d``'s dtype)."""
     a0 = a[0] if isinstance(a, tuple) else a
@@ -309,9 +330,10 @@ def _dense(fn: str, kind: str, a, b, d: torch.Tensor, c) -> torch.Tensor:
 
 
 def fp8_fp4_gemm_nt(
-    a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False,
-    alpha=None,
-):  # fmt: skip
+    a: _Pair, b: _Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: _Recipe | None = None,
+    recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False, alpha: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``d = a @ b.T (+ c)``: ``a`` ``(e4m3 [M, K], scales [M, K/128])``, ``b`` ``(e4m3 [N, K], float32 [N/128,
     K/128])`` or packed FP4 as in :func:`m_grouped_fp8_fp4_gemm_nt_contiguous` (without the group dim).
     ``alpha`` (DeepGEMM's output scale, SM100-only for FP8) must be None."""
@@ -323,9 +345,10 @@ def fp8_fp4_gemm_nt(
 
 
 def fp8_fp4_gemm_nn(
-    a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False,
-    alpha=None,
-):  # fmt: skip
+    a: _Pair, b: _Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: _Recipe | None = None,
+    recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
+    disable_ue8m0_cast: bool = False, alpha: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """:func:`fp8_fp4_gemm_nt` with ``b`` given as ``[K, N]`` (scales ``[K/128, N/128]``), FP8 only."""
     fn = "fp8_fp4_gemm_nn"
     check_flags(fn, compiled_dims, disable_ue8m0_cast)
@@ -334,7 +357,10 @@ def fp8_fp4_gemm_nn(
     return _dense(fn, kind, aa, bb, d, c)
 
 
-def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk", alpha=None):
+def bf16_gemm_nt(
+    a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None, compiled_dims: str = "nk",
+    alpha: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``d = a @ b.T (+ c)`` in bf16: ``a [M, K]``, ``b [N, K]``, ``d [M, N]`` bf16/float32; ``alpha`` must be
     None."""
     check_flags("bf16_gemm_nt", compiled_dims, False)
@@ -342,7 +368,10 @@ def bf16_gemm_nt(a, b, d, c=None, compiled_dims="nk", alpha=None):
     return _dense("bf16_gemm_nt", "bf16", a, b, d, c)
 
 
-def bf16_gemm_nn(a, b, d, c=None, compiled_dims="nk", alpha=None):
+def bf16_gemm_nn(
+    a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None, compiled_dims: str = "nk",
+    alpha: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """:func:`bf16_gemm_nt` with ``b`` given as ``[K, N]``."""
     check_flags("bf16_gemm_nn", compiled_dims, False)
     _no_alpha("bf16_gemm_nn", alpha)

@@ -20,13 +20,17 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from epkit.collectives.bootstrap import Rendezvous
 
-__all__ = ["CallAgreement", "describe_differences", "size_of"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["CallAgreement", "FieldValue", "describe_differences", "size_of"]
 
 #: int64 words of a rank's row (every row has this size, whatever the call: a row of another call must pair).
 ROW_WORDS = 16
@@ -41,14 +45,16 @@ DTYPES = (
 NOTE_AFTER = 1.0
 #: One tensor gathered into one (torch 2.13 renamed it; a list of tensors would cost gloo half as much again).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: A value of an agreement's field: an int, a dtype, or None where a rejected call could not tell it.
+FieldValue = int | torch.dtype | None
 
 
-def size_of(t, dim: int) -> int | None:
+def size_of(t: object, dim: int) -> int | None:
     """``t.shape[dim]`` of a 2-D tensor ``t``, else None (a value a rejected call could not tell)."""
     return t.shape[dim] if isinstance(t, torch.Tensor) and t.dim() == 2 else None
 
 
-def _code(value) -> int:
+def _code(value: FieldValue) -> int:
     if value is None:
         return -1
     if isinstance(value, torch.dtype):
@@ -85,19 +91,22 @@ def describe_differences(fields: list[tuple[str, bool]], rows: list[list[int]]) 
 class CallAgreement:
     """The agreement of one Buffer's dispatches (see the module docstring); made with the Buffer, on every rank."""
 
-    def __init__(self, group) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.nccl = "nccl" in str(dist.get_backend(group))
         self._calls = 0
-        self._rv = None  # where a waiting rank notes its call (no communication: made in the same order everywhere)
+        # where a waiting rank notes its call (no communication: made in the same order everywhere)
+        self._rv: Rendezvous | None = None
         if not self.nccl:
             try:
                 self._rv = Rendezvous(group, 30.0, "deep_ep Buffer call")
             except Exception:  # noqa: BLE001 -- no job store to note in: a timeout then names no rank
                 self._rv = None
 
-    def __call__(self, fn: str, error: str | None, fields: list[tuple[str, object]], timeout: float, tokens=0) -> int:
+    def __call__(
+        self, fn: str, error: str | None, fields: list[tuple[str, FieldValue]], timeout: float, tokens: int = 0
+    ) -> int:
         """Agree on call ``fn`` (``error``: this rank's rejection, or None; ``fields``: ``(name, value)`` of the
         arguments every rank must share, a value an int, a dtype or None for unknown; a name ending in ``dtype``
         shows dtypes). Returns the largest ``tokens`` of any rank, or raises the same ValueError on every rank."""
@@ -135,7 +144,7 @@ class CallAgreement:
             self._wait(_all_gather(got, mine, group=self.group, async_op=True), fn, timeout)
         return got.view(self.world_size, ROW_WORDS).cpu().tolist()
 
-    def _wait(self, work, fn: str, timeout: float) -> None:
+    def _wait(self, work: dist.Work, fn: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         noted = False
         while True:
@@ -154,7 +163,8 @@ class CallAgreement:
     def _note(self) -> bool:
         """Note in the job's store that this rank waits in its current call (True once noted)."""
         with contextlib.suppress(Exception):  # no store (or none left): the timeout names no rank
-            self._rv.store.set(f"waiting/{self.rank}", str(self._calls))
+            if self._rv is not None:
+                self._rv.store.set(f"waiting/{self.rank}", str(self._calls))
         return True
 
     def _silence(self, fn: str, timeout: float, cause: str | None) -> str:

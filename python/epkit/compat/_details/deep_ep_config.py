@@ -16,6 +16,8 @@ ready once that is done, as DeepEP promises.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -27,7 +29,7 @@ __all__ = ["Config", "EventHandle", "EventOverlap", "epbuffer_bytes", "HINT_TOPK
 HINT_TOPK = 8
 
 
-def _positive(name: str, value) -> int:
+def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"Config: {name} must be a positive int, got {value!r}")
     return value
@@ -105,10 +107,11 @@ class EventHandle:
     """A CUDA event recorded on the current stream at construction (None where CUDA is not initialized: the work
     it would mark is already done)."""
 
-    def __init__(self):
-        self.event = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.event = torch.cuda.Event()
+    def __init__(self) -> None:
+        self.event: torch.cuda.Event | None = None
+        # torch leaves is_initialized and Event's __init__ unannotated
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.event.record(torch.cuda.current_stream())
 
     def current_stream_wait(self) -> None:
@@ -122,13 +125,13 @@ class EventOverlap:
     ``current_stream_wait`` / ``wait``, a hook run after the wait (``register_hook_after_wait``), and ``with``
     (the wait on leaving the block; ``with event(release_handle=True)`` drops the event after it)."""
 
-    def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None) -> None:
+    def __init__(self, event: EventHandle | None = None, extra_tensors: tuple[torch.Tensor, ...] | None = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
         self._release_on_exit = False
-        self.hook_after_wait: Callable | None = None
+        self.hook_after_wait: Callable[[], Any] | None = None  # a caller's: its result is theirs
 
-    def current_stream_wait(self, release_handle: bool = False):
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
         """The current stream waits for the event (which must exist: a call made with ``async_finish=True``), then
         the registered hook runs; returns the hook's result (None without one). ``release_handle`` drops the
         event afterwards."""
@@ -144,11 +147,11 @@ class EventOverlap:
             self.event = None
         return result
 
-    def wait(self):
+    def wait(self) -> Any:
         """:meth:`current_stream_wait`, returning the hook's result."""
         return self.current_stream_wait()
 
-    def register_hook_after_wait(self, hook_after_wait: Callable) -> None:
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
         """Run ``hook_after_wait`` once, right after the next :meth:`current_stream_wait`."""
         if self.hook_after_wait is not None:
             raise RuntimeError("EventOverlap: a hook is already registered")
@@ -161,7 +164,9 @@ class EventOverlap:
     def __enter__(self) -> EventOverlap:
         return self
 
-    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None, exc_tb: TracebackType | None
+    ) -> None:
         if self.event is not None:
             self.current_stream_wait(release_handle=self._release_on_exit)
         self._release_on_exit = False

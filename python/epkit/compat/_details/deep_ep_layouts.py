@@ -13,12 +13,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from epkit.quant import FP8_BLOCK, cast_groups_to_fp8
 
+if TYPE_CHECKING:
+    from epkit.collectives.ep.handles import DispatchHandle
+    from epkit.collectives.ep.ll_layout import LowLatencyHandle as EPLowLatencyHandle
+    from epkit.collectives.ep.ll_out import LLRows
+    from epkit.collectives.ep_buffer import EPBuffer
+
 __all__ = [
+    "DeepEPRows",
     "NormalHandle",
     "LowLatencyHandle",
     "carry_scales",
@@ -27,13 +35,16 @@ __all__ = [
     "LowLatencyOutputs",
 ]
 
+#: Rows as DeepEP's calls take and return them: bf16 ``x``, or ``(x e4m3, scales)``.
+DeepEPRows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class NormalHandle:
     """What DeepEP's normal-mode handle stands for: the EPBuffer that dispatched, its handle, the received rows."""
 
-    buffer: object  # epkit.collectives.ep_buffer.EPBuffer
-    handle: object  # its DispatchHandle
+    buffer: EPBuffer
+    handle: DispatchHandle
     num_recv: int  # rows received (the outputs may be padded to num_worst_tokens)
     num_topk: int
 
@@ -42,12 +53,12 @@ class NormalHandle:
 class LowLatencyHandle:
     """What DeepEP's low-latency handle stands for (``src_info, layout_range, n, hidden, num_experts``)."""
 
-    buffer: object  # the EPBuffer
-    handle: object  # its LowLatencyHandle
+    buffer: EPBuffer
+    handle: EPLowLatencyHandle  # EPBuffer's
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
-    staging: dict = field(default_factory=dict)  # the zero-copy combine buffer, once asked for
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)  # the zero-copy combine buffer, once asked for
 
 
 def carry_scales(x_scales: torch.Tensor, num_tokens: int, hidden: int) -> tuple[torch.Tensor, int, torch.dtype]:
@@ -78,7 +89,7 @@ def restore_scales(recv: torch.Tensor, s: int, dtype: torch.dtype) -> torch.Tens
     return recv[:, :s].contiguous().view(dtype)
 
 
-def column_major(rows_first: tuple[int, int, int], dtype: torch.dtype, device) -> torch.Tensor:
+def column_major(rows_first: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty ``[L, N, C]`` tensor stored as ``[L, C, N]`` (column-major in its last two dims)."""
     num_local, n, c = rows_first
     return torch.empty((num_local, c, n), dtype=dtype, device=device).transpose(1, 2)
@@ -95,12 +106,14 @@ class LowLatencyOutputs:
     same bits).
     """
 
-    def __init__(self, mode: str, use_ue8m0: bool, recv_x, recv_count: torch.Tensor):
+    def __init__(self, mode: str, use_ue8m0: bool, recv_x: LLRows, recv_count: torch.Tensor) -> None:
         self.mode, self.use_ue8m0 = mode, use_ue8m0
-        self._received, self.count = recv_x, recv_count  # EPBuffer's, filled by its receive hook
-        rows = recv_x[0] if mode == "fp8" else recv_x
+        self._received: LLRows | None = recv_x  # EPBuffer's, filled by its receive hook
+        self.count = recv_count
+        rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x  # (e4m3, scales) exactly when mode is "fp8"
         num_local, slots, hidden = rows.shape
-        self.x, self.scales = rows, None
+        self.x = rows
+        self.scales: torch.Tensor | None = None
         if mode == "round":
             self.x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn, device=rows.device)
         if mode != "bf16":
@@ -113,14 +126,17 @@ class LowLatencyOutputs:
         recv_x, self._received = self._received, None
         if self.mode == "bf16":
             return
+        # the receive hook runs fill once (after that recv_x is None), and every mode but bf16 made scales
+        assert recv_x is not None and self.scales is not None
         if self.mode == "fp8":
             s = recv_x[1]
         else:
+            assert isinstance(recv_x, torch.Tensor)  # round: EPBuffer sent bf16 rows
             q, s = cast_groups_to_fp8(recv_x, FP8_BLOCK, ue8m0=True)
             self.x.copy_(q)
         if self.use_ue8m0:  # the exponent bytes of the power-of-two scales, four to an int32
             s = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).contiguous().view(torch.int32)
         self.scales.copy_(s)
 
-    def result(self):
+    def result(self) -> DeepEPRows:
         return (self.x, self.scales) if self.scales is not None else self.x

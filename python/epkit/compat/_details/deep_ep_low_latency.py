@@ -10,17 +10,28 @@ reads device data on the host: a CUDA call stays stream-ordered as EPBuffer's is
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
-from epkit.compat._details.deep_ep_agreement import size_of
+from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
-from epkit.compat._details.deep_ep_layouts import LowLatencyHandle, LowLatencyOutputs
+from epkit.compat._details.deep_ep_layouts import DeepEPRows, LowLatencyHandle, LowLatencyOutputs
 from epkit.quant import FP8_BLOCK
+
+if TYPE_CHECKING:
+    from epkit.collectives.ep.ll_layout import LLCombineResult, LLDispatchResult
+    from epkit.collectives.ep_buffer import EPBuffer
+    from epkit.compat._details.deep_ep_agreement import CallAgreement
 
 __all__ = ["LowLatencyMixin"]
 
+#: What a receive hook is: called once (again: nothing), it fills its call's tensors.
+Hook = Callable[[], None]
 
-def _flags(fn: str, **flags) -> None:
+
+def _flags(fn: str, **flags: object) -> None:
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise ValueError(f"{fn}: {name} must be a bool, got {v!r}")
@@ -28,13 +39,15 @@ def _flags(fn: str, **flags) -> None:
         raise ValueError(f"{fn}: async_finish and return_recv_hook cannot both be True (as in DeepEP)")
 
 
-def _positive(fn: str, name: str, v) -> int:
+def _positive(fn: str, name: str, v: object) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}")
     return v
 
 
-def _check_tensors(fn: str, x, topk_idx, num_experts, stats, group_size: int, fp8_blocks: int) -> str | None:
+def _check_tensors(
+    fn: str, x: object, topk_idx: object, num_experts: object, stats: object, group_size: int, fp8_blocks: int
+) -> str | None:
     """A low-latency dispatch's tensors checked on this rank: the error text, or None (``fp8_blocks``: 0 without
     FP8, else the 128-column blocks ``hidden`` must be a multiple of)."""
     try:
@@ -52,7 +65,7 @@ def _check_tensors(fn: str, x, topk_idx, num_experts, stats, group_size: int, fp
     return None
 
 
-def _fields(x, topk_idx, num_experts, n_max: int) -> list[tuple[str, object]]:
+def _fields(x: object, topk_idx: object, num_experts: object, n_max: int | None) -> list[tuple[str, FieldValue]]:
     """What every rank's low-latency dispatch must share (the agreement's fields; None: no such value here)."""
     return [
         ("x hidden size", size_of(x, 1)),
@@ -71,17 +84,31 @@ class LowLatencyMixin:
     (:meth:`_settle`, the same calls in the same order on every rank); a hook called later finds its data there.
     """
 
+    # The Buffer's, which this mixin uses (declared for the type checker; the Buffer sets or defines them).
+    group_size: int
+    low_latency_mode: bool
+    _agreement: CallAgreement
+    _pending: list[Hook]  # the hooks not yet called: set by _settle / _deferred (read with getattr until then)
+
+    if TYPE_CHECKING:
+
+        def _agree(self, fn: str, error: str | None, fields: list[tuple[str, FieldValue]], tokens: int = 0) -> int: ...
+
+        def _epbuffer(
+            self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0
+        ) -> EPBuffer: ...
+
     def _settle(self) -> None:
         """Run the receive hooks not yet called (they fill their own tensors, so their results stay valid)."""
         pending, self._pending = getattr(self, "_pending", []), []
         for receive in pending:
             receive()
 
-    def _deferred(self, run, return_recv_hook: bool):
+    def _deferred(self, run: Hook, return_recv_hook: bool) -> Hook | None:
         """``run`` as a hook that runs once; run now without ``return_recv_hook`` (and None returned)."""
         state = {"done": False}
 
-        def receive():
+        def receive() -> None:
             if not state["done"]:
                 state["done"] = True
                 run()
@@ -114,7 +141,7 @@ class LowLatencyMixin:
         use_ue8m0: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
-    ):
+    ) -> tuple[DeepEPRows, torch.Tensor, LowLatencyHandle, EventOverlap, Hook | None]:
         """``(recv_x, recv_count, handle, event, hook)``: each (token, expert) pair into the expert's rank's slots.
 
         ``recv_x``: ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` bf16, or with
@@ -125,7 +152,9 @@ class LowLatencyMixin:
         data; else None.
         """
         fn = "low_latency_dispatch"
-        error, n_max = None, None  # every check feeds the agreement: a rank never raises alone (its peers would wait)
+        # every check feeds the agreement: a rank never raises alone (its peers would wait)
+        error: str | None = None
+        n_max: int | None = None
         try:
             _flags(fn, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                    return_recv_hook=return_recv_hook)  # fmt: skip
@@ -148,15 +177,17 @@ class LowLatencyMixin:
                 raise ValueError(error)
         else:  # the same buffer on every rank, or the same ValueError (a rejection, or arguments that differ)
             self._agree(fn, error, _fields(x, topk_idx, num_experts, n_max))
+        assert n_max is not None  # set by the checks, which passed on every rank (else a ValueError came above)
         hidden = x.shape[1]
         buf = self._epbuffer(hidden, num_experts, topk_idx.shape[1], x.device, 0, n_max)
         mode = "bf16" if not use_fp8 else ("round" if round_scale else "fp8")
-        recv_x, recv_count, h, ll_hook = buf.low_latency_dispatch(
+        dispatched: LLDispatchResult = buf.low_latency_dispatch(
             x, topk_idx, n_max, use_fp8=mode == "fp8", return_recv_hook=return_recv_hook
         )
+        recv_x, recv_count, h, ll_hook = dispatched
         out = LowLatencyOutputs(mode, use_ue8m0, recv_x, recv_count)  # EPBuffer's tensors: no copy of the rows
 
-        def receive():
+        def receive() -> None:
             ll_hook()
             out.fill()
             if stats is not None:
@@ -172,14 +203,14 @@ class LowLatencyMixin:
         x: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
-        handle,
+        handle: LowLatencyHandle,
         use_logfmt: bool = False,
         zero_copy: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: torch.Tensor | None = None,
         combine_wait_recv_cost_stats: torch.Tensor | None = None,
-    ):
+    ) -> tuple[torch.Tensor, EventOverlap, Hook | None]:
         """``(combined_x [num_tokens, hidden] bf16, event, hook)``: every pair's row back to its token, summed with
         ``topk_weights`` in float32 (k ascending). ``x`` is the dispatch's layout ``[num_local_experts, N * W,
         hidden]`` bf16; with ``zero_copy`` the rows are taken from :meth:`get_next_low_latency_combine_buffer`'s
@@ -203,17 +234,20 @@ class LowLatencyMixin:
         if out is None:  # a wrong out is EPBuffer's to reject: its peers then learn at once (PeerFailedError)
             out = torch.empty((max(t_num, 0), handle.hidden), dtype=torch.bfloat16, device=buf.device)
         weights = topk_weights.float() if isinstance(topk_weights, torch.Tensor) else topk_weights
-        res = buf.low_latency_combine(x, topk_idx, weights, handle.handle, return_recv_hook=return_recv_hook, out=out)
+        res: LLCombineResult = buf.low_latency_combine(
+            x, topk_idx, weights, handle.handle, return_recv_hook=return_recv_hook, out=out
+        )
 
-        def receive():  # EPBuffer writes into out
+        def receive() -> None:  # EPBuffer writes into out
             if return_recv_hook:
+                assert isinstance(res, tuple)  # with return_recv_hook EPBuffer returns (None, hook)
                 res[1]()
 
         hook = self._deferred(receive, return_recv_hook)
         keep = (x, topk_idx, topk_weights) if async_finish else None
         return out, EventOverlap(EventHandle() if async_finish else None, keep), hook
 
-    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """A bf16 ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` tensor to write the
         expert outputs into, for ``low_latency_combine(..., zero_copy=True)`` (one per handle)."""
         if not isinstance(handle, LowLatencyHandle):

@@ -59,7 +59,9 @@ def get_mn_major_tma_aligned_tensor(sf: torch.Tensor) -> torch.Tensor:
     return out if sf.dim() == 3 else out.squeeze(0)
 
 
-def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: torch.Tensor, psum_layout=None) -> torch.Tensor:
+def get_mn_major_tma_aligned_packed_ue8m0_tensor(
+    sf: torch.Tensor, psum_layout: torch.Tensor | None = None
+) -> torch.Tensor:
     """float32 power-of-two scales ``[..., MN, K]`` as packed UE8M0 int32 ``[..., MN, ceil(K/4)]`` in the MN-major TMA
     layout (the exponent byte of each scale, DeepGEMM's packing). ``psum_layout`` (which rows DeepGEMM may skip
     packing) is checked; every row is packed."""
@@ -79,7 +81,14 @@ def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf: torch.Tensor, psum_layout=N
 
 
 def transform_sf_into_required_layout(
-    sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_ue8m0_cast=False, psum_layout=None
+    sf: torch.Tensor,
+    mn: int,
+    k: int,
+    recipe: tuple[int, int, int] | tuple[int, int],
+    num_groups: int | None = None,
+    is_sfa: bool | None = None,
+    disable_ue8m0_cast: bool = False,
+    psum_layout: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepGEMM's scale transform, with SM90's answers: float32 1x128 scales -> MN-major TMA-aligned; float32
     128x128 or 1x32 and int32 packed (1x32 / 1x128) -> themselves, after the shape check."""
@@ -179,11 +188,11 @@ def rows_of_psum(ends: torch.Tensor, m: int, align: int) -> torch.Tensor:
 
 def check_flags(
     fn: str,
-    compiled_dims,
-    disable_ue8m0_cast,
-    use_psum_layout=False,
-    ensure_zero_padding=True,
-    expected_m_for_psum_layout=None,
+    compiled_dims: object,
+    disable_ue8m0_cast: object,
+    use_psum_layout: object = False,
+    ensure_zero_padding: object = True,
+    expected_m_for_psum_layout: object = None,
 ) -> None:
     """The settings that change no result here (see ``epkit.compat.deep_gemm``) are still checked for type."""
     if not isinstance(compiled_dims, str) or not compiled_dims or set(compiled_dims) - set("mnk"):
