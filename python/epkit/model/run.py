@@ -4,7 +4,7 @@ and the measured collective ledger of a decode step.
 ``epkit run --ranks N`` launches N CPU ranks itself (``epkit.cpu_ranks.run_ranks``); under
 ``torchrun --nproc-per-node N -m epkit run`` every process is one rank and rank 0 prints the report.
 The ranks are ``world = dp x cp`` (``--cp C``: ``DP = N / C`` engines of ``C`` adjacent ranks, each engine's
-prefill context-parallel, see :mod:`epkit.model.cp`); EP spans every rank (Wide-EP); the Engram tables are
+prefill context-parallel, see :mod:`epkit.model.cp_prefill`); EP spans every rank (Wide-EP); the Engram tables are
 sharded over ENP groups of ``--enp P`` ranks (a divisor of N; default all N). ``--tbo`` runs each decode step
 as two overlapped micro-batches (:mod:`epkit.model.tbo`). A bad option or input is one line
 (``epkit run: error: ...``) on every rank, and a non-zero exit on every rank.
