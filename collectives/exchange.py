@@ -71,7 +71,7 @@ class Exchange:
 
         The same bytes as ``send_region(dst)[offset:offset + n].copy_(data)``; in a stream-ordered exchange
         the copy is skipped on the stream when a wait before it failed. ``portable``: CPU rows take the device
-        path's copy kernel too (``ep.rows.move_rows``).
+        path's copy kernel too (``ep.rows.copy_rows_by_address``).
         """
         n = data.numel()
         if data.dtype != torch.uint8 or data.dim() != 1 or not 0 <= offset <= self.region_bytes - n:
@@ -86,14 +86,16 @@ class Exchange:
         if guard is None:
             region[offset : offset + n].copy_(data)
             return
-        from epkit.collectives.ep.rows import move_rows
+        from epkit.collectives.ep.rows import copy_rows_by_address
 
         src = data.contiguous()
         if src.device != region.device:  # from pinned memory, asynchronously: the host does not wait for the stream
             src = src.pin_memory().to(region.device, non_blocking=True)
         dst_addr = torch.full((1,), region.data_ptr() + offset, dtype=torch.int64, device=region.device)
         src_addr = torch.full((1,), src.data_ptr(), dtype=torch.int64, device=region.device)
-        move_rows(dst_addr, src_addr, n, [region.data_ptr(), offset, src.data_ptr()], guard=guard, portable=portable)
+        copy_rows_by_address(
+            dst_addr, src_addr, n, [region.data_ptr(), offset, src.data_ptr()], guard=guard, portable=portable
+        )
 
     def send_region(self, dst: int) -> torch.Tensor:
         """``[region_bytes]`` uint8 view to fill with the payload for ``dst``."""

@@ -31,11 +31,11 @@ from epkit.collectives.ep.rows import (
     align_up,
     by_address,
     check_biases,
+    copy_rows_by_address,
     decode_error,
     encode_error,
     expanded_layout,
-    move_rows,
-    reduce_indexed,
+    sum_indexed_rows,
 )
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.ops import custom_op, refuse_capture
@@ -206,7 +206,7 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
     else:  # device rows (or portable): the copy kernel, padding rows left zero
         expanded = torch.zeros((n_rows, h), dtype=torch.bfloat16, device=dev)
         dst = expanded.data_ptr() + torch.arange(n_rows, dtype=torch.int64) * xb
-        move_rows(dst.to(dev), addrs.to(dev), xb, [expanded.data_ptr(), xb, *bases], portable=portable)
+        copy_rows_by_address(dst.to(dev), addrs.to(dev), xb, [expanded.data_ptr(), xb, *bases], portable=portable)
     m_indices = torch.full((n_rows,), -1, dtype=torch.int32)
     ok = slot >= 0
     m_indices[slot[ok]] = recv_idx[ok]
@@ -225,7 +225,7 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
         if n:
             dst = sb.peer(r)[me * region : me * region + n * xb].view(torch.bfloat16).view(n, h)
             s = slot[sel]
-            reduce_indexed(dst, [y], torch.where(s >= 0, 0, -1), s.clamp(min=0), recv_w[sel], portable=portable)
+            sum_indexed_rows(dst, [y], torch.where(s >= 0, 0, -1), s.clamp(min=0), recv_w[sel], portable=portable)
     sb.barrier()  # every partial has landed
 
     # Source side: sum over ranks ascending, reading the partials in place.
@@ -240,7 +240,7 @@ def _fused_rows(x, topk_idx, peers, w13, w2, buffer: EPBuffer, biases, swiglu_li
         row_of[toks, r] = torch.arange(toks.numel())
         sources.append(sb.local[r * region : r * region + toks.numel() * xb].view(torch.bfloat16).view(-1, h))
     out = torch.empty((t_num, h), dtype=torch.bfloat16, device=dev)
-    reduce_indexed(out, sources, src_of, row_of, None, biases, portable=portable)
+    sum_indexed_rows(out, sources, src_of, row_of, None, biases, portable=portable)
     sb.barrier()  # regions are free again for the next exchange
     return out
 

@@ -74,7 +74,7 @@ PUBLIC_API = {
     ],
     "epkit.cli": ["build_parser", "cmd_info", "cmd_plan", "cmd_selfcheck", "collect_info", "main"],
     "epkit.collectives": [],
-    "epkit.collectives.cp": ["CPGroup", "cp_broadcast_object", "cp_broadcast_tensor_dict"],
+    "epkit.collectives.cp_group": ["CPGroup", "cp_broadcast_object", "cp_broadcast_tensor_dict"],
     "epkit.collectives.ep_buffer": ["DispatchHandle", "EPBuffer", "LowLatencyHandle"],
     "epkit.collectives.ep_reference": ["reference_combine", "reference_dispatch", "reference_layout"],
     "epkit.collectives.fused_moe": ["fused_moe"],

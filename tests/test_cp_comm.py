@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from epkit.collectives.cp import CPGroup, cp_broadcast_object, cp_broadcast_tensor_dict
+from epkit.collectives.cp_group import CPGroup, cp_broadcast_object, cp_broadcast_tensor_dict
 from epkit.testing.multiprocess import run_ranks
 from epkit.topology import ParallelGroups
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from epkit.collectives.cp import CPGroup
+from epkit.collectives.cp_group import CPGroup
 from epkit.cp_mirror import from_mirror, prepare_cp_mirror, to_mirror
 from epkit.testing.multiprocess import run_ranks
 from epkit.topology import ParallelGroups

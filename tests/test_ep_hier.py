@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from test_hosts import check_low_latency
 
-from epkit.collectives.ep.hier_rows import put_split_rows, rail_order, sum_by_host, token_order
+from epkit.collectives.ep.hier_rows import gather_split_rows, rail_order, sum_by_host, token_order
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import (
     reference_combine,
@@ -407,5 +407,5 @@ def test_rail_order_and_split_rows(portable):
         full = torch.randint(0, 256, (tokens.numel(), 24), dtype=torch.uint8, generator=g)
         sel = torch.randperm(tokens.numel(), generator=g)[: tokens.numel() // 2]
         out = torch.zeros((sel.numel(), 24), dtype=torch.uint8)
-        put_split_rows(full[:k].clone(), full[k:].clone(), sel, out, portable)
+        gather_split_rows(full[:k].clone(), full[k:].clone(), sel, out, portable)
         assert torch.equal(out, full[sel])

@@ -6,7 +6,7 @@ by class only: a NaN is a NaN on both sides, and a bfloat16 NaN out of the fused
 import pytest
 import torch
 
-from epkit.collectives.ep.rows import reduce_indexed
+from epkit.collectives.ep.rows import sum_indexed_rows
 
 
 def _rows(n: int, h: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -56,9 +56,9 @@ def _check_fused_against_portable(src_dtype, out_dtype, bias_dtype, weighted, hi
     row_of = row_of.view(t_num, k)
     weights = torch.randn(t_num, k, generator=g) if weighted else None
     biases = [] if bias_dtype is None else [_rows(t_num, hidden, bias_dtype, g) for _ in range(2)]
-    fused = reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, weights, biases)
+    fused = sum_indexed_rows(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, weights, biases)
     out = torch.empty(t_num, hidden, dtype=out_dtype)
-    want = reduce_indexed(out, sources, src_of, row_of, weights, biases, portable=True)
+    want = sum_indexed_rows(out, sources, src_of, row_of, weights, biases, portable=True)
     nan = want.isnan()
     assert nan.any() and torch.equal(fused.isnan(), nan)
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
@@ -88,25 +88,25 @@ def test_groups_give_the_bits_of_partials_written_out_and_summed(src_dtype, out_
 
     def run(portable):
         out = torch.empty(t_num, hidden, dtype=out_dtype)
-        return reduce_indexed(out, sources, src_of, row_of, weights, biases, groups, portable)
+        return sum_indexed_rows(out, sources, src_of, row_of, weights, biases, groups, portable)
 
     partials, cols = [], [slice(0, 2), slice(2, 3), slice(3, 5)]
     for c in cols:
         w = weights[:, c] if weighted else None
         out = torch.empty(t_num, hidden, dtype=out_dtype)
-        partials.append(reduce_indexed(out, sources, src_of[:, c], row_of[:, c], w, portable=True))
+        partials.append(sum_indexed_rows(out, sources, src_of[:, c], row_of[:, c], w, portable=True))
     had = torch.stack([(src_of[:, c] >= 0).any(1) for c in cols], 1)
     p_src = torch.where(had, torch.arange(3), -1)
     p_row = torch.arange(t_num).unsqueeze(1).expand(t_num, 3)
     out = torch.empty(t_num, hidden, dtype=out_dtype)
-    want = reduce_indexed(out, partials, p_src, p_row, None, biases, portable=True)
+    want = sum_indexed_rows(out, partials, p_src, p_row, None, biases, portable=True)
     nan = want.isnan()
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
     for got in (run(False), run(True)):
         assert nan.any() and torch.equal(got.isnan(), nan)
         assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
     with pytest.raises(ValueError, match="add up to the 5 terms"):
-        reduce_indexed(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, groups=[2, 2])
+        sum_indexed_rows(torch.empty(t_num, hidden, dtype=out_dtype), sources, src_of, row_of, groups=[2, 2])
 
 
 def test_dispatch_layout_pass_matches_the_reference_and_refuses_ids_out_of_range():

@@ -373,9 +373,9 @@ def test_cpu_row_copy_honours_its_guard():
     src = torch.arange(64, dtype=torch.uint8).view(4, 16)
     dst = torch.zeros(4, 16, dtype=torch.uint8)
     d, s = dst.data_ptr() + torch.arange(4) * 16, src.data_ptr() + torch.arange(4) * 16
-    ep_rows.move_rows(d, s, 16, [dst.data_ptr(), src.data_ptr()], guard=torch.ones(1, dtype=torch.int64))
+    ep_rows.copy_rows_by_address(d, s, 16, [dst.data_ptr(), src.data_ptr()], guard=torch.ones(1, dtype=torch.int64))
     assert not dst.any()
-    ep_rows.move_rows(d, s, 16, [dst.data_ptr(), src.data_ptr()], guard=torch.zeros(1, dtype=torch.int64))
+    ep_rows.copy_rows_by_address(d, s, 16, [dst.data_ptr(), src.data_ptr()], guard=torch.zeros(1, dtype=torch.int64))
     assert torch.equal(dst, src)
 
 

@@ -1,10 +1,13 @@
 """The reference model: DP attention + Wide-EP forward on CPU ranks against the one-process float64 model."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from epkit.model import Batch, DPEPModel, ModelArgs, forward_reference, generate, init_weights
+from epkit.plan import ModelConfig
 from epkit.testing import assert_bitwise_equal, calc_diff
 from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
@@ -335,6 +338,47 @@ def test_args_are_checked():
     w = init_weights(ModelArgs(n_layers=2))
     assert w["layers.1.experts_w13"].shape == (16, 256, 256) and "layers.0.w13" in w
     assert torch.equal(init_weights(ModelArgs(n_layers=2))["embed"], w["embed"])  # same seed, same weights
+
+
+def test_model_config_is_the_plan_view_of_the_args():
+    """Every field of the plan's ModelConfig, from args whose sizes all differ (a field read from the wrong size
+    shows). The Engram rows are worked out by hand from engram.py's prime rule: layers 0 then 3, one order
+    (n = 2), 4 heads, the search from 500 - 1 upwards: layer 0 takes 503 509 521 523, layer 3 the next four
+    primes no head took, 541 547 557 563; head_dim = 80 embed / 4 heads."""
+    args = ModelArgs(
+        vocab_size=300, dim=384, n_layers=5, n_dense_layers=2, n_heads=6, head_dim=24, inter_dim=640,
+        moe_inter_dim=256, n_routed_experts=12, n_shared_experts=2, n_activated_experts=3, n_expert_groups=3,
+        n_limited_groups=2, expert_format="fp4", engram_layer_ids=(3, 0), engram_max_ngram=2,
+        engram_heads_per_ngram=4, engram_embed_per_ngram=80, engram_table_size=500, seed=7,
+    )  # fmt: skip
+    cfg = args.model_config()
+    assert type(cfg) is ModelConfig
+    assert dataclasses.asdict(cfg) == {
+        "name": "tiny",
+        "hidden_size": 384,
+        "moe_intermediate_size": 256,
+        "n_routed_experts": 12,
+        "num_experts_per_tok": 3,
+        "num_hidden_layers": 5,
+        "num_moe_layers": 3,
+        "n_shared_experts": 2,
+        "intermediate_size": 640,
+        "num_attention_heads": 6,
+        "head_dim": 24,
+        "v_head_dim": 24,
+        "q_lora_rank": 0,
+        "kv_lora_rank": 0,
+        "qk_rope_head_dim": 0,
+        "o_groups": 0,
+        "o_lora_rank": 0,
+        "vocab_size": 300,
+        "engram_layer_ids": (0, 3),
+        "engram_num_embeddings": (503 + 509 + 521 + 523, 541 + 547 + 557 + 563),
+        "engram_head_dim": 20,
+        "weight_format": "fp4",
+    }
+    plain = ModelArgs(engram_layer_ids=()).model_config("plain")  # no Engram layer: no tables
+    assert plain.name == "plain" and plain.engram_num_embeddings == () and plain.engram_head_dim == 0
 
 
 def test_generate_checks_its_input():

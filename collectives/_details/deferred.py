@@ -6,7 +6,7 @@ returns; the outcome becomes readable once the CUDA stream passes the point wher
 
 - a timed device wait writes its 2-word result straight into pinned host memory (``host_slot``);
 - a status computed on the device is stored into pinned memory by the row-copy kernel
-  (``ep.rows.move_rows``: a kernel's stores through the mapped address, not a device-to-host memcpy).
+  (``ep.rows.copy_rows_by_address``: a kernel's stores through the mapped address, not a device-to-host memcpy).
 
 Neither synchronizes the host, and neither is a device-to-host copy. :meth:`DeferredChecks.poll`
 (called at the start of every later collective on the buffer) raises the first failure among the
@@ -104,7 +104,7 @@ class DeferredChecks:
         dev, nbytes = values.device, 8 * values.numel()
         dst = torch.full((1,), host.data_ptr(), dtype=torch.int64, device=dev)  # a fill, not a copy
         src = torch.full((1,), values.data_ptr(), dtype=torch.int64, device=dev)
-        ep_rows.move_rows(dst, src, nbytes, [host.data_ptr(), values.data_ptr(), nbytes], portable=portable)
+        ep_rows.copy_rows_by_address(dst, src, nbytes, [host.data_ptr(), values.data_ptr(), nbytes], portable=portable)
 
     def _fail(self, exc: BaseException) -> BaseException:
         if self.on_failure is not None:

@@ -12,7 +12,7 @@ call, its text (8 bytes for a good one). Every rank so learns whether any call w
 and that every rank has reached this fetch, so that each shard holds what its rank wrote before (on nvshmem the
 header's signal is ordered after the rank's earlier writes on its stream). The hook is one copy of each
 requested row from its owner's shard into the result, by address (``epkit._C.gather_rows_by_address`` for CPU
-memory; :func:`~epkit.collectives.ep.rows.move_rows`, the Triton copy kernel, on the GPU; the same
+memory; :func:`~epkit.collectives.ep.rows.copy_rows_by_address`, the Triton copy kernel, on the GPU; the same
 source addresses either way), duplicates and all, in the requested order; then it adds 1 to its "lookups read"
 word at every owner (user signal ``reader rank`` of the owner).
 
@@ -31,9 +31,9 @@ from epkit.collectives.ep.rows import (
     RowPool,
     align_up,
     by_address,
+    copy_rows_by_address,
     decode_error,
     encode_error,
-    move_rows,
 )
 
 __all__ = [
@@ -170,7 +170,7 @@ class DirectShard:
             _C.gather_rows_by_address(out.data_ptr(), src.data_ptr(), n, self.row_bytes, torch.get_num_threads())
         elif n:  # device memory: the copy kernel over address lists
             dst = torch.arange(n, dtype=torch.int64, device=out.device) * self.row_bytes + out.data_ptr()
-            move_rows(dst, src, self.row_bytes, [*self.bases, out.data_ptr(), self.row_bytes])
+            copy_rows_by_address(dst, src, self.row_bytes, [*self.bases, out.data_ptr(), self.row_bytes])
         self.read_done()
 
     def read_done(self) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from epkit.collectives.ep.handles import HierRoute
-from epkit.collectives.ep.hier_rows import field_offsets, put_split_rows
+from epkit.collectives.ep.hier_rows import field_offsets, gather_split_rows
 
 if TYPE_CHECKING:
     from epkit.collectives.ep.normal_hier import HierNormalPath
@@ -113,7 +113,7 @@ class Forward:
                         if self.slots[lp] < 0:
                             at.copy_(head)
                     else:
-                        self._put(fields[f], rows, sel, at, dst if f == self.id_f else None)
+                        self._gather_field(fields[f], rows, sel, at, dst if f == self.id_f else None)
                 continue
             in_region, offs, region, _ = self.dest[lp]
             row = sum(self.counts[lp][:H])  # where this source's rows start in dst's region
@@ -130,9 +130,9 @@ class Forward:
                     o = offs[in_region.index(f)]
                     view = region[o + row * wd : o + (row + k) * wd].view(k, wd)
                 if f == 0 and head is not None:  # the x rows this rank received straight into its result
-                    put_split_rows(head, fields[0], sel, view, self.cfg.portable)
+                    gather_split_rows(head, fields[0], sel, view, self.cfg.portable)
                 else:
-                    self._put(fields[f], rows, sel, view, dst if f == self.id_f else None)
+                    self._gather_field(fields[f], rows, sel, view, dst if f == self.id_f else None)
 
     def finish(self) -> list[torch.Tensor]:
         """Once every source is forwarded: what the other forwarders sent this rank, placed in the flat order;
@@ -155,7 +155,7 @@ class Forward:
         ex.release()
         return self.outs
 
-    def _put(
+    def _gather_field(
         self, field: torch.Tensor, rows: torch.Tensor | None, sel: torch.Tensor, out: torch.Tensor, to_rank: int | None
     ) -> None:
         """Rows ``sel`` of one field (``rows``: None, or the field's row of each message row) into ``out``

@@ -14,14 +14,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from epkit.collectives.ep.rows import align_up, by_address, move_rows, reduce_indexed, sum_by_source
+from epkit.collectives.ep.rows import align_up, by_address, copy_rows_by_address, sum_by_source, sum_indexed_rows
 
 __all__ = [
     "HIERARCHICAL",
     "PARTS",
     "field_offsets",
+    "gather_split_rows",
     "last_sum_layout",
-    "put_split_rows",
     "rail_order",
     "sum_by_host",
     "token_order",
@@ -53,7 +53,7 @@ def sum_by_host(
     ``sources[r] [len(send_tokens[r]), H]``: what rank r sent back for the tokens this rank sent it
     (``send_tokens[r]``, int64); ``hosts``: ``EPBuffer.hosts`` (lists of ranks, ascending); ``empty(out)``
     makes each host partial's tensor (like ``out``; an EPBuffer passes its pool's); ``portable``: as
-    :func:`~epkit.collectives.ep.rows.reduce_indexed`'s.
+    :func:`~epkit.collectives.ep.rows.sum_indexed_rows`'s.
     """
     if hosts is None or len(hosts) <= 1:
         return sum_by_source(out, sources, send_tokens, biases, portable)
@@ -66,7 +66,7 @@ def sum_by_host(
             hit[send_tokens[r], h] = True
     src = torch.where(hit, torch.arange(n, dtype=torch.int64), -1)
     row = torch.arange(t_num, dtype=torch.int64).unsqueeze(1).expand(t_num, n)
-    return reduce_indexed(out, partials, src, row, None, biases, portable=portable)
+    return sum_indexed_rows(out, partials, src, row, None, biases, portable=portable)
 
 
 def last_sum_layout(
@@ -76,7 +76,7 @@ def last_sum_layout(
     own: tuple[torch.Tensor, torch.Tensor] | None,
     host_tokens: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The terms of a hierarchical combine's last sum at the source, for ``reduce_indexed`` with groups: per token,
+    """The terms of a hierarchical combine's last sum at the source, for ``sum_indexed_rows`` with groups: per token,
     in host order, one term per other host (its partial, as received: source ``k`` for the k-th other host, row =
     the token's place in the message sent there) and a group of ``per_host`` terms for this host (the rows its
     ranks sent back, sources after the other hosts', summed and cast as that host's partial would be).
@@ -144,7 +144,7 @@ def token_order(mask: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(bits, first, int(bits.sum()) + (~bits).long().cumsum(0) - 1)
 
 
-def put_split_rows(
+def gather_split_rows(
     head: torch.Tensor, rest: torch.Tensor, sel: torch.Tensor, out: torch.Tensor, portable: bool = False
 ) -> None:
     """``out[i] =`` row ``sel[i]`` of a message field whose first ``len(head)`` rows are ``head`` and whose others
@@ -155,7 +155,7 @@ def put_split_rows(
     if by_address(head, rest, out, portable=portable):
         addr = torch.where(sel < k, head.data_ptr() + sel * wd, rest.data_ptr() + (sel - k) * wd)
         dst = out.data_ptr() + torch.arange(sel.numel(), dtype=torch.int64) * wd
-        move_rows(dst, addr, wd, [head.data_ptr(), rest.data_ptr(), out.data_ptr(), wd])
+        copy_rows_by_address(dst, addr, wd, [head.data_ptr(), rest.data_ptr(), out.data_ptr(), wd])
         return
     in_head = sel < k
     out[in_head] = head[sel[in_head]]

@@ -50,11 +50,11 @@ from epkit.collectives.ep.ll_out import LLOut, LLRows
 from epkit.collectives.ep.rows import (
     META_MSG,
     align_up,
+    copy_rows_by_address,
     decode_error,
     encode_error,
-    move_rows,
-    reduce_gathered,
-    reduce_indexed,
+    sum_indexed_rows,
+    sum_table_rows,
 )
 from epkit.collectives.exchange import Exchange
 
@@ -214,7 +214,9 @@ class HostLowLatencyPath:
         region_addr = self.ctx.addresses(bases)
         head_bytes = 4 * (3 + L)
         head_src = heads.data_ptr() + torch.arange(w, device=dev) * head_bytes
-        move_rows(region_addr, head_src, head_bytes, [*bases, heads.data_ptr(), head_bytes], guard, self.cfg.portable)
+        copy_rows_by_address(
+            region_addr, head_src, head_bytes, [*bases, heads.data_ptr(), head_bytes], guard, self.cfg.portable
+        )
         # One address list per field covers every destination: pair i (token i // K) goes to row `at` of its
         # destination's message - slot expert * n_max + pos, or packed (host-checked: ep_low_latency_packed) the
         # expert's first row + pos - unless it has no expert or no slot.
@@ -232,7 +234,7 @@ class HostLowLatencyPath:
         tok = torch.arange(key.numel(), device=dev) // K
         fields = [(x_src, xb, hdr)] + ([(s_src, sb, scale_off)] if s_src is not None else [])
         for src, nbytes, off in fields:
-            move_rows(
+            copy_rows_by_address(
                 torch.where(live, base_of + off + at * nbytes, 0),
                 torch.where(live, src.data_ptr() + tok * nbytes, 0),
                 nbytes,
@@ -342,14 +344,14 @@ class HostLowLatencyPath:
             src, live, slot, y_row = slot_grid(handle.counts.to(self.ctx.device), n_max)
             at, sizes = head + slot * row, [msg_bytes] * w
         else:  # packed (ep_low_latency_packed): only the rows each source's pairs get back
-            live, y_row, at, sizes = packed.combine_rows(handle.counts, n_max, head, row)
+            live, y_row, at, sizes = packed.combine_layout(handle.counts, n_max, head, row)
             src = torch.arange(w).view(w, 1, 1)
         bases = [ex.send_region(s).data_ptr() for s in range(w)]
         region_addr = self.ctx.addresses(bases)
         # The handle's identity first, so the receivers can tell rows of another dispatch from this one's.
         ident = self.ctx.addresses([handle.buffer_id, handle.epoch])  # a cached device table: no host sync
         portable = self.cfg.portable
-        move_rows(
+        copy_rows_by_address(
             region_addr,
             torch.full_like(region_addr, ident.data_ptr()),
             16,
@@ -357,7 +359,7 @@ class HostLowLatencyPath:
             ex.guard,
             portable,
         )
-        move_rows(
+        copy_rows_by_address(
             torch.where(live, region_addr[src] + at, 0),
             torch.where(live, y.data_ptr() + y_row * row, 0),
             row,
@@ -402,7 +404,7 @@ class HostLowLatencyPath:
                 _, stride = message_spacing(views)
                 table = views[0][head:].as_strided((w, L * n_max, row), (stride, row, 1)).view(torch.bfloat16)
                 res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
-                res.copy_(reduce_gathered(table, handle.dst_of, slot, topk_weights.float()))  # rounded as .to()
+                res.copy_(sum_table_rows(table, handle.dst_of, slot, topk_weights.float()))  # rounded as .to()
             else:
                 sent = packed.sent_counts(handle.dst_of, handle.expert_of, w, L)
                 per_src = sent.sum(1).tolist()
@@ -411,7 +413,7 @@ class HostLowLatencyPath:
                 at = at + handle.pos_of.clamp(min=0)
                 sources = [v[head : head + n * row].view(torch.bfloat16).view(n, h) for v, n in zip(views, per_src)]
                 res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
-                reduce_indexed(res, sources, handle.dst_of, at, topk_weights.float(), portable=self.cfg.portable)
+                sum_indexed_rows(res, sources, handle.dst_of, at, topk_weights.float(), portable=self.cfg.portable)
         if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
             buffer_id = self.ctx.buffer.buffer_id
 

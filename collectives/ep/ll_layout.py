@@ -16,7 +16,7 @@ import torch
 
 # The status words of a message header (shared with the device kernels).
 from epkit.collectives.ep.ll_out import LLRows
-from epkit.collectives.ep.rows import move_rows
+from epkit.collectives.ep.rows import copy_rows_by_address
 from epkit.kernels.triton.ep_layout import BAD_IDS, COMBINE_HEAD, OK, OVERFLOW, REJECTED
 
 __all__ = [
@@ -187,7 +187,7 @@ def unpack_slots(
     first, stride = message_spacing(views)
     x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
     msg = first + src * stride
-    move_rows(
+    copy_rows_by_address(
         torch.where(live, x_dst + row * xb, 0),
         torch.where(live, msg + hdr + slot * xb, 0),
         xb,
@@ -196,7 +196,7 @@ def unpack_slots(
     )
     if sb:
         s_dst, off = recv_x[1].data_ptr(), hdr + L * n_max * xb
-        move_rows(
+        copy_rows_by_address(
             torch.where(live, s_dst + row * sb, 0),
             torch.where(live, msg + off + slot * sb, 0),
             sb,

@@ -23,9 +23,9 @@ import torch
 
 from epkit.collectives.ep.ll_layout import slot_grid
 from epkit.collectives.ep.ll_out import LLRows
-from epkit.collectives.ep.rows import align_up, move_rows
+from epkit.collectives.ep.rows import align_up, copy_rows_by_address
 
-__all__ = ["check_lengths", "combine_rows", "dispatch_layout", "first_rows", "sent_counts", "unpack_rows"]
+__all__ = ["check_lengths", "combine_layout", "dispatch_layout", "first_rows", "sent_counts", "unpack_rows"]
 
 
 def first_rows(counts: torch.Tensor) -> torch.Tensor:
@@ -66,11 +66,11 @@ def unpack_rows(
     msg = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64).view(w, 1, 1)
     x_dst = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).data_ptr()
     x_src = torch.where(live, msg + hdr + at * xb, 0)
-    move_rows(torch.where(live, x_dst + row * xb, 0), x_src, xb, [hdr, x_dst], portable=portable)
+    copy_rows_by_address(torch.where(live, x_dst + row * xb, 0), x_src, xb, [hdr, x_dst], portable=portable)
     if sb:
         s_dst = recv_x[1].data_ptr()
         src = torch.where(live, msg + scale_off.view(w, 1, 1) + at * sb, 0)
-        move_rows(torch.where(live, s_dst + row * sb, 0), src, sb, [s_dst], portable=portable)
+        copy_rows_by_address(torch.where(live, s_dst + row * sb, 0), src, sb, [s_dst], portable=portable)
 
 
 def sent_counts(dst_of: torch.Tensor, expert_of: torch.Tensor, w: int, L: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def sent_counts(dst_of: torch.Tensor, expert_of: torch.Tensor, w: int, L: int) -
     return torch.bincount(key, minlength=w * L).view(w, L)
 
 
-def combine_rows(
+def combine_layout(
     counts: torch.Tensor, n_max: int, head: int, row_bytes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Where an expert rank's combine rows go: ``(live, y_row, dst_row, sizes)`` over the ``[W, L, n_max]`` slot

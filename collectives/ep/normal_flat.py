@@ -20,8 +20,8 @@ from epkit.collectives.ep.agreement import agree_on_handle, agree_rows
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, Rows
 from epkit.collectives.ep.hier_rows import sum_by_host
-from epkit.collectives.ep.results import aligned_counts, expanded, finish_dispatch
-from epkit.collectives.ep.rows import Bias, align_up, check_formats, format_code, reduce_indexed
+from epkit.collectives.ep.results import aligned_counts, finish_dispatch, gather_expanded
+from epkit.collectives.ep.rows import Bias, align_up, check_formats, format_code, sum_indexed_rows
 
 __all__ = ["FlatNormalPath"]
 
@@ -104,7 +104,7 @@ class FlatNormalPath:
         x_out: Rows = (recv_x, recv_s) if recv_s is not None else recv_x
         if handle.expand:
             assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
-            x_out = expanded(ctx, recv_x, recv_s, handle.expanded_rows)
+            x_out = gather_expanded(ctx, recv_x, recv_s, handle.expanded_rows)
         aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
         return x_out, handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device), aligned, handle
 
@@ -233,7 +233,7 @@ class FlatNormalPath:
         assert handle.expanded_slot is not None and weights is not None  # the expanded mode's
         slot = handle.expanded_slot[lo : lo + n]
         keep = torch.where(slot >= 0, 0, -1)
-        reduce_indexed(out, [y], keep, slot.clamp(min=0), weights[lo : lo + n], portable=self.cfg.portable)
+        sum_indexed_rows(out, [y], keep, slot.clamp(min=0), weights[lo : lo + n], portable=self.cfg.portable)
 
     def _combine_rows(
         self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor]

@@ -61,8 +61,8 @@ from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, HierRou
 from epkit.collectives.ep.hier_forward import Forward, Place
 from epkit.collectives.ep.hier_rows import field_offsets, last_sum_layout, rail_order, token_order
 from epkit.collectives.ep.result_slots import ResultSlots, result_slot_count
-from epkit.collectives.ep.results import aligned_counts, expanded, finish_dispatch
-from epkit.collectives.ep.rows import META_MSG, Bias, align_up, check_formats, format_code, reduce_indexed
+from epkit.collectives.ep.results import aligned_counts, finish_dispatch, gather_expanded
+from epkit.collectives.ep.rows import META_MSG, Bias, align_up, check_formats, format_code, sum_indexed_rows
 from epkit.collectives.exchange import Exchange
 from epkit.collectives.symm_buffer import SymmBuffer
 
@@ -297,7 +297,7 @@ class HierNormalPath:
         x_out: Rows = recv_x if recv_s is None else (recv_x, recv_s)
         if handle.expand:
             assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
-            x_out = expanded(ctx, recv_x, recv_s, handle.expanded_rows)
+            x_out = gather_expanded(ctx, recv_x, recv_s, handle.expanded_rows)
         aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
         return x_out, handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device), aligned, handle
 
@@ -491,7 +491,7 @@ class HierNormalPath:
                 out = self.ctx.host_empty((m, h), y.dtype) if lf == hy.local else ex.send_region(lf)[: m * rb]
                 slot = handle.expanded_slot[rows]
                 keep = torch.where(slot >= 0, 0, -1)
-                reduce_indexed(
+                sum_indexed_rows(
                     out.view(y.dtype).view(m, h), [y], keep, slot.clamp(min=0), weights[rows], portable=portable
                 )
                 own = out if lf == hy.local else own
@@ -530,17 +530,17 @@ class HierNormalPath:
             n = st.rail_counts[H]
             if n:  # this host's rows of each token, ranks ascending, float32, cast
                 out = rail.send_region(H)[: n * rb].view(y.dtype).view(n, h)
-                reduce_indexed(out, sources, order[H][0], order[H][1], portable=self.cfg.portable)
+                sum_indexed_rows(out, sources, order[H][0], order[H][1], portable=self.cfg.portable)
             rail.commit(H, n * rb)
         rail.commit(hy.host, 0)
         back = rail.receive([t.numel() * rb if hy.host != H else 0 for H, t in enumerate(st.host_tokens)])
         # The last sum, per token in host order: another host's partial as it came; this host's own rows as a group
-        # (its partial cast in the sum, never written out: reduce_indexed's groups).
+        # (its partial cast in the sum, never written out: sum_indexed_rows's groups).
         rails = [H for H in range(N) if hy.host != H]
         parts = [back[H].view(y.dtype).view(-1, h) for H in rails] + sources
         src_of, row_of, groups = plan["last"]
         out = self.ctx.host_empty((handle.num_tokens, h), y.dtype)
-        reduce_indexed(out, parts, src_of, row_of, None, biases, groups, self.cfg.portable)
+        sum_indexed_rows(out, parts, src_of, row_of, None, biases, groups, self.cfg.portable)
         ex.release()  # the rows the peers sent back were read in place
         rail.release()
         return out

@@ -9,7 +9,7 @@ from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, HierRoute, Rows
 from epkit.collectives.ep.rows import expanded_layout
 
-__all__ = ["aligned_counts", "expanded", "finish_dispatch"]
+__all__ = ["aligned_counts", "finish_dispatch", "gather_expanded"]
 
 
 def aligned_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int) -> list[int]:
@@ -19,7 +19,7 @@ def aligned_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int) 
     return [int(-(-c // alignment) * alignment) for c in counts]
 
 
-def expanded(ctx: EPContext, recv_x: torch.Tensor, recv_s: torch.Tensor | None, rows: torch.Tensor) -> Rows:
+def gather_expanded(ctx: EPContext, recv_x: torch.Tensor, recv_s: torch.Tensor | None, rows: torch.Tensor) -> Rows:
     """The expanded rows (``rows``: received row per expanded row, -1 = a zero padding row), as dispatch
     returns them: ``x`` or ``(x, scales)``."""
     from epkit.gather import gather_rows
@@ -55,7 +55,7 @@ def finish_dispatch(
     x_out: Rows = (recv_x, recv_scales) if recv_scales is not None else recv_x
     if expand:
         rows, slot = expanded_layout(recv_idx, counts, alignment)
-        x_out = expanded(ctx, recv_x, recv_scales, rows)
+        x_out = gather_expanded(ctx, recv_x, recv_scales, rows)
     handle = DispatchHandle(
         send_tokens=tokens,
         recv_counts=recv_counts,

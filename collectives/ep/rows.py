@@ -25,19 +25,19 @@ __all__ = [
     "RowPool",
     "align_up",
     "by_address",
-    "check_formats",
     "check_biases",
+    "check_formats",
+    "copy_rows_by_address",
     "decode_error",
     "device_table",
     "encode_error",
     "expanded_layout",
     "format_code",
     "leased_bytes",
-    "move_rows",
-    "reduce_gathered",
-    "reduce_indexed",
-    "reduce_rows",
     "sum_by_source",
+    "sum_indexed_rows",
+    "sum_rows_by_address",
+    "sum_table_rows",
 ]
 
 #: Bytes of error text a rejected call sends its peers (in the layout exchange, headers, publish areas).
@@ -102,7 +102,7 @@ def decode_error(field: torch.Tensor) -> str:
     return bytes(field[:META_MSG].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def reduce_rows(
+def sum_rows_by_address(
     out: torch.Tensor,
     addrs: torch.Tensor,
     src_dtype: torch.dtype,
@@ -114,16 +114,16 @@ def reduce_rows(
 
     ``addrs [T, K]`` int64 holds row addresses (0: no row) of ``src_dtype`` rows of
     ``out.shape[1]`` elements in CPU memory; ``epkit._C.reduce_rows`` reads them in place
-    (multi-threaded). bf16 / float32 rows, output and biases (:func:`reduce_indexed` takes the
-    other dtypes and devices). ``groups``: see :func:`reduce_indexed`.
+    (multi-threaded). bf16 / float32 rows, output and biases (:func:`sum_indexed_rows` takes the
+    other dtypes and devices). ``groups``: see :func:`sum_indexed_rows`.
     """
     t_num, h = out.shape
     if t_num == 0:
         return out
     if not _fused_ok(out, src_dtype, biases):
         raise ValueError(
-            f"reduce_rows: bf16/float32 contiguous CPU output and rows only (out {out.dtype}, rows {src_dtype}, "
-            f"biases {[b.dtype for b in biases]}); use reduce_indexed"
+            f"sum_rows_by_address: bf16/float32 contiguous CPU output and rows only (out {out.dtype}, "
+            f"rows {src_dtype}, biases {[b.dtype for b in biases]}); use sum_indexed_rows"
         )
     from epkit import _C
 
@@ -180,7 +180,7 @@ def by_address(*tensors: torch.Tensor, portable: bool = False) -> bool:
     return not portable and all(t.device.type == "cpu" for t in tensors)
 
 
-def reduce_indexed(
+def sum_indexed_rows(
     out: torch.Tensor,
     sources: list[torch.Tensor],
     src_of: torch.Tensor,
@@ -224,7 +224,7 @@ def reduce_indexed(
             addrs = torch.where(src_of >= 0, bases[sel] + row_of * strides[sel], 0)
         else:
             addrs = torch.zeros((t_num, 0), dtype=torch.int64)
-        return reduce_rows(out, addrs, dtype, weights, biases, groups)
+        return sum_rows_by_address(out, addrs, dtype, weights, biases, groups)
     dev = out.device
     ends = _group_ends(groups, src_of.shape[1])
     acc = torch.zeros((t_num, h), dtype=torch.float32, device=dev)
@@ -254,7 +254,7 @@ def reduce_indexed(
     return out.copy_(acc.to(out.dtype))
 
 
-def move_rows(
+def copy_rows_by_address(
     dst_addrs: torch.Tensor,
     src_addrs: torch.Tensor,
     row_bytes: int,
@@ -263,6 +263,8 @@ def move_rows(
     portable: bool = False,
 ) -> None:
     """Row i: copy ``row_bytes`` from address ``src_addrs[i]`` to ``dst_addrs[i]``; a 0 on either side skips it.
+    (The one entry for both backends, named as they are: ``epkit._C.copy_rows_by_address`` and the Triton launcher
+    ``epkit.kernels.triton.copy_rows.copy_rows_by_address``.)
 
     The lists have a fixed length (routing-independent), so callers build them with tensor ops and
     never read them on the host. ``bases``: every base address and offset the addresses were formed
@@ -282,18 +284,18 @@ def move_rows(
         g = 0 if guard is None else guard.data_ptr()  # read by the copy itself, as the kernel does
         _C.copy_rows_by_address(d.data_ptr(), s.data_ptr(), d.numel(), row_bytes, torch.get_num_threads(), g)
         return
-    from epkit.kernels.triton.copy_rows import copy_rows_by_address, word_bytes_for
+    from epkit.kernels.triton import copy_rows as triton_copy  # its launcher has this function's name
 
-    word = word_bytes_for(row_bytes, *bases)
-    copy_rows_by_address(dst_addrs.reshape(-1), src_addrs.reshape(-1), row_bytes, word, guard)
+    word = triton_copy.word_bytes_for(row_bytes, *bases)
+    triton_copy.copy_rows_by_address(dst_addrs.reshape(-1), src_addrs.reshape(-1), row_bytes, word, guard)
 
 
-def reduce_gathered(
+def sum_table_rows(
     table: torch.Tensor, src_of: torch.Tensor, row_of: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """``sum_k w[t, k] * table[src_of[t, k], row_of[t, k]]`` in float32, k ascending; ``src_of < 0`` skips the term.
 
-    Fixed-shape tensor ops only (no host reads), the arithmetic of :func:`reduce_indexed`: each product
+    Fixed-shape tensor ops only (no host reads), the arithmetic of :func:`sum_indexed_rows`: each product
     rounded to float32, then added to an accumulator that starts at +0, so the bits agree with it.
 
     table : Tensor [S, R, H] (any float dtype); src_of, row_of : Tensor [T, K] int64; weights [T, K] float32.
@@ -443,7 +445,7 @@ def sum_by_source(
     ``out [T, H]``; ``sources[r] [len(send_tokens[r]), H]`` (rows contiguous, one dtype): what rank r sent
     back for the tokens this rank sent it; ``send_tokens[r]`` int64 token indices. The order of the sum is
     the one ``collectives.ep_reference`` documents. CPU rows are read in place by ``epkit._C.reduce_rows``
-    (their addresses built in one pass per rank); other devices take :func:`reduce_indexed`'s torch ops.
+    (their addresses built in one pass per rank); other devices take :func:`sum_indexed_rows`'s torch ops.
     """
     t_num, w = out.shape[0], len(sources)
     dtype = sources[0].dtype if sources else out.dtype
@@ -453,11 +455,11 @@ def sum_by_source(
             if t.numel():
                 step = src.stride(0) * src.element_size()
                 addrs[t, r] = torch.arange(src.data_ptr(), src.data_ptr() + step * t.numel(), step)
-        return reduce_rows(out, addrs, dtype, None, biases)
+        return sum_rows_by_address(out, addrs, dtype, None, biases)
     src_of = torch.full((t_num, w), -1, dtype=torch.int64)
     row_of = torch.zeros((t_num, w), dtype=torch.int64)
     for r, t in enumerate(send_tokens):
         if t.numel():
             src_of[t, r] = r
             row_of[t, r] = torch.arange(t.numel(), dtype=torch.int64)
-    return reduce_indexed(out, sources, src_of, row_of, None, biases, portable=portable)
+    return sum_indexed_rows(out, sources, src_of, row_of, None, biases, portable=portable)

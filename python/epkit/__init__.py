@@ -8,7 +8,7 @@ Layout and gathers
 Context parallelism
     prepare_cp_mirror    zigzag CP indices: mirror index, reverse index, ks/ke per compression ratio
     to_mirror / from_mirror                          rows into / out of the mirror layout
-    collectives.cp.CPGroup                           async CP all-gather, driver broadcasts
+    collectives.cp_group.CPGroup                     async CP all-gather, driver broadcasts
 
 Engram
     engram_hash          n-gram hash -> table rows (public demo ABI): XOR of id*multiplier, mod prime, + offset

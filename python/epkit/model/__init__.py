@@ -28,7 +28,7 @@ per-expert loop over every DP rank's sequences, with the parallel model's quanti
 (bf16 MoE input, FP8 weights and activations) simulated, and the Engram tables whole.
 
 Context parallelism (the source engine ships it disabled) runs the prefill only: with ``cp_size > 1`` an
-engine's prompts are sharded zigzag over its CP ranks (:mod:`~epkit.model.cp`), and decode continues from the
+engine's prompts are sharded zigzag over its CP ranks (:mod:`~epkit.model.cp_prefill`), and decode continues from the
 gathered KV, each sequence on one CP rank. Two-batch overlap (``DPEPModel(tbo=True)``, :mod:`~epkit.model.tbo`)
 splits each decode step into two micro-batches whose low-latency dispatch / combine overlap the other's
 compute, bit for bit the step without it. Matrix products pad their rows (:func:`~epkit.model.layers.linear`),
@@ -38,7 +38,7 @@ Run ``epkit run`` for the experiment on CPU ranks (:mod:`~epkit.model.run`).
 
 The package's modules, each importing only those above it: :mod:`~epkit.model.args` (sizes,
 weights), :mod:`~epkit.model.layers` (the step batch, the dense building blocks, the gate),
-:mod:`~epkit.model.cp` and :mod:`~epkit.model.tbo` (the CP prefill, the overlapped decode step),
+:mod:`~epkit.model.cp_prefill` and :mod:`~epkit.model.tbo` (the CP prefill, the overlapped decode step),
 :mod:`~epkit.model.model` (:class:`DPEPModel`), :mod:`~epkit.model.engine` (:func:`generate`),
 :mod:`~epkit.model.reference` (:func:`forward_reference`), :mod:`~epkit.model.profile` (step timer, collective
 ledger) and :mod:`~epkit.model.run` (the command).

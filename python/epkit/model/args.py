@@ -10,6 +10,7 @@ import torch
 
 from epkit.engram import EngramConfig
 from epkit.engram_layer import EngramLayer
+from epkit.plan import ModelConfig
 from epkit.quant import cast_to_mxfp4, dequant_mxfp4, dequant_per_block_fp8, per_block_cast_to_fp8
 
 __all__ = [
@@ -102,6 +103,26 @@ class ModelArgs:
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.n_dense_layers
+
+    def model_config(self, name: str = "tiny") -> ModelConfig:
+        """This model as :func:`epkit.plan.plan` takes it: the :class:`epkit.plan.ModelConfig` view of these
+        sizes (plain multi-head attention: no query or key-value latent, no separate rope dims; the dense
+        layers' MLP width; each Engram layer's table rows), named ``name`` (``tiny``: what ``epkit run
+        --dry-run --preset tiny`` plans). The plan's config is derived from the args, never written apart."""
+        rows, head_dim = [], 0
+        for i in self.engram_layer_ids:
+            layer = EngramLayer(engram_config(self), i, self.dim, with_table=False, device="meta")
+            rows.append(layer.num_rows)
+            head_dim = layer.config.head_dim
+        return ModelConfig(
+            name=name, hidden_size=self.dim, moe_intermediate_size=self.moe_inter_dim,
+            n_routed_experts=self.n_routed_experts, num_experts_per_tok=self.n_activated_experts,
+            num_hidden_layers=self.n_layers, num_moe_layers=self.n_moe_layers, n_shared_experts=self.n_shared_experts,
+            intermediate_size=self.inter_dim, num_attention_heads=self.n_heads, head_dim=self.head_dim,
+            v_head_dim=self.head_dim, q_lora_rank=0, kv_lora_rank=0, qk_rope_head_dim=0, vocab_size=self.vocab_size,
+            engram_layer_ids=self.engram_layer_ids, engram_num_embeddings=tuple(rows), engram_head_dim=head_dim,
+            weight_format=self.expert_format,
+        )  # fmt: skip
 
 
 def engram_config(args: ModelArgs) -> EngramConfig:

@@ -3,7 +3,7 @@ with every DP rank (:class:`epkit.lockstep.LockstepDriver`: one all-reduce per s
 the prefill vote; placeholder steps for idle ranks, so every rank enters every dispatch/combine).
 
 With context parallelism (``cp_size > 1``) every CP rank of an engine passes the engine's same prompts: a
-prefill step runs them context-parallel (:func:`~epkit.model.cp.cp_prefill`), after which sequence ``i`` is
+prefill step runs them context-parallel (:func:`~epkit.model.cp_prefill.cp_prefill`), after which sequence ``i`` is
 decoded by CP rank ``i % cp`` alone, from the gathered KV (the other CP ranks drop it); the CP ranks keep the
 same schedule, so their votes agree. The tokens are gathered over the CP group at the end: every CP rank
 returns every sequence's."""
@@ -16,7 +16,7 @@ from collections import deque
 import torch.distributed as dist
 
 from epkit.lockstep import LockstepDriver
-from epkit.model.cp import cp_prefill_slots
+from epkit.model.cp_prefill import cp_prefill_slots
 from epkit.model.layers import Batch
 from epkit.model.model import DPEPModel
 
@@ -44,7 +44,7 @@ def _agree(group, error: str | None, settings) -> None:
 
 def _input_error(model: DPEPModel, prompts, budget: list, max_new_tokens, cap: int) -> str | None:
     """Why this rank's prompts or ``max_new_tokens`` are rejected (None: they are valid). With CP a prompt
-    fits when its zigzag share does (:func:`~epkit.model.cp.cp_prefill_slots`)."""
+    fits when its zigzag share does (:func:`~epkit.model.cp_prefill.cp_prefill_slots`)."""
     try:
         if len(budget) != len(prompts) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budget):
             raise ValueError(f"max_new_tokens must be an int >= 1 or one per prompt, got {max_new_tokens!r}")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from epkit import eplb
-from epkit.collectives.cp import CPGroup
+from epkit.collectives.cp_group import CPGroup
 from epkit.collectives.engram_table import ShardedEngramTable
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_combine, reference_dispatch
@@ -22,7 +22,7 @@ from epkit.collectives.fused_moe import fused_moe
 from epkit.engram import hash_tokens
 from epkit.experts import ExpertPlacement, logical_to_physical
 from epkit.model.args import ModelArgs, engram_config, engram_layer, init_weights, quantize_experts
-from epkit.model.cp import cp_prefill
+from epkit.model.cp_prefill import cp_prefill
 from epkit.model.layers import Batch, attention, check_batch, logits, rms_norm, route, swiglu_mlp
 from epkit.model.profile import NULL_TIMER
 from epkit.model.tbo import tbo_decode
@@ -84,7 +84,7 @@ class DPEPModel:
     groups : epkit.topology.ParallelGroups
         This rank's groups: ``ParallelGroups.create(dp_size=world // cp, cp_size=cp)``, EP over every rank,
         ENP any divisor of ``dp * cp``. With ``cp > 1`` a prefill runs context-parallel over the CP group
-        (:func:`epkit.model.cp.cp_prefill`: every CP rank of an engine passes the same prompt batch); decode
+        (:func:`epkit.model.cp_prefill.cp_prefill`: every CP rank of an engine passes the same prompt batch); decode
         is never context-parallel (each CP rank decodes its own share of the engine's sequences, see
         :func:`generate`).
         Rows live on the EP buffer's device: CPU for ``shm`` / ``torch``, the current GPU for
@@ -146,7 +146,7 @@ class DPEPModel:
         weights = init_weights(args) if weights is None else weights
         self.ep_size, self.ep_rank = groups.sizes["ep"], groups.ep_rank
         self.cp_size, self.cp_rank, self.tbo = groups.sizes["cp"], groups.cp_rank, tbo
-        #: The CP group (:class:`epkit.collectives.cp.CPGroup`) when ``cp_size > 1``, else None.
+        #: The CP group (:class:`epkit.collectives.cp_group.CPGroup`) when ``cp_size > 1``, else None.
         self.cp = CPGroup.from_parallel_groups(groups, timeout) if self.cp_size > 1 else None
         self.expert_alignment = expert_alignment
         self.max_decode_tokens_per_rank = max_decode_tokens_per_rank

@@ -4,7 +4,7 @@ and the measured collective ledger of a decode step.
 ``epkit run --ranks N`` launches N CPU ranks itself (``epkit.cpu_ranks.run_ranks``); under
 ``torchrun --nproc-per-node N -m epkit run`` every process is one rank and rank 0 prints the report.
 The ranks are ``world = dp x cp`` (``--cp C``: ``DP = N / C`` engines of ``C`` adjacent ranks, each engine's
-prefill context-parallel, see :mod:`epkit.model.cp`); EP spans every rank (Wide-EP); the Engram tables are
+prefill context-parallel, see :mod:`epkit.model.cp_prefill`); EP spans every rank (Wide-EP); the Engram tables are
 sharded over ENP groups of ``--enp P`` ranks (a divisor of N; default all N). ``--tbo`` runs each decode step
 as two overlapped micro-batches (:mod:`epkit.model.tbo`). A bad option or input is one line
 (``epkit run: error: ...``) on every rank, and a non-zero exit on every rank.
@@ -55,7 +55,6 @@ __all__ = [
     "cp_prefill_gathers",
     "end_process",
     "main",
-    "plan_config",
     "rank_limit",
     "run_rank",
 ]
@@ -359,35 +358,12 @@ def _summary(a, results: list[dict], world: int) -> dict:
             "ledger_ok": all(row["ok"] for row in ledger) and (gathers is None or gathers["ok"])}  # fmt: skip
 
 
-def plan_config(args: ModelArgs):
-    """The :class:`epkit.plan.ModelConfig` of the reference model of ``args`` (plain multi-head attention, its
-    dense layers, its Engram tables), named ``tiny``: what ``--dry-run --preset tiny`` plans."""
-    from epkit.engram_layer import EngramLayer
-    from epkit.model.args import engram_config
-    from epkit.plan import ModelConfig
-
-    rows, head_dim = [], 0
-    for i in args.engram_layer_ids:
-        layer = EngramLayer(engram_config(args), i, args.dim, with_table=False, device="meta")
-        rows.append(layer.num_rows)
-        head_dim = layer.config.head_dim
-    return ModelConfig(
-        name="tiny", hidden_size=args.dim, moe_intermediate_size=args.moe_inter_dim,
-        n_routed_experts=args.n_routed_experts, num_experts_per_tok=args.n_activated_experts,
-        num_hidden_layers=args.n_layers, num_moe_layers=args.n_moe_layers, n_shared_experts=args.n_shared_experts,
-        intermediate_size=args.inter_dim, num_attention_heads=args.n_heads, head_dim=args.head_dim,
-        v_head_dim=args.head_dim, q_lora_rank=0, kv_lora_rank=0, qk_rope_head_dim=0, vocab_size=args.vocab_size,
-        engram_layer_ids=args.engram_layer_ids, engram_num_embeddings=tuple(rows), engram_head_dim=head_dim,
-        weight_format=args.expert_format,
-    )  # fmt: skip
-
-
 def _dry_run(a, world: int) -> int:
     """The plan of ``--preset`` on ``world`` ranks with ``--weights`` (default: the preset's own), as the run
     would lay it out (``--redundant-experts``, default one per rank); text: the table, which holds the ledger."""
     from epkit.plan import PRESETS, format_plan, plan
 
-    model = plan_config(ModelArgs(seed=a.seed)) if a.preset == "tiny" else PRESETS[a.preset]
+    model = ModelArgs(seed=a.seed).model_config() if a.preset == "tiny" else PRESETS[a.preset]
     extra = world if a.redundant_experts is None else a.redundant_experts
     try:
         p = plan(model, dp=world // a.cp, cp=a.cp, enp=a.enp, weight_format=a.weights, min_num_extra_experts=extra)

@@ -10,7 +10,7 @@ the same schedule) and computes only its zigzag share of the tokens:
   block ``r`` and block ``2 * cp - 1 - r``; its rows are picked from the batch by ``mirror_cp_index`` (a
   local index gather, as the source's ``gather(hidden_states, mirror_cp_index)``: the batch is already on
   every CP rank, nothing needs to travel);
-- **attention**: this rank's keys and values are all-gathered on :class:`~epkit.collectives.cp.CPGroup`
+- **attention**: this rank's keys and values are all-gathered on :class:`~epkit.collectives.cp_group.CPGroup`
   (one gather per layer, started before the query projection and waited for when the keys are needed)
   and put back in sequence order (:func:`epkit.from_mirror`); each local query attends to the keys that
   ``ke - ks`` of ratio 1 gives it. The model's attention is plain multi-head attention with **no KV
