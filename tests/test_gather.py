@@ -15,15 +15,21 @@ CPU_BACKENDS = [
     pytest.param("tilelang", marks=requires_tilelang),
     pytest.param("triton", marks=requires_triton),
 ]
-DTYPES = [
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.int8,
-    torch.float8_e4m3fn,
-    torch.int64,
-    torch.bool,
+#: ``(dtype, n, m, width)``: the cases that differ for a byte-row copy (row bytes by the widest word that divides
+#: them, booleans, -1 entries, no source rows, no index, many rows), not their product: ``x [n, width]``, ``m``
+#: indices.
+CASES = [
+    (torch.float32, 37, 53, 5),  # 20-byte rows: 4-byte words; -1 entries
+    (torch.bfloat16, 37, 53, 5),  # 10-byte rows: 2-byte words only
+    (torch.int8, 37, 53, 5),  # 5-byte rows: bytes only
+    (torch.bool, 37, 53, 5),  # booleans (no byte view of their own)
+    (torch.float16, 1, 4, 1),  # one source row of one element
+    (torch.int8, 0, 3, 7),  # no source rows: every index -1
+    (torch.int64, 64, 0, 16),  # no index: an empty result of 128-byte rows
+    (torch.float8_e4m3fn, 300, 129, 96),  # 96-byte rows (16-byte vectors), many rows
+    (torch.bfloat16, 300, 129, 96),  # 192-byte rows
 ]
+CASE_IDS = [f"{str(d)[6:]}-{n}x{w}-m{m}" for d, n, m, w in CASES]
 
 
 def _rand(shape, dtype, g):
@@ -58,8 +64,7 @@ def _case(n: int, m: int, width: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,m,width", [(37, 53, 5), (1, 4, 1), (0, 3, 7), (64, 0, 16), (300, 129, 96)])
+@pytest.mark.parametrize("dtype,n,m,width", CASES, ids=CASE_IDS)
 def test_gather_bit_exact(backend, dtype, n, m, width):
     x, index = _case(n, m, width, dtype)
     got = epkit.gather_rows(x, index, backend=backend)
@@ -133,8 +138,7 @@ def cpu_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,m,width", [(37, 53, 5), (1, 4, 1), (0, 3, 7), (300, 129, 96)])
+@pytest.mark.parametrize("dtype,n,m,width", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("check_index", [True, False])
 def test_gather_cpu_paths_bit_exact(cpu_path, dtype, n, m, width, check_index):
     x, index = _case(n, m, width, dtype)
