@@ -121,9 +121,9 @@ class EPBuffer:
         kernels: str = "auto",
         portable: bool = False,
     ):
-        rank, w = group_info(group)[:2]
-        n_ll = num_max_dispatch_tokens_per_rank
-        cfg = EPConfig.checked(w, rank, hidden, num_experts, num_max_tokens_per_rank, num_topk, n_ll, timeout, portable)
+        rank, w, ranks = group_info(group)[:3]
+        n_ll, n = num_max_dispatch_tokens_per_rank, num_max_tokens_per_rank
+        cfg = EPConfig.checked(w, rank, hidden, num_experts, n, num_topk, n_ll, timeout, portable, ranks)
         self._ctx, self._normal, self._ll = open_paths(group, cfg, transport, kernels)
         self.group, self.cfg = group, self._ctx.cfg
 

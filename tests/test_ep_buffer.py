@@ -163,6 +163,50 @@ def test_bad_input_fails_on_every_rank():
         assert "rank 1: topk_idx[2, 3] = 16 is outside [-1, 16)" in msg, msg
 
 
+def _sub_group_bad_calls(rank, world_size):
+    """An EPBuffer over global ranks 2 and 3 only; three calls that are bad on global rank 3 (group position 1)."""
+    from epkit.collectives.bootstrap import SubGroup
+
+    if rank < 2:
+        return None
+    buf = EPBuffer(SubGroup(dist.group.WORLD, [2, 3], "ep"), HIDDEN, EXPERTS, 8, TOPK, transport="shm", timeout=10)
+    x = torch.zeros(4, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(TOPK).repeat(4, 1)
+    bad = idx.clone()
+    if rank == 3:
+        bad[2, 3] = EXPERTS
+    calls = [
+        lambda: buf.dispatch(x, bad),  # rejected by rank 3's own check, told in the agreement
+        lambda: buf.dispatch(x.float() if rank == 3 else x, idx),  # valid on each rank; the formats differ
+        lambda: buf.low_latency_dispatch(x, idx, 8 if rank == 2 else 4, use_fp8=False),  # the parameters differ
+    ]
+    msgs = []
+    for call in calls:
+        try:
+            call()
+            msgs.append("no error")
+        except ValueError as exc:
+            msgs.append(str(exc))
+    counts = [8 * (rank == 2)] * TOPK + [0] * (EXPERTS // 2 - TOPK)  # both ranks' 4 tokens to experts 0-3
+    assert buf.dispatch(x, idx)[3] == counts  # the buffer goes on
+    buf.close()
+    return msgs
+
+
+def test_a_sub_groups_ep_errors_name_global_ranks():
+    # An EPBuffer over global ranks 2 and 3 named them by their positions ("rank 1: topk_idx[2, 3] ...").
+    res = run_ranks(_sub_group_bad_calls, 4, timeout=60)
+    assert res[2] == res[3], res
+    ids, formats, params = res[2]
+    assert "rank 3: topk_idx[2, 3] = 16 is outside [-1, 16)" in ids, ids
+    assert "rank 2: torch.bfloat16; rank 3: torch.float32" in formats, formats
+    assert (
+        "rank 2: num_max_dispatch_tokens_per_rank=8" in params
+        and "rank 3: num_max_dispatch_tokens_per_rank=4" in params
+    )
+    assert "rank 0" not in " ".join(res[2]) and "rank 1" not in " ".join(res[2]), res[2]
+
+
 def _too_many(rank, world_size):
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, num_max_tokens_per_rank=8, num_topk=TOPK, timeout=10)
     n = 9 if rank == 0 else 3

@@ -44,7 +44,7 @@ def agree_rows(
     errors = []
     for src, g in enumerate(got):
         if int(g[:8].view(torch.int64)[0]) == -1:
-            errors.append(f"rank {src}: {decode_error(g[num_words * 8 :])}")
+            errors.append(f"{ctx.cfg.rank_name(src)}: {decode_error(g[num_words * 8 :])}")
     if errors:
         raise ValueError("dispatch rejected on every rank before any data moved: " + "; ".join(errors))
     return [g[: num_words * 8].view(torch.int64) for g in got]
@@ -75,13 +75,14 @@ def agree_on_handle(
 def judge_agreement(ctx: EPContext, what: str, heads: list[list[int]], text_of: Callable[[int], str]) -> None:
     """The agreement's verdict from every rank's ``[status (0: valid), buffer id, dispatch epoch]``;
     ``text_of(rank)`` reads a rejecting rank's error text. The same ValueError on every rank, or None."""
-    errors = [f"rank {r}: {text_of(r)}" for r, h in enumerate(heads) if h[0] != 0]
+    errors = [f"{ctx.cfg.rank_name(r)}: {text_of(r)}" for r, h in enumerate(heads) if h[0] != 0]
     if errors:
         raise ValueError(f"{what} rejected on every rank before any row moved: " + "; ".join(errors))
     mine = ctx.buffer.buffer_id
     if any(h[1:] != heads[0][1:] for h in heads) or heads[0][1] != mine:
         desc = "; ".join(
-            f"rank {r}: {'this buffer' if h[1] == mine else f'another buffer ({h[1]:x})'}'s dispatch {h[2]}"
+            f"{ctx.cfg.rank_name(r)}: {'this buffer' if h[1] == mine else f'another buffer ({h[1]:x})'}'s "
+            f"dispatch {h[2]}"
             for r, h in enumerate(heads)
         )
         raise ValueError(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from epkit.collectives.ep.ll_layout import COMBINE_HEADER
-from epkit.collectives.ep.rows import FIELD_ALIGN, META_MSG, align_up
+from epkit.collectives.ep.rows import FIELD_ALIGN, META_MSG, align_up, rank_name
 
 __all__ = ["DEFAULT_LOW_LATENCY_TOKENS", "EPConfig", "RegionSizes", "region_sizes"]
 
@@ -66,6 +66,8 @@ class EPConfig:
     #: moves, the stream-ordered low-latency protocol): how the tests run the GPU path's code on CPU ranks.
     portable: bool = False
     hosts: tuple[tuple[int, ...], ...] = ()
+    #: The global rank of each position of the group (what every message names a rank by); empty: the positions.
+    global_ranks: tuple[int, ...] = ()
 
     @classmethod
     def checked(
@@ -79,6 +81,7 @@ class EPConfig:
         n_ll: int | None,
         timeout: float,
         portable: bool = False,
+        global_ranks: tuple[int, ...] = (),
     ) -> EPConfig:
         """The config of the constructor's arguments (ValueError for any it cannot take; ``n_ll`` None: the
         default low-latency capacity)."""
@@ -96,7 +99,8 @@ class EPConfig:
         _positive("num_max_dispatch_tokens_per_rank", n_ll)
         if not isinstance(portable, bool):
             raise ValueError(f"portable must be a bool, got {portable!r}")
-        return cls(world_size, rank, hidden, num_experts, num_topk, num_max_tokens_per_rank, n_ll, timeout, portable)
+        n, k = num_max_tokens_per_rank, num_topk
+        return cls(world_size, rank, hidden, num_experts, k, n, n_ll, timeout, portable, (), tuple(global_ranks))
 
     @property
     def num_local_experts(self) -> int:
@@ -111,6 +115,15 @@ class EPConfig:
             self.num_max_tokens_per_rank,
             self.num_max_dispatch_tokens_per_rank,
         )
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global rank of each position of the group."""
+        return self.global_ranks or tuple(range(self.world_size))
+
+    def rank_name(self, r: int) -> str:
+        """``"rank G"``: position ``r`` of the group by its global rank."""
+        return rank_name(r, self.ranks)
 
     @property
     def host_lists(self) -> list[list[int]]:

@@ -101,8 +101,7 @@ class EPContext:
         try:
             yield
         except BaseException as exc:
-            me = self.cfg.rank
-            reason = f"{what} failed on rank {me}: {type(exc).__name__}: {exc}"
+            reason = f"{what} failed on {self.cfg.rank_name(self.cfg.rank)}: {type(exc).__name__}: {exc}"
             for buf in self.all_buffers():
                 buf.mark_broken(reason, culprit=buf.rank)
             raise
@@ -111,5 +110,6 @@ class EPContext:
         """A call with no agreement step failed validation on this rank only: retire the buffer here, so the next
         call cannot pair with the peers' stale messages, and tell the peers, whose waits on this rank end at once
         (PeerFailedError) instead of timing out."""
-        self.buffer.mark_broken(f"{what} rejected on rank {self.cfg.rank}: {exc}", culprit=self.cfg.rank)
+        me = self.cfg.rank
+        self.buffer.mark_broken(f"{what} rejected on {self.cfg.rank_name(me)}: {exc}", culprit=me)
         raise exc

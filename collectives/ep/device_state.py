@@ -199,6 +199,7 @@ class DeviceState:
         sb, w, dev = ctx.buffer, ctx.cfg.world_size, ctx.device
         self.sb, self.layout, self.device, self.area_offset = sb, layout, dev, area_offset
         self.rank, self.world, self.timeout = ctx.cfg.rank, w, ctx.cfg.timeout
+        self.cfg = ctx.cfg
         self.bases = [sb.peer(r).data_ptr() + area_offset for r in range(w)]
         me = self.bases[self.rank]
         self.ctrl = me
@@ -241,7 +242,7 @@ class DeviceState:
                 raise
         if self._status[0] == 0:
             if wait:
-                raise RuntimeError(f"rank {self.rank}: a rejected call left no failure record")
+                raise RuntimeError(f"{self.cfg.rank_name(self.rank)}: a rejected call left no failure record")
             return
         if self.device.type == "cuda":  # the record is complete once the failing kernel has finished
             _drain(self.device, self.timeout)
@@ -261,12 +262,12 @@ class DeviceState:
             return silence_error(self.rank, peer, what, self.timeout, epoch, self.sb.global_ranks)
         if code == CODE_HEADERS:
             heads = [[int(v) for v in detail[src, :3]] for src in range(self.world)]
-            errors = judge_headers(heads, lambda src: self._ll_text(src, epoch), True)
+            errors = judge_headers(heads, lambda src: self._ll_text(src, epoch), True, self.cfg.ranks)
             return ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
         if code == CODE_HANDLES:
             idents = [[int(v) for v in detail[src, :2]] for src in range(self.world)]
-            return ValueError(describe_handles(idents, self.sb.buffer_id, "low-latency combine"))
-        return RuntimeError(f"rank {self.rank}: corrupt device status record (code {code})")
+            return ValueError(describe_handles(idents, self.sb.buffer_id, "low-latency combine", self.cfg.ranks))
+        return RuntimeError(f"{self.cfg.rank_name(self.rank)}: corrupt device status record (code {code})")
 
     def _ll_text(self, src: int, epoch: int) -> str:
         """The error text of source ``src``'s low-latency dispatch message of exchange ``epoch`` (error path)."""

@@ -100,8 +100,9 @@ class Forward:
             sel = rows_for(hit, order, lp)
             k = sel.numel()
             if k != self.counts[lp][H] or (lp == hy.local and head is not None and k != head.shape[0]):
+                name = self.cfg.rank_name
                 raise RuntimeError(
-                    f"rank {self.cfg.rank}: forwards {k} rows of rank {source} to rank {dst}, the layout said "
+                    f"{name(self.cfg.rank)}: forwards {k} rows of {name(source)} to {name(dst)}, the layout said "
                     f"{self.counts[lp][H]}" + (f" and {head.shape[0]} came straight" if head is not None else "")
                 )
             if not k:

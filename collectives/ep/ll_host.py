@@ -97,7 +97,10 @@ class HostLowLatencyPath:
         """Rejections (and, with ``check_params``, parameter mismatches) in the received headers
         (``_heads``), read on the host; worded alike on every rank."""
         return judge_headers(
-            heads[:, :3].tolist(), lambda src: decode_error(views[src][hdr - META_MSG : hdr]), check_params
+            heads[:, :3].tolist(),
+            lambda src: decode_error(views[src][hdr - META_MSG : hdr]),
+            check_params,
+            self.cfg.ranks,
         )
 
     def _defer_errors(
@@ -106,11 +109,11 @@ class HostLowLatencyPath:
         """Stream-ordered check of the headers (``_heads``): recorded for a later call; returns the ``[W]``
         rows-are-valid mask."""
         texts = torch.stack([v[hdr - META_MSG : hdr] for v in views])  # read on the host only if rejected
-        w = self.cfg.world_size
+        w, ranks = self.cfg.world_size, self.cfg.ranks
 
         def judge(values: list[int]) -> ValueError | None:
             heads3 = [values[3 * src : 3 * src + 3] for src in range(w)]
-            errors = judge_headers(heads3, lambda src: decode_error(texts[src]), True)
+            errors = judge_headers(heads3, lambda src: decode_error(texts[src]), True, ranks)
             if errors:
                 return ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
             return None
@@ -276,7 +279,7 @@ class HostLowLatencyPath:
         streamed = self._stream_ordered()
         with self.ctx.retire_on_failure("low-latency dispatch receive"):
             views = ex.receive([msg_bytes] * w, at_most=not streamed)
-            packed.check_lengths(views, [hdr] * w, "low-latency dispatch")
+            packed.check_lengths(views, [hdr] * w, "low-latency dispatch", self.cfg.ranks)
             heads = self._heads(views)
         if streamed:
             ok = self._defer_errors(heads, views, hdr, n_max, use_fp8)
@@ -292,7 +295,7 @@ class HostLowLatencyPath:
             if streamed:
                 unpack_slots(views, recv_x, got, n_max, hdr, xb, sb, self.cfg.portable)
             else:
-                packed.unpack_rows(views, recv_x, got, n_max, hdr, xb, sb, self.cfg.portable)
+                packed.unpack_rows(views, recv_x, got, n_max, hdr, xb, sb, self.cfg.ranks, self.cfg.portable)
             recv_count.copy_(got.sum(0).to(torch.int32))
             handle.counts = got
             ex.release()  # after the reads above on the stream
@@ -308,7 +311,7 @@ class HostLowLatencyPath:
             ex.write(dst, text, hdr - META_MSG, self.cfg.portable)
             ex.commit(dst, msg_bytes if streamed else hdr)  # packed: a header with no rows
         views = ex.receive([msg_bytes] * self.cfg.world_size, at_most=not streamed)
-        packed.check_lengths(views, [hdr] * self.cfg.world_size, "low-latency dispatch")
+        packed.check_lengths(views, [hdr] * self.cfg.world_size, "low-latency dispatch", self.cfg.ranks)
         self.ctx.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
         errors = self._errors(self._heads(views), views, hdr, False)
         ex.release()
@@ -391,10 +394,10 @@ class HostLowLatencyPath:
         streamed = self._stream_ordered()
         with self.ctx.retire_on_failure("low-latency combine receive"):
             views = ex.receive([msg_bytes] * w, at_most=not streamed)
-            packed.check_lengths(views, [head] * w, "low-latency combine")
+            packed.check_lengths(views, [head] * w, "low-latency combine", self.cfg.ranks)
             idents = torch.stack([v[:16].view(torch.int64) for v in views])  # [W, 2] buffer id, epoch
         if not streamed:  # the handles first: a foreign one's rows need not even fit
-            error = describe_handles(idents.tolist(), self.ctx.buffer.buffer_id, "low-latency combine")
+            error = describe_handles(idents.tolist(), self.ctx.buffer.buffer_id, "low-latency combine", self.cfg.ranks)
             if error is not None:
                 ex.release()
                 raise ValueError(error)
@@ -408,17 +411,19 @@ class HostLowLatencyPath:
             else:
                 sent = packed.sent_counts(handle.dst_of, handle.expert_of, w, L)
                 per_src = sent.sum(1).tolist()
-                packed.check_lengths(views, [head + n * row for n in per_src], "low-latency combine")
+                packed.check_lengths(views, [head + n * row for n in per_src], "low-latency combine", self.cfg.ranks)
                 at = packed.first_rows(sent)[handle.dst_of.clamp(min=0), handle.expert_of.clamp(min=0)]
                 at = at + handle.pos_of.clamp(min=0)
                 sources = [v[head : head + n * row].view(torch.bfloat16).view(n, h) for v, n in zip(views, per_src)]
                 res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
                 sum_indexed_rows(res, sources, handle.dst_of, at, topk_weights.float(), portable=self.cfg.portable)
         if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
-            buffer_id = self.ctx.buffer.buffer_id
+            buffer_id, ranks = self.ctx.buffer.buffer_id, self.cfg.ranks
 
             def judge(values: list[int]) -> ValueError | None:
-                msg = describe_handles([values[2 * r : 2 * r + 2] for r in range(w)], buffer_id, "low-latency combine")
+                msg = describe_handles(
+                    [values[2 * r : 2 * r + 2] for r in range(w)], buffer_id, "low-latency combine", ranks
+                )
                 return None if msg is None else ValueError(msg)
 
             self.ctx.buffer.deferred.record(

@@ -9,14 +9,14 @@ slots (``ep/ll_packed``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 # The status words of a message header (shared with the device kernels).
 from epkit.collectives.ep.ll_out import LLRows
-from epkit.collectives.ep.rows import copy_rows_by_address
+from epkit.collectives.ep.rows import copy_rows_by_address, rank_name
 from epkit.kernels.triton.ep_layout import BAD_IDS, COMBINE_HEAD, OK, OVERFLOW, REJECTED
 
 __all__ = [
@@ -64,13 +64,14 @@ LLCombineResult = torch.Tensor | tuple[None, Callable[[], torch.Tensor]]
 COMBINE_HEADER = COMBINE_HEAD
 
 
-def describe_handles(heads: list[list[int]], buffer_id: int, what: str) -> str | None:
+def describe_handles(heads: list[list[int]], buffer_id: int, what: str, ranks: Sequence[int]) -> str | None:
     """The error (the same on every rank) when the ranks' ``[buffer id, epoch]`` handle headers do not all
-    name one dispatch of buffer ``buffer_id``; None when they do."""
+    name one dispatch of buffer ``buffer_id``; None when they do. ``ranks``: the global rank of each position."""
     if all(h == heads[0] for h in heads) and heads[0][0] == buffer_id:
         return None
     desc = "; ".join(
-        f"rank {r}: {'this buffer' if h[0] == buffer_id else f'another buffer ({h[0]:x})'}'s dispatch {h[1]}"
+        f"{rank_name(r, ranks)}: {'this buffer' if h[0] == buffer_id else f'another buffer ({h[0]:x})'}'s "
+        f"dispatch {h[1]}"
         for r, h in enumerate(heads)
     )
     return (
@@ -79,23 +80,25 @@ def describe_handles(heads: list[list[int]], buffer_id: int, what: str) -> str |
     )
 
 
-def describe_header(src: int, code: int, n_used: int, text: str) -> str | None:
-    """The error one received header's status reports, or None (``n_used``: the sender's slots per expert)."""
+def describe_header(src: int, code: int, n_used: int, text: str, ranks: Sequence[int]) -> str | None:
+    """The error one received header's status reports, or None (``n_used``: the sender's slots per expert;
+    ``ranks``: the global rank of each position)."""
+    who = rank_name(src, ranks)
     if code == REJECTED:
-        return f"rank {src}: {text}"
+        return f"{who}: {text}"
     if code == BAD_IDS:
-        return f"rank {src}: topk_idx holds expert ids outside [-1, num_experts)"
+        return f"{who}: topk_idx holds expert ids outside [-1, num_experts)"
     if code == OVERFLOW:
         return (
-            f"rank {src}: an expert gets more (token, expert) pairs than its {n_used} slots "
+            f"{who}: an expert gets more (token, expert) pairs than its {n_used} slots "
             f"(duplicate expert ids within a token?)"
         )
     if code != OK:
-        return f"rank {src}: corrupt low-latency header (status {code})"
+        return f"{who}: corrupt low-latency header (status {code})"
     return None
 
 
-def describe_parameters(heads: list[list[int]]) -> str | None:
+def describe_parameters(heads: list[list[int]], ranks: Sequence[int]) -> str | None:
     """The error (the same on every rank) when the ranks' headers ``[status, n_max, use_fp8]`` name different
     ``num_max_dispatch_tokens_per_rank`` / ``use_fp8``; None when they agree."""
     if len({(h[1], h[2]) for h in heads}) <= 1:
@@ -103,22 +106,26 @@ def describe_parameters(heads: list[list[int]]) -> str | None:
     return (
         "the ranks' parameters differ ("
         + "; ".join(
-            f"rank {r}: num_max_dispatch_tokens_per_rank={h[1]}, use_fp8={bool(h[2])}" for r, h in enumerate(heads)
+            f"{rank_name(r, ranks)}: num_max_dispatch_tokens_per_rank={h[1]}, use_fp8={bool(h[2])}"
+            for r, h in enumerate(heads)
         )
         + ")"
     )
 
 
-def judge_headers(heads: list[list[int]], text_of: Callable[[int], str], check_params: bool) -> list[str]:
+def judge_headers(
+    heads: list[list[int]], text_of: Callable[[int], str], check_params: bool, ranks: Sequence[int]
+) -> list[str]:
     """Every error the ranks' dispatch headers ``[status, n_max, use_fp8]`` report, worded alike on every rank;
-    ``text_of(src)`` reads a rejecting rank's error text; ``check_params``: also compare the parameters."""
+    ``text_of(src)`` reads a rejecting rank's error text; ``check_params``: also compare the parameters; ``ranks``:
+    the global rank of each position."""
     found = [
-        describe_header(src, code, n_used, text_of(src) if code == REJECTED else "")
+        describe_header(src, code, n_used, text_of(src) if code == REJECTED else "", ranks)
         for src, (code, n_used, _) in enumerate(heads)
     ]
     errors = [e for e in found if e is not None]
     if not errors and check_params:
-        mismatch = describe_parameters(heads)
+        mismatch = describe_parameters(heads, ranks)
         if mismatch is not None:
             errors.append(mismatch)
     return errors

@@ -19,11 +19,13 @@ every sum are the slot layout's, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from epkit.collectives.ep.ll_layout import slot_grid
 from epkit.collectives.ep.ll_out import LLRows
-from epkit.collectives.ep.rows import align_up, copy_rows_by_address
+from epkit.collectives.ep.rows import align_up, copy_rows_by_address, rank_name
 
 __all__ = ["check_lengths", "combine_layout", "dispatch_layout", "first_rows", "sent_counts", "unpack_rows"]
 
@@ -41,26 +43,27 @@ def dispatch_layout(counts: torch.Tensor, hdr: int, xb: int, sb: int) -> tuple[t
     return scale_off, (scale_off + total * sb).tolist()
 
 
-def check_lengths(views: list[torch.Tensor], need: list[int], what: str) -> None:
-    """Every received message holds the ``need[src]`` bytes its header (or the handle) says it does."""
+def check_lengths(views: list[torch.Tensor], need: list[int], what: str, ranks: Sequence[int]) -> None:
+    """Every received message holds the ``need[src]`` bytes its header (or the handle) says it does (``ranks``:
+    the global rank of each position, for the message)."""
     short = [(src, v.numel(), n) for src, (v, n) in enumerate(zip(views, need)) if v.numel() < n]
     if short:
         raise RuntimeError(
             f"{what}: messages shorter than their counts say ("
-            + "; ".join(f"rank {s}: {got} of {n} bytes" for s, got, n in short)
+            + "; ".join(f"{rank_name(s, ranks)}: {got} of {n} bytes" for s, got, n in short)
             + "): the ranks are out of step"
         )
 
 
 def unpack_rows(
     views: list[torch.Tensor], recv_x: LLRows, got: torch.Tensor, n_max: int, hdr: int, xb: int, sb: int,
-    portable: bool = False,
+    ranks: Sequence[int], portable: bool = False,
 ) -> None:  # fmt: skip
     """Received packed messages -> the masked layout (expert ``e``'s rows by source, then slot); ``got [W, L]``:
-    the headers' counts, already judged."""
+    the headers' counts, already judged; ``ranks``: the global rank of each position."""
     w = got.shape[0]
     scale_off, need = dispatch_layout(got, hdr, xb, sb)
-    check_lengths(views, need, "low-latency dispatch")
+    check_lengths(views, need, "low-latency dispatch", ranks)
     _, live, _, row = slot_grid(got, n_max)  # which slots hold a row, and its row in the masked layout
     at = first_rows(got)[:, :, None] + torch.arange(n_max)  # its row within its message
     msg = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64).view(w, 1, 1)

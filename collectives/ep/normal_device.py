@@ -151,12 +151,14 @@ class DeviceNormalPath:
             deadline = time.monotonic() + self.cfg.timeout + _GRACE_S
             while words[-1] != ready:
                 if time.monotonic() > deadline:
-                    exc = TimeoutError(f"rank {self.cfg.rank}: the CUDA stream did not reach the dispatch summary")
+                    me = self.cfg.rank_name(self.cfg.rank)
+                    exc = TimeoutError(f"{me}: the CUDA stream did not reach the dispatch summary")
                     self.ctx.buffer.mark_broken(str(exc), culprit=self.cfg.rank)
                     raise exc
         values: list[int] = words.tolist()
         if values[-1] != ready:  # a kernel that ran without publishing: a fault of epkit's, never a peer's
-            raise RuntimeError(f"rank {self.cfg.rank}: the summary's ready word is {values[-1]}, expected {ready}")
+            me = self.cfg.rank_name(self.cfg.rank)
+            raise RuntimeError(f"{me}: the summary's ready word is {values[-1]}, expected {ready}")
         self.dev.poll()  # a wait that failed left its record; the summary is not to be trusted then
         return values[:-1]
 
@@ -205,13 +207,13 @@ class DeviceNormalPath:
         for src, c in enumerate(codes):
             if c != OK:
                 text = self._slot_text("notify", src, 8 * (2 + w + self.cfg.num_experts)) if c == REJECTED else ""
-                found = describe_header(src, c, 0, text)
+                found = describe_header(src, c, 0, text, self.cfg.ranks)
                 assert found is not None  # every status but OK is an error
                 errors.append(found)
         if errors:
             what = what or "dispatch rejected on every rank before any data moved"
             raise ValueError(f"{what}: " + "; ".join(errors))
-        check_formats(fmts)
+        check_formats(fmts, self.cfg.ranks)
         weights = None if topk_weights is None else topk_weights.float().to(dev).contiguous()
         aligned = [-(-c // alignment) * alignment for c in counts_l]
         state = DeviceRoute(lay, idx, num_rows, num_expanded, aligned)

@@ -70,7 +70,7 @@ class FlatNormalPath:
                     meta_rows.append(torch.cat([torch.tensor([fmt, sent[r]]), counts, extra]))
             # The layout exchange doubles as the validation agreement: a bad call fails on every rank here.
             got = agree_rows(ctx, error, meta_rows, 2 + L + (1 + w if slots is not None else 0))
-            check_formats([int(g[0]) for g in got])
+            check_formats([int(g[0]) for g in got], self.cfg.ranks)
             recv_counts = [int(g[1]) for g in got]
             place: tuple[list[int], list[int]] | None = None
             matrix: torch.Tensor | None = None
@@ -85,7 +85,7 @@ class FlatNormalPath:
             topk_weights = torch.zeros(topk_idx.shape, dtype=torch.float32)
         with ctx.retire_on_failure("dispatch"):
             if matrix is not None and matrix[:, me].tolist() != recv_counts:  # peers may write into the slot now:
-                raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")  # retired
+                raise RuntimeError(f"{self.cfg.rank_name(me)}: the layout messages disagree on the rows sent here")
             recv = self._send_rows(x, scales, topk_idx, topk_weights.float(), tokens, recv_counts, place)
         recv = (*recv[:2], recv[2].to(topk_idx.dtype), recv[3])
         return finish_dispatch(ctx, recv, tokens, recv_counts, x.shape[0], expand, alignment, None)

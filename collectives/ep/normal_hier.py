@@ -251,7 +251,7 @@ class HierNormalPath:
             # Word 1: rows for that rank, word 2: rows for its host (its rail peer's receive), word 3: the sender's
             # result slot (-1: none), then the rows it sends each rank (where a forwarder's rows start in a result).
             got = agree_rows(ctx, error, rows, 4 + w, stage if rail is not None and cols is not None else None)
-            check_formats([int(g[0]) for g in got])  # a bad call failed on every rank above
+            check_formats([int(g[0]) for g in got], self.cfg.ranks)  # a bad call failed on every rank above
         except BaseException:
             if slots is not None:
                 slots.give_back(slot)
@@ -264,7 +264,7 @@ class HierNormalPath:
                 raise failed[0]
             call = self._route(got, state, rail is not None)
             if call.matrix[:, me].tolist() != recv_counts:
-                raise RuntimeError(f"rank {me}: the layout messages disagree on the rows sent here")
+                raise RuntimeError(f"{self.cfg.rank_name(me)}: the layout messages disagree on the rows sent here")
             assert cols is not None  # the call was valid on every rank: its fields were made
             recv_x, recv_s, recv_i, recv_w = self._move(cols, x.dtype, scales, state, recv_counts, call, rail)
         assert recv_i is not None and recv_w is not None  # a dispatch's fields carry the routing

@@ -34,6 +34,7 @@ __all__ = [
     "expanded_layout",
     "format_code",
     "leased_bytes",
+    "rank_name",
     "sum_by_source",
     "sum_indexed_rows",
     "sum_rows_by_address",
@@ -51,11 +52,17 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 Bias = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | None
 
 
-def check_formats(formats: list[int]) -> None:
+def rank_name(r: int, global_ranks: Sequence[int]) -> str:
+    """How every EP message names position ``r`` of the EP group: ``"rank G"``, ``G`` its global rank (what a
+    user of a sub-group can find; ``global_ranks[r]`` is position ``r``'s)."""
+    return f"rank {global_ranks[r]}"
+
+
+def check_formats(formats: list[int], global_ranks: Sequence[int]) -> None:
     """Every rank sees every rank's row format (word 0 of the layout messages), so every rank raises alike."""
     if len(set(formats)) != 1:
         names = [
-            f"rank {r}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
+            f"{rank_name(r, global_ranks)}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
             for r, f in enumerate(formats)
         ]
         raise ValueError("dispatch rows (x) differ in format across ranks (" + "; ".join(names) + ")")
