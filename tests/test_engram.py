@@ -264,17 +264,6 @@ def test_engram_hash_tilelang_equals_cpu_on_many_tokens():
     assert_bitwise_equal(engram_hash(ids, mult, vocab, off, backend="cpu"), want, ctx="cpu vs reference")
 
 
-def test_engram_hash_cpu_without_the_extension_is_the_reference(monkeypatch):
-    from epkit._details import engram_cpu
-
-    monkeypatch.setattr(engram_cpu, "_hash_extension", lambda: None)
-    cfg = EngramConfig(vocab_size=1000, ngram_vocab_sizes=(5003, 7001), n_head_per_ngram=3, n_embed_per_ngram=12)
-    mult, vocab, off = hash_params(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (301, 3), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
-    want = engram_hash(ids, mult, vocab, off, backend="reference")
-    assert_bitwise_equal(engram_hash(ids, mult, vocab, off, backend="cpu"), want, ctx="no epkit._C")
-
-
 def test_checked_parameters_are_remembered_by_value_so_a_changed_tensor_is_checked_again():
     cfg = EngramConfig(vocab_size=1000, ngram_vocab_sizes=(5003, 7001), n_head_per_ngram=3, n_embed_per_ngram=12)
     mult, vocab, off = hash_params(cfg)

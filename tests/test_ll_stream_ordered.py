@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from epkit._details.host_memory import mark_host_memory
-from epkit.collectives._details.deferred import DeferredChecks
 from epkit.collectives.ep import rows as ep_rows
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_low_latency_combine, reference_low_latency_dispatch
@@ -267,60 +266,6 @@ def test_a_rank_rejecting_its_input_is_reported_on_every_rank():
     res = run_ranks(_host_rejection, 2, timeout=60)
     for msg in res:
         assert "rank 0: x must be bfloat16" in msg, res
-
-
-def test_deferred_checks_raise_once_complete_and_retire():
-    failures = []
-    checks = DeferredChecks(torch.device("cpu"), lambda exc: failures.append(str(exc)))
-    checks.record(torch.tensor([0, 0]), lambda v: None, 1.0, "fine")
-    checks.record(torch.tensor([3, 7]), lambda v: ValueError(f"saw {v}") if v[0] else None, 1.0, "bad")
-    checks.record(torch.tensor([1]), lambda v: TimeoutError("later"), 1.0, "after")
-    with pytest.raises(ValueError, match=r"saw \[3, 7\]"):
-        checks.poll()
-    assert failures == ["saw [3, 7]"] and len(checks) == 0  # later checks retired with the failure
-    checks.drain()  # nothing left
-
-
-class _FakeEvent:
-    """Stands in for a CUDA event whose stream has not got there yet."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self):
-        return self.done
-
-
-def test_deferred_checks_wait_for_the_stream_and_time_out_from_the_head(monkeypatch):
-    import epkit.collectives._details.deferred as deferred
-
-    failures = []
-    checks = DeferredChecks(torch.device("cpu"), lambda exc: failures.append(str(exc)))
-    first, second = _FakeEvent(), _FakeEvent()
-    checks.record(torch.tensor([0]), lambda v: None, 0.2, "a")
-    checks.record(torch.tensor([1]), lambda v: ValueError("b failed"), 0.2, "b")
-    checks._pending[0].event, checks._pending[1].event = first, second
-    monkeypatch.setattr(deferred, "STREAM_GRACE_S", 0.1)
-    now = [100.0]
-    monkeypatch.setattr(deferred.time, "monotonic", lambda: now[0])
-    checks.poll()  # the stream has not reached "a": nothing to say yet ("a" is the head from now on)
-    now[0] += 0.25
-    first.done = True
-    checks.poll()  # "a" passes; "b" becomes the head now
-    now[0] += 0.25  # 0.5 s after "b" was queued, past its timeout + grace, but only 0.25 s as the head
-    checks.poll()
-    assert len(checks) == 1 and failures == []
-    second.done = True
-    with pytest.raises(ValueError, match="b failed"):
-        checks.poll()
-    assert failures == ["b failed"]
-    stuck = DeferredChecks(torch.device("cpu"), lambda exc: failures.append(str(exc)))
-    stuck.record(torch.tensor([0]), lambda v: None, 0.2, "never reached")
-    stuck._pending[0].event = _FakeEvent()
-    stuck.poll()
-    now[0] += 0.31  # timeout + grace past becoming the head, still not reached
-    with pytest.raises(TimeoutError, match="never reached: the CUDA stream has not reached"):
-        stuck.poll()
 
 
 def test_host_sync_detector_flags_reads_and_passes_fixed_shape_ops():
