@@ -587,13 +587,13 @@ def test_a_sub_groups_errors_name_global_ranks(transport):
     assert seconds < 2 + 1.5, res
 
 
-def _sub_group_member_goes_silent(rank, world_size):
+def _sub_group_member_goes_silent(rank, world_size, transport):
     """A buffer over global ranks 2 and 3; after one barrier rank 3 stops taking part."""
     from epkit.collectives.bootstrap import SubGroup
 
     if rank < 2:
         return None
-    buf = SymmBuffer(SubGroup(dist.group.WORLD, [2, 3], "pair"), 4096, transport="shm", timeout=10)
+    buf = SymmBuffer(SubGroup(dist.group.WORLD, [2, 3], "pair"), 4096, transport=transport, timeout=10)
     buf.barrier()
     if rank == 3:  # silent, and alive well past rank 2's 1 s wait (its exit would tell rank 2 it left)
         time.sleep(5)
@@ -601,7 +601,9 @@ def _sub_group_member_goes_silent(rank, world_size):
     return how_it_ends(lambda: buf.barrier(timeout=1.0))
 
 
-def test_a_sub_groups_waits_name_global_ranks():
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_a_sub_groups_waits_name_global_ranks(transport):
     # After construction too: the wait's error named positions in the sub-group ("rank 0: rank 1 sent no ...").
-    msg, _ = run_ranks(_sub_group_member_goes_silent, 4, timeout=60)[2]
-    assert msg.startswith("rank 2: rank 3 sent no barrier signal within 1 s"), msg
+    msg, _ = run_ranks(_sub_group_member_goes_silent, 4, transport, timeout=60)[2]
+    kind = "signal" if transport == "shm" else "message"
+    assert msg.startswith(f"rank 2: rank 3 sent no barrier {kind} within 1 s"), msg

@@ -106,6 +106,7 @@ class Transport(abc.ABC):
         """``rv``: the buffer's :class:`~epkit.collectives.bootstrap.Rendezvous` (collective steps go through it,
         bounded by its timeout); ``hello``: every rank's first rendezvous record (``host``, ``pid``, ``mem``)."""
         self.group, self.rank, self.world_size = rv.group, rv.rank, rv.world_size
+        self.global_ranks: tuple[int, ...] = tuple(getattr(rv, "global_ranks", range(rv.world_size)))
         self.num_bytes, self.num_signals = num_bytes, num_signals
         self.memory_hint = getattr(rv, "memory_hint", "")
         self.local = torch.empty(0, dtype=torch.uint8)
@@ -129,13 +130,18 @@ class Transport(abc.ABC):
 
     # memory
 
+    def rank_name(self, rank: int) -> str:
+        """``"rank G"``: position ``rank`` of the group by its global rank (how every message names a rank)."""
+        return f"rank {self.global_ranks[rank]}"
+
     def peer_view(self, rank: int) -> torch.Tensor | None:
         """Rank ``rank``'s data as a ``[num_bytes]`` uint8 view writable from here, or None if not addressable."""
         return self.local if rank == self.rank else None
 
     def unreachable(self, rank: int) -> str:
         """Why :meth:`peer_view` gives no view of ``rank`` (the text of the error one-sided access raises)."""
-        return f"rank {rank} is not directly addressable from rank {self.rank} on the {self.name} transport"
+        me, peer = self.rank_name(self.rank), self.rank_name(rank)
+        return f"{peer} is not directly addressable from {me} on the {self.name} transport"
 
     def within_domain(self) -> bool:
         """Every peer is directly addressable (one host for shm, one NVLink domain for nvshmem)."""

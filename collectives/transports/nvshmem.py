@@ -85,8 +85,9 @@ class NvshmemTransport(Transport):
         return self.views[rank]
 
     def unreachable(self, rank: int) -> str:
+        me, peer = self.rank_name(self.rank), self.rank_name(rank)
         return (
-            f"rank {rank} is not directly addressable from rank {self.rank} (nvshmem_ptr gave no address: "
+            f"{peer} is not directly addressable from {me} (nvshmem_ptr gave no address: "
             f"no NVLink/P2P path between the GPUs); use exchange()/all_to_all, which put through NVSHMEM"
         )
 
@@ -160,7 +161,7 @@ class NvshmemTransport(Transport):
         while self._event is not None and not self._event.query():
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"rank {self.rank}: the CUDA stream did not finish a {timeout:g} s signal wait within "
+                    f"{self.rank_name(self.rank)}: the CUDA stream did not finish a {timeout:g} s signal wait within "
                     f"{timeout + grace:g} s (stuck behind earlier work, or a kernel hung)"
                 )
             spins += 1

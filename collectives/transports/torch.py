@@ -99,9 +99,9 @@ class TorchTransport(Transport):
             work.wait(timedelta(seconds=left))
         except RuntimeError as exc:  # gloo: a timeout, or the connection to a peer that died
             cause = "timed out" if "Timed out" in str(exc) else str(exc).strip().splitlines()[0][:200]
+            me, peer = self.rank_name(self.rank), self.rank_name(src)
             raise TimeoutError(
-                f"rank {self.rank}: rank {src} sent no {what} message within {timeout:g} s ({cause}); it died "
-                f"or stopped calling"
+                f"{me}: {peer} sent no {what} message within {timeout:g} s ({cause}); it died or stopped calling"
             ) from None
 
     def barrier(self, timeout: float) -> None:
@@ -193,15 +193,19 @@ class TorchTransport(Transport):
         me = self.rank
         own = send[me].numel()
         if own > recv_bytes[me] or (exact and own != recv_bytes[me]):
-            raise ValueError(f"rank {me}: its own {what} payload has {own} bytes, its receive {recv_bytes[me]}")
+            raise ValueError(
+                f"{self.rank_name(me)}: its own {what} payload has {own} bytes, its receive {recv_bytes[me]}"
+            )
         if meanwhile is not None and not exact:
             raise ValueError(f"{what}: posting receives before the headers needs exact sizes")
         first = [0 if t is None else t.numel() for t in into]
         for r, t in enumerate(into):
             if t is not None and not (exact and t.dtype == torch.uint8 and t.is_contiguous() and r != me):
-                raise ValueError(f"{what}: the memory for rank {r}'s first part must be contiguous bytes of a peer's")
+                raise ValueError(
+                    f"{what}: the memory for {self.rank_name(r)}'s first part must be contiguous bytes of a peer's"
+                )
             if not 0 <= first[r] <= recv_bytes[r] or not 0 <= split[r] <= send[r].numel():
-                raise ValueError(f"{what}: a part of rank {r}'s payload is larger than the payload")
+                raise ValueError(f"{what}: a part of {self.rank_name(r)}'s payload is larger than the payload")
         return first
 
     def _send_all(self, send, split, n: int, tag: int) -> list:
@@ -247,8 +251,9 @@ class TorchTransport(Transport):
             expected = f"{nbytes} bytes" if exact else f"at most {nbytes} bytes"
             if split != first:
                 expected += f" split after {first} bytes" if first else " in one part"
+            me, peer = self.rank_name(self.rank), self.rank_name(src)
             raise ValueError(
-                f"rank {self.rank}: rank {src}'s {what} message is not this exchange's (buffer {buffer_id:x}, exchange "
+                f"{me}: {peer}'s {what} message is not this exchange's (buffer {buffer_id:x}, exchange "
                 f"{epoch}, {size} bytes; expected buffer {self.buffer_id:x}, exchange {n}, {expected}): the ranks' "
                 f"calls on this buffer are out of step"
             )
