@@ -230,7 +230,8 @@ class TwoSidedExchange(Exchange):
             impl, args = self.buf.impl, (list(recv_bytes), self.timeout, self.tag, not at_most)
             return impl.all_to_all(send, *args, into=into, split=self._splits, meanwhile=meanwhile)
         except (TimeoutError, ValueError) as exc:  # a silent peer, or ranks out of step: the buffer is done
-            self.buf.mark_broken(str(exc))
+            # whom the error names is passed on, so that a rank whose wait on this one fails learns it too
+            self.buf.mark_broken(str(exc), blame=getattr(exc, "culprit", None))
             raise
 
 

@@ -7,13 +7,19 @@ raise :class:`PeerFailedError` at once instead of each waiting out its own timeo
 notice on in their own NOTICE words (a peer waiting on them, not on the reporter, learns it too).
 Notices never overwrite a READY/ACK/BARRIER signal.
 
-A notice is one 64-bit word: bit 63 set, bit 62 when the culprit went silent (rather than failed),
-bits 32-61 the rank that gave up (the reporter), bits 0-31 the culprit.
+A notice is one 64-bit word: bit 63 set, bit 62 when the culprit went silent (rather than failed), bit 61
+when the culprit is a global rank that is not in the buffer's group (learned from another buffer of the same
+EPBuffer: a hierarchy's rail or intra-host buffer), bits 32-60 the rank that gave up (the reporter), bits 0-31
+the culprit (a position in the group, or that global rank).
+
+Every error a failed wait raises carries ``.culprit``, ``(global rank, silent)``: whom to name, which an
+EPBuffer passes on to its other buffers when it retires them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 from epkit.collectives.transports.base import NOTICE
 
@@ -30,7 +36,9 @@ __all__ = [
 
 _GAVE_UP = 1 << 63
 _GAVE_UP_SILENT = 1 << 62
+_GLOBAL_CULPRIT = 1 << 61
 _RANK_BITS = 0xFFFFFFFF
+_REPORTER_BITS = (1 << 29) - 1
 
 
 class PeerFailedError(TimeoutError):
@@ -45,16 +53,21 @@ class PeerFailedError(TimeoutError):
         The rank that failed, or (``silent``) the rank that went silent as seen by the reporting peer.
     silent : bool
         True when ``peer`` went silent (died or stopped calling); False when it failed itself.
+    culprit : tuple of (int, bool)
+        ``(global rank, silent)`` of the rank the message names (``peer``'s, or one outside the buffer's group).
     """
 
     def __init__(self, message: str, peer: int, silent: bool):
         super().__init__(message)
         self.peer, self.silent = peer, silent
+        self.culprit: tuple[int, bool] = (peer, silent)
 
 
-def encode_notice(reporter: int, culprit: int, silent: bool) -> int:
-    """The notice word ``reporter`` writes when it gives up because of ``culprit`` (itself, or a silent peer)."""
-    return _GAVE_UP | (_GAVE_UP_SILENT if silent else 0) | (reporter << 32) | (culprit & _RANK_BITS)
+def encode_notice(reporter: int, culprit: int, silent: bool, outside: bool = False) -> int:
+    """The notice word ``reporter`` writes when it gives up because of ``culprit`` (itself, or a silent peer;
+    ``outside``: ``culprit`` is a global rank that is not in the buffer's group)."""
+    flags = _GAVE_UP | (_GAVE_UP_SILENT if silent else 0) | (_GLOBAL_CULPRIT if outside else 0)
+    return flags | ((reporter & _REPORTER_BITS) << 32) | (culprit & _RANK_BITS)
 
 
 def is_notice(seen: int) -> bool:
@@ -63,8 +76,13 @@ def is_notice(seen: int) -> bool:
 
 
 def decode_notice(seen: int) -> tuple[int, int, bool]:
-    """``(reporter, culprit, silent)`` of a notice word."""
-    return (seen >> 32) & (_RANK_BITS >> 2), seen & _RANK_BITS, bool(seen & _GAVE_UP_SILENT)
+    """``(reporter, culprit, silent)`` of a notice word (see :func:`notice_outside` for the culprit's kind)."""
+    return (seen >> 32) & _REPORTER_BITS, seen & _RANK_BITS, bool(seen & _GAVE_UP_SILENT)
+
+
+def notice_outside(seen: int) -> bool:
+    """Whether a notice's culprit is a global rank outside the buffer's group (else a position in it)."""
+    return bool(seen & _GLOBAL_CULPRIT)
 
 
 def _named(ranks, r: int) -> int:
@@ -78,7 +96,8 @@ def notice_error(rank: int, seen: int, what: str, ranks=None) -> PeerFailedError
     positions in the buffer's group; ``ranks`` (the members' global ranks) names them in the message, and
     ``.peer`` stays a position."""
     reporter, culprit, silent = decode_notice(seen)
-    me, by, who = _named(ranks, rank), _named(ranks, reporter), _named(ranks, culprit)
+    me, by = _named(ranks, rank), _named(ranks, reporter)
+    who = culprit if notice_outside(seen) else _named(ranks, culprit)
     if silent:
         msg = (
             f"rank {me}: {what} abandoned: rank {by} reports that rank {who} sent no signal "
@@ -89,7 +108,9 @@ def notice_error(rank: int, seen: int, what: str, ranks=None) -> PeerFailedError
             f"rank {me}: {what} abandoned: rank {who} gave up on this buffer after a failure on "
             f"its side (its own exception says why)"
         )
-    return PeerFailedError(msg, culprit, silent)
+    exc = PeerFailedError(msg, reporter if notice_outside(seen) else culprit, silent)
+    exc.culprit = (who, silent)
+    return exc
 
 
 def silence_error(rank: int, src: int, what: str, timeout: float, epoch: int, ranks=None) -> TimeoutError:
@@ -100,6 +121,7 @@ def silence_error(rank: int, src: int, what: str, timeout: float, epoch: int, ra
         f"(epoch {epoch}); it died or stopped calling"
     )
     exc.peer = src
+    exc.culprit = (_named(ranks, src), True)  # type: ignore[attr-defined]
     return exc
 
 
@@ -133,13 +155,17 @@ class FailureNotices:
     ``_broken``."""
 
     _broken: str | None = None
+    #: The other buffers of one EPBuffer (a hierarchy's flat, intra-host and rail buffers), retired with this one.
+    siblings: tuple[FailureNotices, ...] = ()
 
     @property
     def broken(self) -> str | None:
         """Why this buffer was retired by a failure (see :meth:`mark_broken`), or None while it is usable."""
         return self._broken
 
-    def mark_broken(self, reason: str, culprit: int | None = None, silent: bool = False) -> None:
+    def mark_broken(
+        self, reason: str, culprit: int | None = None, silent: bool = False, blame: tuple[int, bool] | None = None
+    ) -> None:
         """Make every later collective call raise: after a failure mid-protocol the ranks' counters disagree.
 
         Parameters
@@ -153,13 +179,26 @@ class FailureNotices:
             itself (an invalid input reported in the messages) or learned from a peer.
         silent : bool
             ``culprit`` stopped signalling, rather than failing itself.
+        blame : (int, bool), optional
+            Instead of ``culprit`` and ``silent``: a global rank and whether it went silent, as an error's
+            ``.culprit`` names them (a failure found on another buffer of the same EPBuffer, whose culprit may
+            not be in this buffer's group).
         """
         if self._broken is not None:
             return
         self._broken = reason
-        if culprit is not None:
-            notice = encode_notice(self.rank, culprit, silent)
-            self._spread(notice, [self.rank] + ([culprit] if silent and culprit != self.rank else []))
+        if blame is None and culprit is not None:
+            blame = (self.global_ranks[culprit], silent)
+        if blame is not None:
+            g, silent = blame
+            inside = g in self.global_ranks  # else a rank of another buffer's group: named by its global rank
+            at = self.global_ranks.index(g) if inside else g
+            notice = encode_notice(self.rank, at, silent, outside=not inside)
+            self._spread(notice, [self.rank] + ([at] if inside and silent and at != self.rank else []))
+            if not self.impl.direct:
+                self.impl.tell(g, silent)
+        for other in self.siblings:  # the other buffers of one EPBuffer: their peers learn whom to name too
+            other.mark_broken(reason, blame=blame)
 
     def _spread(self, notice: int, sources: list[int]) -> None:
         """Write ``notice`` into the NOTICE words of ``sources`` at every other peer. Best effort: one-sided
@@ -177,9 +216,7 @@ class FailureNotices:
         """The error for a wait that found the gave-up notice ``seen``; retires this buffer and
         passes the notice on (a peer waiting on this rank, not on the reporter, learns it too)."""
         exc = notice_error(self.rank, seen, what, self.global_ranks)
-        if self._broken is None:
-            self.mark_broken(str(exc))
-            self._spread(seen, [self.rank])
+        self.mark_broken(str(exc), blame=exc.culprit)  # passed on as this rank's notice naming the same rank
         return exc
 
     def _deferred_failed(self, exc: BaseException) -> None:
@@ -197,5 +234,11 @@ class FailureNotices:
         """A wait on ``src`` ended without its signal: the peer's gave-up notice, or silence."""
         if is_notice(seen):
             raise self._gave_up(seen, what)
+        end = time.monotonic() + self.impl.grace(src)  # a live peer stuck behind the failed rank says so now
+        while self.is_open() and time.monotonic() < end:
+            late = self.impl.load(self._word(NOTICE, src))
+            if is_notice(late):
+                raise self._gave_up(late, what)
+            time.sleep(0.01)
         self.mark_broken(f"no {what} signal from rank {self.global_ranks[src]}", culprit=src, silent=True)
         raise silence_error(self.rank, src, what, t, value, self.global_ranks)

@@ -4,7 +4,9 @@ frozen ranks naming themselves, one bad call giving one error everywhere, capaci
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
 import time
 
 import pytest
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_combine, reference_dispatch
 from epkit.testing import assert_bitwise_equal
+from epkit.testing.hosts import requires_namespaces, run_hosts
 from epkit.testing.multiprocess import run_ranks
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 64, 12, 2, 12
@@ -144,6 +147,45 @@ def test_survivors_of_a_killed_rank_name_it_within_the_timeout(transport):
         kind, msg, seconds = res[rank]
         assert kind in ("TimeoutError", "PeerFailedError") and "rank 1" in msg, res[rank]
         assert seconds < 2 + 1.5, seconds
+
+
+def _killed_in_a_loop(rank, world_size, victim, delay):
+    """Dispatch, combine and the low-latency pair in a loop; ``victim`` is SIGKILLed ``delay`` s in (mid-call)."""
+    buf = _buffer("auto", timeout=2)
+    x, idx, w = _inputs(rank, 0)
+    buf.dispatch(x, idx, w)
+    if rank == victim:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    y = torch.zeros(EXPERTS // world_size, 8 * world_size, HIDDEN, dtype=torch.bfloat16)
+
+    def loop():
+        for _ in range(10_000):
+            recv, _, _, _, handle = buf.dispatch(x, idx, w)
+            buf.combine(recv, handle)
+            buf.low_latency_combine(y, idx[:8], w[:8], buf.low_latency_dispatch(x[:8], idx[:8], 8, use_fp8=False)[2])
+
+    t0 = time.monotonic()
+    kind, msg = _raised(loop)
+    return kind, msg, time.monotonic() - t0
+
+
+#: The rank an error blames: the silent one a report names, the one that sent nothing, or the one that gave up.
+BLAMED = re.compile(r"reports that rank (\d+)|: rank (\d+) sent no|rank (\d+) gave up")
+
+
+@requires_namespaces
+def test_a_hierarchy_names_the_killed_rank_not_the_one_that_heard_of_it():
+    # 2 hosts x 2 ranks (shm inside a host, torch between): a rank whose wait on a live peer failed named that
+    # peer, which had given up because of the killed rank ("rank 0: rank 1 sent no ll_dispatch message ...
+    # Connection closed by peer" when rank 3 was killed), in 7 of 10 kill trials. Every survivor names the victim.
+    for victim, delay in ((3, 0.15), (2, 0.1), (3, 0.25)):  # three trials: a wrong name showed in most
+        res = run_hosts(_killed_in_a_loop, 2, 2, victim, delay, timeout=90, may_die=(victim,))
+        for rank in {0, 1, 2, 3} - {victim}:
+            kind, msg, seconds = res[rank]
+            blamed = BLAMED.search(msg)
+            assert kind in ("TimeoutError", "PeerFailedError") and blamed, (victim, rank, kind, msg)
+            assert next(g for g in blamed.groups() if g) == str(victim), (victim, rank, msg)
+            assert seconds < 2 + 1.5, (victim, rank, seconds)
 
 
 def _frozen_in_construction(rank, world_size):

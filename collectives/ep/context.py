@@ -52,6 +52,9 @@ class EPContext:
         counts = torch.zeros(self.cfg.num_local_experts, dtype=torch.int64)
         self.recv_tokens_per_expert_total = mark_host_memory(counts)
         self.device = self.buffer.local.device
+        parts = self.all_buffers()
+        for b in parts:  # one retired retires the others, naming the same culprit to their peers
+            b.siblings = tuple(p for p in parts if p is not b)
 
     def all_buffers(self) -> tuple[SymmBuffer, ...]:
         return (self.buffer, *self.sub_buffers)
@@ -102,8 +105,12 @@ class EPContext:
             yield
         except BaseException as exc:
             reason = f"{what} failed on {self.cfg.rank_name(self.cfg.rank)}: {type(exc).__name__}: {exc}"
+            blame = getattr(exc, "culprit", None)  # a peer that went silent or gave up, by its global rank
             for buf in self.all_buffers():
-                buf.mark_broken(reason, culprit=buf.rank)
+                if blame is not None:
+                    buf.mark_broken(reason, blame=blame)
+                else:
+                    buf.mark_broken(reason, culprit=buf.rank)
             raise
 
     def reject_locally(self, what: str, exc: Exception) -> NoReturn:

@@ -14,6 +14,7 @@ its exchanges are two-sided collectives (:meth:`Transport.all_to_all`).
 from __future__ import annotations
 
 import abc
+import os
 
 import torch
 
@@ -23,6 +24,8 @@ __all__ = [
     "BARRIER",
     "MASK64",
     "NOTICE",
+    "NOTICE_GRACE_S",
+    "RUNNING_GRACE_S",
     "NUM_KINDS",
     "READY",
     "Transport",
@@ -71,6 +74,24 @@ def user_word(idx: int, world_size: int) -> int:
     return (NUM_KINDS * world_size + idx) * 8
 
 
+#: Seconds a rank whose wait on a peer failed gives that peer to say that it gave up because of another rank
+#: (a notice, or the torch transport's :meth:`Transport.tell`) before naming the peer itself: a live rank stuck
+#: behind the one that failed times out at about the moment the ranks waiting on it do. A peer on another host
+#: gets NOTICE_GRACE_S; one on this host seen running (surely stuck behind another, which it may itself be
+#: giving a grace) RUNNING_GRACE_S; one seen stopped or gone none. Both keep a failed wait within its timeout
+#: + 1.5 s.
+NOTICE_GRACE_S, RUNNING_GRACE_S = 1.0, 1.4
+
+
+def _proc_is_ours() -> bool:
+    """Whether ``/proc`` shows this process's pid namespace (a process in a namespace of its own with the machine's
+    ``/proc`` mounted would read other processes' states under its peers' pids)."""
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
+
+
 class Transport(abc.ABC):
     """One rank's part of a symmetric buffer: the memory, and the primitives the protocol is built from.
 
@@ -111,6 +132,14 @@ class Transport(abc.ABC):
         self.memory_hint = getattr(rv, "memory_hint", "")
         self.local = torch.empty(0, dtype=torch.uint8)
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
+        # the process of each rank that shares this rank's host (and pid namespace), to tell a stopped or dead peer
+        # from one stuck behind another (peer_state)
+        mine = hello[self.rank].get("host") if len(hello) == self.world_size and _proc_is_ours() else None
+        self._local_pids = {
+            r: h.get("pid")
+            for r, h in enumerate(hello)
+            if mine is not None and h.get("host") == mine and r != self.rank
+        }
 
     def check_memory(self, hello: list[dict], need: int, what: str) -> None:
         """ValueError (the same on every rank) if ``need`` bytes exceed the memory the ranks report available
@@ -129,6 +158,32 @@ class Transport(abc.ABC):
         return self.local.device
 
     # memory
+
+    def tell(self, culprit: int, silent: bool) -> None:
+        """Transports without signal words: tell the peers that this rank gave up on the buffer because of global
+        rank ``culprit`` (this rank itself, or with ``silent`` a peer that went silent), so that a peer whose wait
+        on this rank fails learns whom to name. A no-op here (the signal-word transports spread notices)."""
+        return None
+
+    def peer_state(self, rank: int) -> str | None:
+        """``"running"``, ``"stopped"`` or ``"gone"`` for a rank on this host (its process as ``/proc`` shows it:
+        stopped by a signal or a debugger, or exited); None for one elsewhere. A wait on a peer that timed out
+        names a stopped or gone peer at once, and gives a running one :data:`NOTICE_GRACE_S` to say whom it
+        is stuck behind."""
+        pid = self._local_pids.get(rank)
+        if not pid:
+            return None
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "gone"
+        return "stopped" if state in "tT" else "gone" if state in "ZXx" else "running"
+
+    def grace(self, rank: int) -> float:
+        """Seconds to wait for a notice from ``rank`` after a wait on it failed (see :meth:`peer_state`)."""
+        state = self.peer_state(rank)
+        return NOTICE_GRACE_S if state is None else RUNNING_GRACE_S if state == "running" else 0.0
 
     def rank_name(self, rank: int) -> str:
         """``"rank G"``: position ``rank`` of the group by its global rank (how every message names a rank)."""

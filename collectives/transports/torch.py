@@ -26,6 +26,7 @@ message is a local copy): what crosses the network, for tests and benchmarks of 
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -49,6 +50,46 @@ _TAGS = 1 << 20
 _RETIRED: list = []
 
 
+#: Seconds a rank that gives up waits for the job store to take why (:meth:`TorchTransport.tell`; it goes on in
+#: the background after that).
+_TELL_S = 0.2
+
+
+def _bounded(fn, seconds: float) -> tuple[bool, object]:
+    """``fn()`` in a daemon thread, waited for at most ``seconds``: ``(finished, its result)`` (None when it raised
+    or did not finish). A job store out of reach (a host cut off from it) can hold a call past any timeout set on
+    the store: the thread is left to it."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except Exception:  # noqa: BLE001 -- a store call that failed is one that told nothing
+            box.append(None)
+
+    t = threading.Thread(target=run, daemon=True, name="epkit-store")
+    t.start()
+    t.join(seconds)
+    return bool(box), (box[0] if box else None)
+
+
+def _told(me: str, peer: str, what: str, src: int, heard: tuple[int, bool]) -> TimeoutError:
+    """The error for a wait on ``peer`` (position ``src``) that failed after the peer said why it gave up."""
+    from epkit.collectives.peer_failure import PeerFailedError
+
+    culprit, silent = heard
+    if silent:
+        msg = (
+            f"{me}: {what} abandoned: {peer} reports that rank {culprit} sent no signal within its timeout "
+            f"(it died or stopped calling)"
+        )
+    else:
+        msg = f"{me}: {what} abandoned: rank {culprit} gave up on this buffer after a failure on its side"
+    exc = PeerFailedError(msg, src, silent)
+    exc.culprit = heard  # passed on by the exchange that retires the buffer
+    return exc
+
+
 def _inline(nbytes: int, split: int) -> bool:
     """Whether a payload travels inside its header's message (small and in one part), on both sides' word."""
     return not split and nbytes <= INLINE_BYTES
@@ -65,6 +106,8 @@ class TorchTransport(Transport):
         self.check_memory(hello, 3 * num_bytes, "the local buffer, the per-peer staging and the receive space")
         self.buffer_id = rv.buffer_id
         self._exchanges = 0
+        self._rv = rv  # its job store is where a rank that gives up says why (tell), for the peers whose waits fail
+        self._store_lost = False  # a store call did not come back (a host cut off): none is made again
         # One deadline for the group: every rank must reach it (a rank that does not is named), and the group's
         # rendezvous waits on the job store end by it too, not after the store's own timeout.
         deadline = time.monotonic() + rv.timeout
@@ -93,16 +136,52 @@ class TorchTransport(Transport):
         self._heads = None  # [world, header + INLINE_BYTES] uint8: each peer's header message, kept
         self._closed = False
 
+    def _notice_key(self, rank: int) -> str:
+        return f"epkit-notice/{self.buffer_id:x}/{rank}"
+
+    def tell(self, culprit: int, silent: bool) -> None:
+        if self._store_lost:
+            return
+        store, key = self._rv.store, self._notice_key(self.rank)
+        finished, _ = _bounded(lambda: store.set(key, f"{culprit} {int(silent)}"), _TELL_S)  # best effort
+        self._store_lost = not finished
+
+    def _heard(self, src: int, grace: float) -> tuple[int, bool] | None:
+        """``(culprit, silent)`` that rank ``src`` told (:meth:`tell`) within ``grace`` seconds, or None (also
+        when the job store is out of reach)."""
+        store, key, end = self._rv.store, self._notice_key(src), time.monotonic() + grace
+
+        def poll() -> tuple[int, bool] | None:
+            while True:  # at least once: a peer that told and then exited closed its connection
+                if store.check([key]):
+                    culprit, silent = store.get(key).decode().split()
+                    return int(culprit), silent == "1"
+                if time.monotonic() >= end:
+                    return None
+                time.sleep(0.02)
+
+        if self._store_lost:
+            return None
+        finished, heard = _bounded(poll, grace + _TELL_S)
+        self._store_lost = not finished
+        return heard
+
     def _wait(self, work, deadline: float, timeout: float, src: int, what: str) -> None:
         left = max(deadline - time.monotonic(), 1e-3)
         try:
             work.wait(timedelta(seconds=left))
-        except RuntimeError as exc:  # gloo: a timeout, or the connection to a peer that died
+        except RuntimeError as exc:  # gloo: a timeout, or the connection to a peer that died or gave up
             cause = "timed out" if "Timed out" in str(exc) else str(exc).strip().splitlines()[0][:200]
             me, peer = self.rank_name(self.rank), self.rank_name(src)
-            raise TimeoutError(
+            heard = self._heard(src, self.grace(src))  # a peer that gave up (closing its group) says why
+            if heard is not None:
+                raise _told(me, peer, what, src, heard) from None
+            silence = TimeoutError(
                 f"{me}: {peer} sent no {what} message within {timeout:g} s ({cause}); it died or stopped calling"
-            ) from None
+            )
+            silence.peer = src  # type: ignore[attr-defined]  # a position, as silence_error's
+            silence.culprit = (self.global_ranks[src], True)  # type: ignore[attr-defined]  # whom to name
+            raise silence from None
 
     def barrier(self, timeout: float) -> None:
         self.all_to_all(
