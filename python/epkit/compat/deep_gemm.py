@@ -19,17 +19,21 @@ Supported (refusals raise ``ValueError`` naming DeepGEMM's parameter):
 - :func:`set_num_sms` records the SM count that :func:`get_num_sms` returns; epkit's kernels launch on every SM
   of the device regardless (a launcher knob, not yet there).
 
-Not provided: the ``tn``/``tt`` and k-grouped GEMMs, FP4 activations, the einsum, attention, mega-MoE and
-cuBLASLt kernels, and the ``deep_gemm.utils.layout`` module path (its functions are here at the top level).
+Not provided: FP4 activations, and DeepGEMM's names in the tables of ``epkit.compat._details.deep_gemm_coverage``
+(``epkit info`` lists them): the ``tn``/``tt`` and k-grouped GEMMs, einsum, mega-MoE and cuBLASLt kernels are
+not yet provided; the attention-indexer and hyper-connection kernels are outside epkit's scope. Such a name
+raises an ``AttributeError`` saying which it is and what to install for it (DeepGEMM itself, on an sm_90 or
+sm_100 GPU); a name DeepGEMM does not have says that instead.
 """
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NoReturn, TypedDict
 
 import torch
 
 from epkit import grouped_gemm as gemm
+from epkit.compat._details.deep_gemm_coverage import missing_name_error
 from epkit.compat._details.deep_gemm_scales import (
     DEFAULT_ALIGNMENT,
     activation_scales,
@@ -87,6 +91,12 @@ class _State(TypedDict):
 
 
 _STATE: _State = {"num_sms": None, "alignment": DEFAULT_ALIGNMENT}
+
+
+def __getattr__(name: str) -> NoReturn:
+    """A DeepGEMM name this module lacks: an ``AttributeError`` saying whether epkit means to provide it and what to
+    install meanwhile (module-level ``__getattr__``: called only for names not found here)."""
+    raise missing_name_error(__name__, name)
 
 
 # Runtime settings
