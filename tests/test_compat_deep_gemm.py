@@ -6,12 +6,15 @@ reference, with the call sequences vLLM (``vllm/utils/deep_gemm.py`` and its MoE
 from __future__ import annotations
 
 import inspect
+import os
+import time
 
 import pytest
 import torch
 
 import epkit.compat.deep_gemm as deep_gemm
 from epkit import grouped_gemm as gemm
+from epkit.compat._details.deep_gemm_runtime import SETTINGS, reset_settings
 from epkit.quant import cast_to_mxfp4, per_block_cast_to_fp8, per_token_group_cast_to_fp8
 from epkit.testing.markers import requires_cuda
 
@@ -21,8 +24,7 @@ G, N, K = 2, 128, 256
 @pytest.fixture(autouse=True)
 def _default_settings():
     yield
-    deep_gemm.set_mk_alignment_for_contiguous_layout(128)
-    deep_gemm._STATE["num_sms"] = None
+    reset_settings()
 
 
 def _pack_ue8m0(sf: torch.Tensor) -> torch.Tensor:
@@ -200,6 +202,95 @@ def test_vllm_and_sglang_call_sequences():
     _same(dense, out[0], "dense")
 
 
+def test_runtime_settings_are_recorded_and_change_no_result():
+    a, b, _ = _inputs(16, 11, masked=True)
+    counts = torch.tensor([16, 5], dtype=torch.int32)
+    before = deep_gemm.m_grouped_fp8_gemm_nt_masked(a, b, torch.zeros(G, 16, N), counts, 16)
+    assert (deep_gemm.get_tc_util(), deep_gemm.get_pdl()) == (100, False)  # DeepGEMM's defaults
+    assert (SETTINGS.ignore_compile_dims, SETTINGS.block_size_multiple_of) == (False, (1, 1))
+    deep_gemm.set_tc_util(40)
+    deep_gemm.set_pdl(True)
+    deep_gemm.set_ignore_compile_dims(True)
+    deep_gemm.set_block_size_multiple_of(64)
+    assert (deep_gemm.get_tc_util(), deep_gemm.get_pdl()) == (40, True)
+    assert (SETTINGS.ignore_compile_dims, SETTINGS.block_size_multiple_of) == (True, (64, 64))
+    deep_gemm.set_block_size_multiple_of((32, 16))
+    assert SETTINGS.block_size_multiple_of == (32, 16)
+    after = deep_gemm.m_grouped_fp8_gemm_nt_masked(a, b, torch.zeros(G, 16, N), counts, 16)
+    _same(after, before, "the same GEMM under other runtime settings")
+    deep_gemm.set_tc_util(0)  # DeepGEMM: 0 unsets it, and unset reads as 100
+    deep_gemm.set_pdl(False)
+    assert (deep_gemm.get_tc_util(), deep_gemm.get_pdl()) == (100, False)
+    for setter, bad, match in (
+        (deep_gemm.set_tc_util, 101, r"new_tc_util must be an int in \[0, 100\]"),
+        (deep_gemm.set_tc_util, True, "new_tc_util"),
+        (deep_gemm.set_pdl, 1, "new_enable_pdl must be a bool"),
+        (deep_gemm.set_ignore_compile_dims, "yes", "new_value must be a bool"),
+        (deep_gemm.set_block_size_multiple_of, 0, "positive int or a"),
+        (deep_gemm.set_block_size_multiple_of, (8, 8, 8), "positive int or a"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            setter(bad)
+    assert SETTINGS.block_size_multiple_of == (32, 16) and SETTINGS.ignore_compile_dims
+
+
+def test_testing_helpers():
+    t = deep_gemm.testing
+    x = torch.tensor([1.0, 0.0])
+    assert t.calc_diff(x, torch.tensor([0.0, 1.0])) == 1.0 and t.calc_diff(x, x) == 0.0
+    assert t.calc_diff(torch.zeros(3), torch.zeros(3)) == 0.0
+    # 3 float32 + 4 bf16 + 5 int8, through a tuple and a list, None skipped
+    assert t.count_bytes(torch.zeros(3), (torch.zeros(2, 2, dtype=torch.bfloat16), None), [torch.zeros(5).char()]) == 25
+    t.assert_bitwise_equal(torch.tensor([1.0, -0.0]), torch.tensor([1.0, -0.0]))
+    with pytest.raises(AssertionError, match=r"bitwise mismatch \(zeros\): 1 of 8 bytes differ; the first is byte 7"):
+        t.assert_bitwise_equal(torch.tensor([1.0, 0.0]), torch.tensor([1.0, -0.0]), "zeros")  # the sign byte
+    with pytest.raises(AssertionError, match="bitwise mismatch"):
+        t.assert_bitwise_equal(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+    if not torch.cuda.is_available():
+        assert t.get_arch_major() == 9  # SM90: the architecture epkit.compat.deep_gemm follows
+
+
+def test_timing_stand_ins_time_whole_calls_on_the_host(monkeypatch):
+    t = deep_gemm.testing
+    calls, barriers = [], []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    sec = t.bench(fn, num_warmups=2, num_tests=3)
+    assert len(calls) == 5 and 0.002 <= sec < 1.0
+    calls.clear()
+    both = t.bench_kineto(fn, ("gemm", "reduce"), num_tests=4, barrier=lambda: barriers.append(1))
+    assert len(calls) == 5 and len(barriers) == 4  # one warm-up call, then each timed call after the barrier
+    assert isinstance(both, tuple) and len(both) == 2 and both[0] == both[1] and 0.002 <= both[0] < 1.0
+    assert isinstance(t.bench_kineto(fn, "gemm", num_tests=1), float)
+    calls.clear()
+    monkeypatch.setenv("DG_USE_NVIDIA_TOOLS", "1")  # DeepGEMM: under NVIDIA's tools it returns 1 and runs nothing
+    assert t.bench_kineto(fn, ("a", "b")) == (1.0, 1.0) and t.bench_kineto(fn, "a") == 1.0 and calls == []
+
+
+def test_test_filter_and_ignore_env(monkeypatch, capsys):
+    t = deep_gemm.testing
+    ran = []
+    t.test_filter(lambda: False)(lambda: ran.append("no"))()
+    t.test_filter(lambda: True)(lambda: ran.append("yes"))()
+    assert ran == ["yes"] and "Filtered by" in capsys.readouterr().out
+    monkeypatch.setenv("EPKIT_TEST_ENV", "1")
+    seen = []
+
+    @t.ignore_env("EPKIT_TEST_ENV", lambda: True)
+    def body():
+        seen.append(os.environ.get("EPKIT_TEST_ENV"))
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        body()
+    assert seen == [None] and os.environ["EPKIT_TEST_ENV"] == "1"  # unset inside, back afterwards
+    t.ignore_env("EPKIT_TEST_ENV", lambda: False)(lambda: seen.append(os.environ.get("EPKIT_TEST_ENV")))()
+    assert seen == [None, "1"]
+
+
 # DeepGEMM's Python signatures (pybind11 definitions in csrc/apis/gemm.hpp and layout.hpp)
 _FP8 = "recipe=None recipe_a=None recipe_b=None compiled_dims='nk' disable_ue8m0_cast=False"
 SIGNATURES = {
@@ -221,6 +312,23 @@ SIGNATURES = {
     "psum_layout=None",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor": "sf psum_layout=None",
     "get_theoretical_mk_alignment_for_contiguous_layout": "expected_m=None",
+    # csrc/apis/runtime.hpp (pybind11 lambdas: positional, named here as there)
+    "set_tc_util": "new_tc_util",
+    "get_tc_util": "",
+    "set_pdl": "new_enable_pdl",
+    "get_pdl": "",
+    "set_ignore_compile_dims": "new_value",
+    "set_block_size_multiple_of": "new_value",
+    # deep_gemm/testing/*.py
+    "testing.bench": "fn num_warmups=5 num_tests=10 high_precision=False",
+    "testing.bench_kineto": "fn kernel_names num_tests=30 suppress_kineto_output=False trace_path=None flush_l2=True "
+    "with_multiple_kernels=False barrier=None",
+    "testing.calc_diff": "x y",
+    "testing.count_bytes": "tensors",
+    "testing.assert_bitwise_equal": "x y label=''",
+    "testing.get_arch_major": "",
+    "testing.test_filter": "condition",
+    "testing.ignore_env": "name condition",
 }
 ALIASES = {
     "fp8_gemm_nt": "fp8_fp4_gemm_nt",
@@ -244,13 +352,16 @@ def _sig(fn) -> str:
 
 @pytest.mark.parametrize("name", list(SIGNATURES))
 def test_signatures_are_deep_gemms(name):
-    assert _sig(getattr(deep_gemm, name)) == SIGNATURES[name]
+    fn = deep_gemm
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    assert _sig(fn) == SIGNATURES[name]
 
 
 def test_aliases_are_deep_gemms():
     for alias, target in ALIASES.items():
         assert getattr(deep_gemm, alias) is getattr(deep_gemm, target), alias
-    assert set(deep_gemm.__all__) >= set(SIGNATURES) | set(ALIASES)
+    assert set(deep_gemm.__all__) >= {n for n in SIGNATURES if "." not in n} | set(ALIASES)
 
 
 # What ``import deep_gemm`` binds in DeepGEMM 2.6.1 (deep_gemm/__init__.py: its imports from _C, the aliases, the

@@ -42,36 +42,6 @@ NOT_YET_PROVIDED: dict[str, str] = {
     "transform_weights_for_mega_moe": "mega-MoE weight layout",
     "fp8_fp4_mega_moe": "mega-MoE layer with FP8/FP4 weights",
     "bf16_mega_moe": "mega-MoE layer with BF16 weights",
-    **{
-        name: "runtime setting"
-        for name in (
-            "set_tc_util",
-            "get_tc_util",
-            "set_pdl",
-            "get_pdl",
-            "set_ignore_compile_dims",
-            "set_block_size_multiple_of",
-        )
-    },
-    "utils": "helper module (casts to FP8/FP4, layouts)",
-    "testing": "test helper module (calc_diff, bench_kineto, ...)",
-    **{
-        name: "quantization helper of deep_gemm.utils"
-        for name in (
-            "ceil_div",
-            "align",
-            "ceil_to_ue8m0",
-            "pack_ue8m0_to_int",
-            "unpack_ue8m0_from_int",
-            "per_token_cast_to_fp8",
-            "per_channel_cast_to_fp8",
-            "per_block_cast_to_fp8",
-            "per_custom_dims_cast_to_fp8",
-            "per_token_cast_to_fp4",
-            "transpose_packed_fp4",
-            "cast_back_from_fp4",
-        )
-    },
 }
 
 _ATTENTION = "attention-indexer kernel"

@@ -16,8 +16,12 @@ Supported (refusals raise ``ValueError`` naming DeepGEMM's parameter):
   to padding rows) and ``expected_m_for_psum_layout`` (a hint) are checked and have no effect on results;
 - the M alignment of the contiguous layout (:func:`set_mk_alignment_for_contiguous_layout`): any multiple of
   128 (epkit's kernels read a 128-row block's group from its first row);
-- :func:`set_num_sms` records the SM count that :func:`get_num_sms` returns; epkit's kernels launch on every SM
-  of the device regardless (a launcher knob, not yet there).
+- DeepGEMM's runtime settings (``set_num_sms``, ``set_tc_util``, ``set_pdl``, ``set_ignore_compile_dims``,
+  ``set_block_size_multiple_of`` and their getters) are recorded and read back; they steer DeepGEMM's JIT
+  kernels and change nothing in epkit's (``epkit.compat._details.deep_gemm_runtime``);
+- ``deep_gemm.utils`` (``utils.math``, ``utils.layout``: the casts to FP8 / FP4 of DeepGEMM's tests, bit for
+  bit) and ``deep_gemm.testing`` (``calc_diff``, ``bench_kineto`` timed on the host, ...) as submodules; the
+  casts and layout helpers are here at the top level too, as in DeepGEMM.
 
 Not provided: FP4 activations, and DeepGEMM's names in the tables of ``epkit.compat._details.deep_gemm_coverage``
 (``epkit info`` lists them): the ``tn``/``tt`` and k-grouped GEMMs, einsum, mega-MoE and cuBLASLt kernels are
@@ -28,37 +32,66 @@ sm_100 GPU); a name DeepGEMM does not have says that instead.
 
 from __future__ import annotations
 
-from typing import NoReturn, TypedDict
+from typing import NoReturn
 
 import torch
 
 from epkit import grouped_gemm as gemm
 from epkit.compat._details.deep_gemm_coverage import missing_name_error
+from epkit.compat._details.deep_gemm_runtime import (
+    SETTINGS,
+    get_num_sms,
+    get_pdl,
+    get_tc_util,
+    set_block_size_multiple_of,
+    set_ignore_compile_dims,
+    set_num_sms,
+    set_pdl,
+    set_tc_util,
+)
 from epkit.compat._details.deep_gemm_scales import (
     DEFAULT_ALIGNMENT,
     activation_scales,
     check_flags,
     fp4_weights,
     fp8_weight_scales,
-    get_mn_major_tma_aligned_packed_ue8m0_tensor,
-    get_mn_major_tma_aligned_tensor,
-    get_tma_aligned_size,
     rows_of_psum,
     transform_sf_into_required_layout,
+)
+from epkit.compat.deep_gemm import testing, utils
+from epkit.compat.deep_gemm.utils import (  # DeepGEMM's top level has them too (``from .utils import *``)
+    align,
+    cast_back_from_fp4,
+    ceil_div,
+    ceil_to_ue8m0,
+    get_k_alignment_for_contiguous_layout,
+    get_m_alignment_for_contiguous_layout,
+    get_mk_alignment_for_contiguous_layout,
+    get_mn_major_tma_aligned_packed_ue8m0_tensor,
+    get_mn_major_tma_aligned_tensor,
+    get_theoretical_mk_alignment_for_contiguous_layout,
+    get_tma_aligned_size,
+    pack_ue8m0_to_int,
+    per_block_cast_to_fp8,
+    per_channel_cast_to_fp8,
+    per_custom_dims_cast_to_fp8,
+    per_token_cast_to_fp4,
+    per_token_cast_to_fp8,
+    set_mk_alignment_for_contiguous_layout,
+    transpose_packed_fp4,
+    unpack_ue8m0_from_int,
 )
 
 __all__ = [
     "set_num_sms",
     "get_num_sms",
-    "get_tma_aligned_size",
-    "get_mn_major_tma_aligned_tensor",
-    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "set_tc_util",
+    "get_tc_util",
+    "set_ignore_compile_dims",
+    "set_block_size_multiple_of",
+    "set_pdl",
+    "get_pdl",
     "transform_sf_into_required_layout",
-    "set_mk_alignment_for_contiguous_layout",
-    "get_mk_alignment_for_contiguous_layout",
-    "get_theoretical_mk_alignment_for_contiguous_layout",
-    "get_m_alignment_for_contiguous_layout",
-    "get_k_alignment_for_contiguous_layout",
     "fp8_fp4_gemm_nt",
     "fp8_fp4_gemm_nn",
     "fp8_gemm_nt",
@@ -76,6 +109,29 @@ __all__ = [
     "m_grouped_bf16_gemm_nt_masked",
     "fp8_m_grouped_gemm_nt_masked",
     "bf16_m_grouped_gemm_nt_masked",
+    "utils",
+    "testing",
+    # deep_gemm.utils's names
+    "align",
+    "cast_back_from_fp4",
+    "ceil_div",
+    "ceil_to_ue8m0",
+    "get_k_alignment_for_contiguous_layout",
+    "get_m_alignment_for_contiguous_layout",
+    "get_mk_alignment_for_contiguous_layout",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_mn_major_tma_aligned_tensor",
+    "get_theoretical_mk_alignment_for_contiguous_layout",
+    "get_tma_aligned_size",
+    "pack_ue8m0_to_int",
+    "per_block_cast_to_fp8",
+    "per_channel_cast_to_fp8",
+    "per_custom_dims_cast_to_fp8",
+    "per_token_cast_to_fp4",
+    "per_token_cast_to_fp8",
+    "set_mk_alignment_for_contiguous_layout",
+    "transpose_packed_fp4",
+    "unpack_ue8m0_from_int",
 ]
 
 #: DeepGEMM's FP8 / FP4 operands: ``(values, scales)``.
@@ -85,68 +141,10 @@ _Recipe = tuple[int, int, int]
 _Gran = tuple[int, int]
 
 
-class _State(TypedDict):
-    num_sms: int | None  # set by set_num_sms (None: the device's)
-    alignment: int  # the M alignment of the contiguous layouts
-
-
-_STATE: _State = {"num_sms": None, "alignment": DEFAULT_ALIGNMENT}
-
-
 def __getattr__(name: str) -> NoReturn:
     """A DeepGEMM name this module lacks: an ``AttributeError`` saying whether epkit means to provide it and what to
     install meanwhile (module-level ``__getattr__``: called only for names not found here)."""
     raise missing_name_error(__name__, name)
-
-
-# Runtime settings
-
-
-def _device_sms() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return torch.get_num_threads()  # CPU tensors: the threads torch computes with
-
-
-def set_num_sms(new_num_sms: int) -> None:
-    """Set the SM count :func:`get_num_sms` returns, in ``[1, the device's SMs]`` (on a machine without a GPU: the
-    CPU threads torch uses). Recorded only: epkit's kernels launch on every SM (see the module docstring)."""
-    top = _device_sms()
-    if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or not 1 <= new_num_sms <= top:
-        raise ValueError(f"set_num_sms: new_num_sms must be an int in [1, {top}] (this device), got {new_num_sms!r}")
-    _STATE["num_sms"] = new_num_sms
-
-
-def get_num_sms() -> int:
-    """The SM count set by :func:`set_num_sms`, else the device's (DeepGEMM's default)."""
-    return _STATE["num_sms"] or _device_sms()
-
-
-def set_mk_alignment_for_contiguous_layout(new_value: int) -> None:
-    """Row alignment of each group in the contiguous layouts: a positive multiple of 128 (default 128)."""
-    if isinstance(new_value, bool) or not isinstance(new_value, int) or new_value <= 0 or new_value % DEFAULT_ALIGNMENT:
-        raise ValueError(
-            f"set_mk_alignment_for_contiguous_layout: new_value must be a positive multiple of {DEFAULT_ALIGNMENT} "
-            f"(epkit's GEMMs read each {DEFAULT_ALIGNMENT}-row block's group from its first row), got {new_value!r}"
-        )
-    _STATE["alignment"] = new_value
-
-
-def get_mk_alignment_for_contiguous_layout() -> int:
-    """The row alignment of each group in the contiguous layouts (128 unless set)."""
-    return _STATE["alignment"]
-
-
-def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = None) -> int:
-    """The alignment epkit's contiguous GEMMs need, whatever ``expected_m`` (a hint):
-    :func:`get_mk_alignment_for_contiguous_layout`."""
-    if expected_m is not None and (isinstance(expected_m, bool) or not isinstance(expected_m, int) or expected_m < 0):
-        raise ValueError(f"expected_m must be None or an int >= 0, got {expected_m!r}")
-    return _STATE["alignment"]
-
-
-get_m_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
-get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
 
 
 # Operands
@@ -207,13 +205,13 @@ def _contiguous_layout(
 ) -> tuple[torch.Tensor, bool]:
     """``(layout for epkit, use_psum_layout)``: a psum layout aligned to other than 128 becomes per-row ids (device
     ops, no host read)."""
-    align = _STATE["alignment"]
+    alignment = SETTINGS.alignment
     if not isinstance(grouped_layout, torch.Tensor) or grouped_layout.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{fn}: grouped_layout must be an int32 tensor, got {getattr(grouped_layout, 'dtype', None)}")
-    if use_psum_layout and align != DEFAULT_ALIGNMENT:
+    if use_psum_layout and alignment != DEFAULT_ALIGNMENT:
         if tuple(grouped_layout.shape) != (g,):
             raise ValueError(f"{fn}: grouped_layout (psum) must be [G] = ({g},), got {tuple(grouped_layout.shape)}")
-        return rows_of_psum(grouped_layout, a0.shape[0], align), False
+        return rows_of_psum(grouped_layout, a0.shape[0], alignment), False
     return grouped_layout, bool(use_psum_layout)
 
 
