@@ -169,6 +169,66 @@ def test_refusals_name_deep_gemms_parameter():
         deep_gemm.m_grouped_fp8_gemm_nt_masked(a, b, d, layout, 1, use_psum_layout=True)  # not DeepGEMM's either
 
 
+def test_errors_name_the_alias_called():
+    a, b, _ = _inputs(256, 12)
+    layout = gemm.build_m_indices([10, 10])
+    ma, mb, _ = _inputs(8, 13, masked=True)
+    counts = torch.tensor([8, 8], dtype=torch.int32)
+    one_a, one_b = (a[0][:8], a[1][:8]), (b[0][0], b[1][0])
+    xb, wb = torch.zeros(G, 8, K, dtype=torch.bfloat16), torch.zeros(G, N, K, dtype=torch.bfloat16)
+    calls = {  # a bad recipe: refused by epkit.compat.deep_gemm's own check
+        "m_grouped_fp8_gemm_nt_contiguous": lambda **kw: deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+            a, b, torch.zeros(256, N), layout, **kw),
+        "m_grouped_fp8_gemm_nn_contiguous": lambda **kw: deep_gemm.m_grouped_fp8_gemm_nn_contiguous(
+            a, (b[0].transpose(1, 2), b[1].transpose(1, 2)), torch.zeros(256, N), layout, **kw),
+        "m_grouped_fp8_gemm_nt_masked": lambda **kw: deep_gemm.m_grouped_fp8_gemm_nt_masked(
+            ma, mb, torch.zeros(G, 8, N), counts, 8, **kw),
+        "fp8_m_grouped_gemm_nt_masked": lambda **kw: deep_gemm.fp8_m_grouped_gemm_nt_masked(
+            ma, mb, torch.zeros(G, 8, N), counts, 8, **kw),
+        "fp8_gemm_nt": lambda **kw: deep_gemm.fp8_gemm_nt(one_a, one_b, torch.zeros(8, N), **kw),
+        "fp8_gemm_nn": lambda **kw: deep_gemm.fp8_gemm_nn(one_a, (one_b[0].T, one_b[1].T), torch.zeros(8, N), **kw),
+    }  # fmt: skip
+    for name, call in calls.items():
+        call()  # the call itself is good
+        with pytest.raises(ValueError, match=rf"^{name}: recipe=\(1, 1, 128\)"):
+            call(recipe=(1, 1, 128))
+    # refused by epkit's GEMM (d's shape), in the caller's terms too
+    with pytest.raises(ValueError, match=r"^bf16_m_grouped_gemm_nt_masked: d must have shape \(2, 8, 128\)"):
+        deep_gemm.bf16_m_grouped_gemm_nt_masked(xb, wb, torch.zeros(G, 8, 64), counts, 8)
+    with pytest.raises(ValueError, match=r"^m_grouped_fp8_gemm_nt_contiguous: d must have shape \(256, 128\)"):
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.zeros(256, 64), layout)
+    # DeepGEMM's name of the layout argument, not epkit's (m_indices)
+    with pytest.raises(ValueError, match=r"^m_grouped_fp8_gemm_nt_contiguous: grouped_layout must have shape \(256,\)"):
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, torch.zeros(256, N), layout[:100])
+    bad = layout.clone()
+    bad[3] = 5
+    with pytest.raises(ValueError, match=r"^m_grouped_bf16_gemm_nn_contiguous: grouped_layout\[3\] = 5 is outside"):
+        deep_gemm.m_grouped_bf16_gemm_nn_contiguous(
+            torch.zeros(256, K, dtype=torch.bfloat16), wb.transpose(1, 2), torch.zeros(256, N), bad
+        )
+
+
+def test_dense_errors_quote_the_callers_shapes():
+    a = per_token_group_cast_to_fp8(torch.randn(4, 576))
+    b = per_block_cast_to_fp8(torch.randn(N, 576))
+    with pytest.raises(ValueError) as exc:
+        deep_gemm.fp8_gemm_nt(a, b, torch.empty(4, N, dtype=torch.bfloat16))
+    assert str(exc.value) == "fp8_gemm_nt: K = 576 (a (4, 576)) must be a multiple of the scale block 128"
+    a, b = per_token_group_cast_to_fp8(torch.randn(4, K)), per_block_cast_to_fp8(torch.randn(N, K))
+    for b_bad, d, match in (
+        ((b[0][:, :128], b[1]), torch.empty(4, N), r"b must have shape \(128, 256\), got \(128, 128\)$"),
+        ((b[0], b[1][:, :1]), torch.empty(4, N), r"sfb must have shape \(1, 2\), got \(1, 1\)$"),
+        (b, torch.empty(4, 64), r"d must have shape \(4, 128\), got \(4, 64\)$"),
+    ):
+        with pytest.raises(ValueError, match="^fp8_fp4_gemm_nt: " + match):
+            deep_gemm.fp8_fp4_gemm_nt(a, b_bad, d)
+    x = torch.zeros(4, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^bf16_gemm_nt: b must have shape \(128, 256\), got \(128, 384\)$"):
+        deep_gemm.bf16_gemm_nt(x, torch.zeros(N, 384, dtype=torch.bfloat16), torch.empty(4, N))
+    with pytest.raises(ValueError, match=r"^bf16_gemm_nt: b must be a \[N, K\] tensor, got shape \(1, 128, 256\)$"):
+        deep_gemm.bf16_gemm_nt(x, torch.zeros(1, N, K, dtype=torch.bfloat16), torch.empty(4, N))
+
+
 def test_vllm_and_sglang_call_sequences():
     # vLLM: vllm/utils/deep_gemm.py wraps every call with disable_ue8m0_cast=not is_deep_gemm_e8m0_used()
     (a1q, a1q_scale), (w1, w1_scale), _ = _inputs(256, 6, ue8m0=True)
@@ -360,7 +420,11 @@ def test_signatures_are_deep_gemms(name):
 
 def test_aliases_are_deep_gemms():
     for alias, target in ALIASES.items():
-        assert getattr(deep_gemm, alias) is getattr(deep_gemm, target), alias
+        fn, same = getattr(deep_gemm, alias), getattr(deep_gemm, target)
+        if alias.startswith("get_"):
+            assert fn is same, alias
+        else:  # the same call under DeepGEMM's other name, which its errors give (test_errors_name_the_alias_called)
+            assert fn.__name__ == alias and _sig(fn) == _sig(same) and f":func:`{target}`" in fn.__doc__, alias
     assert set(deep_gemm.__all__) >= {n for n in SIGNATURES if "." not in n} | set(ALIASES)
 
 

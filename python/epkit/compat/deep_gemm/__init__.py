@@ -32,11 +32,16 @@ sm_100 GPU); a name DeepGEMM does not have says that instead.
 
 from __future__ import annotations
 
-from typing import NoReturn
+import contextlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from typing import Concatenate, NoReturn, ParamSpec, TypeVar
 
 import torch
 
 from epkit import grouped_gemm as gemm
+from epkit._details.grouped_gemm_checks import validate_operands
 from epkit.compat._details.deep_gemm_coverage import missing_name_error
 from epkit.compat._details.deep_gemm_runtime import (
     SETTINGS,
@@ -139,12 +144,49 @@ _Pair = tuple[torch.Tensor, torch.Tensor]
 #: DeepGEMM's scale granularities: ``recipe`` ``(mn of a, mn of b, k)``, ``recipe_a`` / ``recipe_b`` ``(mn, k)``.
 _Recipe = tuple[int, int, int]
 _Gran = tuple[int, int]
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def __getattr__(name: str) -> NoReturn:
     """A DeepGEMM name this module lacks: an ``AttributeError`` saying whether epkit means to provide it and what to
     install meanwhile (module-level ``__getattr__``: called only for names not found here)."""
     raise missing_name_error(__name__, name)
+
+
+# Errors in the caller's terms
+
+
+def _named(name: str, impl: Callable[Concatenate[str, _P], _R], alias_of: str | None = None) -> Callable[_P, _R]:
+    """DeepGEMM's function ``name``: ``impl`` called with ``name`` first, which its errors start with, so that a GEMM
+    DeepGEMM has several names for (``fp8_gemm_nt`` is ``fp8_fp4_gemm_nt``) names the one the caller called. Its
+    signature is ``impl``'s without that first parameter; ``alias_of`` names the function it is another name of."""
+
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return impl(name, *args, **kwargs)
+
+    sig = inspect.signature(impl)
+    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])  # type: ignore[attr-defined]
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = (
+        impl.__doc__ if alias_of is None else f"DeepGEMM's other name for :func:`{alias_of}` (its errors name {name})."
+    )
+    return call
+
+
+#: epkit.grouped_gemm's names for DeepGEMM's arguments, as the caller knows them.
+_CALLERS_NAMES = {"m_indices": "grouped_layout"}
+
+
+@contextlib.contextmanager
+def _called_as(fn: str) -> Iterator[None]:
+    """A ``ValueError`` from epkit's GEMMs in the caller's terms: starting with the function it called (as this
+    module's own errors do) and naming DeepGEMM's argument (``grouped_layout``, where epkit says ``m_indices``)."""
+    try:
+        yield
+    except ValueError as exc:
+        msg = re.sub(r"\b(" + "|".join(_CALLERS_NAMES) + r")\b", lambda m: _CALLERS_NAMES[m.group(1)], str(exc))
+        raise ValueError(f"{fn}: {msg}").with_traceback(exc.__traceback__) from None
 
 
 # Operands
@@ -218,8 +260,8 @@ def _contiguous_layout(
 # Grouped GEMMs
 
 
-def m_grouped_fp8_fp4_gemm_nt_contiguous(
-    a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None = None,
+def _m_grouped_fp8_fp4_gemm_nt_contiguous(
+    fn: str, a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None = None,
     recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
     disable_ue8m0_cast: bool = False, use_psum_layout: bool = False, ensure_zero_padding: bool = True,
     expected_m_for_psum_layout: int | None = None,
@@ -228,21 +270,27 @@ def m_grouped_fp8_fp4_gemm_nt_contiguous(
     K], float32 [G, N/128, K/128])``) or packed FP4 ``b`` (``(int8 [G, N, K/2], int32 [G, N, K/128] packed UE8M0 or
     float32 [G, N, K/32])``); ``grouped_layout [M]`` int32 (-1 padding; each group starting a multiple of the
     alignment) or, with ``use_psum_layout``, ``[G]`` cumulative row ends. ``d [M, N]`` bf16/float32 is written."""
-    fn = "m_grouped_fp8_fp4_gemm_nt_contiguous"
     check_flags(fn, compiled_dims, disable_ue8m0_cast, use_psum_layout, ensure_zero_padding, expected_m_for_psum_layout)
     return _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn=False)
 
 
-def m_grouped_fp8_fp4_gemm_nn_contiguous(
-    a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None = None,
+def _m_grouped_fp8_fp4_gemm_nn_contiguous(
+    fn: str, a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None = None,
     recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
     disable_ue8m0_cast: bool = False, use_psum_layout: bool = False, ensure_zero_padding: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`m_grouped_fp8_fp4_gemm_nt_contiguous` with ``b`` given as ``[G, K, N]`` (scales ``[G, K/128, N/128]``),
     FP8 only; it is transposed (a copy) first."""
-    fn = "m_grouped_fp8_fp4_gemm_nn_contiguous"
     check_flags(fn, compiled_dims, disable_ue8m0_cast, use_psum_layout, ensure_zero_padding)
     return _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn=True)
+
+
+m_grouped_fp8_fp4_gemm_nt_contiguous = _named(
+    "m_grouped_fp8_fp4_gemm_nt_contiguous", _m_grouped_fp8_fp4_gemm_nt_contiguous
+)
+m_grouped_fp8_fp4_gemm_nn_contiguous = _named(
+    "m_grouped_fp8_fp4_gemm_nn_contiguous", _m_grouped_fp8_fp4_gemm_nn_contiguous
+)
 
 
 def _grouped(
@@ -251,35 +299,42 @@ def _grouped(
 ) -> torch.Tensor:  # fmt: skip
     kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=nn)
     layout, psum = _contiguous_layout(fn, aa[0], grouped_layout, use_psum_layout, bb[0].shape[0])
-    getattr(gemm, f"m_grouped_{kind}_gemm_nt_contiguous")(aa, bb, d, layout, psum)
+    with _called_as(fn):
+        getattr(gemm, f"m_grouped_{kind}_gemm_nt_contiguous")(aa, bb, d, layout, psum)
     return d
 
 
-def m_grouped_fp8_fp4_gemm_nt_masked(
-    a: _Pair, b: _Pair, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int, recipe: _Recipe | None = None,
-    recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
-    disable_ue8m0_cast: bool = False,
+def _m_grouped_fp8_fp4_gemm_nt_masked(
+    fn: str, a: _Pair, b: _Pair, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
+    recipe: _Recipe | None = None, recipe_a: _Gran | None = None, recipe_b: _Gran | None = None,
+    compiled_dims: str = "nk", disable_ue8m0_cast: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` with ``a`` ``(e4m3 [G, M_max, K], scales)`` and ``b`` as in
     :func:`m_grouped_fp8_fp4_gemm_nt_contiguous`; rows past ``masked_m[g]`` are left untouched."""
-    fn = "m_grouped_fp8_fp4_gemm_nt_masked"
     check_flags(fn, compiled_dims, disable_ue8m0_cast)
     kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b)
-    getattr(gemm, f"m_grouped_{kind}_gemm_nt_masked")(aa, bb, d, masked_m, expected_m)
+    with _called_as(fn):
+        getattr(gemm, f"m_grouped_{kind}_gemm_nt_masked")(aa, bb, d, masked_m, expected_m)
     return d
 
 
-def m_grouped_bf16_gemm_nt_contiguous(
-    a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, grouped_layout: torch.Tensor, compiled_dims: str = "nk",
+m_grouped_fp8_fp4_gemm_nt_masked = _named("m_grouped_fp8_fp4_gemm_nt_masked", _m_grouped_fp8_fp4_gemm_nt_masked)
+
+
+def _m_grouped_bf16_gemm_nt_contiguous(
+    fn: str, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, grouped_layout: torch.Tensor, compiled_dims: str = "nk",
     use_psum_layout: bool = False, ensure_zero_padding: bool = True, expected_m_for_psum_layout: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``d[i] = a[i] @ b[grouped_layout[i]].T`` in bf16 (``a [M, K]``, ``b [G, N, K]``), layouts as for FP8."""
-    fn = "m_grouped_bf16_gemm_nt_contiguous"
     check_flags(fn, compiled_dims, False, use_psum_layout, ensure_zero_padding, expected_m_for_psum_layout)
     layout, psum = _contiguous_layout(fn, a, grouped_layout, use_psum_layout, b.shape[0])
-    # epkit.grouped_gemm's wrappers are unannotated (that module is not held to strict typing yet)
-    gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout, psum)  # type: ignore[no-untyped-call]
+    with _called_as(fn):
+        # epkit.grouped_gemm's wrappers are unannotated (that module is not held to strict typing yet)
+        gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, layout, psum)  # type: ignore[no-untyped-call]
     return d
+
+
+m_grouped_bf16_gemm_nt_contiguous = _named("m_grouped_bf16_gemm_nt_contiguous", _m_grouped_bf16_gemm_nt_contiguous)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(
@@ -287,12 +342,14 @@ def m_grouped_bf16_gemm_nn_contiguous(
     use_psum_layout: bool = False, ensure_zero_padding: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`m_grouped_bf16_gemm_nt_contiguous` with ``b`` given as ``[G, K, N]`` (transposed first, a copy)."""
-    return m_grouped_bf16_gemm_nt_contiguous(
-        a, b.transpose(-1, -2).contiguous(), d, grouped_layout, compiled_dims, use_psum_layout, ensure_zero_padding
-    )
+    return _m_grouped_bf16_gemm_nt_contiguous(
+        "m_grouped_bf16_gemm_nn_contiguous", a, b.transpose(-1, -2).contiguous(), d, grouped_layout, compiled_dims,
+        use_psum_layout, ensure_zero_padding,
+    )  # fmt: skip
 
 
-def m_grouped_bf16_gemm_nt_masked(
+def _m_grouped_bf16_gemm_nt_masked(
+    fn: str,
     a: torch.Tensor,
     b: torch.Tensor,
     d: torch.Tensor,
@@ -301,10 +358,14 @@ def m_grouped_bf16_gemm_nt_masked(
     compiled_dims: str = "nk",
 ) -> torch.Tensor:
     """The masked layout in bf16 (``a [G, M_max, K]``, ``b [G, N, K]``); rows past ``masked_m[g]`` untouched."""
-    check_flags("m_grouped_bf16_gemm_nt_masked", compiled_dims, False)
-    # epkit.grouped_gemm's wrappers are unannotated (that module is not held to strict typing yet)
-    gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)  # type: ignore[no-untyped-call]
+    check_flags(fn, compiled_dims, False)
+    with _called_as(fn):
+        # epkit.grouped_gemm's wrappers are unannotated (that module is not held to strict typing yet)
+        gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)  # type: ignore[no-untyped-call]
     return d
+
+
+m_grouped_bf16_gemm_nt_masked = _named("m_grouped_bf16_gemm_nt_masked", _m_grouped_bf16_gemm_nt_masked)
 
 
 # Dense GEMMs: one group of the masked layout
@@ -331,38 +392,42 @@ def _dense(
     one = (lambda t: t.unsqueeze(0)) if kind == "bf16" else (lambda p: (p[0].unsqueeze(0), p[1].unsqueeze(0)))
     out = d.unsqueeze(0) if c is None else torch.empty((1, *d.shape), dtype=torch.float32, device=d.device)
     counts = torch.full((1,), a0.shape[0], dtype=torch.int32, device=a0.device)
-    getattr(gemm, f"m_grouped_{kind}_gemm_nt_masked")(one(a), one(b), out, counts, a0.shape[0])
+    with _called_as(fn):
+        validate_operands(kind, a, b, out[0], masked=False, dense=True)  # first: in the caller's 2-D shapes
+        getattr(gemm, f"m_grouped_{kind}_gemm_nt_masked")(one(a), one(b), out, counts, a0.shape[0])
     if c is not None:
         d.copy_(out[0] + c.float())
     return d
 
 
-def fp8_fp4_gemm_nt(
-    a: _Pair, b: _Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: _Recipe | None = None,
+def _fp8_fp4_gemm_nt(
+    fn: str, a: _Pair, b: _Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: _Recipe | None = None,
     recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
     disable_ue8m0_cast: bool = False, alpha: float | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``d = a @ b.T (+ c)``: ``a`` ``(e4m3 [M, K], scales [M, K/128])``, ``b`` ``(e4m3 [N, K], float32 [N/128,
     K/128])`` or packed FP4 as in :func:`m_grouped_fp8_fp4_gemm_nt_contiguous` (without the group dim).
     ``alpha`` (DeepGEMM's output scale, SM100-only for FP8) must be None."""
-    fn = "fp8_fp4_gemm_nt"
     check_flags(fn, compiled_dims, disable_ue8m0_cast)
     _no_alpha(fn, alpha)
     kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b)
     return _dense(fn, kind, aa, bb, d, c)
 
 
-def fp8_fp4_gemm_nn(
-    a: _Pair, b: _Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: _Recipe | None = None,
+def _fp8_fp4_gemm_nn(
+    fn: str, a: _Pair, b: _Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: _Recipe | None = None,
     recipe_a: _Gran | None = None, recipe_b: _Gran | None = None, compiled_dims: str = "nk",
     disable_ue8m0_cast: bool = False, alpha: float | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`fp8_fp4_gemm_nt` with ``b`` given as ``[K, N]`` (scales ``[K/128, N/128]``), FP8 only."""
-    fn = "fp8_fp4_gemm_nn"
     check_flags(fn, compiled_dims, disable_ue8m0_cast)
     _no_alpha(fn, alpha)
     kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=True)
     return _dense(fn, kind, aa, bb, d, c)
+
+
+fp8_fp4_gemm_nt = _named("fp8_fp4_gemm_nt", _fp8_fp4_gemm_nt)
+fp8_fp4_gemm_nn = _named("fp8_fp4_gemm_nn", _fp8_fp4_gemm_nn)
 
 
 def bf16_gemm_nt(
@@ -386,9 +451,21 @@ def bf16_gemm_nn(
     return _dense("bf16_gemm_nn", "bf16", a, b.transpose(0, 1).contiguous(), d, c)
 
 
-# DeepGEMM's aliases
-fp8_gemm_nt, fp8_gemm_nn = fp8_fp4_gemm_nt, fp8_fp4_gemm_nn
-m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_fp4_gemm_nt_contiguous
-m_grouped_fp8_gemm_nn_contiguous = m_grouped_fp8_fp4_gemm_nn_contiguous
-m_grouped_fp8_gemm_nt_masked = fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_fp4_gemm_nt_masked
-bf16_m_grouped_gemm_nt_masked = m_grouped_bf16_gemm_nt_masked
+# DeepGEMM's other names: the same calls, their errors naming the name called
+fp8_gemm_nt = _named("fp8_gemm_nt", _fp8_fp4_gemm_nt, "fp8_fp4_gemm_nt")
+fp8_gemm_nn = _named("fp8_gemm_nn", _fp8_fp4_gemm_nn, "fp8_fp4_gemm_nn")
+m_grouped_fp8_gemm_nt_contiguous = _named(
+    "m_grouped_fp8_gemm_nt_contiguous", _m_grouped_fp8_fp4_gemm_nt_contiguous, "m_grouped_fp8_fp4_gemm_nt_contiguous"
+)
+m_grouped_fp8_gemm_nn_contiguous = _named(
+    "m_grouped_fp8_gemm_nn_contiguous", _m_grouped_fp8_fp4_gemm_nn_contiguous, "m_grouped_fp8_fp4_gemm_nn_contiguous"
+)
+m_grouped_fp8_gemm_nt_masked = _named(
+    "m_grouped_fp8_gemm_nt_masked", _m_grouped_fp8_fp4_gemm_nt_masked, "m_grouped_fp8_fp4_gemm_nt_masked"
+)
+fp8_m_grouped_gemm_nt_masked = _named(
+    "fp8_m_grouped_gemm_nt_masked", _m_grouped_fp8_fp4_gemm_nt_masked, "m_grouped_fp8_fp4_gemm_nt_masked"
+)
+bf16_m_grouped_gemm_nt_masked = _named(
+    "bf16_m_grouped_gemm_nt_masked", _m_grouped_bf16_gemm_nt_masked, "m_grouped_bf16_gemm_nt_masked"
+)
