@@ -229,6 +229,29 @@ def test_dense_errors_quote_the_callers_shapes():
         deep_gemm.bf16_gemm_nt(x, torch.zeros(1, N, K, dtype=torch.bfloat16), torch.empty(4, N))
 
 
+def test_nn_errors_quote_b_as_passed():
+    # b [.., K, N] (scales [.., K/128, N/128]) is checked as passed, before epkit transposes it to [.., N, K]
+    a, b = per_token_group_cast_to_fp8(torch.randn(4, K)), per_block_cast_to_fp8(torch.randn(N, K))
+    kn = (b[0].T, b[1].T)  # [256, 128], scales [2, 1]
+    with pytest.raises(ValueError, match=r"^fp8_gemm_nn: sfb must have shape \(2, 1\), got \(1, 1\)$"):
+        deep_gemm.fp8_gemm_nn(a, (kn[0], kn[1][:1]), torch.empty(4, N))
+    x = torch.zeros(4, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^bf16_gemm_nn: b must have shape \(256, 128\), got \(384, 128\)$"):
+        deep_gemm.bf16_gemm_nn(x, torch.zeros(384, N, dtype=torch.bfloat16), torch.empty(4, N))
+    ga, gb, _ = _inputs(256, 14)
+    gkn = (gb[0].transpose(1, 2)[:, :128], gb[1].transpose(1, 2))  # K cut to 128: [G, 128, N]
+    layout = gemm.build_m_indices([10, 10])
+    msg = r"^m_grouped_fp8_gemm_nn_contiguous: b must have shape \(2, 256, 128\), got \(2, 128, 128\)$"
+    with pytest.raises(ValueError, match=msg):
+        deep_gemm.m_grouped_fp8_gemm_nn_contiguous(ga, gkn, torch.zeros(256, N), layout)
+    msg = r"^m_grouped_bf16_gemm_nn_contiguous: b must be a \[G, K, N\] tensor, got shape \(256, 128\)$"
+    with pytest.raises(ValueError, match=msg):
+        deep_gemm.m_grouped_bf16_gemm_nn_contiguous(
+            torch.zeros(256, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16), torch.zeros(256, N),
+            layout,
+        )  # fmt: skip
+
+
 def test_vllm_and_sglang_call_sequences():
     # vLLM: vllm/utils/deep_gemm.py wraps every call with disable_ue8m0_cast=not is_deep_gemm_e8m0_used()
     (a1q, a1q_scale), (w1, w1_scale), _ = _inputs(256, 6, ue8m0=True)

@@ -201,7 +201,8 @@ def _fp8_operands(
     recipe_b: _Gran | None,
     nn: bool = False,
 ) -> tuple[str, _Pair, _Pair]:
-    """``(kind, a pair, b pair)`` in epkit's formats from DeepGEMM's FP8 / FP8xFP4 operands."""
+    """``(kind, a pair, b pair)`` in epkit's formats from DeepGEMM's FP8 / FP8xFP4 operands (``b`` still in the
+    caller's layout: :func:`_as_nt` makes an nn one nt after its checks)."""
     for name, x in (("a", a), ("b", b)):
         if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x)):
             raise ValueError(f"{fn}: {name} must be a (tensor, scales) pair, got {type(x).__name__}")
@@ -211,8 +212,6 @@ def _fp8_operands(
     fp4 = b0.dtype in (torch.int8, torch.uint8)
     if fp4 and nn:
         raise ValueError(f"{fn}: b as packed FP4 needs the nt layout (b [G, N, K/2]); the nn form is for FP8 b")
-    if nn:
-        b0, sfb = b0.transpose(-1, -2).contiguous(), sfb.transpose(-1, -2).contiguous()
     gran_b = _recipe(fn, recipe, recipe_a, recipe_b, fp4)
     sfa = activation_scales(fn, sfa, a0.shape[-1])
     if fp4:
@@ -257,6 +256,22 @@ def _contiguous_layout(
     return grouped_layout, bool(use_psum_layout)
 
 
+def _as_nt(
+    fn: str, kind: str, a: torch.Tensor | _Pair, b: torch.Tensor | _Pair, d: torch.Tensor, nn: bool, dense: bool
+) -> torch.Tensor | _Pair:
+    """``b`` in the nt layout epkit's GEMMs take: an nn ``b`` (``[..., K, N]``, scales ``[..., K/128, N/128]``) is
+    checked as the caller passed it, then transposed (a copy); an nt one is returned as it is."""
+    if not nn:
+        return b
+    with _called_as(fn):
+        validate_operands(kind, a, b, d, masked=False, dense=dense, b_kn=True)
+
+    def nt(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(-1, -2).contiguous()
+
+    return (nt(b[0]), nt(b[1])) if isinstance(b, tuple) else nt(b)
+
+
 # Grouped GEMMs
 
 
@@ -297,7 +312,8 @@ def _grouped(
     fn: str, a: _Pair, b: _Pair, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: _Recipe | None,
     recipe_a: _Gran | None, recipe_b: _Gran | None, use_psum_layout: bool, nn: bool,
 ) -> torch.Tensor:  # fmt: skip
-    kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=nn)
+    kind, aa, b_pair = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=nn)
+    bb = _as_nt(fn, kind, aa, b_pair, d, nn, dense=False)
     layout, psum = _contiguous_layout(fn, aa[0], grouped_layout, use_psum_layout, bb[0].shape[0])
     with _called_as(fn):
         getattr(gemm, f"m_grouped_{kind}_gemm_nt_contiguous")(aa, bb, d, layout, psum)
@@ -342,10 +358,12 @@ def m_grouped_bf16_gemm_nn_contiguous(
     use_psum_layout: bool = False, ensure_zero_padding: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`m_grouped_bf16_gemm_nt_contiguous` with ``b`` given as ``[G, K, N]`` (transposed first, a copy)."""
+    fn = "m_grouped_bf16_gemm_nn_contiguous"
+    b_nt = _as_nt(fn, "bf16", a, b, d, nn=True, dense=False)
+    assert isinstance(b_nt, torch.Tensor)
     return _m_grouped_bf16_gemm_nt_contiguous(
-        "m_grouped_bf16_gemm_nn_contiguous", a, b.transpose(-1, -2).contiguous(), d, grouped_layout, compiled_dims,
-        use_psum_layout, ensure_zero_padding,
-    )  # fmt: skip
+        fn, a, b_nt, d, grouped_layout, compiled_dims, use_psum_layout, ensure_zero_padding
+    )
 
 
 def _m_grouped_bf16_gemm_nt_masked(
@@ -380,10 +398,11 @@ def _no_alpha(fn: str, alpha: object) -> None:
 
 
 def _dense(
-    fn: str, kind: str, a: torch.Tensor | _Pair, b: torch.Tensor | _Pair, d: torch.Tensor, c: torch.Tensor | None
-) -> torch.Tensor:
+    fn: str, kind: str, a: torch.Tensor | _Pair, b: torch.Tensor | _Pair, d: torch.Tensor, c: torch.Tensor | None,
+    nn: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """``d = a @ b.T (+ c)`` as the masked grouped GEMM of one group (float32 accumulation; with ``c``, one rounding
-    of ``a @ b.T + c`` to ``d``'s dtype)."""
+    of ``a @ b.T + c`` to ``d``'s dtype); ``nn``: ``b`` is ``[K, N]``."""
     a0 = a[0] if isinstance(a, tuple) else a
     if not isinstance(d, torch.Tensor) or d.dim() != 2:
         raise ValueError(f"{fn}: d must be a 2-D [M, N] tensor, got {tuple(getattr(d, 'shape', ()))}")
@@ -392,6 +411,7 @@ def _dense(
     one = (lambda t: t.unsqueeze(0)) if kind == "bf16" else (lambda p: (p[0].unsqueeze(0), p[1].unsqueeze(0)))
     out = d.unsqueeze(0) if c is None else torch.empty((1, *d.shape), dtype=torch.float32, device=d.device)
     counts = torch.full((1,), a0.shape[0], dtype=torch.int32, device=a0.device)
+    b = _as_nt(fn, kind, a, b, out[0], nn, dense=True)
     with _called_as(fn):
         validate_operands(kind, a, b, out[0], masked=False, dense=True)  # first: in the caller's 2-D shapes
         getattr(gemm, f"m_grouped_{kind}_gemm_nt_masked")(one(a), one(b), out, counts, a0.shape[0])
@@ -423,7 +443,7 @@ def _fp8_fp4_gemm_nn(
     check_flags(fn, compiled_dims, disable_ue8m0_cast)
     _no_alpha(fn, alpha)
     kind, aa, bb = _fp8_operands(fn, a, b, recipe, recipe_a, recipe_b, nn=True)
-    return _dense(fn, kind, aa, bb, d, c)
+    return _dense(fn, kind, aa, bb, d, c, nn=True)
 
 
 fp8_fp4_gemm_nt = _named("fp8_fp4_gemm_nt", _fp8_fp4_gemm_nt)
@@ -448,7 +468,7 @@ def bf16_gemm_nn(
     """:func:`bf16_gemm_nt` with ``b`` given as ``[K, N]``."""
     check_flags("bf16_gemm_nn", compiled_dims, False)
     _no_alpha("bf16_gemm_nn", alpha)
-    return _dense("bf16_gemm_nn", "bf16", a, b.transpose(0, 1).contiguous(), d, c)
+    return _dense("bf16_gemm_nn", "bf16", a, b, d, c, nn=True)
 
 
 # DeepGEMM's other names: the same calls, their errors naming the name called
