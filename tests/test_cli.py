@@ -27,6 +27,7 @@ def test_info_reports_backends_and_no_gpu():
     res = _epkit("info")
     assert res.returncode == 0, res.stderr
     assert "backends:" in res.stdout and "gather_rows" in res.stdout
+    assert "drop-in epkit.compat.deep_gemm" in res.stdout and "not yet provided by epkit" in res.stdout
     if not torch.cuda.is_available():
         assert "no GPU visible" in res.stdout
         assert "not on cuda: no CUDA device" in res.stdout
@@ -39,6 +40,11 @@ def test_info_json():
     assert info["ops"]["gather_rows"]["auto_cpu"] == "cpu"
     assert "cpu" in info["backends"]["reference"]["devices"]
     assert info["c_extension"] == "ok"
+    dg = info["compat"]["deep_gemm"]  # the drop-in's coverage: provided, not yet, out of scope
+    assert {"fp8_gemm_nt", "m_grouped_fp8_gemm_nt_masked", "set_num_sms"} <= set(dg["provided"])
+    assert {"bf16_gemm_tn", "einsum", "cublaslt_gemm_nt"} <= set(dg["not_yet_provided"])
+    assert {"fp8_mqa_logits", "tf32_hc_prenorm_gemm"} <= set(dg["out_of_scope"])
+    assert not set(dg["provided"]) & set(dg["not_yet_provided"]) and "sm_100" in dg["install_for_the_rest"]
 
 
 def test_selfcheck_runs_every_cpu_backend_in_aligned_columns():

@@ -1,6 +1,7 @@
 """The ``epkit`` command line.
 
-``epkit info``       versions, devices, which backends and transports run here and why others do not
+``epkit info``       versions, devices, which backends and transports run here and why others do not, and which
+                     of DeepGEMM's names the drop-in ``epkit.compat.deep_gemm`` provides
 ``epkit selfcheck``  runs every op on every backend this machine has against its reference
 ``epkit plan``       deployment calculator: experts per rank, bytes, memory, communication, collective ledger
 ``epkit bench``      benchmarks against same-run peers and roofs (table, JSON, plots); ``bench compare`` two runs
@@ -26,6 +27,7 @@ import os
 import platform
 import shutil
 import sys
+import textwrap
 import time
 import traceback
 
@@ -105,6 +107,8 @@ def collect_info() -> dict:
         bk["cpu"]["note"] = f"ops whose cpu path uses the C++ extension fall back to torch: {c_err}"
     import torch.distributed as dist
 
+    from epkit.compat._details.deep_gemm_coverage import coverage as deep_gemm_coverage
+
     nvshmem = _nvshmem_root()
     transports = {
         "shm": {
@@ -140,6 +144,7 @@ def collect_info() -> dict:
         "c_extension": "ok" if c_err is None else c_err,
         "transports": transports,
         "ops": ops,
+        "compat": {"deep_gemm": deep_gemm_coverage()},
     }
 
 
@@ -183,6 +188,21 @@ def _print_info(info: dict) -> None:
         w(f"  {name:<{width}} cpu -> {o['auto_cpu']}")
         w(f", cuda -> {o['auto_cuda']}" if o["auto_cuda"] else "")
         w(f"   [backends: {', '.join(o['backends'])}]\n")
+    _print_deep_gemm_coverage(info["compat"]["deep_gemm"])
+
+
+def _print_deep_gemm_coverage(cov: dict) -> None:
+    """The drop-in ``epkit.compat.deep_gemm``: DeepGEMM's names it provides, those not yet, those out of scope."""
+    wrap = textwrap.TextWrapper(width=118, initial_indent="    ", subsequent_indent="    ")
+    w = sys.stdout.write
+    w("\ndrop-in epkit.compat.deep_gemm (DeepGEMM's interface):\n")
+    for title, names in (
+        (f"provided ({len(cov['provided'])})", cov["provided"]),
+        (f"not yet provided by epkit ({len(cov['not_yet_provided'])})", cov["not_yet_provided"]),
+        (f"out of scope ({len(cov['out_of_scope'])})", cov["out_of_scope"]),
+    ):
+        w(f"  {title}:\n{wrap.fill(', '.join(names))}\n")
+    w(f"  for a name not provided: {cov['install_for_the_rest']}\n")
 
 
 def cmd_info(args) -> int:

@@ -49,18 +49,29 @@ def _unpack(x, name: str, scaled: bool):
     return x, None
 
 
-def validate_operands(kind: str, a, b, d, masked: bool):
-    """Check dtypes/shapes of (a, sfa), (b, sfb), d; returns (a, sfa, b, sfb, G, M, N, K)."""
+def validate_operands(kind: str, a, b, d, masked: bool, dense: bool = False, b_kn: bool = False):
+    """Check dtypes/shapes of (a, sfa), (b, sfb), d; returns (a, sfa, b, sfb, G, M, N, K).
+
+    So that a caller's errors quote the shapes it passed: ``dense`` (with ``masked=False``) takes the operands of
+    one group without the group dim, a dense GEMM's (``b [N, K]`` and its scales; G is 1), and ``b_kn`` takes an
+    FP8 or bf16 ``b`` as ``[..., K, N]`` (scales ``[..., K/128, N/128]``: DeepGEMM's nn layout).
+    """
     scaled = kind != "bf16"
     a, sfa = _unpack(a, "a", scaled)
     b, sfb = _unpack(b, "b", scaled)
     a_dt = (torch.bfloat16,) if kind == "bf16" else (torch.float8_e4m3fn,)
     if not isinstance(a, torch.Tensor) or a.dim() != (3 if masked else 2):
         raise ValueError(f"a must be a {'[G, M_max, K]' if masked else '[M, K]'} tensor, got shape {_shape(a)}")
-    if not isinstance(b, torch.Tensor) or b.dim() != 3:
-        raise ValueError(f"b must be a [G, N, K{'/2' if kind == 'fp8_fp4' else ''}] tensor, got shape {_shape(b)}")
+    if not isinstance(b, torch.Tensor) or b.dim() != (2 if dense else 3):
+        dims = "K, N" if b_kn else f"N, K{'/2' if kind == 'fp8_fp4' else ''}"
+        raise ValueError(f"b must be a [{'' if dense else 'G, '}{dims}] tensor, got shape {_shape(b)}")
     k = a.shape[-1]
-    g, n = b.shape[0], b.shape[1]
+    g, n = (1 if dense else b.shape[0]), b.shape[-1 if b_kn else -2]
+    lead = () if dense else (g,)
+
+    def mn_k(mn: int, kk: int) -> tuple:  # b's (or its scales') shape with these N and K extents
+        return (*lead, kk, mn) if b_kn else (*lead, mn, kk)
+
     if masked and a.shape[0] != g:
         raise ValueError(f"a has {a.shape[0]} groups but b has {g} (a {_shape(a)}, b {_shape(b)})")
     _want("a", a, a_dt, tuple(a.shape))
@@ -68,13 +79,13 @@ def validate_operands(kind: str, a, b, d, masked: bool):
         raise ValueError(f"K = {k} (a {_shape(a)}) must be a multiple of the scale block {FP8_BLOCK}")
     rows = tuple(a.shape[:-1])
     if kind == "fp8":
-        _want("b", b, (torch.float8_e4m3fn,), (g, n, k))
-        _want("sfb", sfb, (torch.float32,), (g, -(-n // FP8_BLOCK), k // FP8_BLOCK))
+        _want("b", b, (torch.float8_e4m3fn,), mn_k(n, k))
+        _want("sfb", sfb, (torch.float32,), mn_k(-(-n // FP8_BLOCK), k // FP8_BLOCK))
     elif kind == "fp8_fp4":
-        _want("b", b, (torch.uint8,), (g, n, k // 2))
-        _want("sfb", sfb, (torch.uint8,), (g, n, k // MXFP4_BLOCK))
+        _want("b", b, (torch.uint8,), (*lead, n, k // 2))
+        _want("sfb", sfb, (torch.uint8,), (*lead, n, k // MXFP4_BLOCK))
     else:
-        _want("b", b, (torch.bfloat16,), (g, n, k))
+        _want("b", b, (torch.bfloat16,), mn_k(n, k))
     if scaled:
         _want("sfa", sfa, (torch.float32,), (*rows, k // FP8_BLOCK))
     _want("d", d, (torch.bfloat16, torch.float32), (*rows, n))

@@ -4,7 +4,8 @@
     DeepEP's legacy ``Buffer`` (intranode and low-latency modes), ``Config``, ``EventOverlap``, ``EventHandle``,
     ``topk_idx_t``, over :class:`epkit.collectives.ep_buffer.EPBuffer`.
 ``epkit.compat.deep_gemm``
-    DeepGEMM's grouped and dense GEMMs, layout helpers and runtime settings, over :mod:`epkit.grouped_gemm`.
+    DeepGEMM's grouped and dense GEMMs, layout helpers and runtime settings, over :mod:`epkit.grouped_gemm`, and
+    its ``utils`` (the casts to FP8 / FP4) and ``testing`` submodules.
 ``epkit.compat.eplb``
     DeepSeek's EPLB (``rebalance_experts`` and its steps), over :mod:`epkit.eplb`.
 

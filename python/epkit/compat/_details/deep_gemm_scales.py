@@ -20,6 +20,7 @@ __all__ = [
     "get_mn_major_tma_aligned_tensor",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
     "transform_sf_into_required_layout",
+    "unpack_ue8m0",
     "activation_scales",
     "fp8_weight_scales",
     "fp4_weights",
@@ -125,8 +126,9 @@ def _packed_bytes(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
 
 
-def _unpack_ue8m0(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """float32 ``[..., count]`` scales of packed UE8M0 int32 ``[..., ceil(count / 4)]``."""
+def unpack_ue8m0(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """float32 ``[..., count]`` scales of packed UE8M0 int32 ``[..., ceil(count / 4)]`` (any strides; byte 0 reads
+    as 0.0)."""
     exps = _packed_bytes(packed)[..., :count]
     return (exps.to(torch.int32) << 23).view(torch.float32)
 
@@ -140,7 +142,7 @@ def activation_scales(fn: str, sfa: torch.Tensor, k: int) -> torch.Tensor:
             raise ValueError(
                 f"{fn}: a's packed UE8M0 scales need {-(-groups // 4)} int32 per row, got {tuple(sfa.shape)}"
             )
-        return _unpack_ue8m0(sfa, groups)
+        return unpack_ue8m0(sfa, groups)
     if sfa.dtype != torch.float32:
         raise ValueError(f"{fn}: a's scales must be float32 or int32 (packed UE8M0), got {sfa.dtype}")
     return sfa.contiguous()

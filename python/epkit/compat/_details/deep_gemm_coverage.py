@@ -1,0 +1,94 @@
+"""Which of DeepGEMM's public names ``epkit.compat.deep_gemm`` lacks, and the ``AttributeError`` a caller gets for
+one: what the name is, whether epkit means to provide it, and what to install meanwhile.
+
+The names are those ``import deep_gemm`` binds in DeepGEMM 2.6.1 (its ``deep_gemm/__init__.py``: the kernels,
+runtime settings, the mega-MoE entry points and the submodules). Two tables, kept apart so that a caller can tell
+a gap from a boundary:
+
+- :data:`NOT_YET_PROVIDED`: GEMMs and helpers in epkit's scope (MoE GEMMs and what engines call around them) that
+  epkit has not written yet;
+- :data:`OUT_OF_SCOPE`: DeepGEMM's attention-indexer, hyper-connection and legacy kernels and its multi-GPU test
+  harness, which epkit does not mean to provide.
+
+A name in neither table and not provided is not part of DeepGEMM's interface as epkit knows it; its
+``AttributeError`` says so. ``epkit info`` lists the provided names and both tables (:func:`coverage`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["NOT_YET_PROVIDED", "OUT_OF_SCOPE", "INSTALL", "missing_name_error", "coverage"]
+
+#: What to use for a kernel epkit does not provide.
+INSTALL = "DeepGEMM itself (github.com/deepseek-ai/DeepGEMM, `import deep_gemm`) on an sm_90 or sm_100 GPU"
+
+_TN_TT = "GEMM with {} in the {} layout"
+#: DeepGEMM's names in epkit's scope that epkit does not provide yet: name -> what it is in DeepGEMM.
+NOT_YET_PROVIDED: dict[str, str] = {
+    **{
+        f"{kind}_gemm_{layout}": _TN_TT.format(what, layout)
+        for kind, what in (("fp8_fp4", "FP8 or FP4 operands"), ("fp8", "FP8 operands"), ("bf16", "BF16 operands"))
+        for layout in ("tn", "tt")
+    },
+    "k_grouped_fp8_gemm_nt_contiguous": "K-grouped FP8 GEMM (weight gradients), nt layout",
+    "k_grouped_fp8_gemm_tn_contiguous": "K-grouped FP8 GEMM (weight gradients), tn layout",
+    "k_grouped_bf16_gemm_tn_contiguous": "K-grouped BF16 GEMM (weight gradients), tn layout",
+    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor": "packed UE8M0 scales of the K-grouped GEMMs",
+    **{f"cublaslt_gemm_{layout}": f"cuBLASLt GEMM, {layout} layout" for layout in ("nt", "nn", "tn", "tt")},
+    "einsum": "BF16 einsum of the bmk,bnk->mn family",
+    "fp8_einsum": "FP8 einsum of the bmk,bnk->mn family",
+    "mega": "mega-MoE module (dispatch, expert GEMMs and combine in one kernel)",
+    "SymmBuffer": "mega-MoE symmetric buffer",
+    "get_symm_buffer_for_mega_moe": "mega-MoE symmetric buffer constructor",
+    "transform_weights_for_mega_moe": "mega-MoE weight layout",
+    "fp8_fp4_mega_moe": "mega-MoE layer with FP8/FP4 weights",
+    "bf16_mega_moe": "mega-MoE layer with BF16 weights",
+}
+
+_ATTENTION = "attention-indexer kernel"
+#: DeepGEMM's names outside epkit's scope (not MoE GEMMs): name -> what it is in DeepGEMM.
+OUT_OF_SCOPE: dict[str, str] = {
+    "fp8_mqa_logits": f"{_ATTENTION} (FP8 MQA logits)",
+    "fp8_paged_mqa_logits": f"{_ATTENTION} (FP8 MQA logits over a paged KV cache)",
+    "fp8_fp4_mqa_logits": f"{_ATTENTION} (FP8/FP4 MQA logits)",
+    "fp8_fp4_paged_mqa_logits": f"{_ATTENTION} (FP8/FP4 MQA logits over a paged KV cache)",
+    "get_paged_mqa_logits_metadata": f"{_ATTENTION} scheduling metadata (paged MQA logits)",
+    "fp8_gemm_nt_skip_head_mid": f"{_ATTENTION} (FP8 GEMM skipping the middle heads)",
+    "tf32_hc_prenorm_gemm": "hyper-connection kernel (TF32 GEMM with the pre-norm)",
+    "legacy": "Triton kernels for A100 (deep_gemm.legacy)",
+    "init_dist": "multi-GPU test harness (NCCL process group from environment variables)",
+    "uneven_all_gather": "multi-GPU test harness (all-gather of uneven tensors)",
+}
+
+
+def missing_name_error(module: str, name: str) -> AttributeError:
+    """The ``AttributeError`` for ``module.name`` (a ``deep_gemm`` module of epkit's): what the name is in DeepGEMM and
+    what to install for it, or that DeepGEMM has no such name as far as epkit knows. Dunder names get Python's own
+    message (tools probe them)."""
+    head = f"module {module!r} has no attribute {name!r}"
+    if name.startswith("__") and name.endswith("__"):
+        return AttributeError(head, name=name)
+    if name in OUT_OF_SCOPE:
+        why = (
+            f"epkit does not provide {name}, DeepGEMM's {OUT_OF_SCOPE[name]}: it is outside epkit's scope (MoE "
+            f"GEMMs). Install {INSTALL} for it"
+        )
+    elif name in NOT_YET_PROVIDED:
+        why = (
+            f"{name}, DeepGEMM's {NOT_YET_PROVIDED[name]}, is not yet provided by epkit. Until it is, install {INSTALL}"
+        )
+    else:
+        why = "it is not part of DeepGEMM's interface as epkit knows it (`epkit info` lists what is provided)"
+    return AttributeError(f"{head}: {why}", name=name)
+
+
+def coverage() -> dict[str, object]:
+    """What ``epkit info`` reports of ``epkit.compat.deep_gemm``: the names it provides (its ``__all__``) and the two
+    tables of those it does not."""
+    import epkit.compat.deep_gemm as deep_gemm  # here: that module imports this one
+
+    return {
+        "provided": sorted(deep_gemm.__all__),
+        "not_yet_provided": dict(sorted(NOT_YET_PROVIDED.items())),
+        "out_of_scope": dict(sorted(OUT_OF_SCOPE.items())),
+        "install_for_the_rest": INSTALL,
+    }
