@@ -198,7 +198,8 @@ class FailureNotices:
             if not self.impl.direct:
                 self.impl.tell(g, silent)
         for other in self.siblings:  # the other buffers of one EPBuffer: their peers learn whom to name too
-            other.mark_broken(reason, blame=blame)
+            with contextlib.suppress(ReferenceError):  # (weak references: one already collected is gone)
+                other.mark_broken(reason, blame=blame)
 
     def _spread(self, notice: int, sources: list[int]) -> None:
         """Write ``notice`` into the NOTICE words of ``sources`` at every other peer. Best effort: one-sided

@@ -5,6 +5,7 @@ agreement leaves the ranks' exchanges out of step: the buffer is retired on ever
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -53,8 +54,8 @@ class EPContext:
         self.recv_tokens_per_expert_total = mark_host_memory(counts)
         self.device = self.buffer.local.device
         parts = self.all_buffers()
-        for b in parts:  # one retired retires the others, naming the same culprit to their peers
-            b.siblings = tuple(p for p in parts if p is not b)
+        for b in parts:  # one retired retires the others, naming the same culprit to their peers (weak: no cycle)
+            b.siblings = tuple(weakref.proxy(p) for p in parts if p is not b)
 
     def all_buffers(self) -> tuple[SymmBuffer, ...]:
         return (self.buffer, *self.sub_buffers)
