@@ -45,6 +45,16 @@ def _routing(rank, world_size, case, seed):
     return x, idx, w
 
 
+def expected_scales(ref, handle, expand: bool) -> torch.Tensor:
+    """The FP8 scales a dispatch should return: the reference's received ones, or with ``expand`` those of each
+    expanded row (zeros in padding rows, where ``handle.expanded_rows`` is -1)."""
+    want = ref["recv_scales"]
+    if not expand:
+        return want
+    rows = handle.expanded_rows
+    return torch.where((rows >= 0)[:, None], want[rows.clamp(min=0)], torch.zeros(()))
+
+
 def _compare(rank, world_size, transport, case, expand, alignment, fp8, seed=0, portable=False):
     transport = resolve_transport(transport)
     buf = EPBuffer(
@@ -74,11 +84,7 @@ def _compare(rank, world_size, transport, case, expand, alignment, fp8, seed=0, 
     got_x = recv[0] if fp8 else recv
     assert_bitwise_equal(got_x, ref["expanded_x"] if expand else ref["recv_x"], ctx + " recv_x")
     if fp8:
-        want_s = ref["recv_scales"]
-        if expand:
-            rows = handle.expanded_rows
-            want_s = torch.where((rows >= 0)[:, None], want_s[rows.clamp(min=0)], torch.zeros(()))
-        assert_bitwise_equal(recv[1], want_s, ctx + " scales")
+        assert_bitwise_equal(recv[1], expected_scales(ref, handle, expand), ctx + " scales")
     assert_bitwise_equal(recv_idx, ref["recv_topk_idx"], ctx + " idx")
     assert_bitwise_equal(recv_w, ref["recv_topk_weights"], ctx + " weights")
     assert counts == ref["num_recv_tokens_per_expert"], ctx

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from test_ep_buffer import expected_scales
 
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import (
@@ -74,11 +75,7 @@ def _normal(buf: EPBuffer, expand: bool, fp8: bool, alignment: int, seed: int) -
     key = "expanded_x" if expand else "recv_x"
     assert_bitwise_equal(recv[0] if fp8 else recv, ref[key], ctx + " rows")
     if fp8:
-        want_s = ref["recv_scales"]
-        if expand:  # the scales of each expanded row (zeros in padding rows)
-            rows = handle.expanded_rows
-            want_s = torch.where((rows >= 0)[:, None], want_s[rows.clamp(min=0)], torch.zeros(()))
-        assert_bitwise_equal(recv[1], want_s, ctx + " scales")
+        assert_bitwise_equal(recv[1], expected_scales(ref, handle, expand), ctx + " scales")
     assert_bitwise_equal(recv_idx, ref["recv_topk_idx"], ctx + " topk_idx")
     assert_bitwise_equal(recv_w, ref["recv_topk_weights"], ctx + " topk_weights")
     assert counts == ref["num_recv_tokens_per_expert"], ctx

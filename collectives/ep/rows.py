@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from epkit.collectives.transports.base import rank_name
+
 __all__ = [
     "Bias",
     "FIELD_ALIGN",
@@ -50,12 +52,6 @@ ROW_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn)
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 #: What combine takes as ``bias``: a ``[T, hidden]`` tensor, up to two of them, or None.
 Bias = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | None
-
-
-def rank_name(r: int, global_ranks: Sequence[int]) -> str:
-    """How every EP message names position ``r`` of the EP group: ``"rank G"``, ``G`` its global rank (what a
-    user of a sub-group can find; ``global_ranks[r]`` is position ``r``'s)."""
-    return f"rank {global_ranks[r]}"
 
 
 def check_formats(formats: list[int], global_ranks: Sequence[int]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +31,7 @@ __all__ = [
     "READY",
     "Transport",
     "layout",
+    "rank_name",
     "user_word",
     "word",
 ]
@@ -81,6 +83,12 @@ def user_word(idx: int, world_size: int) -> int:
 #: giving a grace) RUNNING_GRACE_S; one seen stopped or gone none. Both keep a failed wait within its timeout
 #: + 1.5 s.
 NOTICE_GRACE_S, RUNNING_GRACE_S = 1.0, 1.4
+
+
+def rank_name(r: int, global_ranks: Sequence[int]) -> str:
+    """How every message of a buffer names position ``r`` of its group: ``"rank G"``, ``G`` its global rank (what a
+    user of a sub-group can find; ``global_ranks[r]`` is position ``r``'s)."""
+    return f"rank {global_ranks[r]}"
 
 
 def _proc_is_ours() -> bool:
@@ -187,7 +195,7 @@ class Transport(abc.ABC):
 
     def rank_name(self, rank: int) -> str:
         """``"rank G"``: position ``rank`` of the group by its global rank (how every message names a rank)."""
-        return f"rank {self.global_ranks[rank]}"
+        return rank_name(rank, self.global_ranks)
 
     def peer_view(self, rank: int) -> torch.Tensor | None:
         """Rank ``rank``'s data as a ``[num_bytes]`` uint8 view writable from here, or None if not addressable."""
