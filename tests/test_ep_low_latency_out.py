@@ -170,23 +170,28 @@ def _combine_out(rank, world_size):
     given = combine(3, out=mine) is mine
     x, idx, wts = _inputs(rank, 4)
     recv_x, _, handle, _ = buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False)
-    # rank 0 alone passes a wrong out: found before any row moves; as for any bad combine argument (the combine has
-    # no agreement step: _reject_locally), the buffer is retired and the peer's wait on rank 0 ends at once
+    # rank 0 alone passes a wrong out: found before any row moves; rank 0 sends its rejection instead of rows, so
+    # every rank raises the same ValueError in this call and the buffer goes on
     try:
         buf.low_latency_combine(recv_x, idx, wts, handle, out=mine[:5] if rank == 0 else mine)
         error = "none"
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
+    again = combine(4)  # usable after the rejection
     buf.close()
-    return reused, fresh, given, error
+    return reused, fresh, given, error, again.shape
 
 
 def test_combine_reuses_a_dropped_output_writes_into_out_and_names_a_wrong_one():
     res = run_ranks(_combine_out, 2, timeout=90)
     assert [r[:3] for r in res] == [(True, True, True)] * 2, res
-    assert res[0][3].startswith("ValueError: out must be torch.bfloat16 (6, 256)"), res[0][3]
+    assert res[0][3] == res[1][3], res  # the same error on both ranks
+    assert res[0][3].startswith(
+        "ValueError: low-latency combine rejected on every rank before any row was summed: rank 0: out must be "
+        "torch.bfloat16 (6, 256)"
+    ), res[0][3]
     assert res[0][3].endswith("got torch.bfloat16 (5, 256) on cpu"), res[0][3]
-    assert res[1][3].startswith("PeerFailedError: rank 1: ll_combine data abandoned: rank 0 gave up"), res[1][3]
+    assert [r[4] for r in res] == [(6, HIDDEN)] * 2, res
 
 
 def _deep_ep_shim(rank, world_size, use_fp8):

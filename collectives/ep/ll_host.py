@@ -24,6 +24,7 @@ return come from the context's pool (``ep/ll_out``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -36,6 +37,7 @@ from epkit.collectives.ep.ll_layout import (
     COMBINE_HEADER,
     OK,
     REJECTED,
+    REJECTED_HANDLE,
     LLCombineResult,
     LLDispatchResult,
     LowLatencyHandle,
@@ -329,14 +331,52 @@ class HostLowLatencyPath:
             routing.check_ll_combine(self.cfg, self.ctx.device, y, topk_idx, topk_weights, handle, out,
                                      self._stream_ordered(), False)  # fmt: skip
         except ValueError as exc:
-            self.ctx.reject_locally("low-latency combine", exc)
+            if self._stream_ordered():  # the peers cannot learn of it in this call: the buffer is done
+                self.ctx.reject_locally("low-latency combine", exc)
+            self._reject_combine(str(exc))
         with self.ctx.retire_on_failure("low-latency combine"):
-            return self._combine(y, topk_weights, handle, return_recv_hook, out)
+            hook = self._combine(y, topk_weights, handle, out)
+        # the receive retires the buffer itself on a failure, but not on the agreed ValueErrors (a rank's
+        # rejection, handles of different dispatches): every rank raises those in step, and the buffer goes on
+        return (None, hook) if return_recv_hook else hook()
+
+    def _reject_combine(self, error: str) -> NoReturn:
+        """A host-checked combine this rank cannot make: send every rank a header naming no dispatch
+        (:data:`REJECTED_HANDLE`) and the error, take the peers' messages so the exchanges stay in step, and raise
+        what every rank raises (:meth:`_combine_receive` reads the same headers): no row is summed anywhere and the
+        buffer goes on."""
+        w, head = self.cfg.world_size, COMBINE_HEADER
+        ex = self.ctx.buffer.exchange(self.ctx.region_bytes, tag="ll_combine", deferred=False, guarded=True)
+        ident = torch.tensor([REJECTED_HANDLE, 0], dtype=torch.int64).view(torch.uint8)
+        text = encode_error(error)
+        with self.ctx.retire_on_failure("low-latency combine"):
+            for dst in range(w):
+                ex.write(dst, ident, 0)
+                ex.write(dst, text, head)
+                ex.commit(dst, head + META_MSG)
+            views = ex.receive([self.ctx.region_bytes] * w, at_most=True)
+            packed.check_lengths(views, [head] * w, "low-latency combine", self.cfg.ranks)
+            rejected = self._rejections(views)
+        ex.release()
+        raise ValueError(rejected)
+
+    def _rejections(self, views: list[torch.Tensor]) -> str | None:
+        """The error every rank raises when some rank rejected its own combine (its header names no dispatch and
+        carries its error), else None."""
+        head = COMBINE_HEADER
+        errors = [
+            f"{self.cfg.rank_name(src)}: {decode_error(v[head : head + META_MSG])}"
+            for src, v in enumerate(views)
+            if int(v[:8].view(torch.int64)[0]) == REJECTED_HANDLE and v.numel() >= head + META_MSG
+        ]
+        if not errors:
+            return None
+        return "low-latency combine rejected on every rank before any row was summed: " + "; ".join(errors)
 
     def _combine(
-        self, y: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle, return_recv_hook: bool,
-        given: torch.Tensor | None,
-    ) -> LLCombineResult:  # fmt: skip
+        self, y: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle, given: torch.Tensor | None
+    ) -> Callable[[], torch.Tensor]:
+        """Send ``y``'s rows to their sources; returns the receive hook (once: the result)."""
         w, L, h, n_max = self.cfg.world_size, self.cfg.num_local_experts, self.cfg.hidden, handle.n_max
         row, head = 2 * h, COMBINE_HEADER
         msg_bytes = head + L * n_max * row
@@ -379,9 +419,7 @@ class HostLowLatencyPath:
                 out["y"] = self._combine_receive(ex, handle, topk_weights, msg_bytes, given)
             return out["y"]
 
-        if return_recv_hook:
-            return None, hook
-        return hook()
+        return hook
 
     def _combine_receive(
         self, ex: Exchange, handle: LowLatencyHandle, topk_weights: torch.Tensor, msg_bytes: int,
@@ -393,11 +431,14 @@ class HostLowLatencyPath:
         row, head = 2 * h, COMBINE_HEADER
         streamed = self._stream_ordered()
         with self.ctx.retire_on_failure("low-latency combine receive"):
-            views = ex.receive([msg_bytes] * w, at_most=not streamed)
+            bound = msg_bytes if streamed else max(msg_bytes, head + META_MSG)  # a rejection's header and text
+            views = ex.receive([bound] * w, at_most=not streamed)
             packed.check_lengths(views, [head] * w, "low-latency combine", self.cfg.ranks)
             idents = torch.stack([v[:16].view(torch.int64) for v in views])  # [W, 2] buffer id, epoch
         if not streamed:  # the handles first: a foreign one's rows need not even fit
-            error = describe_handles(idents.tolist(), self.ctx.buffer.buffer_id, "low-latency combine", self.cfg.ranks)
+            error = self._rejections(views) or describe_handles(
+                idents.tolist(), self.ctx.buffer.buffer_id, "low-latency combine", self.cfg.ranks
+            )
             if error is not None:
                 ex.release()
                 raise ValueError(error)

@@ -25,6 +25,7 @@ __all__ = [
     "OK",
     "OVERFLOW",
     "REJECTED",
+    "REJECTED_HANDLE",
     "LLCombineResult",
     "LLDispatchResult",
     "LowLatencyHandle",
@@ -62,6 +63,9 @@ LLCombineResult = torch.Tensor | tuple[None, Callable[[], torch.Tensor]]
 
 #: Bytes before the rows of a low-latency combine message: int64 [buffer id, dispatch epoch] of the handle.
 COMBINE_HEADER = COMBINE_HEAD
+#: The buffer id of a combine header whose sender rejected its own call (its error text follows the header);
+#: buffer ids are positive.
+REJECTED_HANDLE = -1
 
 
 def describe_handles(heads: list[list[int]], buffer_id: int, what: str, ranks: Sequence[int]) -> str | None:

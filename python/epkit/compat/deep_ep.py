@@ -74,10 +74,10 @@ DispatchOutput = tuple[
 ]
 
 
-def _events(
+def _check_events(
     fn: str, previous_event: EventOverlap | None, async_finish: object, allocate_on_comm_stream: object
 ) -> None:
-    """Check the stream arguments DeepEP's calls take, and wait for ``previous_event``."""
+    """Check the stream arguments DeepEP's calls take (ValueError)."""
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise ValueError(f"{fn}: previous_event must be an EventOverlap (Buffer.capture()) or None")
     for name, v in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
@@ -87,8 +87,20 @@ def _events(
         raise ValueError(
             f"{fn}: allocate_on_comm_stream=True needs previous_event and async_finish=True (as in DeepEP)"
         )
+
+
+def _wait_for(previous_event: EventOverlap | None) -> None:
+    """Make the current stream wait for ``previous_event`` (checked by :func:`_check_events`)."""
     if previous_event is not None and previous_event.event is not None:
         previous_event.event.current_stream_wait()
+
+
+def _events(
+    fn: str, previous_event: EventOverlap | None, async_finish: object, allocate_on_comm_stream: object
+) -> None:
+    """Check the stream arguments and wait for ``previous_event`` (the local calls: no agreement)."""
+    _check_events(fn, previous_event, async_finish, allocate_on_comm_stream)
+    _wait_for(previous_event)
 
 
 def _rows(x: DeepEPRows, num_worst_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -398,18 +410,19 @@ class Buffer(LowLatencyMixin):
         only ``recv_x`` is returned, the other four values None.
         """
         fn = "dispatch"
-        _events(fn, previous_event, async_finish, allocate_on_comm_stream)
-        _check_config(fn, config)
         self._settle()
         if handle is not None:
             return self._dispatch_cached(
-                *_rows(x, num_worst_tokens), handle, topk_idx, topk_weights, num_worst_tokens, async_finish
-            )
+                x, handle, topk_idx, topk_weights, num_worst_tokens, config, previous_event, async_finish,
+                allocate_on_comm_stream,
+            )  # fmt: skip
         error: str | None = None
         words: torch.Tensor | None = None
         s, sdtype = 0, None
         x0: torch.Tensor | None = None
         try:  # a call rejected on one rank is rejected on every rank (one agreement below)
+            _check_events(fn, previous_event, async_finish, allocate_on_comm_stream)
+            _check_config(fn, config)
             x0, scales = _rows(x, num_worst_tokens)
             self._check_layout(topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                num_tokens_per_expert, x0.shape[0])  # fmt: skip
@@ -418,6 +431,7 @@ class Buffer(LowLatencyMixin):
         except ValueError as exc:
             error = str(exc)
         tokens = self._agree(fn, error, _dispatch_fields(x, topk_idx, num_tokens_per_expert), _rows_of(x0))
+        _wait_for(previous_event)
         # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
         assert x0 is not None and topk_idx is not None and num_tokens_per_expert is not None
         buf = self._epbuffer(x0.shape[1], num_tokens_per_expert.numel(), topk_idx.shape[1], x0.device, tokens)
@@ -479,21 +493,37 @@ class Buffer(LowLatencyMixin):
 
     def _dispatch_cached(
         self,
-        x0: torch.Tensor,
-        scales: torch.Tensor | None,
+        x: DeepEPRows,
         handle: NormalHandle,
         topk_idx: torch.Tensor | None,
         topk_weights: torch.Tensor | None,
         num_worst_tokens: int,
+        config: Config | None,
+        previous_event: EventOverlap | None,
         async_finish: bool,
+        allocate_on_comm_stream: bool,
     ) -> DispatchOutput:
-        if topk_idx is not None or topk_weights is not None:
-            raise ValueError("dispatch: with a handle (cached dispatch), topk_idx and topk_weights must be None")
-        if not isinstance(handle, NormalHandle):
-            raise ValueError(
-                f"dispatch: handle must be the handle a dispatch of this Buffer returned, got {handle!r:.60}"
-            )
-        words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1]) if scales is not None else (None, 0, None)
+        """A dispatch along ``handle``'s routing: every check in the call's agreement, which also holds every rank
+        to the same handle (the same buffer's same dispatch), so no rank enters another exchange."""
+        fn = "cached dispatch"
+        error: str | None = None
+        words: torch.Tensor | None = None
+        s, sdtype = 0, None
+        x0: torch.Tensor | None = None
+        try:
+            _check_events("dispatch", previous_event, async_finish, allocate_on_comm_stream)
+            _check_config("dispatch", config)
+            x0, scales = _rows(x, num_worst_tokens)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("dispatch: with a handle (cached dispatch), topk_idx and topk_weights must be None")
+            self._check_handle("dispatch", handle)
+            if scales is not None:
+                words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
+        except ValueError as exc:
+            error = str(exc)
+        self._agree(fn, error, self._handle_fields(handle) + _dispatch_fields(x, None, None)[:4])
+        _wait_for(previous_event)
+        assert x0 is not None  # the agreement raised unless every rank's checks passed
         dispatched: DispatchResult = handle.buffer.dispatch(
             (x0, words) if words is not None else x0, handle=handle.handle
         )
@@ -502,6 +532,21 @@ class Buffer(LowLatencyMixin):
         if num_worst_tokens:
             recv_x, recv_s = _pad_rows(recv_x, num_worst_tokens, 0), _pad_rows(recv_s, num_worst_tokens, 0)
         return _with_scales(recv_x, recv_s, s, sdtype), None, None, None, None, _event(async_finish)
+
+    def _check_handle(self, fn: str, handle: object) -> None:
+        """``handle`` is a normal-mode handle of this Buffer's (ValueError)."""
+        if not isinstance(handle, NormalHandle) or not any(handle.buffer is b for b in self._made):
+            raise ValueError(f"{fn}: handle must be the handle a dispatch of this Buffer returned, got {handle!r:.60}")
+
+    def _handle_fields(self, handle: object) -> list[tuple[str, FieldValue]]:
+        """What every rank's handle must share: which of this Buffer's EPBuffers, which dispatch of it (None where
+        the handle is not this Buffer's: that rank's check rejects the call)."""
+        index = next((i for i, b in enumerate(self._made) if getattr(handle, "buffer", None) is b), None)
+        inner = getattr(handle, "handle", None)
+        return [
+            ("handle's buffer", index),
+            ("handle's dispatch", getattr(inner, "epoch", None) if index is not None else None),
+        ]
 
     def combine(
         self,
@@ -518,30 +563,43 @@ class Buffer(LowLatencyMixin):
         over the ranks it went to (no weights applied: the rows are the expert outputs already weighted), plus
         ``bias`` (a tensor or two); ``topk_weights`` ``[R, num_topk]`` are summed the same way (in float32)."""
         fn = "combine"
-        _events(fn, previous_event, async_finish, allocate_on_comm_stream)
-        _check_config(fn, config)
-        if not isinstance(handle, NormalHandle):
-            raise ValueError(
-                f"combine: handle must be the handle a dispatch of this Buffer returned, got {handle!r:.60}"
-            )
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < handle.num_recv:
-            raise ValueError(f"combine: x must be [{handle.num_recv} (or num_worst_tokens), hidden], got {x!r:.60}")
         self._settle()
+        error: str | None = None
+        try:  # every check in the call's agreement: a rank never raises alone
+            _check_events(fn, previous_event, async_finish, allocate_on_comm_stream)
+            _check_config(fn, config)
+            self._check_handle(fn, handle)
+            n, k = handle.num_recv, handle.num_topk
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < n:
+                raise ValueError(f"combine: x must be [{n} (or num_worst_tokens), hidden], got {x!r:.60}")
+            if isinstance(bias, tuple) and len(bias) != 2:
+                raise ValueError(f"combine: bias must be a tensor or a tuple of two, got a tuple of {len(bias)}")
+            if topk_weights is not None:
+                if (
+                    not isinstance(topk_weights, torch.Tensor)
+                    or topk_weights.shape[0] < n
+                    or topk_weights.shape[1:] != (k,)
+                ):
+                    raise ValueError(f"combine: topk_weights must be [{n}, {k}], got {topk_weights!r:.60}")
+                if k > handle.buffer.hidden:
+                    raise ValueError(
+                        f"combine: topk_weights has more columns ({k}) than hidden ({handle.buffer.hidden})"
+                    )
+        except ValueError as exc:
+            error = str(exc)
+        fields: list[tuple[str, FieldValue]] = [
+            *self._handle_fields(handle),
+            ("x hidden size", size_of(x, 1)),
+            ("x dtype", x.dtype if isinstance(x, torch.Tensor) else None),
+            ("topk_weights given", int(topk_weights is not None)),
+        ]
+        self._agree(fn, error, fields)
+        _wait_for(previous_event)
         buf, n = handle.buffer, handle.num_recv
-        if isinstance(bias, tuple) and len(bias) != 2:
-            raise ValueError("combine: bias must be a tensor or a tuple of two")
         combined = buf.combine(x[:n], handle.handle, bias=bias)
         weights = None
         if topk_weights is not None:
             k = handle.num_topk
-            if (
-                not isinstance(topk_weights, torch.Tensor)
-                or topk_weights.shape[0] < n
-                or topk_weights.shape[1:] != (k,)
-            ):
-                raise ValueError(f"combine: topk_weights must be [{n}, {k}], got {topk_weights!r:.60}")
-            if k > buf.hidden:
-                raise ValueError(f"combine: topk_weights has more columns ({k}) than hidden ({buf.hidden})")
             rows = torch.zeros((n, buf.hidden), dtype=torch.float32, device=x.device)
             rows[:, :k] = topk_weights[:n].float()
             weights = buf.combine(rows, handle.handle)[:, :k].contiguous()

@@ -1,13 +1,15 @@
-"""How the ranks of ``epkit.compat.deep_ep.Buffer`` agree on a dispatch before anything collective depends on its
-arguments.
+"""How the ranks of ``epkit.compat.deep_ep.Buffer`` agree on each call that moves rows before anything collective
+depends on its arguments.
 
-The shim picks (or makes) its EPBuffer from a call's arguments: hidden size, experts, top-k, token counts. Ranks
-whose arguments differ would go separate ways, one into a buffer's exchange, another into making a new buffer,
-and both would wait out their timeouts. So a dispatch first gathers one fixed-size int64 row from every rank
-(one all-gather over the group): the call's kind and number on this Buffer, whether this rank rejected it, its
-token count, and the arguments every rank must share. Every rank reads the same rows and raises the same
-``ValueError``: the arguments that differ, each with which rank has which value; else, calls out of step;
-else, the ranks that rejected the call. Only then is a buffer picked or made, the same one on every rank.
+The shim picks (or makes) its EPBuffer from a call's arguments: hidden size, experts, top-k, token counts, the
+handle. Ranks whose arguments differ would go separate ways, one into a buffer's exchange, another into making a
+new buffer or into another buffer's exchange, and both would wait out their timeouts; a rank that raised alone
+would leave its peers' messages to pair with its next call. So every dispatch, cached dispatch and combine (normal
+and low-latency) first gathers one fixed-size int64 row from every rank (one all-gather over the group): the
+call's kind and number on this Buffer, whether this rank rejected it (and its error text), its token count, and
+the arguments every rank must share. Every rank reads the same rows and raises the same ``ValueError``: the
+arguments that differ, each with which global rank has which value; else, calls out of step; else, each rejecting
+rank's error. Only then is a buffer picked or made, the same one on every rank, and a row moved.
 
 The wait has the Buffer's timeout. A rank still waiting after :data:`NOTE_AFTER` seconds notes in the job's
 store which call it waits in, so that at the timeout the ranks without that note are named as the silent
@@ -26,16 +28,23 @@ import torch
 import torch.distributed as dist
 
 from epkit.collectives.bootstrap import Rendezvous
+from epkit.collectives.ep.rows import META_MSG, decode_error, encode_error
+from epkit.collectives.transports.base import rank_name
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["CallAgreement", "FieldValue", "describe_differences", "size_of"]
 
-#: int64 words of a rank's row (every row has this size, whatever the call: a row of another call must pair).
-ROW_WORDS = 16
-#: The calls that agree, by their code in a row (1-based).
-KINDS = ("dispatch", "low_latency_dispatch")
+#: int64 words of a rank's row before its error text (every row has the same size, whatever the call: a row of
+#: another call must pair).
+HEAD_WORDS = 16
+#: int64 words of a rejecting rank's error text (``encode_error``'s field), after the head: every rank reads every
+#: rejection's text, so all of them raise the same message.
+TEXT_WORDS = META_MSG // 8
+ROW_WORDS = HEAD_WORDS + TEXT_WORDS
+#: The calls that agree, by their code in a row (1-based): every call of the Buffer that moves rows.
+KINDS = ("dispatch", "low_latency_dispatch", "cached dispatch", "combine", "low_latency_combine")
 #: dtypes by their code in a row (another dtype is ``len(DTYPES)``); -1 is a value a rejected call could not tell.
 DTYPES = (
     torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -68,14 +77,18 @@ def _show(code: int, is_dtype: bool) -> str:
     return str(DTYPES[code]) if code < len(DTYPES) else "another dtype"
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
+def _ranks(ranks: list[int], global_ranks: list[int] | None) -> str:
+    names = [global_ranks[r] if global_ranks is not None else r for r in ranks]
+    return f"rank {names[0]} has" if len(names) == 1 else f"ranks {', '.join(map(str, names))} have"
 
 
-def describe_differences(fields: list[tuple[str, bool]], rows: list[list[int]]) -> str | None:
+def describe_differences(
+    fields: list[tuple[str, bool]], rows: list[list[int]], global_ranks: list[int] | None = None
+) -> str | None:
     """``"name: rank 0 has 64, rank 1 has 128; ..."`` for each field ``(name, is_dtype)`` whose values differ
     across ``rows`` (one per rank, one value per field; -1 unknown, left out), ranks grouped by value in the order
-    of their first rank; None when every field agrees."""
+    of their first rank and named by ``global_ranks`` (the group's global rank of each position; None: the
+    positions); None when every field agrees."""
     parts = []
     for i, (name, is_dtype) in enumerate(fields):
         by_value: dict[int, list[int]] = {}
@@ -84,7 +97,9 @@ def describe_differences(fields: list[tuple[str, bool]], rows: list[list[int]]) 
                 by_value.setdefault(row[i], []).append(r)
         if len(by_value) > 1:
             groups = sorted(by_value.items(), key=lambda kv: kv[1][0])
-            parts.append(f"{name}: " + ", ".join(f"{_ranks(rs)} {_show(v, is_dtype)}" for v, rs in groups))
+            parts.append(
+                f"{name}: " + ", ".join(f"{_ranks(rs, global_ranks)} {_show(v, is_dtype)}" for v, rs in groups)
+            )
     return "; ".join(parts) or None
 
 
@@ -94,6 +109,7 @@ class CallAgreement:
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.nccl = "nccl" in str(dist.get_backend(group))
         self._calls = 0
         # where a waiting rank notes its call (no communication: made in the same order everywhere)
@@ -112,13 +128,15 @@ class CallAgreement:
         shows dtypes). Returns the largest ``tokens`` of any rank, or raises the same ValueError on every rank."""
         self._calls += 1
         values = [_code(v) for _, v in fields]
-        row = [KINDS.index(fn) + 1, self._calls, int(error is not None), tokens, *values]
-        if len(row) > ROW_WORDS:
+        head = [KINDS.index(fn) + 1, self._calls, int(error is not None), tokens, *values]
+        if len(head) > HEAD_WORDS:
             raise AssertionError(f"{fn}: {len(fields)} fields do not fit an agreement row")
-        rows = self._gather(row + [0] * (ROW_WORDS - len(row)), fn, timeout)
+        text = encode_error(error or "").view(torch.int64).tolist()
+        rows = self._gather(head + [0] * (HEAD_WORDS - len(head)) + text, fn, timeout)
         names = [(name, name.endswith("dtype")) for name, _ in fields]
+        who = self.global_ranks
         if all(r[:2] == rows[0][:2] for r in rows):
-            differ = describe_differences(names, [r[4 : 4 + len(fields)] for r in rows])
+            differ = describe_differences(names, [r[4 : 4 + len(fields)] for r in rows], who)
             if differ is not None:
                 raise ValueError(
                     f"{fn} rejected on every rank: the ranks' arguments differ ({differ}); every rank must pass the "
@@ -126,13 +144,18 @@ class CallAgreement:
                 )
         else:
             calls = "; ".join(
-                f"rank {r}: {KINDS[k - 1] if 0 < k <= len(KINDS) else 'another call'} (call {n} on this Buffer)"
+                f"{rank_name(r, who)}: {KINDS[k - 1] if 0 < k <= len(KINDS) else 'another call'} (call {n} on this "
+                "Buffer)"
                 for r, (k, n) in enumerate(r[:2] for r in rows)
             )
             raise ValueError(f"{fn} rejected on every rank: the ranks' calls are out of step ({calls})")
         bad = [r for r, row in enumerate(rows) if row[2]]
         if bad:
-            raise ValueError(f"{fn} rejected on every rank (by rank {bad}): " + (error or "see that rank's error"))
+            texts = "; ".join(
+                f"{rank_name(r, who)}: {decode_error(torch.tensor(rows[r][HEAD_WORDS:]).view(torch.uint8))}"
+                for r in bad
+            )
+            raise ValueError(f"{fn} rejected on every rank before any row moved: {texts}")
         return max(row[3] for row in rows)
 
     def _gather(self, row: list[int], fn: str, timeout: float) -> list[list[int]]:
@@ -182,13 +205,9 @@ class CallAgreement:
                 ]
             except Exception:  # noqa: BLE001 -- no store left: name no rank
                 silent = None
-        who = (
-            "a rank of the group"
-            if not silent
-            else ", ".join(f"rank {r} (global rank {dist.get_global_rank(self.group, r)})" for r in silent)
-        )
+        who = "a rank of the group" if not silent else ", ".join(rank_name(r, self.global_ranks) for r in silent)
         what = f"did not come within {timeout:g} s" if cause is None else f"is gone ({cause})"
         return (
-            f"rank {self.rank}: {fn}'s agreement (call {self._calls} on this Buffer): {who} {what}; it died, or "
-            "stopped calling"
+            f"{rank_name(self.rank, self.global_ranks)}: {fn}'s agreement (call {self._calls} on this Buffer): {who} "
+            f"{what}; it died, or stopped calling"
         )

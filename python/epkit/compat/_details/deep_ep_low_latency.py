@@ -88,6 +88,7 @@ class LowLatencyMixin:
     group_size: int
     low_latency_mode: bool
     _agreement: CallAgreement
+    _made: list[EPBuffer]  # every EPBuffer the Buffer made (a handle must come from one of them)
     _pending: list[Hook]  # the hooks not yet called: set by _settle / _deferred (read with getattr until then)
 
     if TYPE_CHECKING:
@@ -216,23 +217,41 @@ class LowLatencyMixin:
         hidden]`` bf16; with ``zero_copy`` the rows are taken from :meth:`get_next_low_latency_combine_buffer`'s
         tensor instead. ``out`` receives the result."""
         fn = "low_latency_combine"
-        _flags(fn, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
-               return_recv_hook=return_recv_hook)  # fmt: skip
-        if use_logfmt:
-            raise ValueError(f"{fn}: use_logfmt=True (DeepEP's 10-bit LogFMT) is not supported; rows go back as bf16")
-        if combine_wait_recv_cost_stats is not None:
-            raise ValueError(f"{fn}: combine_wait_recv_cost_stats (per-rank wait times) is not supported; pass None")
-        if not isinstance(handle, LowLatencyHandle):
-            raise ValueError(f"{fn}: handle must be the handle a low_latency_dispatch of this Buffer returned")
-        if zero_copy:
-            if "y" not in handle.staging:
-                raise ValueError(f"{fn}: zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
-            x = handle.staging["y"]
         self._settle()
+        error: str | None = None
+        try:  # every check in the call's agreement (CPU ranks): a rank never raises alone
+            _flags(fn, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+                   return_recv_hook=return_recv_hook)  # fmt: skip
+            if use_logfmt:
+                raise ValueError(
+                    f"{fn}: use_logfmt=True (DeepEP's 10-bit LogFMT) is not supported; rows go back as bf16"
+                )
+            if combine_wait_recv_cost_stats is not None:
+                raise ValueError(
+                    f"{fn}: combine_wait_recv_cost_stats (per-rank wait times) is not supported; pass None"
+                )
+            if not isinstance(handle, LowLatencyHandle) or not any(handle.buffer is b for b in self._made):
+                raise ValueError(f"{fn}: handle must be the handle a low_latency_dispatch of this Buffer returned")
+            if zero_copy and "y" not in handle.staging:
+                raise ValueError(f"{fn}: zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
+            if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+                raise ValueError(f"{fn}: topk_idx must be a [num_tokens, num_topk] tensor, got {topk_idx!r:.60}")
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != topk_idx.shape:
+                raise ValueError(f"{fn}: topk_weights must be a tensor shaped as topk_idx {tuple(topk_idx.shape)}")
+        except ValueError as exc:
+            error = str(exc)
+        if self._agreement.nccl:  # CUDA ranks: no host agreement (the call stays stream-ordered)
+            if error is not None:
+                raise ValueError(error)
+        else:  # the same handle (buffer and dispatch) on every rank, or the same ValueError everywhere
+            index = next((i for i, b in enumerate(self._made) if getattr(handle, "buffer", None) is b), None)
+            epoch = handle.handle.epoch if index is not None and isinstance(handle, LowLatencyHandle) else None
+            self._agree(fn, error, [("handle's buffer", index), ("handle's dispatch", epoch)])
+        if zero_copy:
+            x = handle.staging["y"]
         buf = handle.buffer
-        t_num = topk_idx.shape[0] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else -1
-        if out is None:  # a wrong out is EPBuffer's to reject: its peers then learn at once (PeerFailedError)
-            out = torch.empty((max(t_num, 0), handle.hidden), dtype=torch.bfloat16, device=buf.device)
+        if out is None:  # a wrong y or out is EPBuffer's to reject: the same ValueError on every rank
+            out = torch.empty((topk_idx.shape[0], handle.hidden), dtype=torch.bfloat16, device=buf.device)
         weights = topk_weights.float() if isinstance(topk_weights, torch.Tensor) else topk_weights
         res: LLCombineResult = buf.low_latency_combine(
             x, topk_idx, weights, handle.handle, return_recv_hook=return_recv_hook, out=out
