@@ -4,7 +4,9 @@
 
 Every public method of DeepEP's legacy ``Buffer`` but the internode and rank-masking ones, with DeepEP's names,
 parameter names and order, defaults, return arity and tensor layouts (the low-latency FP8 scales column-major,
-packed UE8M0 with ``use_ue8m0``); ``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` too.
+packed UE8M0 with ``use_ue8m0``); ``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` too. Handles are
+DeepEP's tuples, each element with DeepEP's meaning on epkit's layout (``_details/deep_ep_handles.py`` defines the
+channel split), and carry the EPBuffer state a later call checks.
 Semantics follow DeepEP where the two differ: received top-k weights are 0 where the expert lives on another
 rank; the low-latency receive tensors are never written again while the caller holds them (EPBuffer's pool reuses
 memory only once it is dropped).
@@ -15,12 +17,15 @@ How it maps:
   capacities. The shim makes one EPBuffer per ``(hidden, num_experts, num_topk)`` at the first call that needs
   it (every rank makes the same calls, as DeepEP requires) and a larger one when a call needs more room: a
   normal dispatch needs its largest token count of any rank, a low-latency call ``num_max_dispatch_tokens_per
-  _rank`` slots. Before a buffer is picked or made, a dispatch agrees with the other ranks in one small
-  all-gather over the group (``_details/deep_ep_agreement.py``; a low-latency one on CPU ranks, not on an NCCL
-  group, where it stays stream-ordered) on the token count and the arguments every rank must share (``x``'s
-  hidden size and dtype, the experts, the top-k, the capacity): a call rejected on one rank, or whose
+  _rank`` slots. Before a buffer is picked or made or a row moves, every call that moves rows (dispatch, cached
+  dispatch, combine, both modes) agrees with the other ranks in one small all-gather over the group
+  (``_details/deep_ep_agreement.py``; low-latency calls on CPU ranks only, not on an NCCL group, where they stay
+  stream-ordered) on the token count and the arguments every rank must share (``x``'s hidden size and dtype,
+  the experts, the top-k, the capacity, the handle's buffer and dispatch): a call rejected on one rank, or whose
   arguments differ across ranks, is the same ``ValueError`` on every rank, naming each argument that differs
-  and which rank has which value. ``num_nvl_bytes`` / ``num_rdma_bytes`` are recorded, not a cap; the size hints
+  and which rank has which value, and the Buffer goes on. A second all-gather gives every rank the others'
+  routing, for DeepEP's handles (and, without top-k, the per-expert counts). ``num_nvl_bytes`` /
+  ``num_rdma_bytes`` are recorded, not a cap; the size hints
   return the bytes such a buffer takes (``Config.get_nvl_buffer_size_hint``, ``get_low_latency_rdma_size_hint``).
 - Rows live on the tensors' device: CPU tensors over shared memory (or torch.distributed), CUDA tensors over
   NVSHMEM, whatever backend ``group`` has.
@@ -31,8 +36,8 @@ How it maps:
   message carries its own header).
 
 Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py communicator), ``enable_shrink``,
-``num_tokens_per_rdma_rank`` (internode), a dispatch without ``topk_idx``/``topk_weights`` or with a layout
-that does not match ``topk_idx``, ``use_logfmt``, ``dispatch_wait_recv_cost_stats`` /
+``num_tokens_per_rdma_rank`` (internode), a dispatch with a layout that does not match ``topk_idx`` (without
+top-k, rows go where ``is_token_in_rank`` says), ``use_logfmt``, ``dispatch_wait_recv_cost_stats`` /
 ``combine_wait_recv_cost_stats``, more scale columns than ``ceil(hidden / 128)``. :class:`Buffer` lists every
 argument accepted with no effect; bench/README.md ("Drop-in interfaces: supported and refused") has the table.
 """
@@ -48,12 +53,8 @@ from epkit.collectives.ep_buffer import EPBuffer
 from epkit.collectives.ep_reference import reference_layout
 from epkit.compat._details.deep_ep_agreement import CallAgreement, FieldValue, size_of
 from epkit.compat._details.deep_ep_config import HINT_TOPK, Config, EventHandle, EventOverlap, epbuffer_bytes
-from epkit.compat._details.deep_ep_layouts import (
-    DeepEPRows,
-    NormalHandle,
-    carry_scales,
-    restore_scales,
-)
+from epkit.compat._details.deep_ep_handles import NormalHandle, normal_handle
+from epkit.compat._details.deep_ep_layouts import DeepEPRows, carry_scales, restore_scales
 from epkit.compat._details.deep_ep_low_latency import LowLatencyMixin
 from epkit.utils import check_topk_idx
 
@@ -130,6 +131,7 @@ def _dispatch_fields(x: object, topk_idx: object, per_expert: object) -> list[tu
         ("x scale columns", (size_of(scales, 1) if scales is not None else 0) if tensor else None),
         ("num_experts (num_tokens_per_expert's size)", experts),
         ("topk_idx columns (num_topk)", size_of(topk_idx, 1)),
+        ("topk_idx given", int(topk_idx is not None)),
     ]
 
 
@@ -158,6 +160,11 @@ def _with_scales(recv_x: torch.Tensor, recv_s: torch.Tensor | None, s: int, sdty
         return recv_x
     assert sdtype is not None  # rows come back with scales only where x carried them (carry_scales set sdtype)
     return recv_x, restore_scales(recv_s, s, sdtype)
+
+
+def _channels(config: Config | None) -> int:
+    """DeepEP's channels for a call's ``config`` (its SMs over two), which the handle's channel matrices describe."""
+    return max((config.num_sms if config is not None else Buffer.num_sms) // 2, 1)
 
 
 def _check_config(fn: str, config: object) -> None:
@@ -433,20 +440,51 @@ class Buffer(LowLatencyMixin):
         tokens = self._agree(fn, error, _dispatch_fields(x, topk_idx, num_tokens_per_expert), _rows_of(x0))
         _wait_for(previous_event)
         # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
-        assert x0 is not None and topk_idx is not None and num_tokens_per_expert is not None
-        buf = self._epbuffer(x0.shape[1], num_tokens_per_expert.numel(), topk_idx.shape[1], x0.device, tokens)
+        assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        num_experts = num_tokens_per_expert.numel()
+        routes = self._routes(fn, is_token_in_rank, num_tokens_per_expert, tokens)
+        with_topk = topk_idx is not None
+        if topk_idx is None:  # route by is_token_in_rank: each token once to each of its ranks (their expert 0)
+            first = torch.arange(self.group_size, device=x0.device) * (num_experts // self.group_size)
+            topk_idx = torch.where(is_token_in_rank, first, -1)
+        buf = self._epbuffer(x0.shape[1], num_experts, topk_idx.shape[1], x0.device, tokens)
         dispatched: DispatchResult = buf.dispatch(
             (x0, words) if words is not None else x0, topk_idx, topk_weights, expert_alignment=expert_alignment
         )
         recv_rows, recv_idx, recv_w, counts, h = dispatched
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
-        recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))  # DeepEP: 0 for another rank's expert
-        out = NormalHandle(buf, h, recv_x.shape[0], topk_idx.shape[1])
+        tensors = normal_handle(routes[0], routes[1], self.rank, _channels(config), is_token_in_rank)
+        out = NormalHandle(tensors, buf, h, topk_idx.shape[1] if with_topk else None)
+        if not with_topk:  # DeepEP: no top-k out; the counts are the sources' num_tokens_per_expert, summed
+            local = num_experts // self.group_size
+            summed = routes[2][:, self.rank * local : (self.rank + 1) * local].sum(0)
+            counts = [-(-int(c) // expert_alignment) * expert_alignment for c in summed.tolist()]
+            recv_idx_out: torch.Tensor | None = None
+            recv_w_out: torch.Tensor | None = None
+        else:
+            recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))  # DeepEP: 0 for another rank's
+            recv_idx_out, recv_w_out = recv_idx, recv_w
         if num_worst_tokens:
             n = num_worst_tokens
             recv_x, recv_s = _pad_rows(recv_x, n, 0), _pad_rows(recv_s, n, 0)
-            recv_idx, recv_w, counts = _pad_rows(recv_idx, n, -1), _pad_rows(recv_w, n, 0), []
-        return _with_scales(recv_x, recv_s, s, sdtype), recv_idx, recv_w, counts, out, _event(async_finish)
+            recv_idx_out, recv_w_out, counts = _pad_rows(recv_idx_out, n, -1), _pad_rows(recv_w_out, n, 0), []
+        return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, _event(async_finish)
+
+    def _routes(
+        self, fn: str, in_rank: torch.Tensor, per_expert: torch.Tensor, tokens_max: int
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Every rank's routing, for DeepEP's handle and a dispatch without top-k (one small all-gather after the
+        agreement, which made its size the same on every rank): ``(is_token_in_rank [W, tokens_max, W] bool,
+        tokens per rank, num_tokens_per_expert [W, E] int64)``, on the CPU."""
+        w, t = self.group_size, in_rank.shape[0]
+        dev = "cuda" if self._agreement.nccl else "cpu"
+        mine = torch.zeros(1 + tokens_max * w + per_expert.numel(), dtype=torch.int32, device=dev)
+        mine[0] = t
+        mine[1 : 1 + t * w] = in_rank.reshape(-1).to(dev, torch.int32)
+        mine[1 + tokens_max * w :] = per_expert.reshape(-1).to(dev, torch.int32)
+        got = self._agreement.gather(mine, fn, self.timeout).cpu()
+        in_rank_all = got[:, 1 : 1 + tokens_max * w].reshape(w, tokens_max, w).bool()
+        return in_rank_all, got[:, 0].tolist(), got[:, 1 + tokens_max * w :].long()
 
     def _check_layout(
         self,
@@ -458,7 +496,8 @@ class Buffer(LowLatencyMixin):
         per_expert: torch.Tensor | None,
         num_tokens: int,
     ) -> None:
-        """A non-cached dispatch's routing arguments: all given, and the layout ``topk_idx``'s."""
+        """A non-cached dispatch's routing arguments: the layout given, and ``topk_idx``'s when top-k is given (a
+        dispatch without top-k routes each token to the ranks ``is_token_in_rank`` names)."""
         if per_rdma_rank is not None:
             raise ValueError(
                 "dispatch: num_tokens_per_rdma_rank must be None (internode RDMA layouts are not supported; pass "
@@ -471,24 +510,35 @@ class Buffer(LowLatencyMixin):
                 f"dispatch: {', '.join(missing)} must be given (from get_dispatch_layout) without a handle"
             )
         assert per_rank is not None and in_rank is not None and per_expert is not None  # none is missing
-        if topk_idx is None or topk_weights is None:
+        w = self.group_size
+        for name, t, shape, dtypes in (
+            ("num_tokens_per_rank", per_rank, (w,), (torch.int32, torch.int64)),
+            ("is_token_in_rank", in_rank, (num_tokens, w), (torch.bool,)),
+            ("num_tokens_per_expert", per_expert, None, (torch.int32, torch.int64)),
+        ):
+            if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or (shape is not None and t.shape != shape):
+                want = f"{list(shape) if shape is not None else '[num_experts]'} {' or '.join(map(str, dtypes))}"
+                raise ValueError(f"dispatch: {name} must be {want}, got {t!r:.60}")
+        if per_expert.dim() != 1 or per_expert.numel() % w or per_expert.numel() == 0:
             raise ValueError(
-                "dispatch: topk_idx and topk_weights must both be given without a handle (epkit routes by topk_idx)"
+                f"dispatch: num_tokens_per_expert has {per_expert.numel()} experts, not a positive multiple of the "
+                f"{w} ranks"
             )
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("dispatch: topk_idx and topk_weights must both be given, or both None (no top-k)")
+        if topk_idx is None:
+            if not torch.equal(in_rank.sum(0).cpu(), per_rank.cpu().to(torch.int64)):
+                raise ValueError("dispatch: num_tokens_per_rank is not is_token_in_rank's count of tokens per rank")
+            return
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
             raise ValueError(f"dispatch: topk_idx must be [num_tokens = {num_tokens}, num_topk], got {topk_idx!r:.60}")
         check_topk_idx(topk_idx, per_expert.numel())
-        if per_expert.numel() % self.group_size:
-            raise ValueError(
-                f"dispatch: num_tokens_per_expert has {per_expert.numel()} experts, not a multiple of the ranks"
-            )
-        want = reference_layout(topk_idx.cpu(), per_expert.numel(), self.group_size)  # get_dispatch_layout's answer
-        for name, got, w in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
-                                (per_rank, per_expert, in_rank), want):  # fmt: skip
-            if got.shape != w.shape or not torch.equal(got.cpu().to(w.dtype), w):
+        want = reference_layout(topk_idx.cpu(), per_expert.numel(), w)  # get_dispatch_layout's answer
+        for name, got, ref in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
+                                  (per_rank, per_expert, in_rank), want):  # fmt: skip
+            if got.shape != ref.shape or not torch.equal(got.cpu().to(ref.dtype), ref):
                 raise ValueError(
-                    f"dispatch: {name} does not match topk_idx's layout (epkit routes by topk_idx: pass what "
-                    "get_dispatch_layout returned for it)"
+                    f"dispatch: {name} does not match topk_idx's layout (pass what get_dispatch_layout returned for it)"
                 )
 
     def _dispatch_cached(
@@ -575,6 +625,8 @@ class Buffer(LowLatencyMixin):
             if isinstance(bias, tuple) and len(bias) != 2:
                 raise ValueError(f"combine: bias must be a tensor or a tuple of two, got a tuple of {len(bias)}")
             if topk_weights is not None:
+                if k is None:
+                    raise ValueError("combine: topk_weights given, but the handle's dispatch had no top-k")
                 if (
                     not isinstance(topk_weights, torch.Tensor)
                     or topk_weights.shape[0] < n
@@ -600,6 +652,7 @@ class Buffer(LowLatencyMixin):
         weights = None
         if topk_weights is not None:
             k = handle.num_topk
+            assert k is not None  # checked above, on every rank
             rows = torch.zeros((n, buf.hidden), dtype=torch.float32, device=x.device)
             rows[:, :k] = topk_weights[:n].float()
             weights = buf.combine(rows, handle.handle)[:, :k].contiguous()

@@ -160,12 +160,19 @@ class CallAgreement:
 
     def _gather(self, row: list[int], fn: str, timeout: float) -> list[list[int]]:
         mine = torch.tensor(row, dtype=torch.int64, device="cuda" if self.nccl else "cpu")
-        got = mine.new_empty(self.world_size * ROW_WORDS)
+        return self.gather(mine, fn, timeout).cpu().tolist()
+
+    def gather(self, mine: torch.Tensor, fn: str, timeout: float) -> torch.Tensor:
+        """Every rank's ``mine`` (contiguous, the same shape and dtype on every rank: call it only after an
+        agreement that makes it so), ``[W, *mine.shape]``: a wait of ``timeout`` naming the silent ranks on CPU
+        ranks; on an NCCL group stream-ordered, no host read."""
+        flat = mine.contiguous().view(-1)
+        got = flat.new_empty(self.world_size * flat.numel())
         if self.nccl:
-            _all_gather(got, mine, group=self.group)
+            _all_gather(got, flat, group=self.group)
         else:
-            self._wait(_all_gather(got, mine, group=self.group, async_op=True), fn, timeout)
-        return got.view(self.world_size, ROW_WORDS).cpu().tolist()
+            self._wait(_all_gather(got, flat, group=self.group, async_op=True), fn, timeout)
+        return got.view(self.world_size, *mine.shape)
 
     def _wait(self, work: dist.Work, fn: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

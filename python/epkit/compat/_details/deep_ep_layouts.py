@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,15 +19,10 @@ import torch
 from epkit.quant import FP8_BLOCK, cast_groups_to_fp8
 
 if TYPE_CHECKING:
-    from epkit.collectives.ep.handles import DispatchHandle
-    from epkit.collectives.ep.ll_layout import LowLatencyHandle as EPLowLatencyHandle
     from epkit.collectives.ep.ll_out import LLRows
-    from epkit.collectives.ep_buffer import EPBuffer
 
 __all__ = [
     "DeepEPRows",
-    "NormalHandle",
-    "LowLatencyHandle",
     "carry_scales",
     "restore_scales",
     "column_major",
@@ -37,28 +31,6 @@ __all__ = [
 
 #: Rows as DeepEP's calls take and return them: bf16 ``x``, or ``(x e4m3, scales)``.
 DeepEPRows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class NormalHandle:
-    """What DeepEP's normal-mode handle stands for: the EPBuffer that dispatched, its handle, the received rows."""
-
-    buffer: EPBuffer
-    handle: DispatchHandle
-    num_recv: int  # rows received (the outputs may be padded to num_worst_tokens)
-    num_topk: int
-
-
-@dataclass
-class LowLatencyHandle:
-    """What DeepEP's low-latency handle stands for (``src_info, layout_range, n, hidden, num_experts``)."""
-
-    buffer: EPBuffer
-    handle: EPLowLatencyHandle  # EPBuffer's
-    num_max_dispatch_tokens_per_rank: int
-    hidden: int
-    num_experts: int
-    staging: dict[str, torch.Tensor] = field(default_factory=dict)  # the zero-copy combine buffer, once asked for
 
 
 def carry_scales(x_scales: torch.Tensor, num_tokens: int, hidden: int) -> tuple[torch.Tensor, int, torch.dtype]:

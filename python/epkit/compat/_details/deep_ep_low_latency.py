@@ -17,7 +17,8 @@ import torch
 
 from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
-from epkit.compat._details.deep_ep_layouts import DeepEPRows, LowLatencyHandle, LowLatencyOutputs
+from epkit.compat._details.deep_ep_handles import LowLatencyHandle, low_latency_handle
+from epkit.compat._details.deep_ep_layouts import DeepEPRows, LowLatencyOutputs
 from epkit.quant import FP8_BLOCK
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class LowLatencyMixin:
 
     # The Buffer's, which this mixin uses (declared for the type checker; the Buffer sets or defines them).
     group_size: int
+    rank: int
+    timeout: float
     low_latency_mode: bool
     _agreement: CallAgreement
     _made: list[EPBuffer]  # every EPBuffer the Buffer made (a handle must come from one of them)
@@ -195,7 +198,11 @@ class LowLatencyMixin:
                 stats.add_(out.count.to(stats.dtype))
 
         hook = self._deferred(receive, return_recv_hook)
-        handle = LowLatencyHandle(buf, h, n_max, hidden, num_experts)
+        padded = topk_idx.new_full((n_max, topk_idx.shape[1]), -1)
+        padded[: topk_idx.shape[0]] = topk_idx
+        topk_all = self._agreement.gather(padded, fn, self.timeout)  # every rank's routing: DeepEP's handle
+        src_info, layout_range = low_latency_handle(topk_all, self.rank, num_experts // self.group_size, n_max)
+        handle = LowLatencyHandle((src_info, layout_range, n_max, hidden, num_experts), buf, h)
         event = EventOverlap(EventHandle() if async_finish else None, (x, topk_idx) if async_finish else None)
         return out.result(), out.count, handle, event, hook
 

@@ -1,0 +1,149 @@
+"""DeepEP's handles for ``epkit.compat.deep_ep``: the tuples DeepEP's calls return, each element with DeepEP's
+meaning on epkit's layout, carrying the EPBuffer state a later call needs (and checks: which buffer, which
+dispatch).
+
+Normal mode, ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+is_token_in_rank, send_head)``, int32 unless said (``W`` ranks, ``T`` this rank's tokens, ``R`` rows received):
+
+- ``rank_prefix_matrix [W, W]``: ``[i][j]`` = rows rank ``j`` receives from ranks ``0..i`` (so rank ``j``'s rows
+  from source ``i`` end at ``[i][j]`` in its ``recv_x``: rows come ordered by source rank, then token);
+- the channel split: a rank's tokens are cut into ``C = config.num_sms // 2`` channels of ``ceil(T / C)``
+  consecutive tokens (the last ones shorter or empty), as DeepEP's kernels cut them; epkit moves them in one
+  piece, so the channels only describe where rows are. ``channel_prefix_matrix [W, C]``: ``[r][c]`` = this
+  rank's tokens sent to rank ``r`` from channels ``0..c``; ``recv_channel_prefix_matrix [W, C]``: ``[s][c]`` =
+  the row of ``recv_x`` where source ``s``'s channel ``c`` starts;
+- ``recv_src_idx [R]``: each received row's token index on its source rank;
+- ``is_token_in_rank [T, W]`` bool: the dispatch's;
+- ``send_head [T, W]``: the row of rank ``r``'s ``recv_x`` that token ``t`` became, -1 where it was not sent
+  (DeepEP's is a slot of a channel's ring buffer; epkit has no ring).
+
+Low-latency mode, ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``:
+``src_info [L, N * W]`` int32, each received slot's token index on its source (slots past the expert's count:
+unspecified); ``layout_range [L, W]`` int64, ``(begin << 32) | count`` of the slots expert ``e`` holds from source
+``s`` (epkit's slots, like DeepEP's, come ordered by source rank, then token).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from epkit.collectives.ep.handles import DispatchHandle
+    from epkit.collectives.ep.ll_layout import LowLatencyHandle as EPLowLatencyHandle
+    from epkit.collectives.ep_buffer import EPBuffer
+
+__all__ = ["LowLatencyHandle", "NormalHandle", "channel_bounds", "low_latency_handle", "normal_handle"]
+
+
+class NormalHandle(tuple):  # type: ignore[type-arg]  # DeepEP's six tensors; attributes below
+    """DeepEP's normal-mode handle (the six tensors of the module docstring), with the EPBuffer that dispatched,
+    its handle, the rows received and the top-k (``None`` for a dispatch without top-k)."""
+
+    buffer: EPBuffer
+    handle: DispatchHandle
+    num_recv: int
+    num_topk: int | None
+
+    def __new__(
+        cls, tensors: tuple[torch.Tensor, ...], buffer: EPBuffer, handle: DispatchHandle, num_topk: int | None
+    ) -> NormalHandle:
+        self = super().__new__(cls, tensors)
+        self.buffer, self.handle, self.num_topk = buffer, handle, num_topk
+        self.num_recv = int(tensors[3].numel())
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a deep_ep handle holds its buffer's state: it cannot be pickled or copied to another process")
+
+
+class LowLatencyHandle(tuple):  # type: ignore[type-arg]  # DeepEP's five values; attributes below
+    """DeepEP's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts)``, with the EPBuffer that dispatched, its handle, and the zero-copy combine tensor once asked
+    for (``staging``)."""
+
+    buffer: EPBuffer
+    handle: EPLowLatencyHandle
+    staging: dict[str, torch.Tensor]
+
+    def __new__(
+        cls, values: tuple[torch.Tensor, torch.Tensor, int, int, int], buffer: EPBuffer, handle: EPLowLatencyHandle
+    ) -> LowLatencyHandle:
+        self = super().__new__(cls, values)
+        self.buffer, self.handle, self.staging = buffer, handle, {}
+        return self
+
+    num_max_dispatch_tokens_per_rank = property(lambda self: self[2])
+    hidden = property(lambda self: self[3])
+    num_experts = property(lambda self: self[4])
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a deep_ep handle holds its buffer's state: it cannot be pickled or copied to another process")
+
+
+def channel_bounds(num_tokens: int, num_channels: int) -> torch.Tensor:
+    """``[C + 1]`` int64: channel ``c`` holds tokens ``[b[c], b[c + 1])`` (``ceil(T / C)`` each, clipped to ``T``)."""
+    per = -(-num_tokens // num_channels)
+    return (torch.arange(num_channels + 1) * per).clamp(max=num_tokens)
+
+
+def _per_channel(in_rank: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """``[W, C]`` int64 tokens of each channel that go to each rank (``in_rank [T, W]`` bool)."""
+    before = torch.nn.functional.pad(in_rank.long().cumsum(0), (0, 0, 1, 0))  # [T + 1, W]: tokens before t
+    return (before[bounds[1:]] - before[bounds[:-1]]).T
+
+
+def normal_handle(
+    in_rank_all: torch.Tensor, tokens: list[int], me: int, num_channels: int, in_rank: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """DeepEP's six handle tensors (module docstring) from every rank's routing: ``in_rank_all [W, T_max, W]``
+    bool (rank ``s``'s ``is_token_in_rank`` in its first ``tokens[s]`` rows), this rank ``me``'s
+    ``is_token_in_rank`` as the caller passed it (returned as it is), on its device."""
+    w = in_rank_all.shape[0]
+    mine = [in_rank_all[s, : tokens[s]] for s in range(w)]
+    counts = torch.stack([m.long().sum(0) for m in mine])  # [W src, W dst]
+    rank_prefix = counts.cumsum(0)
+    start = rank_prefix[:, me] - counts[:, me]  # first row of each source's block in my recv_x
+    own = mine[me]
+    channel_prefix = _per_channel(own, channel_bounds(tokens[me], num_channels)).cumsum(1)
+    from_each = [_per_channel(mine[s], channel_bounds(tokens[s], num_channels))[me] for s in range(w)]  # [C] each
+    recv_channel = torch.stack([start[s] + f.cumsum(0) - f for s, f in enumerate(from_each)])
+    recv_src = torch.cat([m[:, me].nonzero().view(-1) for m in mine])
+    first = rank_prefix[me] - counts[me]  # [W dst]: where my rows start in each destination's recv_x
+    order = own.long().cumsum(0) - 1  # each token's index among the tokens sent to that rank
+    send_head = torch.where(own, first.view(1, w) + order, torch.full_like(order, -1))
+    dev = in_rank.device
+    i32 = torch.int32
+    return (
+        rank_prefix.to(dev, i32),
+        channel_prefix.to(dev, i32),
+        recv_channel.to(dev, i32),
+        recv_src.to(dev, i32),
+        in_rank,
+        send_head.to(dev, i32),
+    )
+
+
+def low_latency_handle(
+    topk_all: torch.Tensor, me: int, num_local: int, n_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(src_info [L, N * W] int32, layout_range [L, W] int64)`` (module docstring) from every rank's ``topk_idx``
+    (``topk_all [W, N, K]``, rows past a rank's tokens -1), on ``topk_all``'s device, by tensor ops only (no host
+    read: the low-latency calls stay stream-ordered on CUDA)."""
+    w, n, _ = topk_all.shape
+    ids = topk_all.long()
+    experts = me * num_local + torch.arange(num_local, device=ids.device)
+    hit = (ids.unsqueeze(-1) == experts).any(2)  # [W src, N tokens, L]: token t of src goes to my expert e
+    count = hit.sum(1)  # [W, L]
+    begin = count.cumsum(0) - count  # slots of sources before s
+    layout_range = ((begin << 32) | count).T.contiguous()  # [L, W]
+    # slot of (src, token) in expert e: begin[s, e] + tokens of s before t that hit e
+    slot = begin.unsqueeze(1) + hit.long().cumsum(1) - 1  # [W, N, L]
+    token = torch.arange(n, dtype=torch.int32, device=ids.device).view(1, n, 1).expand(w, n, num_local)
+    cols = n_max * w
+    at = torch.arange(num_local, device=ids.device).view(1, 1, num_local) * cols + slot
+    at = torch.where(hit, at, num_local * cols)  # pairs that miss go to one spare word (a scatter, no host read)
+    src_info = torch.zeros(num_local * cols + 1, dtype=torch.int32, device=ids.device)
+    src_info.scatter_(0, at.reshape(-1), token.reshape(-1))
+    return src_info[:-1].view(num_local, cols), layout_range
