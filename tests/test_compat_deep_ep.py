@@ -160,7 +160,7 @@ def _vllm_low_latency(rank: int, world: int, num_experts: int, use_fp8_dispatch:
     _same(output, want, "low-latency combine")
     # the byte count is what the EPBuffer allocated (its symmetric buffer; on CPU no kernel area, and on shm its
     # result slots besides), and the size hint, which assumes a top-k of 8, covers this call's top-k of 4
-    made = buffer._made[-1]
+    made = buffer._session.made[-1]
     slots = made.result_slots.nbytes if made.result_slots is not None else 0
     assert epbuffer_bytes(HIDDEN, num_experts, world, MAX_TOKENS, TOPK, MAX_TOKENS) + slots == made.buffer.local.numel()
     assert made.num_max_tokens_per_rank == made.num_max_dispatch_tokens_per_rank == MAX_TOKENS

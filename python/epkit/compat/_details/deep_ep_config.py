@@ -23,7 +23,10 @@ import torch
 
 from epkit.collectives.ep_buffer import region_sizes
 
-__all__ = ["Config", "EventHandle", "EventOverlap", "epbuffer_bytes", "HINT_TOPK"]
+__all__ = [
+    "Config", "EventHandle", "EventOverlap", "HINT_TOPK", "check_config", "check_events", "epbuffer_bytes", "events",
+    "new_event", "wait_for",
+]  # fmt: skip
 
 #: The top-k the size hints assume (DeepEP's hints take no top-k; DeepSeek-V3 routes each token to 8 experts).
 HINT_TOPK = 8
@@ -170,3 +173,41 @@ class EventOverlap:
         if self.event is not None:
             self.current_stream_wait(release_handle=self._release_on_exit)
         self._release_on_exit = False
+
+
+def check_events(
+    fn: str, previous_event: EventOverlap | None, async_finish: object, allocate_on_comm_stream: object
+) -> None:
+    """Check the stream arguments DeepEP's calls take (ValueError)."""
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise ValueError(f"{fn}: previous_event must be an EventOverlap (Buffer.capture()) or None")
+    for name, v in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{fn}: {name} must be a bool, got {v!r}")
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise ValueError(
+            f"{fn}: allocate_on_comm_stream=True needs previous_event and async_finish=True (as in DeepEP)"
+        )
+
+
+def wait_for(previous_event: EventOverlap | None) -> None:
+    """Make the current stream wait for ``previous_event`` (checked by :func:`check_events`)."""
+    if previous_event is not None and previous_event.event is not None:
+        previous_event.event.current_stream_wait()
+
+
+def events(fn: str, previous_event: EventOverlap | None, async_finish: object, allocate_on_comm_stream: object) -> None:
+    """Check the stream arguments and wait for ``previous_event`` (the local calls: no agreement)."""
+    check_events(fn, previous_event, async_finish, allocate_on_comm_stream)
+    wait_for(previous_event)
+
+
+def new_event(async_finish: bool, extra: tuple[torch.Tensor, ...] | None = None) -> EventOverlap:
+    """A call's event: recorded on the current stream with ``async_finish`` (keeping ``extra`` alive), else empty."""
+    return EventOverlap(EventHandle() if async_finish else None, extra if async_finish else None)
+
+
+def check_config(fn: str, config: object) -> None:
+    """``config`` is a deep_ep Config or None (ValueError)."""
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"{fn}: config must be a deep_ep Config (epkit.compat.deep_ep.Config) or None, got {config!r}")

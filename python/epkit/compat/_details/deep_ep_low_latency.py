@@ -2,15 +2,15 @@
 ``low_latency_combine`` / ``clean_low_latency_buffer`` / ``get_next_low_latency_combine_buffer`` over
 EPBuffer's low-latency mode.
 
-Mixed into the Buffer, whose ``_epbuffer``, ``_agree`` / ``_agreement``, ``low_latency_mode`` and ``group_size`` it
-uses. On CPU ranks a dispatch agrees with the other ranks on its arguments before it picks a buffer (a rejection or
-arguments that differ: the same ValueError on every rank); on an NCCL group it makes no host agreement. Nothing here
-reads device data on the host: a CUDA call stays stream-ordered as EPBuffer's is.
+On the Buffer's session (``deep_ep_session``), shared with its normal-mode calls. On CPU ranks every dispatch and
+combine agrees with the other ranks on its arguments before it picks a buffer or moves a row (a rejection or
+arguments that differ: the same ValueError on every rank); on an NCCL group it makes no host agreement. A dispatch
+gathers every rank's ``topk_idx`` for DeepEP's handle (an all-gather: stream-ordered on NCCL). Nothing here reads
+device data on the host: a CUDA call stays stream-ordered as EPBuffer's is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,17 +19,13 @@ from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
 from epkit.compat._details.deep_ep_handles import LowLatencyHandle, low_latency_handle
 from epkit.compat._details.deep_ep_layouts import DeepEPRows, LowLatencyOutputs
+from epkit.compat._details.deep_ep_session import Hook, Session
 from epkit.quant import FP8_BLOCK
 
 if TYPE_CHECKING:
     from epkit.collectives.ep.ll_layout import LLCombineResult, LLDispatchResult
-    from epkit.collectives.ep_buffer import EPBuffer
-    from epkit.compat._details.deep_ep_agreement import CallAgreement
 
-__all__ = ["LowLatencyMixin"]
-
-#: What a receive hook is: called once (again: nothing), it fills its call's tensors.
-Hook = Callable[[], None]
+__all__ = ["LowLatencyCalls"]
 
 
 def _flags(fn: str, **flags: object) -> None:
@@ -77,51 +73,12 @@ def _fields(x: object, topk_idx: object, num_experts: object, n_max: int | None)
     ]
 
 
-class LowLatencyMixin:
-    """DeepEP's low-latency calls (see the module docstring).
+class LowLatencyCalls:
+    """The low-latency calls of one Buffer, on its session ``s`` (module docstring); ``low_latency_mode``: the
+    Buffer's (DeepEP refuses low-latency calls without it)."""
 
-    DeepEP lets two low-latency results wait for their receive hooks at once (two-batch overlap); an EPBuffer
-    takes one exchange at a time. So every call on the Buffer first runs the receive hooks still pending
-    (:meth:`_settle`, the same calls in the same order on every rank); a hook called later finds its data there.
-    """
-
-    # The Buffer's, which this mixin uses (declared for the type checker; the Buffer sets or defines them).
-    group_size: int
-    rank: int
-    timeout: float
-    low_latency_mode: bool
-    _agreement: CallAgreement
-    _made: list[EPBuffer]  # every EPBuffer the Buffer made (a handle must come from one of them)
-    _pending: list[Hook]  # the hooks not yet called: set by _settle / _deferred (read with getattr until then)
-
-    if TYPE_CHECKING:
-
-        def _agree(self, fn: str, error: str | None, fields: list[tuple[str, FieldValue]], tokens: int = 0) -> int: ...
-
-        def _epbuffer(
-            self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0
-        ) -> EPBuffer: ...
-
-    def _settle(self) -> None:
-        """Run the receive hooks not yet called (they fill their own tensors, so their results stay valid)."""
-        pending, self._pending = getattr(self, "_pending", []), []
-        for receive in pending:
-            receive()
-
-    def _deferred(self, run: Hook, return_recv_hook: bool) -> Hook | None:
-        """``run`` as a hook that runs once; run now without ``return_recv_hook`` (and None returned)."""
-        state = {"done": False}
-
-        def receive() -> None:
-            if not state["done"]:
-                state["done"] = True
-                run()
-
-        if not return_recv_hook:
-            receive()
-            return None
-        self._pending = [*getattr(self, "_pending", []), receive]
-        return receive
+    def __init__(self, session: Session, low_latency_mode: bool) -> None:
+        self.s, self.low_latency_mode = session, low_latency_mode
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean: each of epkit's low-latency messages carries its own header (the arguments are
@@ -129,7 +86,7 @@ class LowLatencyMixin:
         fn = "clean_low_latency_buffer"
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden)):
             _positive(fn, name, v)
-        if _positive(fn, "num_experts", num_experts) % self.group_size:
+        if _positive(fn, "num_experts", num_experts) % self.s.group_size:
             raise ValueError(f"{fn}: num_experts ({num_experts}) must be a multiple of the group size")
 
     def low_latency_dispatch(
@@ -171,19 +128,19 @@ class LowLatencyMixin:
             n_max = _positive(fn, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         except ValueError as exc:
             error = str(exc)
-        self._settle()
+        self.s.settle()
         stats = cumulative_local_expert_recv_stats
         if error is None:
             fp8_blocks = use_fp8 and (1 + 3 * use_ue8m0)
-            error = _check_tensors(fn, x, topk_idx, num_experts, stats, self.group_size, fp8_blocks)
-        if self._agreement.nccl:  # CUDA ranks: no host agreement (the call stays stream-ordered)
+            error = _check_tensors(fn, x, topk_idx, num_experts, stats, self.s.group_size, fp8_blocks)
+        if self.s.nccl:  # CUDA ranks: no host agreement (the call stays stream-ordered)
             if error is not None:
                 raise ValueError(error)
         else:  # the same buffer on every rank, or the same ValueError (a rejection, or arguments that differ)
-            self._agree(fn, error, _fields(x, topk_idx, num_experts, n_max))
+            self.s.agree(fn, error, _fields(x, topk_idx, num_experts, n_max))
         assert n_max is not None  # set by the checks, which passed on every rank (else a ValueError came above)
         hidden = x.shape[1]
-        buf = self._epbuffer(hidden, num_experts, topk_idx.shape[1], x.device, 0, n_max)
+        buf = self.s.epbuffer(hidden, num_experts, topk_idx.shape[1], x.device, 0, n_max)
         mode = "bf16" if not use_fp8 else ("round" if round_scale else "fp8")
         dispatched: LLDispatchResult = buf.low_latency_dispatch(
             x, topk_idx, n_max, use_fp8=mode == "fp8", return_recv_hook=return_recv_hook
@@ -197,11 +154,11 @@ class LowLatencyMixin:
             if stats is not None:
                 stats.add_(out.count.to(stats.dtype))
 
-        hook = self._deferred(receive, return_recv_hook)
+        hook = self.s.deferred(receive, return_recv_hook)
         padded = topk_idx.new_full((n_max, topk_idx.shape[1]), -1)
         padded[: topk_idx.shape[0]] = topk_idx
-        topk_all = self._agreement.gather(padded, fn, self.timeout)  # every rank's routing: DeepEP's handle
-        src_info, layout_range = low_latency_handle(topk_all, self.rank, num_experts // self.group_size, n_max)
+        topk_all = self.s.gather(padded, fn)  # every rank's routing: DeepEP's handle
+        src_info, layout_range = low_latency_handle(topk_all, self.s.rank, num_experts // self.s.group_size, n_max)
         handle = LowLatencyHandle((src_info, layout_range, n_max, hidden, num_experts), buf, h)
         event = EventOverlap(EventHandle() if async_finish else None, (x, topk_idx) if async_finish else None)
         return out.result(), out.count, handle, event, hook
@@ -224,7 +181,7 @@ class LowLatencyMixin:
         hidden]`` bf16; with ``zero_copy`` the rows are taken from :meth:`get_next_low_latency_combine_buffer`'s
         tensor instead. ``out`` receives the result."""
         fn = "low_latency_combine"
-        self._settle()
+        self.s.settle()
         error: str | None = None
         try:  # every check in the call's agreement (CPU ranks): a rank never raises alone
             _flags(fn, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
@@ -237,7 +194,7 @@ class LowLatencyMixin:
                 raise ValueError(
                     f"{fn}: combine_wait_recv_cost_stats (per-rank wait times) is not supported; pass None"
                 )
-            if not isinstance(handle, LowLatencyHandle) or not any(handle.buffer is b for b in self._made):
+            if not isinstance(handle, LowLatencyHandle) or not any(handle.buffer is b for b in self.s.made):
                 raise ValueError(f"{fn}: handle must be the handle a low_latency_dispatch of this Buffer returned")
             if zero_copy and "y" not in handle.staging:
                 raise ValueError(f"{fn}: zero_copy=True needs get_next_low_latency_combine_buffer(handle) filled first")
@@ -247,13 +204,13 @@ class LowLatencyMixin:
                 raise ValueError(f"{fn}: topk_weights must be a tensor shaped as topk_idx {tuple(topk_idx.shape)}")
         except ValueError as exc:
             error = str(exc)
-        if self._agreement.nccl:  # CUDA ranks: no host agreement (the call stays stream-ordered)
+        if self.s.nccl:  # CUDA ranks: no host agreement (the call stays stream-ordered)
             if error is not None:
                 raise ValueError(error)
         else:  # the same handle (buffer and dispatch) on every rank, or the same ValueError everywhere
-            index = next((i for i, b in enumerate(self._made) if getattr(handle, "buffer", None) is b), None)
+            index = next((i for i, b in enumerate(self.s.made) if getattr(handle, "buffer", None) is b), None)
             epoch = handle.handle.epoch if index is not None and isinstance(handle, LowLatencyHandle) else None
-            self._agree(fn, error, [("handle's buffer", index), ("handle's dispatch", epoch)])
+            self.s.agree(fn, error, [("handle's buffer", index), ("handle's dispatch", epoch)])
         if zero_copy:
             x = handle.staging["y"]
         buf = handle.buffer
@@ -269,7 +226,7 @@ class LowLatencyMixin:
                 assert isinstance(res, tuple)  # with return_recv_hook EPBuffer returns (None, hook)
                 res[1]()
 
-        hook = self._deferred(receive, return_recv_hook)
+        hook = self.s.deferred(receive, return_recv_hook)
         keep = (x, topk_idx, topk_weights) if async_finish else None
         return out, EventOverlap(EventHandle() if async_finish else None, keep), hook
 
@@ -281,7 +238,7 @@ class LowLatencyMixin:
         if "y" not in handle.staging:
             shape = (
                 handle.buffer.num_local_experts,
-                self.group_size * handle.num_max_dispatch_tokens_per_rank,
+                self.s.group_size * handle.num_max_dispatch_tokens_per_rank,
                 handle.hidden,
             )
             handle.staging["y"] = torch.empty(shape, dtype=torch.bfloat16, device=handle.buffer.device)

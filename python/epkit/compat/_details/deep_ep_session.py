@@ -1,0 +1,138 @@
+"""What every call of one ``epkit.compat.deep_ep`` buffer shares: its group, its agreement, the EPBuffers it made
+and the receive hooks still pending. The normal-mode and low-latency calls (``deep_ep_normal``,
+``deep_ep_low_latency``) each hold the buffer's one session; nothing else of theirs is shared.
+
+DeepEP sizes a buffer in bytes and takes any shape; an EPBuffer has a hidden size, top-k and token capacities. So
+the session makes one EPBuffer per ``(hidden, num_experts, num_topk)`` at the first call that needs it (after that
+call's agreement: every rank makes the same one) and a larger one when a call needs more room, growing by powers
+of two. DeepEP lets two low-latency results wait for their receive hooks at once (two-batch overlap); an EPBuffer
+takes one exchange at a time, so every call first runs the hooks still pending (:meth:`Session.settle`, the same
+calls in the same order on every rank); a hook called later finds its data there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from epkit.collectives.ep_buffer import EPBuffer
+from epkit.compat._details.deep_ep_agreement import CallAgreement, FieldValue
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Hook", "Session"]
+
+#: What a receive hook is: called once (again: nothing), it fills its call's tensors.
+Hook = Callable[[], None]
+
+
+class Session:
+    """The shared state of one deep_ep buffer (module docstring). ``timeout``: seconds any wait of a call may take,
+    in the agreement and in the EPBuffers made after it is set."""
+
+    def __init__(self, group: ProcessGroup, timeout: float) -> None:
+        self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.timeout = timeout
+        self.agreement = CallAgreement(group)
+        self.current: dict[tuple[int, int, int], EPBuffer] = {}  # (hidden, num_experts, num_topk) -> its buffer
+        self.made: list[EPBuffer] = []  # every buffer made, in order (outstanding handles keep using theirs)
+        self.destroyed = False
+        self.broken: str | None = None  # why an agreement failed: the buffer is then unusable
+        self.pending: list[Hook] = []  # receive hooks not yet called
+
+    @property
+    def nccl(self) -> bool:
+        """Whether the group is an NCCL group (its low-latency calls then make no host agreement)."""
+        return self.agreement.nccl
+
+    def agree(self, fn: str, error: str | None, fields: list[tuple[str, FieldValue]], tokens: int = 0) -> int:
+        """The call's agreement (``CallAgreement``): the largest token count of any rank, or the same ValueError on
+        every rank (a rank's rejection, or ``fields`` that differ across ranks)."""
+        if self.destroyed:
+            raise RuntimeError("Buffer: destroy() was called; make a new Buffer")
+        if self.broken is not None:
+            raise RuntimeError(f"Buffer: an earlier call's agreement failed ({self.broken}); make a new Buffer")
+        try:
+            return self.agreement(fn, error, fields, self.timeout, tokens)
+        except (TimeoutError, RuntimeError) as exc:
+            # the group's all-gather may still be pending: a later call would pair with it, out of step
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def gather(self, mine: torch.Tensor, fn: str) -> torch.Tensor:
+        """Every rank's ``mine`` after an agreement made its shape the same everywhere (``CallAgreement.gather``)."""
+        return self.agreement.gather(mine, fn, self.timeout)
+
+    def epbuffer(
+        self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0
+    ) -> EPBuffer:
+        """The EPBuffer for these shapes, made (collectively: every rank gets here with the same arguments, after
+        the call's agreement) when there is none yet or the current one is too small."""
+        if self.destroyed:
+            raise RuntimeError("Buffer: destroy() was called; make a new Buffer")
+        key = (hidden, num_experts, num_topk)
+        buf = self.current.get(key)
+        roomy = buf is not None and buf.num_max_tokens_per_rank >= tokens
+        if buf is not None and roomy and buf.num_max_dispatch_tokens_per_rank >= ll_tokens:
+            return buf
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({self.group_size})")
+        cap = max(tokens, ll_tokens, 1)
+        cap = 1 << (cap - 1).bit_length()  # grow by powers of two: few buffers however the batches vary
+        if buf is not None:
+            cap = max(cap, buf.num_max_tokens_per_rank)
+            ll_tokens = max(ll_tokens, buf.num_max_dispatch_tokens_per_rank)
+        transport = "nvshmem" if torch.device(device).type == "cuda" else "auto"
+        ll = ll_tokens or None
+        buf = EPBuffer(
+            self.group, hidden, num_experts, cap, num_topk, transport, num_max_dispatch_tokens_per_rank=ll,
+            timeout=self.timeout,
+        )  # fmt: skip
+        self.current[key] = buf
+        self.made.append(buf)
+        return buf
+
+    def index_of(self, handle: object) -> int | None:
+        """Which of this session's EPBuffers ``handle`` (a deep_ep handle) comes from; None for a handle of another
+        buffer, or not a handle at all."""
+        buffer = getattr(handle, "buffer", None)
+        return next((i for i, b in enumerate(self.made) if b is buffer), None)
+
+    def handle_fields(self, handle: object) -> list[tuple[str, FieldValue]]:
+        """What every rank's handle must share in an agreement: which EPBuffer, which dispatch of it (None where the
+        handle is not this session's: that rank's own check rejects the call)."""
+        index = self.index_of(handle)
+        epoch = getattr(getattr(handle, "handle", None), "epoch", None) if index is not None else None
+        return [("handle's buffer", index), ("handle's dispatch", epoch)]
+
+    def settle(self) -> None:
+        """Run the receive hooks not yet called (they fill their own tensors, so their results stay valid)."""
+        pending, self.pending = self.pending, []
+        for receive in pending:
+            receive()
+
+    def deferred(self, run: Hook, return_recv_hook: bool) -> Hook | None:
+        """``run`` as a hook that runs once; run now without ``return_recv_hook`` (and None returned)."""
+        state = {"done": False}
+
+        def receive() -> None:
+            if not state["done"]:
+                state["done"] = True
+                run()
+
+        if not return_recv_hook:
+            receive()
+            return None
+        self.pending.append(receive)
+        return receive
+
+    def destroy(self) -> None:
+        """Release every EPBuffer (collective); the session refuses every later call."""
+        self.settle()
+        for buf in self.made:
+            buf.close()
+        self.made, self.current, self.destroyed = [], {}, True
