@@ -29,6 +29,7 @@ from epkit.collectives.ep.config import DEFAULT_LOW_LATENCY_TOKENS, EPConfig, Re
 from epkit.collectives.ep.handles import DispatchHandle
 from epkit.collectives.ep.ll_layout import LowLatencyHandle
 from epkit.collectives.ep.normal_device import DeviceNormalPath
+from epkit.collectives.ep.normal_flat import FlatNormalPath
 from epkit.collectives.ep.planner import open_paths
 from epkit.collectives.ep.routing import dispatch_layout, validate_dispatch
 from epkit.ops import refuse_capture
@@ -319,6 +320,25 @@ class EPBuffer:
         """
         refuse_capture("combine", self.device)
         return self._normal.combine(y, handle, topk_weights, bias)
+
+    def combine_unsummed(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """:meth:`combine` up to the sum: each rank's rows come back to their source unsummed, for a caller that
+        sums them in an order (or with terms) of its own, e.g. DeepEP V2's (``epkit.compat.deep_ep``).
+
+        Same ``y``, ``handle`` and ``topk_weights`` as :meth:`combine` (with ``expand=True`` each received row's
+        expanded rows are summed on the expert side, weighted, k ascending, as there). Returns, per rank ``r``,
+        ``[n_r, hidden]`` rows of ``y.dtype``: what rank ``r`` sent back for the ``n_r`` tokens this rank sent it, in
+        ascending token order. Host-driven flat buffers only (ValueError elsewhere: the hierarchy sums inside
+        each host, the device kernels at the source).
+        """
+        refuse_capture("combine", self.device)
+        if not isinstance(self._normal, FlatNormalPath):
+            raise ValueError(
+                f"combine_unsummed needs a flat host-driven buffer; this one's normal path is {self.paths[0]}"
+            )
+        return self._normal.combine_unsummed(y, handle, topk_weights)
 
     def run_fused(self, x, topk_idx, topk_weights, alignment: int, error: str | None, biases, experts):
         """``fused_moe`` on the device kernels (:func:`epkit.collectives.fused_moe.fused_moe` calls it when

@@ -22,6 +22,7 @@ from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, Rows
 from epkit.collectives.ep.hier_rows import sum_by_host
 from epkit.collectives.ep.results import aligned_counts, finish_dispatch, gather_expanded
 from epkit.collectives.ep.rows import Bias, align_up, check_formats, format_code, sum_indexed_rows
+from epkit.collectives.exchange import Exchange
 
 __all__ = ["FlatNormalPath"]
 
@@ -235,12 +236,46 @@ class FlatNormalPath:
         keep = torch.where(slot >= 0, 0, -1)
         sum_indexed_rows(out, [y], keep, slot.clamp(min=0), weights[lo : lo + n], portable=self.cfg.portable)
 
+    def combine_unsummed(
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """Combine without the source-side sum (see ``EPBuffer.combine_unsummed``): the handle agreement, then the
+        rows each rank sends back, copied out of the exchange."""
+        ctx = self.ctx
+        error, _, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, None, False)
+        agree_on_handle(ctx, "combine", handle, error)
+        with ctx.retire_on_failure("combine"):
+            ex, sources = self._rows_back(y, handle, weights)
+            rows = [s.clone() for s in sources]
+            ex.release()
+        return rows
+
     def _combine_rows(
         self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor]
     ) -> torch.Tensor:
+        """The rows back (:meth:`_rows_back`), then the source-side sum
+        (:func:`~epkit.collectives.ep.hier_rows.sum_by_host`: ranks ascending on one host, ep_reference's two-level
+        order on several)."""
+        ex, sources = self._rows_back(y, handle, weights)
+        out = self.ctx.host_empty((handle.num_tokens, self.cfg.hidden), y.dtype)
+        sum_by_host(
+            out,
+            sources,
+            handle.send_tokens,
+            biases,
+            self.cfg.host_lists,
+            lambda t: self.ctx.host_empty(t.shape, t.dtype),
+            self.cfg.portable,
+        )
+        ex.release()
+        return out
+
+    def _rows_back(
+        self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None
+    ) -> tuple[Exchange, list[torch.Tensor]]:
         """Each source rank's rows written into its region; this rank's own read where they are (``y``, or the
-        expert-side sum); then the source-side sum (:func:`~epkit.collectives.ep.hier_rows.sum_by_host`:
-        ranks ascending on one host, ep_reference's two-level order on several)."""
+        expert-side sum). Returns the exchange (release it once the rows are read) and, per source rank ``r``,
+        ``[len(handle.send_tokens[r]), hidden]`` rows in that order."""
         w, h, me = self.cfg.world_size, self.cfg.hidden, self.cfg.rank
         y = y.contiguous()
         row_bytes = h * y.element_size()
@@ -260,19 +295,7 @@ class FlatNormalPath:
             own = self.ctx.host_empty((counts[me], h), y.dtype)
             self._expert_side(own, y, handle, weights, offs[me], counts[me])
         views = ex.receive([t.numel() * row_bytes if r != me else 0 for r, t in enumerate(handle.send_tokens)])
-        sources = [own if r == me else v.view(y.dtype).view(-1, h) for r, v in enumerate(views)]
-        out = self.ctx.host_empty((handle.num_tokens, h), y.dtype)
-        sum_by_host(
-            out,
-            sources,
-            handle.send_tokens,
-            biases,
-            self.cfg.host_lists,
-            lambda t: self.ctx.host_empty(t.shape, t.dtype),
-            self.cfg.portable,
-        )
-        ex.release()
-        return out
+        return ex, [own if r == me else v.view(y.dtype).view(-1, h) for r, v in enumerate(views)]
 
 
 def _result_rows(

@@ -44,37 +44,24 @@ argument accepted with no effect; bench/README.md ("Drop-in interfaces: supporte
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from epkit.compat._details.deep_ep_config import HINT_TOPK, Config, EventHandle, EventOverlap, epbuffer_bytes
+from epkit.compat._details.deep_ep_elastic import ElasticBuffer
+from epkit.compat._details.deep_ep_handles import EPHandle
 from epkit.compat._details.deep_ep_low_latency import LowLatencyCalls
 from epkit.compat._details.deep_ep_normal import NormalCalls
-from epkit.compat._details.deep_ep_session import Session
+from epkit.compat._details.deep_ep_session import Session, calls
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "topk_idx_t"]
 
 #: DeepEP's dtype of expert ids (int32 ids are taken too).
 topk_idx_t = torch.int64
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _calls(part: str, method: _F) -> _F:
-    """A Buffer method that hands the call to its ``part`` (its normal-mode or low-latency calls): ``method``'s
-    signature and docstring, one definition."""
-
-    @functools.wraps(method)
-    def call(self: Buffer, *args: Any, **kwargs: Any) -> Any:
-        return getattr(getattr(self, part), method.__name__)(*args, **kwargs)
-
-    return call  # type: ignore[return-value]  # the same signature, by functools.wraps
 
 
 class Buffer:
@@ -224,10 +211,10 @@ class Buffer:
 
     # the calls (NormalCalls and LowLatencyCalls hold their signatures and docstrings)
 
-    get_dispatch_layout = _calls("_normal", NormalCalls.get_dispatch_layout)
-    dispatch = _calls("_normal", NormalCalls.dispatch)
-    combine = _calls("_normal", NormalCalls.combine)
-    clean_low_latency_buffer = _calls("_low_latency", LowLatencyCalls.clean_low_latency_buffer)
-    low_latency_dispatch = _calls("_low_latency", LowLatencyCalls.low_latency_dispatch)
-    low_latency_combine = _calls("_low_latency", LowLatencyCalls.low_latency_combine)
-    get_next_low_latency_combine_buffer = _calls("_low_latency", LowLatencyCalls.get_next_low_latency_combine_buffer)
+    get_dispatch_layout = calls("_normal", NormalCalls.get_dispatch_layout)
+    dispatch = calls("_normal", NormalCalls.dispatch)
+    combine = calls("_normal", NormalCalls.combine)
+    clean_low_latency_buffer = calls("_low_latency", LowLatencyCalls.clean_low_latency_buffer)
+    low_latency_dispatch = calls("_low_latency", LowLatencyCalls.low_latency_dispatch)
+    low_latency_combine = calls("_low_latency", LowLatencyCalls.low_latency_combine)
+    get_next_low_latency_combine_buffer = calls("_low_latency", LowLatencyCalls.get_next_low_latency_combine_buffer)

@@ -17,6 +17,8 @@ is_token_in_rank, send_head)``, int32 unless said (``W`` ranks, ``T`` this rank'
 - ``send_head [T, W]``: the row of rank ``r``'s ``recv_x`` that token ``t`` became, -1 where it was not sent
   (DeepEP's is a slot of a channel's ring buffer; epkit has no ring).
 
+V2's ``EPHandle`` (``ElasticBuffer.dispatch``) is an object with V2's attributes (its docstring).
+
 Low-latency mode, ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``:
 ``src_info [L, N * W]`` int32, each received slot's token index on its source (slots past the expert's count:
 unspecified); ``layout_range [L, W]`` int64, ``(begin << 32) | count`` of the slots expert ``e`` holds from source
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from epkit.collectives.ep.ll_layout import LowLatencyHandle as EPLowLatencyHandle
     from epkit.collectives.ep_buffer import EPBuffer
 
-__all__ = ["LowLatencyHandle", "NormalHandle", "channel_bounds", "low_latency_handle", "normal_handle"]
+__all__ = ["EPHandle", "LowLatencyHandle", "NormalHandle", "channel_bounds", "low_latency_handle", "normal_handle"]
 
 
 class NormalHandle(tuple):  # type: ignore[type-arg]  # DeepEP's six tensors; attributes below
@@ -80,6 +82,63 @@ class LowLatencyHandle(tuple):  # type: ignore[type-arg]  # DeepEP's five values
 
     def __reduce__(self) -> Any:
         raise TypeError("a deep_ep handle holds its buffer's state: it cannot be pickled or copied to another process")
+
+
+class EPHandle:
+    """V2's dispatch handle: reuse it for a cached dispatch, give it to ``combine``. Attributes (V2's), with ``R``
+    rows received, ``X`` expanded rows, ``L`` local experts, ``K`` top-k, ``N`` = ``num_max_tokens_per_rank``:
+
+    - ``psum_num_recv_tokens_per_scaleup_rank [W]`` int32: inclusive prefix of the rows received from each rank (a
+      token once per rank); ``[-1]`` is R;
+    - ``psum_num_recv_tokens_per_expert [L]`` int32: inclusive prefix of the aligned per-expert counts; with
+      ``do_expand``, expert i's aligned start plus its unaligned count (DeepGEMM's psum layout);
+    - ``num_recv_tokens_per_expert_list``: the aligned counts (empty without ``do_cpu_sync``);
+    - ``num_unaligned_recv_tokens_per_expert [L]`` int32;
+    - ``recv_src_metadata [R, K + 2]`` int32: the source token's global index ``src_rank * N + token``; the source
+      rank times K plus the first top-k slot naming an expert of this rank; with ``do_expand`` the expanded row of
+      each top-k slot (-1: not this rank's expert; -1 throughout without ``do_expand``);
+    - ``dst_buffer_slot_idx [T, W]`` int32: the row of rank r's receive that this rank's token t became (-1: not
+      sent);
+    - ``topk_idx`` (the dispatch's, cloned with ``do_handle_copy``), ``num_recv_tokens``, ``num_expanded_tokens``,
+      ``do_expand``, ``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``num_sms``;
+      ``token_metadata_at_forward`` and ``channel_linked_list`` are None (no hybrid mode).
+
+    It also holds the EPBuffer that dispatched and that buffer's handle (``buffer``, ``handle``): a later call
+    checks, on every rank, that all ranks pass handles of the same dispatch of this ElasticBuffer.
+    """
+
+    def __init__(
+        self,
+        do_expand: bool,
+        num_experts: int,
+        expert_alignment: int,
+        num_max_tokens_per_rank: int,
+        num_sms: int,
+        topk_idx: torch.Tensor,
+        num_recv_tokens: int,
+        num_expanded_tokens: int,
+        num_recv_tokens_per_expert_list: list[int],
+        psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+        psum_num_recv_tokens_per_expert: torch.Tensor,
+        num_unaligned_recv_tokens_per_expert: torch.Tensor,
+        recv_src_metadata: torch.Tensor,
+        dst_buffer_slot_idx: torch.Tensor,
+        token_metadata_at_forward: torch.Tensor | None,
+        channel_linked_list: torch.Tensor | None,
+    ) -> None:
+        self.do_expand, self.num_experts, self.expert_alignment = do_expand, num_experts, expert_alignment
+        self.num_max_tokens_per_rank, self.num_sms, self.topk_idx = num_max_tokens_per_rank, num_sms, topk_idx
+        self.num_recv_tokens, self.num_expanded_tokens = num_recv_tokens, num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata, self.dst_buffer_slot_idx = recv_src_metadata, dst_buffer_slot_idx
+        self.token_metadata_at_forward, self.channel_linked_list = token_metadata_at_forward, channel_linked_list
+        # epkit's: the EPBuffer that dispatched and its handle (set by ElasticBuffer.dispatch)
+        self.buffer: EPBuffer | None = None
+        self.handle: DispatchHandle | None = None
+        self.send_tokens: list[torch.Tensor] = []  # per rank, this rank's tokens sent there (ascending)
 
 
 def channel_bounds(num_tokens: int, num_channels: int) -> torch.Tensor:

@@ -184,7 +184,7 @@ class NormalCalls:
         # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
         assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         num_experts = num_tokens_per_expert.numel()
-        routes = self._routes(fn, is_token_in_rank, num_tokens_per_expert, tokens)
+        routes = self.s.routes(fn, is_token_in_rank, num_tokens_per_expert, tokens)
         with_topk = topk_idx is not None
         if topk_idx is None:  # route by is_token_in_rank: each token once to each of its ranks (their expert 0)
             first = torch.arange(self.s.group_size, device=x0.device) * (num_experts // self.s.group_size)
@@ -212,22 +212,6 @@ class NormalCalls:
             recv_x, recv_s = _pad_rows(recv_x, n, 0), _pad_rows(recv_s, n, 0)
             recv_idx_out, recv_w_out, counts = _pad_rows(recv_idx_out, n, -1), _pad_rows(recv_w_out, n, 0), []
         return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, new_event(async_finish)
-
-    def _routes(
-        self, fn: str, in_rank: torch.Tensor, per_expert: torch.Tensor, tokens_max: int
-    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """Every rank's routing, for DeepEP's handle and a dispatch without top-k (one small all-gather after the
-        agreement, which made its size the same on every rank): ``(is_token_in_rank [W, tokens_max, W] bool,
-        tokens per rank, num_tokens_per_expert [W, E] int64)``, on the CPU."""
-        w, t = self.s.group_size, in_rank.shape[0]
-        dev = "cuda" if self.s.nccl else "cpu"
-        mine = torch.zeros(1 + tokens_max * w + per_expert.numel(), dtype=torch.int32, device=dev)
-        mine[0] = t
-        mine[1 : 1 + t * w] = in_rank.reshape(-1).to(dev, torch.int32)
-        mine[1 + tokens_max * w :] = per_expert.reshape(-1).to(dev, torch.int32)
-        got = self.s.gather(mine, fn).cpu()
-        in_rank_all = got[:, 1 : 1 + tokens_max * w].reshape(w, tokens_max, w).bool()
-        return in_rank_all, got[:, 0].tolist(), got[:, 1 + tokens_max * w :].long()
 
     def _check_layout(
         self,

@@ -12,22 +12,48 @@ calls in the same order on every rank); a hook called later finds its data there
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.compat._details.deep_ep_agreement import CallAgreement, FieldValue
+from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Hook", "Session"]
+__all__ = ["Hook", "Session", "align", "calls", "new_v2_event"]
 
 #: What a receive hook is: called once (again: nothing), it fills its call's tensors.
 Hook = Callable[[], None]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def calls(part: str, method: _F) -> _F:
+    """A buffer method that hands the call to its ``part`` (its normal-mode, low-latency, dispatch or combine
+    calls): ``method``'s signature and docstring, one definition."""
+
+    @functools.wraps(method)
+    def call(self: object, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(self, part), method.__name__)(*args, **kwargs)
+
+    return call  # type: ignore[return-value]  # the same signature, by functools.wraps
+
+
+def align(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
+    return -(-n // a) * a
+
+
+def new_v2_event() -> EventOverlap:
+    """V2's returned event: recorded on the current stream, always (with ``async_with_compute_stream`` the caller
+    waits on it; without, the work is already ordered before the caller's next one)."""
+    return EventOverlap(EventHandle())
 
 
 class Session:
@@ -66,6 +92,22 @@ class Session:
     def gather(self, mine: torch.Tensor, fn: str) -> torch.Tensor:
         """Every rank's ``mine`` after an agreement made its shape the same everywhere (``CallAgreement.gather``)."""
         return self.agreement.gather(mine, fn, self.timeout)
+
+    def routes(
+        self, fn: str, in_rank: torch.Tensor, per_expert: torch.Tensor, tokens_max: int
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Every rank's routing, for DeepEP's handles and a dispatch without top-k (one small all-gather after the
+        call's agreement, which made ``tokens_max`` and the experts the same on every rank): ``(is_token_in_rank
+        [W, tokens_max, W] bool, tokens per rank, num_tokens_per_expert [W, E] int64)``, on the CPU."""
+        w, t = self.group_size, in_rank.shape[0]
+        dev = "cuda" if self.nccl else "cpu"
+        mine = torch.zeros(1 + tokens_max * w + per_expert.numel(), dtype=torch.int32, device=dev)
+        mine[0] = t
+        mine[1 : 1 + t * w] = in_rank.reshape(-1).to(dev, torch.int32)
+        mine[1 + tokens_max * w :] = per_expert.reshape(-1).to(dev, torch.int32)
+        got = self.gather(mine, fn).cpu()
+        in_rank_all = got[:, 1 : 1 + tokens_max * w].reshape(w, tokens_max, w).bool()
+        return in_rank_all, got[:, 0].tolist(), got[:, 1 + tokens_max * w :].long()
 
     def epbuffer(
         self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0

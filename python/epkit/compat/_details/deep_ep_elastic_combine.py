@@ -1,0 +1,175 @@
+"""DeepEP V2's ``ElasticBuffer.combine`` for ``epkit.compat.deep_ep``: each rank's rows back unsummed
+(``EPBuffer.combine_unsummed``), summed at the source in V2's order in float32 (``deep_ep_elastic`` says which), and
+the top-k weights routed back to their slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit.collectives.ep.rows import sum_indexed_rows
+from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
+from epkit.compat._details.deep_ep_handles import EPHandle
+from epkit.compat._details.deep_ep_session import Session, new_v2_event
+
+__all__ = ["ElasticCombine"]
+
+
+class ElasticCombine:
+    """The combine of one ElasticBuffer, on its session ``s``; ``allow_multiple_reduction``: the buffer's (without
+    it, expanded rows come back one by one and are added k ascending)."""
+
+    def __init__(self, session: Session, allow_multiple_reduction: bool) -> None:
+        self.s, self.allow_multiple_reduction = session, allow_multiple_reduction
+
+    # V2's signature: its stream arguments are dispatch's, two to a line here
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_sms: int = 0, num_qps: int = 0,
+        previous_event: EventHandle | None = None, previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:  # fmt: skip
+        """``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 or None, event)``.
+
+        ``x``: ``[R, hidden]`` bf16, one row per received token (the dispatch's worst-case row count is taken too),
+        or with an expanded handle ``[X, hidden]``, one per expanded row; ``topk_weights``: ``[R, K]`` (expanded:
+        ``[X]``) routed back to their top-k slots, not applied; ``bias``: ``[T, hidden]`` or a pair, added first.
+        The sum's order is V2's (module docstring), so the bits are V2's reference's.
+        """
+        s = self.s
+        s.settle()
+        error: str | None = None
+        try:
+            if not isinstance(handle, EPHandle) or s.index_of(handle) is None:
+                raise ValueError(
+                    f"handle must be an EPHandle a dispatch of this ElasticBuffer returned, got {handle!r:.60}"
+                )
+            assert handle.handle is not None
+            h = handle.handle
+            n_recv = len(h.recv_topk_idx)
+            rows = int(h.expanded_rows.numel()) if handle.do_expand and h.expanded_rows is not None else n_recv
+            hidden = handle.buffer.hidden if handle.buffer is not None else 0
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < rows or x.shape[1] != hidden:
+                raise ValueError(f"x must be [{rows} (or more), {hidden}], got {x!r:.60}")
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"x must be bfloat16, got {x.dtype}")
+            want_w = (rows,) if handle.do_expand else (n_recv, handle.topk_idx.shape[1])
+            if topk_weights is not None and (
+                not isinstance(topk_weights, torch.Tensor)
+                or topk_weights.dim() != len(want_w)
+                or topk_weights.shape[0] < want_w[0]
+                or topk_weights.shape[1:] != want_w[1:]
+            ):
+                raise ValueError(f"topk_weights must be {list(want_w)} (or more rows), got {topk_weights!r:.60}")
+            t_num = handle.topk_idx.shape[0]
+            for b in bias if isinstance(bias, tuple) else (() if bias is None else (bias,)):
+                if not isinstance(b, torch.Tensor) or tuple(b.shape) != (t_num, hidden):
+                    raise ValueError(f"bias must be [{t_num}, {hidden}] (or a pair of them), got {b!r:.60}")
+            if isinstance(bias, tuple) and len(bias) != 2:
+                raise ValueError(f"bias must be a tensor or a pair, got a tuple of {len(bias)}")
+        except ValueError as exc:
+            error = f"combine: {exc}"
+        s.agree("combine", error, [*s.handle_fields(handle), ("topk_weights given", int(topk_weights is not None))])
+        wait_for(None if previous_event is None else EventOverlap(previous_event))
+        combined = self._combine_rows(x, handle, bias)
+        weights = self._combine_weights(topk_weights, handle) if topk_weights is not None else None
+        return combined, weights, new_v2_event()
+
+    def _combine_rows(
+        self, x: torch.Tensor, handle: EPHandle, bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """The rows back, summed in V2's order (module docstring): float32 terms, one rounding."""
+        assert handle.buffer is not None and handle.handle is not None
+        buf, h = handle.buffer, handle.handle
+        w, local = self.s.group_size, handle.num_experts // self.s.group_size
+        ids = handle.topk_idx.cpu().long()
+        t_num, k = ids.shape
+        owner = torch.where(ids >= 0, ids // local, -1)
+        biases = bias if isinstance(bias, tuple) else (() if bias is None else (bias,))
+        terms: list[torch.Tensor] = []  # float32 [T, H] sources; src_of / row_of index them
+        if biases:
+            total = biases[0].float() + biases[1].float() if len(biases) == 2 else biases[0].float()
+            terms.append(total.cpu().contiguous())
+        first = len(terms)
+        n_recv = len(h.recv_topk_idx)
+        if not handle.do_expand or self.allow_multiple_reduction:
+            y = x[: h.expanded_rows.numel()] if handle.do_expand and h.expanded_rows is not None else x[:n_recv]
+            ones = torch.ones((n_recv, k), dtype=torch.float32) if handle.do_expand else None
+            back = buf.combine_unsummed(y.contiguous(), h, ones)
+            terms += [r.float().cpu() for r in back]
+            # each rank's term at the last top-k slot naming one of its experts; ranks in that order
+            last = torch.full((t_num, w), -1, dtype=torch.int64)
+            for j in range(k):
+                hit = owner[:, j] >= 0
+                last[hit, owner[hit, j]] = j
+            order = torch.sort(torch.where(last >= 0, last, k), dim=1, stable=True).indices  # [T, W] ranks
+            src_of = torch.where(torch.gather(last, 1, order) >= 0, first + order, -1)
+            row_of = torch.gather(self._rows_of(handle, t_num), 1, order)
+        else:  # every (token, k) row back, added k ascending
+            assert h.expanded_slot is not None and h.expanded_rows is not None
+            n_exp = h.expanded_rows.numel()
+            src_of = torch.full((t_num, k), -1, dtype=torch.int64)
+            row_of = torch.zeros((t_num, k), dtype=torch.int64)
+            rows_of = self._rows_of(handle, t_num)
+            for j in range(k):
+                lane = torch.zeros((n_exp, x.shape[1]), dtype=x.dtype, device=x.device)
+                keep = h.expanded_slot[:, j]
+                lane[keep[keep >= 0].to(x.device)] = x[keep[keep >= 0].to(x.device)]
+                back = buf.combine_unsummed(lane, h, torch.ones((n_recv, k), dtype=torch.float32))
+                base = len(terms)
+                terms += [r.float().cpu() for r in back]
+                hit = owner[:, j] >= 0
+                src_of[hit, j] = base + owner[hit, j]
+                row_of[hit, j] = rows_of[hit, owner[hit, j]]
+        if biases:
+            src_of = torch.cat([torch.zeros((t_num, 1), dtype=torch.int64), src_of], 1)
+            row_of = torch.cat([torch.arange(t_num).unsqueeze(1), row_of], 1)
+        out = torch.empty((t_num, x.shape[1]), dtype=torch.bfloat16)
+        if not terms:
+            return out.zero_().to(x.device)
+        return sum_indexed_rows(out, terms, src_of, row_of.clamp(min=0)).to(x.device)
+
+    @staticmethod
+    def _rows_of(handle: EPHandle, t_num: int) -> torch.Tensor:
+        """``[T, W]`` int64: the row of rank r's returned rows that token t is (where it was sent)."""
+        w = len(handle.send_tokens)
+        rows = torch.zeros((t_num, w), dtype=torch.int64)
+        for r, t in enumerate(handle.send_tokens):
+            rows[t, r] = torch.arange(t.numel())
+        return rows
+
+    def _combine_weights(self, topk_weights: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+        """Each top-k weight back from the rank that holds its expert (V2's combined_topk_weights: the weights as
+        sent, 0 where ``topk_idx`` is -1)."""
+        assert handle.buffer is not None and handle.handle is not None
+        buf, h = handle.buffer, handle.handle
+        ids = handle.topk_idx.cpu().long()
+        t_num, k = ids.shape
+        if k > buf.hidden:
+            raise ValueError(f"combine: topk_weights has more columns ({k}) than hidden ({buf.hidden})")
+        n_recv = len(h.recv_topk_idx)
+        if handle.do_expand:
+            assert h.expanded_slot is not None and h.expanded_rows is not None
+            y = torch.zeros((h.expanded_rows.numel(), buf.hidden), dtype=torch.float32)
+            slot = h.expanded_slot
+            lanes = torch.arange(k).expand(n_recv, k)
+            y[slot[slot >= 0], lanes[slot >= 0]] = topk_weights.cpu().float()[slot[slot >= 0]]
+            back = buf.combine_unsummed(y.to(buf.device), h, torch.ones((n_recv, k), dtype=torch.float32))
+        else:
+            y = torch.zeros((n_recv, buf.hidden), dtype=torch.float32)
+            y[:, :k] = topk_weights[:n_recv].float().cpu()
+            back = buf.combine_unsummed(y.to(buf.device), h)
+        local = handle.num_experts // self.s.group_size
+        owner = torch.where(ids >= 0, ids // local, -1)
+        rows_of = self._rows_of(handle, t_num)
+        out = torch.zeros((t_num, k), dtype=torch.float32)
+        for r, rows in enumerate(back):
+            rows = rows.cpu()
+            for j in range(k):
+                hit = owner[:, j] == r
+                out[hit, j] = rows[rows_of[hit, r], j]
+        return out.to(topk_weights.device)
