@@ -202,6 +202,9 @@ def _print_deep_gemm_coverage(cov: dict) -> None:
         (f"out of scope ({len(cov['out_of_scope'])})", cov["out_of_scope"]),
     ):
         w(f"  {title}:\n{wrap.fill(', '.join(names))}\n")
+    w("  how the provided GEMMs compute:\n")
+    for names, path in cov.get("paths", {}).items():
+        w(f"{wrap.fill(f'{names}: {path}')}\n")
     w(f"  for a name not provided: {cov['install_for_the_rest']}\n")
 
 

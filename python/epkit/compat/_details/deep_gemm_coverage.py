@@ -16,32 +16,35 @@ A name in neither table and not provided is not part of DeepGEMM's interface as 
 
 from __future__ import annotations
 
-__all__ = ["NOT_YET_PROVIDED", "OUT_OF_SCOPE", "INSTALL", "missing_name_error", "coverage"]
+import dis
+import sys
+
+__all__ = ["NOT_YET_PROVIDED", "OUT_OF_SCOPE", "PATHS", "INSTALL", "missing_name_error", "missing_name", "coverage"]
 
 #: What to use for a kernel epkit does not provide.
 INSTALL = "DeepGEMM itself (github.com/deepseek-ai/DeepGEMM, `import deep_gemm`) on an sm_90 or sm_100 GPU"
 
-_TN_TT = "GEMM with {} in the {} layout"
 #: DeepGEMM's names in epkit's scope that epkit does not provide yet: name -> what it is in DeepGEMM.
 NOT_YET_PROVIDED: dict[str, str] = {
-    **{
-        f"{kind}_gemm_{layout}": _TN_TT.format(what, layout)
-        for kind, what in (("fp8_fp4", "FP8 or FP4 operands"), ("fp8", "FP8 operands"), ("bf16", "BF16 operands"))
-        for layout in ("tn", "tt")
-    },
-    "k_grouped_fp8_gemm_nt_contiguous": "K-grouped FP8 GEMM (weight gradients), nt layout",
-    "k_grouped_fp8_gemm_tn_contiguous": "K-grouped FP8 GEMM (weight gradients), tn layout",
-    "k_grouped_bf16_gemm_tn_contiguous": "K-grouped BF16 GEMM (weight gradients), tn layout",
-    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor": "packed UE8M0 scales of the K-grouped GEMMs",
-    **{f"cublaslt_gemm_{layout}": f"cuBLASLt GEMM, {layout} layout" for layout in ("nt", "nn", "tn", "tt")},
-    "einsum": "BF16 einsum of the bmk,bnk->mn family",
-    "fp8_einsum": "FP8 einsum of the bmk,bnk->mn family",
     "mega": "mega-MoE module (dispatch, expert GEMMs and combine in one kernel)",
     "SymmBuffer": "mega-MoE symmetric buffer",
     "get_symm_buffer_for_mega_moe": "mega-MoE symmetric buffer constructor",
     "transform_weights_for_mega_moe": "mega-MoE weight layout",
     "fp8_fp4_mega_moe": "mega-MoE layer with FP8/FP4 weights",
     "bf16_mega_moe": "mega-MoE layer with BF16 weights",
+}
+
+_KERNELS = "epkit's grouped GEMM kernels (Triton on CUDA, epkit's CPU path on CPU)"
+_TORCH = "torch fallback on every device (float32 matmuls of dequantized operands)"
+#: How each provided GEMM computes, by what the caller passes (the modules' docstrings say more).
+PATHS: dict[str, str] = {
+    "m_grouped_*, fp8_fp4_gemm_*/fp8_gemm_*, bf16_gemm_* (FP8 with 128x128 weight scales, FP8xFP4, BF16)": _KERNELS
+    + "; FP8 K not a multiple of 128 zero-padded to one first (a copy)",
+    "fp8_fp4_gemm_*/fp8_gemm_* with recipe=(1, 1, 128)": _TORCH,
+    "k_grouped_fp8_gemm_nt_contiguous, k_grouped_fp8_gemm_tn_contiguous, k_grouped_bf16_gemm_tn_contiguous": _TORCH,
+    "cublaslt_gemm_*": "torch: torch._scaled_mm with unit scales (FP8 on CUDA), else a float32 matmul",
+    "einsum": "torch: float32 matmuls ('bmk,bnk->mn'), torch.einsum on the bf16 operands (the bhr/bhd forms)",
+    "fp8_einsum": _KERNELS + " per head ('bhr,hdr->bhd', 'bhd,hdr->bhr'); " + _TORCH + " ('bhd,bhr->hdr')",
 }
 
 _ATTENTION = "attention-indexer kernel"
@@ -81,14 +84,33 @@ def missing_name_error(module: str, name: str) -> AttributeError:
     return AttributeError(f"{head}: {why}", name=name)
 
 
+def _from_import(depth: int) -> bool:
+    """Whether the frame ``depth`` levels up is executing ``from module import name`` (CPython's IMPORT_FROM)."""
+    frame = sys._getframe(depth + 1)
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == dis.opmap["IMPORT_FROM"]
+
+
+def missing_name(module: str, name: str) -> AttributeError | ImportError:
+    """What a ``deep_gemm`` module's ``__getattr__`` raises for a name it lacks: :func:`missing_name_error`, or, when
+    the caller is a ``from module import name`` statement, an ``ImportError`` with that message (Python would
+    otherwise replace it with its plain "cannot import name"; ``getattr`` and ``hasattr`` still see an
+    ``AttributeError``)."""
+    err = missing_name_error(module, name)
+    if _from_import(2) and not (name.startswith("__") and name.endswith("__")):
+        return ImportError(f"cannot import name {name!r} from {module!r}: {str(err).split(': ', 1)[1]}", name=module)
+    return err
+
+
 def coverage() -> dict[str, object]:
-    """What ``epkit info`` reports of ``epkit.compat.deep_gemm``: the names it provides (its ``__all__``) and the two
-    tables of those it does not."""
+    """What ``epkit info`` reports of ``epkit.compat.deep_gemm``: the names it provides (its ``__all__``), how they
+    compute (:data:`PATHS`) and the two tables of those it does not."""
     import epkit.compat.deep_gemm as deep_gemm  # here: that module imports this one
 
     return {
         "provided": sorted(deep_gemm.__all__),
         "not_yet_provided": dict(sorted(NOT_YET_PROVIDED.items())),
         "out_of_scope": dict(sorted(OUT_OF_SCOPE.items())),
+        "paths": dict(PATHS),
         "install_for_the_rest": INSTALL,
     }

@@ -70,12 +70,15 @@ def _device_sms() -> int:
 
 
 def set_num_sms(new_num_sms: int) -> None:
-    """Set the SM count :func:`get_num_sms` returns, in ``[1, the device's SMs]`` (on a machine without a GPU: the
-    CPU threads torch uses). Recorded only: epkit's kernels launch on every SM of the device."""
+    """Set the SM count :func:`get_num_sms` returns, in ``[0, the device's SMs]`` (on a machine without a GPU: the
+    CPU threads torch uses); 0 resets it to the device's, as in DeepGEMM. Recorded only: epkit's kernels launch on
+    every SM of the device."""
     top = _device_sms()
-    if not _is_int(new_num_sms) or not 1 <= new_num_sms <= top:
-        raise ValueError(f"set_num_sms: new_num_sms must be an int in [1, {top}] (this device), got {new_num_sms!r}")
-    SETTINGS.num_sms = new_num_sms
+    if not _is_int(new_num_sms) or not 0 <= new_num_sms <= top:
+        raise ValueError(
+            f"set_num_sms: new_num_sms must be an int in [0, {top}] (this device; 0 resets), got {new_num_sms!r}"
+        )
+    SETTINGS.num_sms = new_num_sms or None
 
 
 def get_num_sms() -> int:

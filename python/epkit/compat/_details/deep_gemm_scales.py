@@ -19,8 +19,10 @@ __all__ = [
     "get_tma_aligned_size",
     "get_mn_major_tma_aligned_tensor",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor",
     "transform_sf_into_required_layout",
     "unpack_ue8m0",
+    "dequantize",
     "activation_scales",
     "fp8_weight_scales",
     "fp4_weights",
@@ -81,6 +83,58 @@ def get_mn_major_tma_aligned_packed_ue8m0_tensor(
     return out if sf.dim() == 3 else out.squeeze(0)
 
 
+def get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor(
+    sf: torch.Tensor,
+    grouped_layout: torch.Tensor,
+    ks_cpu: list[int] | None,
+    gran_k: int,
+    k_alignment: int,
+    use_psum_layout: bool = False,
+) -> torch.Tensor:
+    """The K-grouped GEMMs' float32 power-of-two scales ``sf [sum(ceil(k_g / gran_k)), MN]`` (each group's rows one
+    after the other) as packed UE8M0 int32 ``[rows, MN]``: group ``g``'s ``ceil(k_g / gran_k)`` scale rows become
+    ``ceil(k_g / (4 * gran_k))`` int32 rows (byte ``j`` of a row from its ``j``-th scale row, zero-padded), the
+    groups' packed rows one after the other.
+
+    The groups' K sizes are ``ks_cpu`` or, with ``use_psum_layout``, those of ``grouped_layout``'s cumulative ends
+    (each group starting at the previous end rounded up to ``k_alignment``; read on the host). ``rows`` is the sum of
+    ``ceil(k / (4 * gran_k))`` over ``ks_cpu`` when given (which may exceed the packed rows with a psum layout: the rest
+    are zeros), else ``(sf rows + 3 * G) // 4`` (DeepGEMM's upper bound)."""
+    from epkit.compat._details.deep_gemm_k_grouped import group_ranges  # here: that module imports this one
+
+    fn = "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor"
+    if gran_k not in (32, 128) or not isinstance(k_alignment, int) or k_alignment <= 0 or k_alignment % 32:
+        raise ValueError(
+            f"{fn}: gran_k must be 32 or 128 and k_alignment a positive multiple of 32, got {gran_k}, {k_alignment}"
+        )
+    if not isinstance(sf, torch.Tensor) or sf.dtype != torch.float32 or sf.dim() != 2:
+        raise ValueError(f"{fn}: sf must be a float32 [sum(ceil(k_g / gran_k)), MN] tensor, got {sf!r:.80}")
+    sf_k, mn = sf.shape
+    given = list(ks_cpu) if ks_cpu else []
+    if given and not use_psum_layout:
+        ranges = group_ranges(fn, given, grouped_layout, False, 1)
+    else:
+        if not use_psum_layout:
+            raise ValueError(f"{fn}: ks_cpu must list the groups' K sizes unless use_psum_layout")
+        ranges = group_ranges(fn, given, grouped_layout, True, k_alignment)
+    rows_sf = [-(-k // gran_k) for _, k in ranges]
+    if not use_psum_layout and sum(rows_sf) != sf_k:
+        raise ValueError(f"{fn}: sf has {sf_k} rows but ks_cpu {given} need {sum(rows_sf)} (ceil(k / {gran_k}) each)")
+    if sum(rows_sf) > sf_k:
+        raise ValueError(f"{fn}: sf has {sf_k} rows but the groups need {sum(rows_sf)} (ceil(k / {gran_k}) each)")
+    total = sum(-(-k // (4 * gran_k)) for k in given) if given else (sf_k + 3 * len(ranges)) // 4
+    exps = ((sf.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # [sf_k, MN]
+    out = torch.zeros((max(total, 0), mn, 4), dtype=torch.uint8, device=sf.device)
+    src = dst = 0
+    for r in rows_sf:
+        packed = -(-r // 4)
+        block = torch.zeros((packed * 4, mn), dtype=torch.uint8, device=sf.device)
+        block[:r] = exps[src : src + r]
+        out[dst : dst + packed] = block.view(packed, 4, mn).transpose(1, 2)
+        src, dst = src + r, dst + packed
+    return out.view(torch.int32).squeeze(-1) if total else torch.empty((0, mn), dtype=torch.int32, device=sf.device)
+
+
 def transform_sf_into_required_layout(
     sf: torch.Tensor,
     mn: int,
@@ -131,6 +185,17 @@ def unpack_ue8m0(packed: torch.Tensor, count: int) -> torch.Tensor:
     as 0.0)."""
     exps = _packed_bytes(packed)[..., :count]
     return (exps.to(torch.int32) << 23).view(torch.float32)
+
+
+def dequantize(x: torch.Tensor, sf: torch.Tensor, gran_mn: int, gran_k: int) -> torch.Tensor:
+    """float32 values of FP8 ``x [..., MN, K]`` with float32 scales ``sf [..., ceil(MN / gran_mn), ceil(K /
+    gran_k)]``: each scale covers its ``gran_mn x gran_k`` block, a last partial block (K or MN not a multiple of the
+    granularity) only the elements it has, as DeepGEMM's kernels read it. Any strides; the result is contiguous."""
+    mn, k = x.shape[-2], x.shape[-1]
+    s = sf.float().repeat_interleave(gran_k, dim=-1)[..., :k]
+    if gran_mn != 1:
+        s = s.repeat_interleave(gran_mn, dim=-2)[..., :mn, :]
+    return x.float() * s
 
 
 def activation_scales(fn: str, sfa: torch.Tensor, k: int) -> torch.Tensor:

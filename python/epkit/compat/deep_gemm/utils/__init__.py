@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from epkit.compat._details.deep_gemm_coverage import missing_name_error
+from epkit.compat._details.deep_gemm_coverage import missing_name
 from epkit.compat.deep_gemm.utils import layout, math
 from epkit.compat.deep_gemm.utils.layout import *  # noqa: F403  (DeepGEMM's utils binds its modules' names)
 from epkit.compat.deep_gemm.utils.math import *  # noqa: F403
@@ -21,4 +21,4 @@ __all__ += math.__all__
 
 def __getattr__(name: str) -> NoReturn:
     """A DeepGEMM name this module lacks (``init_dist``, ``uneven_all_gather``, ...): why, and what to install."""
-    raise missing_name_error(__name__, name)
+    raise missing_name(__name__, name)

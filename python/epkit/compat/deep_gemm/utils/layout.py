@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from epkit.compat._details.deep_gemm_coverage import missing_name_error
+from epkit.compat._details.deep_gemm_coverage import missing_name
 from epkit.compat._details.deep_gemm_runtime import (
     get_k_alignment_for_contiguous_layout,
     get_m_alignment_for_contiguous_layout,
@@ -14,6 +14,7 @@ from epkit.compat._details.deep_gemm_runtime import (
     set_mk_alignment_for_contiguous_layout,
 )
 from epkit.compat._details.deep_gemm_scales import (
+    get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_mn_major_tma_aligned_tensor,
     get_tma_aligned_size,
@@ -23,6 +24,7 @@ __all__ = [
     "get_tma_aligned_size",
     "get_mn_major_tma_aligned_tensor",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor",
     "set_mk_alignment_for_contiguous_layout",
     "get_mk_alignment_for_contiguous_layout",
     "get_theoretical_mk_alignment_for_contiguous_layout",
@@ -32,6 +34,5 @@ __all__ = [
 
 
 def __getattr__(name: str) -> NoReturn:
-    """A DeepGEMM name this module lacks (``get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor``): why, and
-    what to install meanwhile."""
-    raise missing_name_error(__name__, name)
+    """A DeepGEMM name this module lacks: why, and what to install meanwhile."""
+    raise missing_name(__name__, name)
