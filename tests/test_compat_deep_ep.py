@@ -304,8 +304,10 @@ def _refusals(rank: int, world: int, num_experts: int) -> None:
     assert stats.dtype == torch.int32 and stats.tolist() == [5 + a + b for a, b in zip(c1.tolist(), second)]
     with pytest.raises(ValueError, match=r"cumulative_local_expert_recv_stats must be \[4\] int32"):
         ll.low_latency_dispatch(x, topk_ids, MAX_TOKENS, num_experts, torch.zeros(3, dtype=torch.int32))
+    plain = ll.low_latency_combine(recv_x, topk_ids, topk_weights, handle)[0].clone()
+    logfmt = ll.low_latency_combine(recv_x, topk_ids, topk_weights, handle, use_logfmt=True)[0]
+    assert torch.equal(logfmt, plain)  # accepted, no effect: the rows travel as bf16 either way
     for kwargs, match in (
-        (dict(use_logfmt=True), "use_logfmt"),
         (dict(combine_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64)), "combine_wait_recv_cost_stats"),
         (dict(async_finish=True, return_recv_hook=True), "cannot both be True"),
     ):

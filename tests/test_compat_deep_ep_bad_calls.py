@@ -124,7 +124,9 @@ def _low_latency(rank: int, world: int) -> dict[str, str]:
         "low_latency_combine out shape": lambda: buffer.low_latency_combine(
             recv, ids, weights, handle, out=other(torch.empty(TOKENS + 1, HIDDEN, dtype=torch.bfloat16), None)
         ),
-        "low_latency_combine flags": lambda: buffer.low_latency_combine(recv, ids, weights, handle, use_logfmt=bad),
+        "low_latency_combine flags": lambda: buffer.low_latency_combine(
+            recv, ids, weights, handle, combine_wait_recv_cost_stats=other(torch.zeros(2, 2, dtype=torch.int64), None)
+        ),
     }
     texts = {name: _same_error_at_once(rank, call) for name, call in kinds.items()}
     again, again_count, again_handle, _, _ = dispatch()

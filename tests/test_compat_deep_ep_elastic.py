@@ -125,7 +125,25 @@ def _run(rank: int, world: int) -> str:
     with pytest.raises(AttributeError, match="not yet provided by epkit"):
         buffer.engram_fetch  # noqa: B018
     buffer.destroy()
+    _v2_shaped_misuse_of_the_native_buffer(x, ids, weights, num_experts)
     return "ok"
+
+
+def _v2_shaped_misuse_of_the_native_buffer(x, ids, weights, num_experts) -> None:
+    """V2-style code on the native EPBuffer unpacks five values too (the fourth the counts, the fifth the handle):
+    the first use of what it took for the handle and the event raises, saying what they are."""
+    from epkit.collectives.ep_buffer import EPBuffer
+
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, num_experts, N_MAX, TOPK)
+    result = buf.dispatch(x, ids, weights)
+    assert result.handle is result[4] and result.num_recv_tokens_per_expert is result[3]  # named fields
+    recv_x, _, _, handle, event = result  # V2's order: "handle" is the count list, "event" the handle
+    with pytest.raises(AttributeError, match=r"this is the handle, not an event.*ElasticBuffer"):
+        event.current_stream_wait()
+    with pytest.raises(ValueError, match=r"got list \(dispatch's fourth value, the per-expert counts"):
+        buf.combine(recv_x, handle)
+    assert buf.combine(recv_x, result.handle).shape == x.shape  # the buffer goes on
+    buf.close()
 
 
 @pytest.mark.parametrize("world", [3])

@@ -4,6 +4,7 @@ keeps, plus the state of the path that made it, typed (:class:`HierRoute`, :clas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -64,8 +65,28 @@ class DispatchHandle:
     hier: HierRoute | None = None  # a hierarchical buffer's routing
     kernel_state: DeviceRoute | None = None  # the device kernels' layout, routing and row maps
 
+    def __getattr__(self, name: str) -> NoReturn:
+        if name in ("current_stream_wait", "wait", "event", "register_hook_after_wait"):
+            raise AttributeError(
+                f"DispatchHandle has no {name!r}: this is the handle, not an event. EPBuffer.dispatch returns (recv_x, "
+                "recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle); for DeepEP V2's (recv_x, "
+                "recv_topk_idx, recv_topk_weights, handle, event) use epkit.compat.deep_ep.ElasticBuffer"
+            )
+        raise AttributeError(f"'DispatchHandle' object has no attribute {name!r}")
+
 
 #: Rows as a normal dispatch returns them: ``x``, or ``(x, scales)`` for FP8 rows.
 Rows = torch.Tensor | tuple[torch.Tensor, ...]
-#: What a normal dispatch returns: ``(recv_x, recv_topk_idx, recv_topk_weights, per-expert counts, handle)``.
-DispatchResult = tuple[Rows, torch.Tensor, torch.Tensor, list[int], DispatchHandle]
+
+
+class DispatchResult(NamedTuple):
+    """What a normal dispatch returns (a tuple: unpack it, or read the fields by name). Its fourth value is the
+    per-expert count list and its fifth the handle; code written for DeepEP V2's five values (``recv_x,
+    recv_topk_idx, recv_topk_weights, handle, event``) would take the list for the handle: the handle then refuses
+    to be used as an event, and combine refuses a list, each saying so."""
+
+    recv_x: Rows
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: torch.Tensor
+    num_recv_tokens_per_expert: list[int]
+    handle: DispatchHandle

@@ -237,7 +237,7 @@ class DeviceNormalPath:
         )
         state.m = out.get("m")
         x_out = (out["x"], out["s"]) if out["s"] is not None else out["x"]
-        return x_out, out["idx"], out["w"], aligned, handle
+        return DispatchResult(x_out, out["idx"], out["w"], aligned, handle)
 
     def dispatch_cached_rows(
         self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle
@@ -248,7 +248,7 @@ class DeviceNormalPath:
         with self.ctx.retire_on_failure("cached dispatch"):
             out = self._move(x, scales, None, state, handle.expert_alignment, handle.expand)
         x_out: Rows = (out["x"], out["s"]) if out["s"] is not None else out["x"]
-        return x_out, handle.recv_topk_idx, handle.recv_topk_weights, list(state.aligned), handle
+        return DispatchResult(x_out, handle.recv_topk_idx, handle.recv_topk_weights, list(state.aligned), handle)
 
     def _move(
         self, x: torch.Tensor, scales: torch.Tensor | None, weights: torch.Tensor | None, state: DeviceRoute,

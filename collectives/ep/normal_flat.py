@@ -107,7 +107,8 @@ class FlatNormalPath:
             assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
             x_out = gather_expanded(ctx, recv_x, recv_s, handle.expanded_rows)
         aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
-        return x_out, handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device), aligned, handle
+        idx, w = handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device)
+        return DispatchResult(x_out, idx, w, aligned, handle)
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias

@@ -71,4 +71,4 @@ def finish_dispatch(
         epoch=ctx.dispatches,
         hier=hier,
     )
-    return x_out, recv_idx.to(ctx.device), recv_w.to(ctx.device), aligned, handle
+    return DispatchResult(x_out, recv_idx.to(ctx.device), recv_w.to(ctx.device), aligned, handle)

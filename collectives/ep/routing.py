@@ -125,7 +125,8 @@ def check_combine(
     weights: torch.Tensor | None = None
     try:
         if not isinstance(handle, DispatchHandle):
-            raise ValueError(f"handle must be the DispatchHandle of a dispatch, got {type(handle).__name__}")
+            hint = " (dispatch's fourth value, the per-expert counts; its fifth is)" * isinstance(handle, list)
+            raise ValueError(f"handle must be the DispatchHandle of a dispatch, got {type(handle).__name__}{hint}")
         biases = check_biases(bias, handle.num_tokens, h)
         if handle.expand:
             assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows

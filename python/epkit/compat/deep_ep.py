@@ -37,7 +37,7 @@ How it maps:
 
 Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py communicator), ``enable_shrink``,
 ``num_tokens_per_rdma_rank`` (internode), a dispatch with a layout that does not match ``topk_idx`` (without
-top-k, rows go where ``is_token_in_rank`` says), ``use_logfmt``, ``dispatch_wait_recv_cost_stats`` /
+top-k, rows go where ``is_token_in_rank`` says), ``dispatch_wait_recv_cost_stats`` /
 ``combine_wait_recv_cost_stats``, more scale columns than ``ceil(hidden / 128)``. :class:`Buffer` lists every
 argument accepted with no effect; bench/README.md ("Drop-in interfaces: supported and refused") has the table.
 """
@@ -72,9 +72,10 @@ class Buffer:
 
     - accepted with no effect (checked for type): ``num_nvl_bytes`` / ``num_rdma_bytes`` (recorded, not a
       cap), ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl`` (epkit's transport
-      picks the path), ``config`` (no channels to tune), ``allocate_on_comm_stream`` (no communication stream:
-      tensors are made on the current one; DeepEP's condition, ``previous_event`` and ``async_finish``, is
-      checked);
+      picks the path), ``config`` (no channels to tune; its SMs name the handle's channels), ``use_logfmt``
+      (the rows go back as bf16, more precise than DeepEP's 10-bit LogFMT), ``allocate_on_comm_stream`` (no
+      communication stream: tensors are made on the current one; DeepEP's condition, ``previous_event`` and
+      ``async_finish``, is checked);
     - honoured in epkit's terms: ``previous_event`` is waited for on the current stream before the call;
       ``async_finish=True`` returns an event recorded on the current stream (on CPU ranks there is nothing
       to wait for: the work is done when the call returns); ``return_recv_hook=True`` defers the receive to
@@ -84,7 +85,7 @@ class Buffer:
       rounded up to powers of two, as DeepEP's sender-side cast rounds them; twice the bytes on the wire);
     - refused with a ``ValueError`` naming the parameter: ``comm``, ``enable_shrink=True``,
       ``num_tokens_per_rdma_rank`` (not None), ``dispatch_wait_recv_cost_stats`` /
-      ``combine_wait_recv_cost_stats``, ``use_logfmt=True``; and what DeepEP asserts against
+      ``combine_wait_recv_cost_stats``; and what DeepEP asserts against
       (``async_finish`` with ``return_recv_hook``, ``use_ue8m0`` without ``round_scale``, a low-latency call
       on a Buffer made without ``low_latency_mode``).
     """

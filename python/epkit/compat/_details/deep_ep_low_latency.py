@@ -179,17 +179,14 @@ class LowLatencyCalls:
         """``(combined_x [num_tokens, hidden] bf16, event, hook)``: every pair's row back to its token, summed with
         ``topk_weights`` in float32 (k ascending). ``x`` is the dispatch's layout ``[num_local_experts, N * W,
         hidden]`` bf16; with ``zero_copy`` the rows are taken from :meth:`get_next_low_latency_combine_buffer`'s
-        tensor instead. ``out`` receives the result."""
+        tensor instead. ``out`` receives the result. ``use_logfmt`` is accepted with no effect: the rows travel as
+        bf16 (DeepEP's 10-bit LogFMT saves bytes at a precision epkit keeps)."""
         fn = "low_latency_combine"
         self.s.settle()
         error: str | None = None
         try:  # every check in the call's agreement (CPU ranks): a rank never raises alone
             _flags(fn, use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                    return_recv_hook=return_recv_hook)  # fmt: skip
-            if use_logfmt:
-                raise ValueError(
-                    f"{fn}: use_logfmt=True (DeepEP's 10-bit LogFMT) is not supported; rows go back as bf16"
-                )
             if combine_wait_recv_cost_stats is not None:
                 raise ValueError(
                     f"{fn}: combine_wait_recv_cost_stats (per-rank wait times) is not supported; pass None"
