@@ -1,9 +1,9 @@
-"""One bad call on one rank through ``epkit.compat.deep_ep.Buffer`` is the same ``ValueError`` on every rank, at
-once (inside the call's agreement, before any row moves), and the Buffer goes on: the next good calls return the
-same rows as before, bit for bit. Issue 39: the shim checked its combine, cached-dispatch and low-latency-combine
-arguments on the calling rank only, so one rank raised while its peers entered the exchange (30 s timeouts, retired
-buffers, or a later call paired with stale messages and returned wrong rows); a bad low-latency ``y`` retired
-EPBuffer itself after rows had moved.
+"""One bad call on one rank through ``epkit.compat.deep_ep`` (the legacy ``Buffer`` and V2's ``ElasticBuffer``) is
+the same ``ValueError`` on every rank, at once (inside the call's agreement, before any row moves), and the buffer
+goes on: the next good calls return the same rows as before, bit for bit. Issue 39: the shim checked its combine,
+cached-dispatch and low-latency-combine arguments on the calling rank only, so one rank raised while its peers
+entered the exchange (30 s timeouts, retired buffers, or a later call paired with stale messages and returned wrong
+rows); a bad low-latency ``y`` retired EPBuffer itself after rows had moved.
 """
 
 from __future__ import annotations
@@ -137,8 +137,50 @@ def _low_latency(rank: int, world: int) -> dict[str, str]:
     return texts
 
 
+def _elastic(rank: int, world: int) -> dict[str, str]:
+    num_experts = 4 * world
+    x, ids, weights = _inputs(rank, num_experts)
+    buffer = deep_ep.ElasticBuffer(
+        dist.group.WORLD, num_max_tokens_per_rank=N_MAX, hidden=HIDDEN, num_cpu_timeout_secs=10
+    )
+
+    def dispatch(**kw):
+        return buffer.dispatch(x, ids, weights, num_experts=num_experts, **kw)
+
+    recv, recv_idx, recv_w, handle, _ = dispatch()
+    combined = buffer.combine(recv, handle, topk_weights=recv_w)[0]
+    bad = rank == BAD
+
+    def other(value, good):
+        return value if bad else good
+
+    kinds = {
+        "elastic dispatch float32 x": lambda: buffer.dispatch(
+            other(x.float(), x), ids, weights, num_experts=num_experts
+        ),
+        "elastic dispatch ids out of range": lambda: buffer.dispatch(
+            x, other(ids + num_experts, ids), weights, num_experts=num_experts
+        ),
+        "elastic dispatch too many tokens": lambda: dispatch(num_max_tokens_per_rank=other(1, N_MAX)),
+        "elastic cached dispatch with topk_idx": lambda: buffer.dispatch(x, other(ids, None), handle=handle),
+        "elastic cached dispatch foreign handle": lambda: buffer.dispatch(x, handle=other(object(), handle)),
+        "elastic combine short x": lambda: buffer.combine(other(recv[:-1], recv), handle),
+        "elastic combine foreign handle": lambda: buffer.combine(recv, other(("not", "a handle"), handle)),
+        "elastic combine 3-tuple bias": lambda: buffer.combine(recv, handle, bias=other((x, x, x), None)),
+        "elastic combine weights shape": lambda: buffer.combine(
+            recv, handle, topk_weights=other(recv_w[:, :1], recv_w)
+        ),
+    }
+    texts = {name: _same_error_at_once(rank, call) for name, call in kinds.items()}
+    again = dispatch()
+    assert torch.equal(again[0], recv) and torch.equal(
+        buffer.combine(again[0], again[3], topk_weights=again[2])[0], combined
+    )
+    return texts
+
+
 def _both(rank: int, world: int) -> dict[str, str]:
-    return {**_normal(rank, world), **_low_latency(rank, world)}
+    return {**_normal(rank, world), **_low_latency(rank, world), **_elastic(rank, world)}
 
 
 def test_one_bad_call_on_one_rank_is_the_same_value_error_on_every_rank_and_the_buffer_goes_on():
