@@ -18,9 +18,9 @@ import torch
 from epkit.collectives.ep import routing
 from epkit.collectives.ep.agreement import agree_on_handle, agree_rows
 from epkit.collectives.ep.context import EPContext
-from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, Rows
+from epkit.collectives.ep.handles import DispatchHandle, DispatchResult
 from epkit.collectives.ep.hier_rows import sum_by_host
-from epkit.collectives.ep.results import aligned_counts, finish_dispatch, gather_expanded
+from epkit.collectives.ep.results import cached_result, finish_dispatch
 from epkit.collectives.ep.rows import Bias, align_up, check_formats, format_code, sum_indexed_rows
 from epkit.collectives.exchange import Exchange
 
@@ -102,13 +102,7 @@ class FlatNormalPath:
             recv_x, recv_s, _, _ = self._send_rows(
                 x, scales, dummy_idx, dummy_w, handle.send_tokens, handle.recv_counts
             )
-        x_out: Rows = (recv_x, recv_s) if recv_s is not None else recv_x
-        if handle.expand:
-            assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
-            x_out = gather_expanded(ctx, recv_x, recv_s, handle.expanded_rows)
-        aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
-        idx, w = handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device)
-        return DispatchResult(x_out, idx, w, aligned, handle)
+        return cached_result(ctx, recv_x, recv_s, handle)
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias

@@ -57,11 +57,11 @@ from epkit.collectives.ep import routing
 from epkit.collectives.ep.agreement import Meanwhile, agree_on_handle, agree_rows
 from epkit.collectives.ep.config import RegionSizes
 from epkit.collectives.ep.context import EPContext
-from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, HierRoute, Rows
+from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, HierRoute
 from epkit.collectives.ep.hier_forward import Forward, Place
 from epkit.collectives.ep.hier_rows import field_offsets, last_sum_layout, rail_order, token_order
 from epkit.collectives.ep.result_slots import ResultSlots, result_slot_count
-from epkit.collectives.ep.results import aligned_counts, finish_dispatch, gather_expanded
+from epkit.collectives.ep.results import cached_result, finish_dispatch
 from epkit.collectives.ep.rows import META_MSG, Bias, align_up, check_formats, format_code, sum_indexed_rows
 from epkit.collectives.exchange import Exchange
 from epkit.collectives.symm_buffer import SymmBuffer
@@ -294,13 +294,7 @@ class HierNormalPath:
             cols = self._cols(x, scales, None)
             assert handle.hier is not None  # the agreement found it this buffer's: a hierarchical dispatch's
             recv_x, recv_s, _, _ = self._move(cols, x.dtype, scales, handle.hier, handle.recv_counts)
-        x_out: Rows = recv_x if recv_s is None else (recv_x, recv_s)
-        if handle.expand:
-            assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
-            x_out = gather_expanded(ctx, recv_x, recv_s, handle.expanded_rows)
-        aligned = aligned_counts(handle.recv_topk_idx, cfg.num_local_experts, handle.expert_alignment)
-        idx, w = handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device)
-        return DispatchResult(x_out, idx, w, aligned, handle)
+        return cached_result(ctx, recv_x, recv_s, handle)
 
     def _cols(
         self, x: torch.Tensor, scales: torch.Tensor | None, meta: tuple[torch.Tensor, torch.Tensor] | None

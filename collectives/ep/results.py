@@ -9,7 +9,7 @@ from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.handles import DispatchHandle, DispatchResult, HierRoute, Rows
 from epkit.collectives.ep.rows import expanded_layout
 
-__all__ = ["aligned_counts", "finish_dispatch", "gather_expanded"]
+__all__ = ["aligned_counts", "cached_result", "finish_dispatch", "gather_expanded"]
 
 
 def aligned_counts(recv_topk_idx: torch.Tensor, num_local: int, alignment: int) -> list[int]:
@@ -72,3 +72,17 @@ def finish_dispatch(
         hier=hier,
     )
     return DispatchResult(x_out, recv_idx.to(ctx.device), recv_w.to(ctx.device), aligned, handle)
+
+
+def cached_result(
+    ctx: EPContext, recv_x: torch.Tensor, recv_s: torch.Tensor | None, handle: DispatchHandle
+) -> DispatchResult:
+    """A cached dispatch's results from the rows it received along ``handle``'s routing (expanded as the handle's
+    dispatch was; the ids, weights and counts are the handle's)."""
+    x_out: Rows = recv_x if recv_s is None else (recv_x, recv_s)
+    if handle.expand:
+        assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
+        x_out = gather_expanded(ctx, recv_x, recv_s, handle.expanded_rows)
+    aligned = aligned_counts(handle.recv_topk_idx, ctx.cfg.num_local_experts, handle.expert_alignment)
+    idx, w = handle.recv_topk_idx.to(ctx.device), handle.recv_topk_weights.to(ctx.device)
+    return DispatchResult(x_out, idx, w, aligned, handle)
