@@ -96,8 +96,10 @@ def test_import_paths_names_and_signatures():
         assert got == want, name
     k_grouped = "get_k_grouped_mn_major_tma_aligned_packed_ue8m0_tensor"
     assert getattr(layout, k_grouped) is getattr(utils, k_grouped) is getattr(deep_gemm, k_grouped)
-    with pytest.raises(AttributeError, match="has no attribute 'init_dist': .*DeepGEMM itself"):
-        utils.init_dist  # noqa: B018
+    from epkit.compat.deep_gemm.utils import dist
+
+    assert utils.init_dist is dist.init_dist is deep_gemm.init_dist  # DeepGEMM binds them in utils and at the top
+    assert utils.uneven_all_gather is dist.uneven_all_gather is deep_gemm.uneven_all_gather
 
 
 def test_integer_rounding():

@@ -43,8 +43,10 @@ HEAD_WORDS = 16
 #: rejection's text, so all of them raise the same message.
 TEXT_WORDS = META_MSG // 8
 ROW_WORDS = HEAD_WORDS + TEXT_WORDS
-#: The calls that agree, by their code in a row (1-based): every call of a buffer that moves rows, and its barrier.
-KINDS = ("dispatch", "low_latency_dispatch", "cached dispatch", "combine", "low_latency_combine", "barrier")
+#: The calls that agree, by their code in a row (1-based): every call of a buffer that moves rows, and its barrier;
+#: the last two are ``epkit.compat.deep_gemm``'s Mega MoE layer calls, which agree the same way.
+KINDS = ("dispatch", "low_latency_dispatch", "cached dispatch", "combine", "low_latency_combine", "barrier",
+         "fp8_fp4_mega_moe", "bf16_mega_moe")  # fmt: skip
 #: dtypes by their code in a row (another dtype is ``len(DTYPES)``); -1 is a value a rejected call could not tell.
 DTYPES = (
     torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,

@@ -7,8 +7,8 @@ a gap from a boundary:
 
 - :data:`NOT_YET_PROVIDED`: GEMMs and helpers in epkit's scope (MoE GEMMs and what engines call around them) that
   epkit has not written yet;
-- :data:`OUT_OF_SCOPE`: DeepGEMM's attention-indexer, hyper-connection and legacy kernels and its multi-GPU test
-  harness, which epkit does not mean to provide.
+- :data:`OUT_OF_SCOPE`: DeepGEMM's attention-indexer, hyper-connection and legacy kernels, which epkit does not mean
+  to provide.
 
 A name in neither table and not provided is not part of DeepGEMM's interface as epkit knows it; its
 ``AttributeError`` says so. ``epkit info`` lists the provided names and both tables (:func:`coverage`).
@@ -25,14 +25,7 @@ __all__ = ["NOT_YET_PROVIDED", "OUT_OF_SCOPE", "PATHS", "INSTALL", "missing_name
 INSTALL = "DeepGEMM itself (github.com/deepseek-ai/DeepGEMM, `import deep_gemm`) on an sm_90 or sm_100 GPU"
 
 #: DeepGEMM's names in epkit's scope that epkit does not provide yet: name -> what it is in DeepGEMM.
-NOT_YET_PROVIDED: dict[str, str] = {
-    "mega": "mega-MoE module (dispatch, expert GEMMs and combine in one kernel)",
-    "SymmBuffer": "mega-MoE symmetric buffer",
-    "get_symm_buffer_for_mega_moe": "mega-MoE symmetric buffer constructor",
-    "transform_weights_for_mega_moe": "mega-MoE weight layout",
-    "fp8_fp4_mega_moe": "mega-MoE layer with FP8/FP4 weights",
-    "bf16_mega_moe": "mega-MoE layer with BF16 weights",
-}
+NOT_YET_PROVIDED: dict[str, str] = {}
 
 _KERNELS = "epkit's grouped GEMM kernels (Triton on CUDA, epkit's CPU path on CPU)"
 _TORCH = "torch fallback on every device (float32 matmuls of dequantized operands)"
@@ -45,6 +38,9 @@ PATHS: dict[str, str] = {
     "cublaslt_gemm_*": "torch: torch._scaled_mm with unit scales (FP8 on CUDA), else a float32 matmul",
     "einsum": "torch: float32 matmuls ('bmk,bnk->mn'), torch.einsum on the bf16 operands (the bhr/bhd forms)",
     "fp8_einsum": _KERNELS + " per head ('bhr,hdr->bhd', 'bhd,hdr->bhr'); " + _TORCH + " ('bhd,bhr->hdr')",
+    "m_grouped_fp8_fp4_gemm_nt_contiguous with recipe=(1, 1, 32) (1x32 activation scales)": _TORCH,
+    "fp8_fp4_mega_moe, bf16_mega_moe": "EPBuffer's expanded dispatch and unsummed combine (shm on CPU ranks, nvshmem "
+    "on CUDA ranks, untested there), the m-grouped GEMMs above (FP8xFP4: the torch fallback), a torch SwiGLU",
 }
 
 _ATTENTION = "attention-indexer kernel"
@@ -58,8 +54,6 @@ OUT_OF_SCOPE: dict[str, str] = {
     "fp8_gemm_nt_skip_head_mid": f"{_ATTENTION} (FP8 GEMM skipping the middle heads)",
     "tf32_hc_prenorm_gemm": "hyper-connection kernel (TF32 GEMM with the pre-norm)",
     "legacy": "Triton kernels for A100 (deep_gemm.legacy)",
-    "init_dist": "multi-GPU test harness (NCCL process group from environment variables)",
-    "uneven_all_gather": "multi-GPU test harness (all-gather of uneven tensors)",
 }
 
 

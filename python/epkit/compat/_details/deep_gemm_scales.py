@@ -262,8 +262,10 @@ def check_flags(
     expected_m_for_psum_layout: object = None,
 ) -> None:
     """The settings that change no result here (see ``epkit.compat.deep_gemm``) are still checked for type."""
-    if not isinstance(compiled_dims, str) or not compiled_dims or set(compiled_dims) - set("mnk"):
-        raise ValueError(f"{fn}: compiled_dims must be a string of m, n and k (e.g. 'nk'), got {compiled_dims!r}")
+    if not isinstance(compiled_dims, str) or set(compiled_dims) - set("mnk"):
+        raise ValueError(
+            f"{fn}: compiled_dims must be a string of m, n and k (e.g. 'nk', or '' for none), got {compiled_dims!r}"
+        )
     for name, value in (
         ("disable_ue8m0_cast", disable_ue8m0_cast),
         ("use_psum_layout", use_psum_layout),

@@ -30,11 +30,17 @@ Supported (refusals raise ``ValueError`` naming DeepGEMM's parameter):
   in DeepGEMM's expressions (``deep_gemm_einsum``). Which run on epkit's kernels and which on a torch fallback:
   ``deep_gemm_coverage.PATHS``, shown by ``epkit info``.
 
+- ``m_grouped_fp8_fp4_gemm_nt_contiguous`` with ``recipe=(1, 1, 32)`` (1x32 activation scales, DeepGEMM's SM100
+  MXFP8xMXFP4 recipe): a torch fallback (``deep_gemm_mx_grouped``); ``compiled_dims=''`` is taken;
+- the Mega MoE interface (:mod:`.mega`: ``get_symm_buffer_for_mega_moe``, ``transform_weights_for_mega_moe``,
+  ``fp8_fp4_mega_moe``, ``bf16_mega_moe``) over EPBuffer and the GEMMs above, and ``utils.dist`` (``init_dist``,
+  ``uneven_all_gather``, ``dist_print``: gloo on the CPU).
+
 Not provided: FP4 activations, and DeepGEMM's names in the tables of ``epkit.compat._details.deep_gemm_coverage``
-(``epkit info`` lists them): the mega-MoE interface is not yet provided; the attention-indexer and hyper-connection
-kernels and DeepGEMM's multi-GPU test harness (``utils.dist``) are outside epkit's scope. Such a name raises an
-``AttributeError`` saying which it is and what to install for it (DeepGEMM itself, on an sm_90 or sm_100 GPU), an
-``ImportError`` with that message under ``from ... import``; a name DeepGEMM does not have says that instead.
+(``epkit info`` lists them): the attention-indexer and hyper-connection kernels are outside epkit's scope. Such a
+name raises an ``AttributeError`` saying which it is and what to install for it (DeepGEMM itself, on an sm_90 or
+sm_100 GPU), an ``ImportError`` with that message under ``from ... import``; a name DeepGEMM does not have says that
+instead.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from epkit.compat._details.deep_gemm_k_grouped import (
     k_grouped_fp8_gemm_nt_contiguous,
     k_grouped_fp8_gemm_tn_contiguous,
 )
+from epkit.compat._details.deep_gemm_mx_grouped import is_mx_recipe, m_grouped_fp8_fp4_mx_contiguous
 from epkit.compat._details.deep_gemm_operands import (
     Gran,
     Pair,
@@ -95,7 +102,14 @@ from epkit.compat._details.deep_gemm_scales import (
     check_flags,
     transform_sf_into_required_layout,
 )
-from epkit.compat.deep_gemm import testing, utils
+from epkit.compat.deep_gemm import mega, testing, utils
+from epkit.compat.deep_gemm.mega import (
+    SymmBuffer,
+    bf16_mega_moe,
+    fp8_fp4_mega_moe,
+    get_symm_buffer_for_mega_moe,
+    transform_weights_for_mega_moe,
+)
 from epkit.compat.deep_gemm.utils import (  # DeepGEMM's top level has them too (``from .utils import *``)
     align,
     cast_back_from_fp4,
@@ -109,6 +123,7 @@ from epkit.compat.deep_gemm.utils import (  # DeepGEMM's top level has them too 
     get_mn_major_tma_aligned_tensor,
     get_theoretical_mk_alignment_for_contiguous_layout,
     get_tma_aligned_size,
+    init_dist,
     pack_ue8m0_to_int,
     per_block_cast_to_fp8,
     per_channel_cast_to_fp8,
@@ -117,6 +132,7 @@ from epkit.compat.deep_gemm.utils import (  # DeepGEMM's top level has them too 
     per_token_cast_to_fp8,
     set_mk_alignment_for_contiguous_layout,
     transpose_packed_fp4,
+    uneven_all_gather,
     unpack_ue8m0_from_int,
 )
 
@@ -165,6 +181,12 @@ __all__ = [
     "m_grouped_bf16_gemm_nt_masked",
     "fp8_m_grouped_gemm_nt_masked",
     "bf16_m_grouped_gemm_nt_masked",
+    "mega",
+    "SymmBuffer",
+    "get_symm_buffer_for_mega_moe",
+    "transform_weights_for_mega_moe",
+    "fp8_fp4_mega_moe",
+    "bf16_mega_moe",
     "utils",
     "testing",
     # deep_gemm.utils's names
@@ -189,6 +211,8 @@ __all__ = [
     "set_mk_alignment_for_contiguous_layout",
     "transpose_packed_fp4",
     "unpack_ue8m0_from_int",
+    "init_dist",
+    "uneven_all_gather",
 ]
 
 
@@ -210,8 +234,11 @@ def _m_grouped_fp8_fp4_gemm_nt_contiguous(
     """``d[i] = a[i] @ b[grouped_layout[i]].T``: FP8 ``a`` (``(e4m3 [M, K], scales)``) with FP8 ``b`` (``(e4m3 [G, N,
     K], float32 [G, N/128, K/128])``) or packed FP4 ``b`` (``(int8 [G, N, K/2], int32 [G, N, K/128] packed UE8M0 or
     float32 [G, N, K/32])``); ``grouped_layout [M]`` int32 (-1 padding; each group starting a multiple of the
-    alignment) or, with ``use_psum_layout``, ``[G]`` cumulative row ends. ``d [M, N]`` bf16/float32 is written."""
+    alignment) or, with ``use_psum_layout``, ``[G]`` cumulative row ends. ``d [M, N]`` bf16/float32 is written.
+    ``recipe=(1, 1, 32)`` (1x32 activation scales, FP4 ``b``): a torch fallback (``deep_gemm_mx_grouped``)."""
     check_flags(fn, compiled_dims, disable_ue8m0_cast, use_psum_layout, ensure_zero_padding, expected_m_for_psum_layout)
+    if is_mx_recipe(recipe, recipe_a, recipe_b):
+        return m_grouped_fp8_fp4_mx_contiguous(fn, a, b, d, grouped_layout, use_psum_layout)
     return _grouped(fn, a, b, d, grouped_layout, recipe, recipe_a, recipe_b, use_psum_layout, nn=False)
 
 
