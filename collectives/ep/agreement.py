@@ -11,7 +11,7 @@ import torch
 
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.handles import DispatchHandle
-from epkit.collectives.ep.rows import META_MSG, decode_error, encode_error
+from epkit.collectives.ep.rows import META_MSG, ROW_DTYPES, check_formats, decode_error, encode_error, format_code
 
 __all__ = ["Meanwhile", "agree_on_handle", "agree_rows", "error_text", "judge_agreement"]
 
@@ -51,25 +51,39 @@ def agree_rows(
 
 
 def agree_on_handle(
-    ctx: EPContext, what: str, handle: DispatchHandle, error: str | None, meanwhile: Meanwhile = None
+    ctx: EPContext,
+    what: str,
+    handle: DispatchHandle,
+    error: str | None,
+    meanwhile: Meanwhile = None,
+    fmt: tuple[torch.dtype, bool] | None = None,
 ) -> None:
     """Before any row of a combine or cached dispatch moves: every rank tells every rank which dispatch its
-    handle comes from, or why its call is invalid (one small exchange). Raises the same ValueError on every rank
-    unless every call is valid and every handle is this buffer's, from one and the same dispatch (a handle of
-    another buffer, or a stale one on some ranks, would pair rows that do not belong together). The buffer stays
-    usable either way. ``meanwhile``: work of this rank's to do while the messages move."""
+    handle comes from and the format of the rows it will send (``fmt``: their dtype and whether FP8 scales come
+    with them), or why its call is invalid (one small exchange). Raises the same ValueError on every rank unless
+    every call is valid, every handle is this buffer's, from one and the same dispatch (a handle of another buffer,
+    or a stale one on some ranks, would pair rows that do not belong together), and every rank's rows have one
+    format (each rank sizes what it receives by its own). The buffer stays usable either way. ``meanwhile``: work
+    of this rank's to do while the messages move."""
     w = ctx.cfg.world_size
-    head = torch.zeros(3, dtype=torch.int64)
+    head = torch.zeros(4, dtype=torch.int64)
     if error is None:
-        head[:] = torch.tensor([0, handle.buffer_id, handle.epoch])
+        code = format_code(*fmt) if fmt is not None and fmt[0] in ROW_DTYPES else 0
+        head[:] = torch.tensor([0, handle.buffer_id, handle.epoch, code])
     else:
         head[0] = -1
     msg = torch.cat([head.view(torch.uint8), encode_error(error or "")])
     got = ctx.buffer.all_to_all(
         [msg] * w, [msg.numel()] * w, ctx.region_bytes, tag=f"{what} agreement", meanwhile=meanwhile
     )
-    heads = [g[:24].view(torch.int64).tolist() for g in got]
-    judge_agreement(ctx, what, heads, lambda r: decode_error(got[r][24:]))
+    heads = [g[:32].view(torch.int64).tolist() for g in got]
+    judge_agreement(ctx, what, [h[:3] for h in heads], lambda r: decode_error(got[r][32:]))
+    formats = [h[3] for h in heads]
+    if len(set(formats)) != 1:
+        try:
+            check_formats(formats, ctx.cfg.ranks, "the rows (x)" if what == "cached dispatch" else "the rows (y)")
+        except ValueError as exc:
+            raise ValueError(f"{what} rejected on every rank before any row moved: {exc}") from None
 
 
 def judge_agreement(ctx: EPContext, what: str, heads: list[list[int]], text_of: Callable[[int], str]) -> None:

@@ -95,7 +95,7 @@ class FlatNormalPath:
         """A dispatch along an earlier one's routing (``handle``), after the handle agreement."""
         ctx, cfg = self.ctx, self.cfg
         error = routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
-        agree_on_handle(ctx, "cached dispatch", handle, error)
+        agree_on_handle(ctx, "cached dispatch", handle, error, fmt=(x.dtype, scales is not None) if not error else None)
         dummy_idx = torch.full((x.shape[0], cfg.num_topk), -1, dtype=torch.int64)
         dummy_w = torch.zeros((x.shape[0], cfg.num_topk), dtype=torch.float32)
         with ctx.retire_on_failure("cached dispatch"):
@@ -110,7 +110,7 @@ class FlatNormalPath:
         """Combine (see ``EPBuffer.combine``): the handle agreement, then the rows."""
         ctx = self.ctx
         error, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
-        agree_on_handle(ctx, "combine", handle, error)
+        agree_on_handle(ctx, "combine", handle, error, fmt=(y.dtype, False) if not error else None)
         with ctx.retire_on_failure("combine"):
             return self._combine_rows(y, handle, weights, biases)
 
@@ -238,7 +238,7 @@ class FlatNormalPath:
         rows each rank sends back, copied out of the exchange."""
         ctx = self.ctx
         error, _, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, None, False)
-        agree_on_handle(ctx, "combine", handle, error)
+        agree_on_handle(ctx, "combine", handle, error, fmt=(y.dtype, False) if not error else None)
         with ctx.retire_on_failure("combine"):
             ex, sources = self._rows_back(y, handle, weights)
             rows = [s.clone() for s in sources]

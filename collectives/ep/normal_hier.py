@@ -186,7 +186,7 @@ class HierNormalPath:
                 plan.clear()
 
         valid = error is None and handle.hier is not None
-        agree_on_handle(ctx, "combine", handle, error, prepare if valid else None)
+        agree_on_handle(ctx, "combine", handle, error, prepare if valid else None, (y.dtype, False) if valid else None)
         with ctx.retire_on_failure("combine"):
             return self._combine(y, handle, weights, biases, plan)
 
@@ -289,7 +289,8 @@ class HierNormalPath:
         """A dispatch along an earlier one's routing (``handle``): rows and scales only cross hosts."""
         ctx, cfg = self.ctx, self.cfg
         error = routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
-        agree_on_handle(ctx, "cached dispatch", handle, error)  # a handle of another buffer is rejected here
+        fmt = (x.dtype, scales is not None) if not error else None
+        agree_on_handle(ctx, "cached dispatch", handle, error, fmt=fmt)  # a handle of another buffer is rejected here
         with ctx.retire_on_failure("cached dispatch"):
             cols = self._cols(x, scales, None)
             assert handle.hier is not None  # the agreement found it this buffer's: a hierarchical dispatch's

@@ -54,14 +54,15 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 Bias = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | None
 
 
-def check_formats(formats: list[int], global_ranks: Sequence[int]) -> None:
-    """Every rank sees every rank's row format (word 0 of the layout messages), so every rank raises alike."""
+def check_formats(formats: list[int], global_ranks: Sequence[int], rows: str = "dispatch rows (x)") -> None:
+    """Every rank sees every rank's row format (word 0 of the layout messages, or the handle agreement's), so every
+    rank raises alike; ``rows`` names the rows in the message."""
     if len(set(formats)) != 1:
         names = [
             f"{rank_name(r, global_ranks)}: {ROW_DTYPES[(f - 1) // 2]}{' + FP8 scales' if (f - 1) % 2 else ''}"
             for r, f in enumerate(formats)
         ]
-        raise ValueError("dispatch rows (x) differ in format across ranks (" + "; ".join(names) + ")")
+        raise ValueError(f"{rows} differ in format across ranks (" + "; ".join(names) + ")")
 
 
 def format_code(dtype: torch.dtype, has_scales: bool) -> int:
