@@ -129,7 +129,10 @@ def _low_latency(rank: int, world: int) -> dict[str, str]:
         ),
     }
     texts = {name: _same_error_at_once(rank, call) for name, call in kinds.items()}
-    again, again_count, again_handle, _, _ = dispatch()
+    # int32 ids on one rank, int64 on the other: both DeepEP's kinds, one exchange
+    again, again_count, again_handle, _, _ = buffer.low_latency_dispatch(
+        x, other(ids.int(), ids), N_MAX, num_experts, use_fp8=False
+    )
     assert torch.equal(again_count, count)
     for e, n in enumerate(count.tolist()):
         assert torch.equal(again[e, :n], recv[e, :n]), f"expert {e} after the rejected calls"
@@ -157,6 +160,12 @@ def _elastic(rank: int, world: int) -> dict[str, str]:
     kinds = {
         "elastic dispatch float32 x": lambda: buffer.dispatch(
             other(x.float(), x), ids, weights, num_experts=num_experts
+        ),
+        "elastic dispatch scales dtype": lambda: buffer.dispatch(
+            (x.float().to(torch.float8_e4m3fn), torch.ones(TOKENS, 1, dtype=other(torch.float64, torch.float32))),
+            ids,
+            weights,
+            num_experts=num_experts,
         ),
         "elastic dispatch ids out of range": lambda: buffer.dispatch(
             x, other(ids + num_experts, ids), weights, num_experts=num_experts

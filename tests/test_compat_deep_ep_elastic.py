@@ -95,6 +95,22 @@ def _run(rank: int, world: int) -> str:
         # cached: the same rows, the same handle
         cached = buffer.dispatch(x * 2, handle=handle)
         assert cached[3] is handle and torch.equal(cached[0], (ref_x.float() * 2).bfloat16())
+    # FP8 rows with float32 scales: the same rows and scales (the scales' TMA strides as asked)
+    scales = torch.rand(x.shape[0], HIDDEN // 128) + 0.5
+    fp8 = x.float().to(torch.float8_e4m3fn)
+    (f_x, f_s), *_ = buffer.dispatch(
+        (fp8, scales), ids, weights, num_experts=num_experts, use_tma_aligned_col_major_sf=True
+    )
+    every_s, every_f = _all(scales), _all(fp8.view(torch.uint8))
+    if mine:
+        assert torch.equal(f_x.view(torch.uint8), torch.stack([every_f[s][t] for s, t in mine]))
+        assert torch.equal(f_s, torch.stack([every_s[s][t] for s, t in mine])) and f_s.stride(0) == 1
+    # a cached dispatch with new weights: they travel too
+    new_w = weights * 3
+    _, _, cached_w, _, _ = buffer.dispatch(x, handle=handle, topk_weights=new_w)
+    every_new = _all(new_w)
+    for j, (src, t) in enumerate(mine):
+        assert torch.equal(cached_w[j], every_new[src][t]), f"cached weights of row {j}"
     # worst-case shapes without a host sync: the valid rows first
     wc_x, wc_idx, _, wc_handle, _ = buffer.dispatch(x, ids, weights, num_experts=num_experts, do_cpu_sync=False)
     assert wc_x.shape[0] == N_MAX * world and torch.equal(wc_x[: len(mine)], ref_x)

@@ -21,7 +21,7 @@ from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.handles import DispatchHandle, DispatchResult
 from epkit.collectives.ep.hier_rows import sum_by_host
 from epkit.collectives.ep.results import cached_result, finish_dispatch
-from epkit.collectives.ep.rows import Bias, align_up, check_formats, format_code, sum_indexed_rows
+from epkit.collectives.ep.rows import Bias, align_up, check_formats, format_code, row_bytes, sum_indexed_rows
 from epkit.collectives.exchange import Exchange
 
 __all__ = ["FlatNormalPath"]
@@ -150,8 +150,8 @@ class FlatNormalPath:
         result: a peer with a slot gets the x and scale rows written straight into it (``ep/result_slots``)."""
         w, K, h, me = self.cfg.world_size, self.cfg.num_topk, self.cfg.hidden, self.cfg.rank
         xb, sb = x.element_size() * h, (4 * scales.shape[1] if scales is not None else 0)
-        x_bytes = x.contiguous().view(torch.uint8).view(x.shape[0], xb)
-        s_bytes = scales.contiguous().view(torch.uint8).view(x.shape[0], sb) if scales is not None else None
+        x_bytes = row_bytes(x)
+        s_bytes = row_bytes(scales) if scales is not None else None
         ids, topk_weights = topk_idx.long(), topk_weights.float().contiguous()
         total = sum(recv_counts)
         offs = [sum(recv_counts[:r]) for r in range(w + 1)]

@@ -62,7 +62,15 @@ from epkit.collectives.ep.hier_forward import Forward, Place
 from epkit.collectives.ep.hier_rows import field_offsets, last_sum_layout, rail_order, token_order
 from epkit.collectives.ep.result_slots import ResultSlots, result_slot_count
 from epkit.collectives.ep.results import cached_result, finish_dispatch
-from epkit.collectives.ep.rows import META_MSG, Bias, align_up, check_formats, format_code, sum_indexed_rows
+from epkit.collectives.ep.rows import (
+    META_MSG,
+    Bias,
+    align_up,
+    check_formats,
+    format_code,
+    row_bytes,
+    sum_indexed_rows,
+)
 from epkit.collectives.exchange import Exchange
 from epkit.collectives.symm_buffer import SymmBuffer
 
@@ -302,10 +310,9 @@ class HierNormalPath:
     ) -> list[torch.Tensor]:
         """The fields of a rail message, as ``[T, width]`` uint8 views: the rows, their FP8 scales, and for a dispatch
         (``meta``: global ids int32, weights float32 ``[T, K]``) the routing, in the rows' memory."""
-        xb = x.element_size() * self.cfg.hidden
-        cols = [x.contiguous().view(torch.uint8).view(x.shape[0], xb)]
+        cols = [row_bytes(x)]
         if scales is not None:
-            cols.append(scales.contiguous().view(torch.uint8).view(x.shape[0], 4 * scales.shape[1]))
+            cols.append(row_bytes(scales))
         if meta is not None:
             cols += [
                 m.to(x.device).contiguous().view(torch.uint8).view(x.shape[0], 4 * self.cfg.num_topk) for m in meta

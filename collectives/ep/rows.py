@@ -65,6 +65,15 @@ def check_formats(formats: list[int], global_ranks: Sequence[int], rows: str = "
         raise ValueError(f"{rows} differ in format across ranks (" + "; ".join(names) + ")")
 
 
+def row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t [R, C]`` as ``[R, C * itemsize]`` uint8 rows (contiguous); an empty ``t`` of any strides too (torch keeps
+    a broadcast stride of 0 on an empty tensor, which ``view`` to bytes refuses)."""
+    rows, width = t.shape[0], t.shape[1] * t.element_size()
+    if t.numel() == 0:
+        return torch.empty((rows, width), dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8).view(rows, width)
+
+
 def format_code(dtype: torch.dtype, has_scales: bool) -> int:
     """The row format code a dispatch's layout message carries (word 0): ``1 + 2 * dtype index + scales``."""
     return 1 + 2 * ROW_DTYPES.index(dtype) + int(has_scales)

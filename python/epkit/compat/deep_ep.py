@@ -1,6 +1,6 @@
-"""DeepEP's legacy ``Buffer`` interface (deepseek-ai/DeepEP, ``deep_ep.Buffer``) on
+"""DeepEP's interface (deepseek-ai/DeepEP: the legacy ``deep_ep.Buffer`` and V2's ``deep_ep.ElasticBuffer``) on
 :class:`~epkit.collectives.ep_buffer.EPBuffer`: ``import epkit.compat.deep_ep as deep_ep`` where an engine had
-``import deep_ep``.
+``import deep_ep``. This module is the legacy ``Buffer``; ``_details/deep_ep_elastic.py`` says how V2's calls map.
 
 Every public method of DeepEP's legacy ``Buffer`` but the internode and rank-masking ones, with DeepEP's names,
 parameter names and order, defaults, return arity and tensor layouts (the low-latency FP8 scales column-major,

@@ -21,12 +21,14 @@ How V2's calls map:
 - ``do_cpu_sync=False`` gives the worst-case shapes V2 gives (``num_max_tokens_per_rank * num_ranks`` rows, the
   expanded worst case), the valid rows first; epkit's normal mode still reads the counts on the host, so on CUDA
   such a call is not yet capturable in a graph.
-- Accepted with no effect (checked for type): ``num_bytes`` / ``num_cpu_bytes`` (recorded; epkit sizes its
+- Accepted with no effect: the constructor's ``num_bytes`` / ``num_cpu_bytes`` (recorded; epkit sizes its
   EPBuffers per call shape), ``use_fp8_dispatch``, ``allow_hybrid_mode``, ``prefer_overlap_with_compute``,
-  ``sl_idx``, ``num_gpu_timeout_secs``, ``num_sms`` / ``num_qps`` (recorded in the handle; epkit's host paths
-  use no SMs), ``previous_event_before_epilogue``, ``allocate_on_comm_stream`` (no communication stream),
-  ``use_tma_aligned_col_major_sf`` (the scales' values; their strides are TMA's). ``num_cpu_timeout_secs`` is
-  every wait's timeout.
+  ``sl_idx``, ``num_gpu_timeout_secs`` (checked for type); the calls' ``num_sms`` (recorded in the handle, as
+  V2's) and ``num_qps`` (checked against ``num_allocated_qps``; epkit's host paths use neither),
+  ``previous_event_before_epilogue``, ``allocate_on_comm_stream`` (no communication stream),
+  ``async_with_compute_stream`` (an event is returned either way) and ``do_zero_padding`` (padding is always
+  zero). ``use_tma_aligned_col_major_sf`` gives the scales V2's TMA strides. ``num_cpu_timeout_secs`` is every
+  wait's timeout.
 - Not provided yet (``AttributeError`` saying so): Engram (``engram_write`` / ``engram_fetch``), pipeline
   send/receive (``pp_*``) and the all-gather session (``agrs_*``, ``all_gather``).
 """
@@ -58,7 +60,8 @@ _NOT_YET = {
 
 
 class ElasticBuffer:
-    """DeepEP V2's elastic buffer (expert-parallel dispatch and combine) on CPU ranks or CUDA (module docstring).
+    """DeepEP V2's elastic buffer (expert-parallel dispatch and combine) on CPU ranks; on CUDA the same host-driven
+    flat path over NVSHMEM, not yet run on a GPU (module docstring).
 
     Attributes (V2's): ``group``, ``rank_idx``, ``num_ranks``, ``num_bytes``, ``num_max_tokens_per_rank``,
     ``num_allocated_qps``, ``num_scaleout_ranks`` (1), ``num_scaleup_ranks`` (``num_ranks``),
@@ -193,12 +196,11 @@ class ElasticBuffer:
         return max(4, min(total - total % 2, align(int(need), 2)))
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """QPs for ``num_sms`` SMs (V2's rule: ``min(num_sms, 9)``, ``num_sms * 16 + 1`` in hybrid mode), capped by
-        :attr:`num_allocated_qps`."""
+        """QPs for ``num_sms`` SMs: V2's rule for one scale-out domain (epkit's group is one), ``min(num_sms, 9)``,
+        capped by :attr:`num_allocated_qps`."""
         if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0:
             raise ValueError(f"get_theoretical_num_qps: num_sms must be a positive int, got {num_sms!r}")
-        want = num_sms * 16 + 1 if self.allow_hybrid_mode and self.num_scaleout_ranks > 1 else min(num_sms, 9)
-        return min(want, self.num_allocated_qps)
+        return min(num_sms, 9, self.num_allocated_qps)
 
     # streams and lifetime
 
@@ -224,8 +226,6 @@ class ElasticBuffer:
                 "ElasticBuffer.destroy() needs ElasticBuffer(..., explicitly_destroy=True), as in DeepEP"
             )
         self._session.destroy()
-
-    # dispatch
 
     # the calls (ElasticDispatch and ElasticCombine hold their signatures and docstrings)
 

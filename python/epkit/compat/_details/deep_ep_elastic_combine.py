@@ -11,6 +11,7 @@ from epkit.collectives.ep.rows import sum_indexed_rows
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
 from epkit.compat._details.deep_ep_handles import EPHandle
 from epkit.compat._details.deep_ep_session import Session, new_v2_event
+from epkit.compat._details.ep_unsummed import rows_in_rank, slot_rows_back
 
 __all__ = ["ElasticCombine"]
 
@@ -67,8 +68,10 @@ class ElasticCombine:
                 raise ValueError(f"topk_weights must be {list(want_w)} (or more rows), got {topk_weights!r:.60}")
             t_num = handle.topk_idx.shape[0]
             for b in bias if isinstance(bias, tuple) else (() if bias is None else (bias,)):
-                if not isinstance(b, torch.Tensor) or tuple(b.shape) != (t_num, hidden):
-                    raise ValueError(f"bias must be [{t_num}, {hidden}] (or a pair of them), got {b!r:.60}")
+                if not isinstance(b, torch.Tensor) or tuple(b.shape) != (t_num, hidden) or b.device != x.device:
+                    raise ValueError(f"bias must be [{t_num}, {hidden}] on x's device (or a pair), got {b!r:.60}")
+            if topk_weights is not None and handle.topk_idx.shape[1] > hidden:
+                raise ValueError(f"topk_weights has more columns ({handle.topk_idx.shape[1]}) than hidden ({hidden})")
             if isinstance(bias, tuple) and len(bias) != 2:
                 raise ValueError(f"bias must be a tensor or a pair, got a tuple of {len(bias)}")
         except ValueError as exc:
@@ -108,23 +111,11 @@ class ElasticCombine:
                 last[hit, owner[hit, j]] = j
             order = torch.sort(torch.where(last >= 0, last, k), dim=1, stable=True).indices  # [T, W] ranks
             src_of = torch.where(torch.gather(last, 1, order) >= 0, first + order, -1)
-            row_of = torch.gather(self._rows_of(handle, t_num), 1, order)
+            row_of = torch.gather(rows_in_rank(handle.send_tokens, t_num), 1, order)
         else:  # every (token, k) row back, added k ascending
-            assert h.expanded_slot is not None and h.expanded_rows is not None
-            n_exp = h.expanded_rows.numel()
-            src_of = torch.full((t_num, k), -1, dtype=torch.int64)
-            row_of = torch.zeros((t_num, k), dtype=torch.int64)
-            rows_of = self._rows_of(handle, t_num)
-            for j in range(k):
-                lane = torch.zeros((n_exp, x.shape[1]), dtype=x.dtype, device=x.device)
-                keep = h.expanded_slot[:, j]
-                lane[keep[keep >= 0].to(x.device)] = x[keep[keep >= 0].to(x.device)]
-                back = buf.combine_unsummed(lane, h, torch.ones((n_recv, k), dtype=torch.float32))
-                base = len(terms)
-                terms += [r.float().cpu() for r in back]
-                hit = owner[:, j] >= 0
-                src_of[hit, j] = base + owner[hit, j]
-                row_of[hit, j] = rows_of[hit, owner[hit, j]]
+            slot_terms, src_of, row_of = slot_rows_back(buf, h, x, owner)
+            src_of = torch.where(src_of >= 0, src_of + len(terms), -1)
+            terms += slot_terms
         if biases:
             src_of = torch.cat([torch.zeros((t_num, 1), dtype=torch.int64), src_of], 1)
             row_of = torch.cat([torch.arange(t_num).unsqueeze(1), row_of], 1)
@@ -133,15 +124,6 @@ class ElasticCombine:
             return out.zero_().to(x.device)
         return sum_indexed_rows(out, terms, src_of, row_of.clamp(min=0)).to(x.device)
 
-    @staticmethod
-    def _rows_of(handle: EPHandle, t_num: int) -> torch.Tensor:
-        """``[T, W]`` int64: the row of rank r's returned rows that token t is (where it was sent)."""
-        w = len(handle.send_tokens)
-        rows = torch.zeros((t_num, w), dtype=torch.int64)
-        for r, t in enumerate(handle.send_tokens):
-            rows[t, r] = torch.arange(t.numel())
-        return rows
-
     def _combine_weights(self, topk_weights: torch.Tensor, handle: EPHandle) -> torch.Tensor:
         """Each top-k weight back from the rank that holds its expert (V2's combined_topk_weights: the weights as
         sent, 0 where ``topk_idx`` is -1)."""
@@ -149,8 +131,7 @@ class ElasticCombine:
         buf, h = handle.buffer, handle.handle
         ids = handle.topk_idx.cpu().long()
         t_num, k = ids.shape
-        if k > buf.hidden:
-            raise ValueError(f"combine: topk_weights has more columns ({k}) than hidden ({buf.hidden})")
+        assert k <= buf.hidden  # checked in the agreement: the weights travel in a row's first k columns
         n_recv = len(h.recv_topk_idx)
         if handle.do_expand:
             assert h.expanded_slot is not None and h.expanded_rows is not None
@@ -165,7 +146,7 @@ class ElasticCombine:
             back = buf.combine_unsummed(y.to(buf.device), h)
         local = handle.num_experts // self.s.group_size
         owner = torch.where(ids >= 0, ids // local, -1)
-        rows_of = self._rows_of(handle, t_num)
+        rows_of = rows_in_rank(handle.send_tokens, t_num)
         out = torch.zeros((t_num, k), dtype=torch.float32)
         for r, rows in enumerate(back):
             rows = rows.cpu()

@@ -10,7 +10,7 @@ from typing import Any, overload
 
 import torch
 
-from epkit.compat._details.deep_ep_agreement import FieldValue
+from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
 from epkit.compat._details.deep_ep_handles import EPHandle, normal_handle
 from epkit.compat._details.deep_ep_layouts import carry_scales, restore_scales
@@ -91,12 +91,10 @@ class ElasticDispatch:
         wait_for(None if previous_event is None else EventOverlap(previous_event))
         assert x0 is not None and isinstance(topk_idx, torch.Tensor) and isinstance(num_experts, int)
         assert isinstance(expert_alignment, int)  # the agreement raised unless every check passed on every rank
-        words = None
-        if sf is not None:
-            words, cols, sdtype = carry_scales(sf, x0.shape[0], x0.shape[1])
+        words, cols, sdtype = call.words, call.cols, call.sdtype
         rows = (x0, words) if words is not None else x0
         if handle is not None:
-            out = self._cached(rows, handle, topk_weights, do_cpu_sync)
+            out = self._cached(rows, handle, topk_weights)
         else:
             sync = True if do_cpu_sync is None else bool(do_cpu_sync)
             out = self._dispatch(rows, topk_idx, topk_weights, num_experts, n_max, expert_alignment, num_sms,
@@ -205,7 +203,7 @@ class ElasticDispatch:
         in_rank = (owner.unsqueeze(-1) == torch.arange(w)).any(1)
         routes = s.routes("dispatch", in_rank, torch.zeros(0, dtype=torch.int32), n_max)
         weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, dtype=torch.float32)
-        buf = s.epbuffer(x0.shape[1], num_experts, k, x0.device, n_max)
+        buf = s.epbuffer(x0.shape[1], num_experts, k, x0.device, n_max, flat=True)  # combine_unsummed's path
         recv_rows, recv_idx, recv_w, aligned, h = buf.dispatch(
             rows, topk_idx, weights.to(x0.device), expert_alignment=alignment, expand=do_expand
         )
@@ -254,10 +252,11 @@ class ElasticDispatch:
             out_idx, out_w = _pad(out_idx, rows_cap, -1), _pad(out_w, worst if do_expand else rows_cap, 0)
             handle.recv_src_metadata = _pad(handle.recv_src_metadata, rows_cap, -1)
             handle.num_recv_tokens, handle.num_expanded_tokens = rows_cap, worst if do_expand else 0
+            handle.worst_case = True
         return recv_x, recv_s, out_idx, out_w, handle
 
     def _cached(
-        self, rows: Any, handle: EPHandle, topk_weights: torch.Tensor | None, do_cpu_sync: bool | None
+        self, rows: Any, handle: EPHandle, topk_weights: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, EPHandle]:
         assert handle.buffer is not None and handle.handle is not None  # a dispatch of this buffer made it
         h = handle.handle
@@ -280,14 +279,12 @@ class ElasticDispatch:
             else:
                 out_w = got.to(recv_x.device)
         recv_idx = None if handle.do_expand else h.recv_topk_idx.to(recv_x.device)
-        num_rows = handle.recv_src_metadata.shape[0]
-        if num_rows > len(h.recv_topk_idx):  # the handle's dispatch had worst-case shapes: keep them
+        if handle.worst_case:  # the handle's dispatch had worst-case shapes (no host sync): so has this one
+            num_rows = handle.num_recv_tokens
             worst = handle.num_expanded_tokens if handle.do_expand else num_rows
             recv_x, recv_s = _pad(recv_x, worst, 0), _pad(recv_s, worst, 0)
             recv_idx, out_w = _pad(recv_idx, num_rows, -1), _pad(out_w, worst if handle.do_expand else num_rows, 0)
         return recv_x, recv_s, recv_idx, out_w, handle
-
-    # combine
 
 
 def _rows(x: object) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -313,6 +310,8 @@ class _Call:
         self.given_alignment, self.alignment = alignment, 1 if alignment is None else alignment
         self.x0: torch.Tensor | None = None
         self.sf: torch.Tensor | None = None
+        self.words: torch.Tensor | None = None  # the scales as EPBuffer carries them (carry_scales)
+        self.cols, self.sdtype = 0, torch.float32
 
     def check(
         self, d: ElasticDispatch, handle: EPHandle | None, topk_weights: object, do_cpu_sync: object, do_expand: object,
@@ -320,6 +319,8 @@ class _Call:
     ) -> None:  # fmt: skip
         """Every check of the call (ValueError), resolving the arguments."""
         self.x0, self.sf = _rows(self.x)
+        if self.sf is not None:
+            self.words, self.cols, self.sdtype = carry_scales(self.sf, self.x0.shape[0], self.x0.shape[1])
         if handle is not None:
             d._check_cached(handle, self.topk_idx, do_cpu_sync, do_expand, self.num_experts, self.given_alignment,
                             given_n_max)  # fmt: skip
@@ -346,7 +347,8 @@ def _fields(
     return [
         ("x hidden size", x0.shape[1] if x0 is not None else None),
         ("x dtype", x0.dtype if x0 is not None else None),
-        ("x scale columns", (sf.shape[1] if sf is not None else 0) if x0 is not None else None),
+        ("x scale columns", (size_of(sf, 1) if sf is not None else 0) if x0 is not None else None),
+        ("x scales dtype", sf.dtype if sf is not None else None),
         ("num_experts", num_experts if isinstance(num_experts, int) else None),
         ("topk_idx columns (num_topk)", topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) else None),
         ("topk_weights given", int(topk_weights is not None)),

@@ -139,6 +139,7 @@ class EPHandle:
         self.buffer: EPBuffer | None = None
         self.handle: DispatchHandle | None = None
         self.send_tokens: list[torch.Tensor] = []  # per rank, this rank's tokens sent there (ascending)
+        self.worst_case = False  # the dispatch gave worst-case shapes (do_cpu_sync=False): its cached ones do too
 
 
 def channel_bounds(num_tokens: int, num_channels: int) -> torch.Tensor:

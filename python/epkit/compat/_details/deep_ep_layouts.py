@@ -1,4 +1,5 @@
-"""DeepEP's tensor layouts for ``epkit.compat.deep_ep``, converted from and to EPBuffer's, and its opaque handles.
+"""DeepEP's tensor layouts for ``epkit.compat.deep_ep``, converted from and to EPBuffer's (the handles are in
+``deep_ep_handles``).
 
 - Normal-mode FP8 scales: DeepEP moves any ``[T, S]`` float32 or int32 (packed UE8M0) scales, in any strides,
   and returns them ``[R, S]`` row-major in the same dtype; EPBuffer moves float32 ``[T, ceil(hidden / 128)]``.

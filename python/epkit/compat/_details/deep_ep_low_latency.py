@@ -155,7 +155,7 @@ class LowLatencyCalls:
                 stats.add_(out.count.to(stats.dtype))
 
         hook = self.s.deferred(receive, return_recv_hook)
-        padded = topk_idx.new_full((n_max, topk_idx.shape[1]), -1)
+        padded = topk_idx.new_full((n_max, topk_idx.shape[1]), -1, dtype=torch.int64)  # one dtype on every rank
         padded[: topk_idx.shape[0]] = topk_idx
         topk_all = self.s.gather(padded, fn)  # every rank's routing: DeepEP's handle
         src_info, layout_range = low_latency_handle(topk_all, self.s.rank, num_experts // self.s.group_size, n_max)
@@ -205,9 +205,7 @@ class LowLatencyCalls:
             if error is not None:
                 raise ValueError(error)
         else:  # the same handle (buffer and dispatch) on every rank, or the same ValueError everywhere
-            index = next((i for i, b in enumerate(self.s.made) if getattr(handle, "buffer", None) is b), None)
-            epoch = handle.handle.epoch if index is not None and isinstance(handle, LowLatencyHandle) else None
-            self.s.agree(fn, error, [("handle's buffer", index), ("handle's dispatch", epoch)])
+            self.s.agree(fn, error, self.s.handle_fields(handle))
         if zero_copy:
             x = handle.staging["y"]
         buf = handle.buffer

@@ -1,6 +1,7 @@
 """What every call of one ``epkit.compat.deep_ep`` buffer shares: its group, its agreement, the EPBuffers it made
-and the receive hooks still pending. The normal-mode and low-latency calls (``deep_ep_normal``,
-``deep_ep_low_latency``) each hold the buffer's one session; nothing else of theirs is shared.
+and the receive hooks still pending. The parts of a Buffer (``deep_ep_normal``, ``deep_ep_low_latency``) and of an
+ElasticBuffer (``deep_ep_elastic_dispatch``, ``deep_ep_elastic_combine``) each hold their buffer's one session;
+nothing else of theirs is shared.
 
 DeepEP sizes a buffer in bytes and takes any shape; an EPBuffer has a hidden size, top-k and token capacities. So
 the session makes one EPBuffer per ``(hidden, num_experts, num_topk)`` at the first call that needs it (after that
@@ -79,9 +80,9 @@ class Session:
         """The call's agreement (``CallAgreement``): the largest token count of any rank, or the same ValueError on
         every rank (a rank's rejection, or ``fields`` that differ across ranks)."""
         if self.destroyed:
-            raise RuntimeError("Buffer: destroy() was called; make a new Buffer")
+            raise RuntimeError("destroy() was called on this buffer; make a new one")
         if self.broken is not None:
-            raise RuntimeError(f"Buffer: an earlier call's agreement failed ({self.broken}); make a new Buffer")
+            raise RuntimeError(f"an earlier call's agreement on this buffer failed ({self.broken}); make a new one")
         try:
             return self.agreement(fn, error, fields, self.timeout, tokens)
         except (TimeoutError, RuntimeError) as exc:
@@ -110,12 +111,15 @@ class Session:
         return in_rank_all, got[:, 0].tolist(), got[:, 1 + tokens_max * w :].long()
 
     def epbuffer(
-        self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0
-    ) -> EPBuffer:
+        self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0,
+        flat: bool = False,
+    ) -> EPBuffer:  # fmt: skip
         """The EPBuffer for these shapes, made (collectively: every rank gets here with the same arguments, after
-        the call's agreement) when there is none yet or the current one is too small."""
+        the call's agreement) when there is none yet or the current one is too small. ``flat``: one on a flat
+        host-driven path (``EPBuffer.combine_unsummed`` needs it): the host paths, and where the planner would
+        build a hierarchy (several hosts), the ``torch`` transport."""
         if self.destroyed:
-            raise RuntimeError("Buffer: destroy() was called; make a new Buffer")
+            raise RuntimeError("destroy() was called on this buffer; make a new one")
         key = (hidden, num_experts, num_topk)
         buf = self.current.get(key)
         roomy = buf is not None and buf.num_max_tokens_per_rank >= tokens
@@ -130,10 +134,17 @@ class Session:
             ll_tokens = max(ll_tokens, buf.num_max_dispatch_tokens_per_rank)
         transport = "nvshmem" if torch.device(device).type == "cuda" else "auto"
         ll = ll_tokens or None
+        kernels = "host" if flat else "auto"
         buf = EPBuffer(
             self.group, hidden, num_experts, cap, num_topk, transport, num_max_dispatch_tokens_per_rank=ll,
-            timeout=self.timeout,
+            timeout=self.timeout, kernels=kernels,
         )  # fmt: skip
+        if flat and buf.paths[0] != "FlatNormalPath":  # the same plan on every rank: all of them make this one
+            buf.close()
+            buf = EPBuffer(
+                self.group, hidden, num_experts, cap, num_topk, "torch", num_max_dispatch_tokens_per_rank=ll,
+                timeout=self.timeout, kernels=kernels,
+            )  # fmt: skip
         self.current[key] = buf
         self.made.append(buf)
         return buf

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from epkit.collectives.ep.handles import DispatchHandle
 from epkit.collectives.ep.rows import sum_indexed_rows
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.compat._details.deep_ep_layouts import carry_scales, restore_scales
 from epkit.compat._details.deep_gemm_mega_layout import Weights
 from epkit.compat._details.deep_gemm_mega_swiglu import swiglu_apply_weight
 from epkit.compat._details.deep_gemm_runtime import SETTINGS
+from epkit.compat._details.ep_unsummed import slot_rows_back
 
 __all__ = ["LayerCall", "run_layer"]
 
@@ -62,35 +62,6 @@ def _expert_gemm(a: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w: Weights
     return d
 
 
-def _slot_rows_back(
-    ep: EPBuffer, handle: DispatchHandle, y: torch.Tensor, owner: torch.Tensor
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``(terms, src_of [T, K], row_of [T, K])``: for each slot ``j``, the rows of slot ``j`` back at their sources
-    (every rank's, one ``combine_unsummed``), and where token ``t``'s slot-``j`` row is among them; ``owner [T, K]``:
-    the rank holding each slot's expert (-1: none)."""
-    assert handle.expanded_rows is not None and handle.expanded_slot is not None
-    n_exp, n_recv = int(handle.expanded_rows.numel()), int(handle.recv_topk_idx.shape[0])
-    num_tokens, k = owner.shape
-    row_in_rank = torch.zeros((num_tokens, ep.world_size), dtype=torch.int64)
-    for r, toks in enumerate(handle.send_tokens):
-        row_in_rank[toks, r] = torch.arange(toks.numel())
-    terms: list[torch.Tensor] = []
-    src_of = torch.full((num_tokens, k), -1, dtype=torch.int64)
-    row_of = torch.zeros((num_tokens, k), dtype=torch.int64)
-    ones = torch.ones((n_recv, k), dtype=torch.float32)
-    for j in range(k):
-        lane = torch.zeros((n_exp, y.shape[1]), dtype=y.dtype, device=y.device)
-        slot = handle.expanded_slot[:, j]
-        mine = slot[slot >= 0].to(y.device)
-        lane[mine] = y[mine]
-        base = len(terms)
-        terms += [rows.float().cpu() for rows in ep.combine_unsummed(lane, handle, ones)]
-        hit = owner[:, j] >= 0
-        src_of[hit, j] = base + owner[hit, j]
-        row_of[hit, j] = row_in_rank[hit, owner[hit, j]]
-    return terms, src_of, row_of
-
-
 def run_layer(ep: EPBuffer, call: LayerCall, y: torch.Tensor) -> None:
     """Steps 1-5 of the module docstring for this rank, the result written to ``y [T, H]`` bf16."""
     fp8 = call.x_sf is not None
@@ -119,7 +90,7 @@ def run_layer(ep: EPBuffer, call: LayerCall, y: torch.Tensor) -> None:
     mid = swiglu_apply_weight(l1_y[:avail], row_weights[:avail].to(dev), call.clamp, fp8)
     l2_y = _expert_gemm(mid, call.l2, psum.to(dev))
     ids = idx.cpu()
-    terms, src_of, row_of = _slot_rows_back(ep, handle, l2_y, torch.where(ids >= 0, ids // local, -1))
+    terms, src_of, row_of = slot_rows_back(ep, handle, l2_y, torch.where(ids >= 0, ids // local, -1))
     out = torch.zeros((t_num, ep.hidden), dtype=torch.bfloat16)
     if terms and t_num:
         sum_indexed_rows(out, terms, src_of, row_of)

@@ -15,7 +15,9 @@ one whose rows come back unsummed), the GEMMs are ``epkit.compat.deep_gemm``'s (
 on a torch fallback, BF16 on epkit's grouped GEMM) and the activation is torch ops. Tested on CPU ranks (shm); the
 nvshmem path is the same code on CUDA tensors and has not been run (no GPU where it was written).
 ``fast_math`` is checked and changes nothing (torch's ``exp`` either way). Every call is checked on every rank, and
-agreed (one small all-gather) before any row moves: a bad call raises the same ``ValueError`` on every rank.
+agreed (one small all-gather on the buffer's group) before any row moves: a bad call raises the same
+``ValueError`` on every rank. The one exception: a ``sym_buffer`` that is not one (or was destroyed) gives its rank
+no group to agree on, so only that rank raises.
 """
 
 from __future__ import annotations
