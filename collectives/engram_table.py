@@ -43,13 +43,16 @@ raise ``ValueError`` in ``hook()``. Nobody hangs and the group stays usable.
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
 
 import torch
 
 from epkit.collectives._details.engram_table_checks import fetch_error, rejection
 from epkit.collectives._details.engram_table_direct import TRANSPORT_CHOICES, DirectHook, make_direct_shard
+from epkit.collectives.bootstrap import Rendezvous
 from epkit.collectives.ep.rows import META_MSG, RowPool, decode_error, encode_error
+from epkit.collectives.transports.base import NOTICE_GRACE_S
 from epkit.gather import gather_rows
 
 __all__ = ["ShardedEngramTable", "engram_table_partition"]
@@ -269,7 +272,13 @@ class ShardedEngramTable:
             )
         self.row_start = self.enp_rank * self.num_per_part
         self._direct = None
+        self._waits = 0  # this table's collective waits so far (a failed one's number keys its notes)
+        self._rv: Rendezvous | None = None
         if self.enp_size > 1:
+            try:  # where a failed wait notes itself, so the ranks that noted nothing are named (no communication)
+                self._rv = Rendezvous(self.group, self.timeout, "ShardedEngramTable")
+            except Exception:  # noqa: BLE001 -- no job store: a failed wait names no rank
+                self._rv = None
             self._check_agreement()
             self._direct = make_direct_shard(self.group, transport, self.num_per_part, dim, dtype, self.device, timeout)
         self.transport = (
@@ -326,15 +335,46 @@ class ShardedEngramTable:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _wait(self, work, what: str) -> None:
+        """Wait for a collective of the all_to_all path; a failure (the timeout, or a peer's connection gone) is a
+        TimeoutError naming the ranks that went silent (:meth:`_silent`)."""
+        self._waits += 1
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise TimeoutError(
-                    f"ShardedEngramTable: exchange of {what} with ENP ranks {self.group_ranks} did not complete "
-                    f"within {self.timeout:.1f} s (did every rank call fetch() and the hook?)"
-                ) from exc
-            raise
+            text = str(exc).strip().splitlines()[0][:160]
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            silent = self._silent(self._waits)
+            head = f"ShardedEngramTable: exchange of {what} with ENP ranks {self.group_ranks} "
+            head += f"did not complete within {self.timeout:.1f} s" if timed_out else f"failed ({text})"
+            if silent and self._rv is not None:
+                who = self._rv.names(silent)
+                raise TimeoutError(f"{head}: {who} sent nothing (it died, or stopped calling)") from exc
+            raise TimeoutError(f"{head} (did every rank call fetch() and the hook?)") from exc
+
+    def _silent(self, n: int) -> list[int]:
+        """After this rank's wait ``n`` failed: note so in the job's store, give the other ranks up to
+        ``NOTICE_GRACE_S`` to note theirs (a live rank's wait fails too, on this exchange or one next to it: the
+        ranks may be an exchange apart), and return the positions that noted nothing this recent (dead, frozen,
+        or not calling); [] without a store."""
+        rv = self._rv
+        if rv is None:
+            return []
+        try:
+            rv.store.set(f"stuck/{rv.rank}", str(n))
+            deadline = time.monotonic() + NOTICE_GRACE_S
+            while True:
+                silent = [r for r in range(rv.world_size) if not self._noted(r, n)]
+                if not silent or time.monotonic() >= deadline:
+                    return silent
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 -- a store out of reach: name no rank
+            return []
+
+    def _noted(self, r: int, n: int) -> bool:
+        """Whether position ``r`` noted a failed wait within two of this rank's wait ``n``."""
+        assert self._rv is not None
+        key = f"stuck/{r}"
+        return bool(self._rv.store.check([key])) and int(self._rv.store.get(key)) >= n - 2
 
     # Weights
 

@@ -335,3 +335,39 @@ def _engram_worker(rank, world):
 def test_hash_tokens_then_fetch_equals_embedding_lookup():
     res = run_ranks(_engram_worker, 2, timeout=60)
     assert res[0] == res[1] and all(n > 4 * 1300 for n in res[0])
+
+
+def _killed_or_frozen_peer(rank, world, victim, mode):
+    """Lookups in a loop on the all_to_all path; ``victim`` is SIGKILLed or SIGSTOPped mid-loop (a shell
+    outlives it, to wake and kill a frozen one after the survivors are done)."""
+    import os
+    import subprocess
+
+    import torch.distributed as dist
+
+    table = ShardedEngramTable(
+        NUM_ROWS, DIM, group=dist.group.WORLD, dtype=torch.float32, timeout=1.5, transport="torch"
+    )
+    ids = torch.randint(0, NUM_ROWS, (32, 2), generator=torch.Generator().manual_seed(rank))
+    table.lookup(ids)
+    if rank == victim:
+        sig = "KILL" if mode == "kill" else "STOP"
+        subprocess.Popen(["sh", "-c", f"sleep 0.1; kill -{sig} {os.getpid()}; sleep 3.5; kill -KILL {os.getpid()}"])
+    start = time.monotonic()
+    try:
+        for _ in range(100_000):
+            table.lookup(ids)
+    except TimeoutError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", 0.0
+
+
+@pytest.mark.parametrize("mode", ["kill", "freeze"])
+def test_survivors_of_a_dead_or_frozen_enp_rank_name_it(mode):
+    # issue 39: on the all_to_all path a killed peer gave gloo's "Connection reset by peer" and a frozen one
+    # "did not complete within ... s", naming no rank (0 of 18 survivors named the victim in trials)
+    res = run_ranks(_killed_or_frozen_peer, 3, 1, mode, timeout=60, may_die=(1,))
+    for rank in (0, 2):
+        msg, seconds = res[rank]
+        assert "rank 1 sent nothing" in msg, (rank, msg)
+        assert seconds < 0.1 + 1.5 + 1.5, (rank, seconds)  # the fault's delay, the timeout, the grace
