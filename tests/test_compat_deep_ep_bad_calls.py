@@ -63,6 +63,7 @@ def _normal(rank: int, world: int) -> dict[str, str]:
         "dispatch previous_event": lambda: dispatch(previous_event=other("event", None)),
         "dispatch config": lambda: dispatch(config=other(7, None)),
         "dispatch num_worst_tokens": lambda: dispatch(num_worst_tokens=other(-1, 0)),
+        "dispatch num_worst_tokens too small": lambda: dispatch(num_worst_tokens=1),  # every rank: found in the routes
         "cached dispatch foreign handle": lambda: buffer.dispatch(x, other(object(), first[4])),
         "cached dispatch stale handle": lambda: buffer.dispatch(x, other(handle, first[4])),
         "cached dispatch with topk_idx": lambda: buffer.dispatch(x, first[4], topk_idx=other(ids, None)),

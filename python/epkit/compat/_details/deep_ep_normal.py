@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, overload
 
 import torch
+from torch.distributed import get_global_rank as dist_rank
 
 from epkit.collectives.ep_reference import reference_layout
 from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
@@ -185,6 +186,11 @@ class NormalCalls:
         assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         num_experts = num_tokens_per_expert.numel()
         routes = self.s.routes(fn, is_token_in_rank, num_tokens_per_expert, tokens)
+        if num_worst_tokens:  # every rank's receive count is known from the routes: all raise alike, before rows move
+            over = [(r, int(n)) for r, n in enumerate(routes[0].sum((0, 1)).tolist()) if n > num_worst_tokens]
+            if over:
+                who = "; ".join(f"rank {dist_rank(self.s.group, r)} receives {n}" for r, n in over)
+                raise ValueError(f"dispatch: more rows than num_worst_tokens = {num_worst_tokens} ({who})")
         with_topk = topk_idx is not None
         if topk_idx is None:  # route by is_token_in_rank: each token once to each of its ranks (their expert 0)
             first = torch.arange(self.s.group_size, device=x0.device) * (num_experts // self.s.group_size)
