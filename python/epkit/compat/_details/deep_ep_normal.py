@@ -97,6 +97,17 @@ def _with_scales(recv_x: torch.Tensor, recv_s: torch.Tensor | None, s: int, sdty
     return recv_x, restore_scales(recv_s, s, sdtype)
 
 
+def _check_worst(session: Session, in_rank_all: torch.Tensor, num_worst_tokens: int) -> None:
+    """Every rank's receive count is known from the gathered routing (``in_rank_all [W, T, W]``): a
+    ``num_worst_tokens`` smaller than one is the same ValueError on every rank, before any row moves."""
+    if not num_worst_tokens:
+        return
+    over = [(r, int(n)) for r, n in enumerate(in_rank_all.sum((0, 1)).tolist()) if n > num_worst_tokens]
+    if over:
+        who = "; ".join(f"rank {dist_rank(session.group, r)} receives {n}" for r, n in over)
+        raise ValueError(f"dispatch: more rows than num_worst_tokens = {num_worst_tokens} ({who})")
+
+
 def _channels(config: Config | None, default_sms: int) -> int:
     """DeepEP's channels for a call's ``config`` (its SMs over two), which the handle's channel matrices describe."""
     return max((config.num_sms if config is not None else default_sms) // 2, 1)
@@ -186,20 +197,14 @@ class NormalCalls:
         assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         num_experts = num_tokens_per_expert.numel()
         routes = self.s.routes(fn, is_token_in_rank, num_tokens_per_expert, tokens)
-        if num_worst_tokens:  # every rank's receive count is known from the routes: all raise alike, before rows move
-            over = [(r, int(n)) for r, n in enumerate(routes[0].sum((0, 1)).tolist()) if n > num_worst_tokens]
-            if over:
-                who = "; ".join(f"rank {dist_rank(self.s.group, r)} receives {n}" for r, n in over)
-                raise ValueError(f"dispatch: more rows than num_worst_tokens = {num_worst_tokens} ({who})")
+        _check_worst(self.s, routes[0], num_worst_tokens)
         with_topk = topk_idx is not None
         if topk_idx is None:  # route by is_token_in_rank: each token once to each of its ranks (their expert 0)
             first = torch.arange(self.s.group_size, device=x0.device) * (num_experts // self.s.group_size)
             topk_idx = torch.where(is_token_in_rank, first, -1)
         buf = self.s.epbuffer(x0.shape[1], num_experts, topk_idx.shape[1], x0.device, tokens)
-        dispatched: DispatchResult = buf.dispatch(
-            (x0, words) if words is not None else x0, topk_idx, topk_weights, expert_alignment=expert_alignment
-        )
-        recv_rows, recv_idx, recv_w, counts, h = dispatched
+        rows = (x0, words) if words is not None else x0
+        recv_rows, recv_idx, recv_w, counts, h = buf.dispatch(rows, topk_idx, topk_weights, expert_alignment)
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
         channels = _channels(config, self.default_sms())
         tensors = normal_handle(routes[0], routes[1], self.s.rank, channels, is_token_in_rank)
