@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit.compat._details.deep_gemm_dense import check_c, early_return, layout_dims
+from epkit.compat._details.deep_gemm_dense import check_c, early_return, layout_dims, nt_views
 
 __all__ = ["cublaslt_gemm_nt", "cublaslt_gemm_nn", "cublaslt_gemm_tn", "cublaslt_gemm_tt"]
 
@@ -28,8 +28,7 @@ def _cublaslt(
     check_c(fn, c, d)
     if early_return(m, n, k, d, c):
         return d
-    a_nt = a.T if layout[0] == "t" else a
-    b_nt = b.T if layout[1] == "n" else b
+    a_nt, b_nt = nt_views(layout, a, b)
     if a.dtype == torch.float8_e4m3fn and a.is_cuda:
         one = torch.ones((), dtype=torch.float32, device=a.device)
         out = torch._scaled_mm(a_nt.contiguous(), b_nt.contiguous().T, one, one, out_dtype=torch.float32)

@@ -23,6 +23,9 @@ M or N writes nothing and K = 0 writes ``c`` (or zeros) to ``d``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Concatenate
+
 import torch
 
 from epkit import grouped_gemm as gemm
@@ -49,6 +52,7 @@ __all__ = [
     "layout_dims",
     "check_c",
     "early_return",
+    "nt_views",
     # by layout: DeepGEMM's names for each
     *("fp8_fp4_gemm_nt", "fp8_gemm_nt", "bf16_gemm_nt"),
     *("fp8_fp4_gemm_nn", "fp8_gemm_nn", "bf16_gemm_nn"),
@@ -117,6 +121,12 @@ def early_return(m: int, n: int, k: int, d: torch.Tensor, c: torch.Tensor | None
     return False
 
 
+def nt_views(layout: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a as [M, K], b as [N, K])`` of operands passed in ``layout`` (``"nt"``, ``"nn"``, ``"tn"``, ``"tt"``):
+    views, transposed where the layout says so."""
+    return (a.T if layout[0] == "t" else a), (b.T if layout[1] == "n" else b)
+
+
 def _no_alpha(fn: str, alpha: object) -> None:
     if alpha is not None:
         raise ValueError(
@@ -178,8 +188,7 @@ def _fp8_fp4(
     m, n, k = layout_dims(fn, layout, a0, b0, d, fp4, (torch.bfloat16, torch.float32))
     check_c(fn, c, d)
     ta, tb = layout[0] == "t", layout[1] == "n"
-    a_nt, sfa_nt = (a0.T, sfa.T) if ta else (a0, sfa)
-    b_nt, sfb_nt = (b0.T, sfb.T) if tb else (b0, sfb)
+    (a_nt, b_nt), (sfa_nt, sfb_nt) = nt_views(layout, a0, b0), nt_views(layout, sfa, sfb)
     kb = -(-k // FP8_BLOCK)
     _scales_as_passed(fn, "a", sfa, (m, kb), ta)
     sfa_f = activation_scales(fn, sfa_nt, k)
@@ -219,8 +228,7 @@ def _bf16(
     check_c(fn, c, d)
     if early_return(m, n, k, d, c):
         return d
-    a_nt = a.T if layout[0] == "t" else a
-    b_nt = b.T if layout[1] == "n" else b
+    a_nt, b_nt = nt_views(layout, a, b)
     return _one_group(fn, "bf16", a_nt.contiguous(), b_nt.contiguous(), d, c)
 
 
@@ -234,42 +242,27 @@ _FP8_DOC = (
 )
 
 
-def _fp8_fp4_gemm_nt(
-    fn: str, a: Pair, b: Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: Recipe | None = None,
-    recipe_a: Gran | None = None, recipe_b: Gran | None = None, compiled_dims: str = "nk",
-    disable_ue8m0_cast: bool = False, alpha: float | None = None,
-) -> torch.Tensor:  # fmt: skip
-    return _fp8_fp4(fn, "nt", a, b, d, c, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, alpha)
+def _fp8_fp4_form(layout: str) -> Callable[Concatenate[str, ...], torch.Tensor]:
+    """DeepGEMM's FP8 GEMM in ``layout``, with its signature (``named`` binds its name): ``compiled_dims``
+    defaults to ``"nk"`` where ``a`` is ``[M, K]``, ``"mn"`` where it is ``[K, M]``, as DeepGEMM's."""
+    dims = "nk" if layout[0] == "n" else "mn"
+
+    def form(
+        fn: str, a: Pair, b: Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: Recipe | None = None,
+        recipe_a: Gran | None = None, recipe_b: Gran | None = None, compiled_dims: str = dims,
+        disable_ue8m0_cast: bool = False, alpha: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return _fp8_fp4(fn, layout, a, b, d, c, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, alpha)
+
+    a_dims = "[M, K]" if layout[0] == "n" else "[K, M]"
+    b_dims = "[N, K]" if layout[1] == "t" else "[K, N]"
+    fp4 = " or packed FP4 ``(int8 [N, K/2], scales)``" if layout == "nt" else ""
+    form.__doc__ = _FP8_DOC.format(a=a_dims, b=b_dims, fp4=fp4)
+    return form
 
 
-def _fp8_fp4_gemm_nn(
-    fn: str, a: Pair, b: Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: Recipe | None = None,
-    recipe_a: Gran | None = None, recipe_b: Gran | None = None, compiled_dims: str = "nk",
-    disable_ue8m0_cast: bool = False, alpha: float | None = None,
-) -> torch.Tensor:  # fmt: skip
-    return _fp8_fp4(fn, "nn", a, b, d, c, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, alpha)
-
-
-def _fp8_fp4_gemm_tn(
-    fn: str, a: Pair, b: Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: Recipe | None = None,
-    recipe_a: Gran | None = None, recipe_b: Gran | None = None, compiled_dims: str = "mn",
-    disable_ue8m0_cast: bool = False, alpha: float | None = None,
-) -> torch.Tensor:  # fmt: skip
-    return _fp8_fp4(fn, "tn", a, b, d, c, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, alpha)
-
-
-def _fp8_fp4_gemm_tt(
-    fn: str, a: Pair, b: Pair, d: torch.Tensor, c: torch.Tensor | None = None, recipe: Recipe | None = None,
-    recipe_a: Gran | None = None, recipe_b: Gran | None = None, compiled_dims: str = "mn",
-    disable_ue8m0_cast: bool = False, alpha: float | None = None,
-) -> torch.Tensor:  # fmt: skip
-    return _fp8_fp4(fn, "tt", a, b, d, c, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, alpha)
-
-
-_fp8_fp4_gemm_nt.__doc__ = _FP8_DOC.format(a="[M, K]", b="[N, K]", fp4=" or packed FP4 ``(int8 [N, K/2], scales)``")
-_fp8_fp4_gemm_nn.__doc__ = _FP8_DOC.format(a="[M, K]", b="[K, N]", fp4="")
-_fp8_fp4_gemm_tn.__doc__ = _FP8_DOC.format(a="[K, M]", b="[K, N]", fp4="")
-_fp8_fp4_gemm_tt.__doc__ = _FP8_DOC.format(a="[K, M]", b="[N, K]", fp4="")
+_fp8_fp4_gemm_nt, _fp8_fp4_gemm_nn = _fp8_fp4_form("nt"), _fp8_fp4_form("nn")
+_fp8_fp4_gemm_tn, _fp8_fp4_gemm_tt = _fp8_fp4_form("tn"), _fp8_fp4_form("tt")
 
 fp8_fp4_gemm_nt = named("fp8_fp4_gemm_nt", _fp8_fp4_gemm_nt)
 fp8_fp4_gemm_nn = named("fp8_fp4_gemm_nn", _fp8_fp4_gemm_nn)
