@@ -82,3 +82,17 @@ def stand_in_torchvision() -> None:
     lets the import chain finish."""
     if importlib.util.find_spec("torchvision") is None:
         sys.meta_path.insert(0, _TorchvisionStandIn())
+
+
+def perturb_combine(factor: float = 1.01) -> None:
+    """The negative control: the shim's V2 combine scales its output by ``factor`` (in this rank's process), so a
+    comparison that cannot tell must fail. 1.01, not less: a 0.1% change mostly rounds back to the same bf16."""
+    import epkit.compat.deep_ep as shim
+
+    combine = shim.ElasticBuffer.combine
+
+    def scaled(self, *args, **kwargs):
+        x, weights, event = combine(self, *args, **kwargs)
+        return x * factor, weights, event
+
+    shim.ElasticBuffer.combine = scaled

@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from engine_harness import bind_deep_ep, require, stand_in_torchvision
+from engine_harness import bind_deep_ep, perturb_combine, require, stand_in_torchvision
 from moe_reference import assert_same, expert_scale, reference_moe, routing
 
 from epkit.testing.multiprocess import RankError, run_ranks
@@ -65,15 +65,7 @@ def _run(rank: int, world: int, mode: str, empty_rank: int | None, perturb: bool
     from sglang.srt.runtime_context import get_context
 
     if perturb:
-        import epkit.compat.deep_ep as shim
-
-        combine = shim.ElasticBuffer.combine
-
-        def scaled(self, *args, **kwargs):
-            x, weights, event = combine(self, *args, **kwargs)
-            return x * 1.01, weights, event
-
-        shim.ElasticBuffer.combine = scaled
+        perturb_combine()
 
     get_context().override_server_args().install()
     set_is_extend_in_batch(mode != "decode")

@@ -30,7 +30,7 @@ import uuid
 
 import pytest
 import torch
-from engine_harness import bind_deep_ep, require
+from engine_harness import bind_deep_ep, perturb_combine, require
 from moe_reference import assert_same, expert_scale, reference_moe, routing
 
 from epkit.testing.multiprocess import RankError, run_ranks
@@ -76,15 +76,7 @@ def _run(rank: int, world: int, empty_rank: int | None, perturb: bool, ident: st
 
     ops.moe_sum = _moe_sum
     if perturb:
-        import epkit.compat.deep_ep as shim
-
-        combine = shim.ElasticBuffer.combine
-
-        def scaled(self, *args, **kwargs):
-            x, weights, event = combine(self, *args, **kwargs)
-            return x * 1.01, weights, event
-
-        shim.ElasticBuffer.combine = scaled
+        perturb_combine()
 
     num_experts = EXPERTS_PER_RANK * world
     pf = DeepEPV2PrepareAndFinalize(
