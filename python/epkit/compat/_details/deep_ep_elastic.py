@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from epkit.collectives.ep.rows import align_up
 from epkit.compat._details.deep_ep_config import HINT_TOPK, EventHandle, epbuffer_bytes
 from epkit.compat._details.deep_ep_elastic_combine import ElasticCombine
 from epkit.compat._details.deep_ep_elastic_dispatch import ElasticDispatch
-from epkit.compat._details.deep_ep_session import Session, align, calls
+from epkit.compat._details.deep_ep_session import Session, calls
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -147,7 +148,7 @@ class ElasticBuffer:
     @staticmethod
     def _size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> int:
         topk = num_topk or HINT_TOPK
-        return align(epbuffer_bytes(hidden, num_ranks, num_ranks, num_max_tokens_per_rank, topk, 0), _SIZE_ALIGN)
+        return align_up(epbuffer_bytes(hidden, num_ranks, num_ranks, num_max_tokens_per_rank, topk, 0), _SIZE_ALIGN)
 
     @staticmethod
     def get_buffer_size_hint(
@@ -193,7 +194,7 @@ class ElasticBuffer:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         link = nvlink_gbs or 450.0
         need = link * min(num_topk, num_experts) / max(min(sm_read_gbs, sm_write_gbs * num_topk), 1e-9)
-        return max(4, min(total - total % 2, align(int(need), 2)))
+        return max(4, min(total - total % 2, align_up(int(need), 2)))
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """QPs for ``num_sms`` SMs: V2's rule for one scale-out domain (epkit's group is one), ``min(num_sms, 9)``,

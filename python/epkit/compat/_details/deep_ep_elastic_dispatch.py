@@ -6,15 +6,16 @@ cached, worst-case without a host sync).
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import Any
 
 import torch
 
+from epkit.collectives.ep.rows import align_up
 from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
 from epkit.compat._details.deep_ep_handles import EPHandle, normal_handle
-from epkit.compat._details.deep_ep_layouts import carry_scales, restore_scales
-from epkit.compat._details.deep_ep_session import Session, align, new_v2_event
+from epkit.compat._details.deep_ep_layouts import carry_scales, pad_rows, restore_scales
+from epkit.compat._details.deep_ep_session import Session, new_v2_event
 from epkit.utils import check_topk_idx
 
 __all__ = ["ElasticDispatch"]
@@ -247,10 +248,12 @@ class ElasticDispatch:
         handle.send_tokens = [t.clone() for t in h.send_tokens]
         if not do_cpu_sync:  # V2's worst-case shapes: the valid rows first
             rows_cap = n_max * w
-            worst = rows_cap if not do_expand else align(rows_cap * min(k, local) + (alignment - 1) * local, alignment)
-            recv_x, recv_s = _pad(recv_x, worst, 0), _pad(recv_s, worst, 0)
-            out_idx, out_w = _pad(out_idx, rows_cap, -1), _pad(out_w, worst if do_expand else rows_cap, 0)
-            handle.recv_src_metadata = _pad(handle.recv_src_metadata, rows_cap, -1)
+            worst = (
+                rows_cap if not do_expand else align_up(rows_cap * min(k, local) + (alignment - 1) * local, alignment)
+            )
+            recv_x, recv_s = pad_rows(recv_x, worst, 0), pad_rows(recv_s, worst, 0)
+            out_idx, out_w = pad_rows(out_idx, rows_cap, -1), pad_rows(out_w, worst if do_expand else rows_cap, 0)
+            handle.recv_src_metadata = pad_rows(handle.recv_src_metadata, rows_cap, -1)
             handle.num_recv_tokens, handle.num_expanded_tokens = rows_cap, worst if do_expand else 0
             handle.worst_case = True
         return recv_x, recv_s, out_idx, out_w, handle
@@ -282,8 +285,11 @@ class ElasticDispatch:
         if handle.worst_case:  # the handle's dispatch had worst-case shapes (no host sync): so has this one
             num_rows = handle.num_recv_tokens
             worst = handle.num_expanded_tokens if handle.do_expand else num_rows
-            recv_x, recv_s = _pad(recv_x, worst, 0), _pad(recv_s, worst, 0)
-            recv_idx, out_w = _pad(recv_idx, num_rows, -1), _pad(out_w, worst if handle.do_expand else num_rows, 0)
+            recv_x, recv_s = pad_rows(recv_x, worst, 0), pad_rows(recv_s, worst, 0)
+            recv_idx, out_w = (
+                pad_rows(recv_idx, num_rows, -1),
+                pad_rows(out_w, worst if handle.do_expand else num_rows, 0),
+            )
         return recv_x, recv_s, recv_idx, out_w, handle
 
 
@@ -359,20 +365,9 @@ def _fields(
 
 def _scales(scales: torch.Tensor, tma_aligned: bool) -> torch.Tensor:
     """The received ``[R, S]`` scales, row-major, or with ``tma_aligned`` column-major with the rows padded to a
-    multiple of 4 (V2's ``use_tma_aligned_col_major_sf`` strides: ``(1, align(R, 4))``)."""
+    multiple of 4 (V2's ``use_tma_aligned_col_major_sf`` strides: ``(1, align_up(R, 4))``)."""
     if not tma_aligned:
         return scales
     rows = scales.shape[0]
-    tma = torch.empty((scales.shape[1], align(rows, _SF_PACK)), dtype=scales.dtype, device=scales.device)
+    tma = torch.empty((scales.shape[1], align_up(rows, _SF_PACK)), dtype=scales.dtype, device=scales.device)
     return tma.T[:rows].copy_(scales)
-
-
-@overload
-def _pad(t: torch.Tensor, n: int, fill: int) -> torch.Tensor: ...
-@overload
-def _pad(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None: ...
-def _pad(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None:
-    """``t`` with rows up to ``n`` of ``fill`` (V2's worst-case shapes); None stays None."""
-    if t is None or t.shape[0] >= n:
-        return t
-    return torch.cat([t, t.new_full((n - t.shape[0], *t.shape[1:]), fill)])

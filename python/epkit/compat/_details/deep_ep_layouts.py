@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from epkit.collectives.ep.ll_out import LLRows
 
 __all__ = [
+    "pad_rows",
     "DeepEPRows",
     "carry_scales",
     "restore_scales",
@@ -32,6 +33,21 @@ __all__ = [
 
 #: Rows as DeepEP's calls take and return them: bf16 ``x``, or ``(x e4m3, scales)``.
 DeepEPRows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+@overload
+def pad_rows(t: torch.Tensor, n: int, fill: int) -> torch.Tensor: ...
+@overload
+def pad_rows(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None: ...
+def pad_rows(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None:
+    """Received rows ``t`` padded to ``n`` rows of ``fill`` (DeepEP's ``num_worst_tokens``, V2's worst-case shapes:
+    ids -1, weights and rows 0); None stays None."""
+    if t is None:
+        return None
+    have = t.shape[0]
+    if have > n:
+        raise ValueError(f"dispatch: {have} rows were received, more than num_worst_tokens = {n}")
+    return torch.cat([t, t.new_full((n - have, *t.shape[1:]), fill)])
 
 
 def carry_scales(x_scales: torch.Tensor, num_tokens: int, hidden: int) -> tuple[torch.Tensor, int, torch.dtype]:

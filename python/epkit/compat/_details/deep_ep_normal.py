@@ -10,12 +10,12 @@ top-k, for the per-expert counts DeepEP returns: the senders' ``num_tokens_per_e
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed import get_global_rank as dist_rank
 
 from epkit.collectives.ep_reference import reference_layout
+from epkit.collectives.transports.base import rank_name
 from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import (
     Config,
@@ -27,7 +27,7 @@ from epkit.compat._details.deep_ep_config import (
     wait_for,
 )
 from epkit.compat._details.deep_ep_handles import NormalHandle, normal_handle
-from epkit.compat._details.deep_ep_layouts import DeepEPRows, carry_scales, restore_scales
+from epkit.compat._details.deep_ep_layouts import DeepEPRows, carry_scales, pad_rows, restore_scales
 from epkit.utils import check_topk_idx
 
 if TYPE_CHECKING:
@@ -74,21 +74,6 @@ def _dispatch_fields(x: object, topk_idx: object, per_expert: object) -> list[tu
     ]
 
 
-@overload
-def _pad_rows(t: torch.Tensor, n: int, fill: int) -> torch.Tensor: ...
-@overload
-def _pad_rows(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None: ...
-def _pad_rows(t: torch.Tensor | None, n: int, fill: int) -> torch.Tensor | None:
-    """Received rows ``t`` padded to ``n`` rows of ``fill`` (DeepEP's num_worst_tokens: ids -1, weights and rows
-    0); None stays None."""
-    if t is None:
-        return None
-    have = t.shape[0]
-    if have > n:
-        raise ValueError(f"dispatch: {have} rows were received, more than num_worst_tokens = {n}")
-    return torch.cat([t, t.new_full((n - have, *t.shape[1:]), fill)])
-
-
 def _with_scales(recv_x: torch.Tensor, recv_s: torch.Tensor | None, s: int, sdtype: torch.dtype | None) -> DeepEPRows:
     """DeepEP's recv_x: ``recv_x``, or ``(recv_x, scales)`` with the scales in the columns and dtype x's came in."""
     if recv_s is None:
@@ -104,7 +89,8 @@ def _check_worst(session: Session, in_rank_all: torch.Tensor, num_worst_tokens: 
         return
     over = [(r, int(n)) for r, n in enumerate(in_rank_all.sum((0, 1)).tolist()) if n > num_worst_tokens]
     if over:
-        who = "; ".join(f"rank {dist_rank(session.group, r)} receives {n}" for r, n in over)
+        ranks = session.agreement.global_ranks
+        who = "; ".join(f"{rank_name(r, ranks)} receives {n}" for r, n in over)
         raise ValueError(f"dispatch: more rows than num_worst_tokens = {num_worst_tokens} ({who})")
 
 
@@ -220,8 +206,8 @@ class NormalCalls:
             recv_idx_out, recv_w_out = recv_idx, recv_w
         if num_worst_tokens:
             n = num_worst_tokens
-            recv_x, recv_s = _pad_rows(recv_x, n, 0), _pad_rows(recv_s, n, 0)
-            recv_idx_out, recv_w_out, counts = _pad_rows(recv_idx_out, n, -1), _pad_rows(recv_w_out, n, 0), []
+            recv_x, recv_s = pad_rows(recv_x, n, 0), pad_rows(recv_s, n, 0)
+            recv_idx_out, recv_w_out, counts = pad_rows(recv_idx_out, n, -1), pad_rows(recv_w_out, n, 0), []
         return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, new_event(async_finish)
 
     def _check_layout(
@@ -318,7 +304,7 @@ class NormalCalls:
         recv_rows = dispatched[0]
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
         if num_worst_tokens:
-            recv_x, recv_s = _pad_rows(recv_x, num_worst_tokens, 0), _pad_rows(recv_s, num_worst_tokens, 0)
+            recv_x, recv_s = pad_rows(recv_x, num_worst_tokens, 0), pad_rows(recv_s, num_worst_tokens, 0)
         return _with_scales(recv_x, recv_s, s, sdtype), None, None, None, None, new_event(async_finish)
 
     def combine(

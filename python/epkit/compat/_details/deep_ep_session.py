@@ -27,7 +27,7 @@ from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Hook", "Session", "align", "calls", "new_v2_event"]
+__all__ = ["Hook", "Session", "calls", "new_v2_event"]
 
 #: What a receive hook is: called once (again: nothing), it fills its call's tensors.
 Hook = Callable[[], None]
@@ -44,11 +44,6 @@ def calls(part: str, method: _F) -> _F:
         return getattr(getattr(self, part), method.__name__)(*args, **kwargs)
 
     return call  # type: ignore[return-value]  # the same signature, by functools.wraps
-
-
-def align(n: int, a: int) -> int:
-    """``n`` rounded up to a multiple of ``a``."""
-    return -(-n // a) * a
 
 
 def new_v2_event() -> EventOverlap:
