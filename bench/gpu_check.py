@@ -30,8 +30,9 @@ or roof measured in the same run: ``torch.index_select`` and a device-to-device 
 ``torch.matmul`` in bf16 at equal FLOPs (and dense ``torch._scaled_mm`` FP8 where torch has it) for the grouped
 GEMMs, a device copy for the NVSHMEM loopback put and the SymmBuffer(nvshmem) loopback exchange. The nvshmem
 section also runs SymmBuffer(nvshmem) with its memory from torch's NVSHMEM symmetric memory, in a child process
-(torch must start that process's NVSHMEM job); where torch lacks NVSHMEM it records why. Exit status: 0 when
-every section is ok or skipped, 1 otherwise.
+(torch must start that process's NVSHMEM job); where torch lacks NVSHMEM it records why; epkit's own job also
+runs DeepGEMM's Mega MoE interface (``epkit.compat.deep_gemm``) over an NCCL group of one, its EPBuffer on NVSHMEM
+(``gpu_sections/nvshmem_mega.py``). Exit status: 0 when every section is ok or skipped, 1 otherwise.
 
 This file is the harness (arguments, budgets, the section runner, the watchdog, the JSON report, the child
 modes); each section is a module of ``bench/gpu_sections/`` named after its op family.

@@ -255,3 +255,28 @@ def test_sigterm_writes_the_report_with_the_section_in_progress(tmp_path):
     assert report["meta"]["exit"] == "interrupted (signal 15)", report["meta"]
     assert report["sections"]["env"]["status"] == "ok"
     assert report["sections"]["prepare_cp_mirror"]["status"] == "interrupted", report["sections"]
+
+
+def _mega_moe_on_cpu(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    mod = _load_section("nvshmem_mega")
+    common = _load_section("common")
+    ctx = common.Ctx(torch.device("cpu"), True, time.perf_counter())
+    ctx.begin("nvshmem", 600.0)
+    res: dict = {}
+    mod.mega_moe_check(ctx, res, dist.new_group(backend="gloo"), dist.group.WORLD)
+    return res
+
+
+def test_mega_moe_section_runs_its_checks_on_cpu_rows():
+    """The nvshmem section's Mega MoE check, both groups on CPU rows here (on the GPU one is NCCL's): every
+    check it records passes, and it records the ones the GPU run relies on."""
+    from epkit.testing.multiprocess import run_ranks
+
+    (res,) = run_ranks(_mega_moe_on_cpu, 1, timeout=300)
+    names = [c["name"] for c in res["checks"]]
+    assert len(names) == 7, names
+    assert all(c["ok"] for c in res["checks"]), res["checks"]
+    assert res["mega_moe"]["bf16xbf16_diff_vs_float64"] < 1e-4

@@ -2,7 +2,7 @@
 
 ``symm_loopback`` runs inside ``--nvshmem-child`` on epkit's own job; ``torch_provider_child`` is the body of
 ``--torch-provider-child``, where torch starts the job and SymmBuffer takes torch's symmetric memory. Each
-then runs ``nvshmem_ep``'s EPBuffer loopback on the same job.
+then runs ``nvshmem_ep``'s EPBuffer loopback on the same job; epkit's own job also ``nvshmem_mega``'s Mega MoE layers.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import traceback
 
 import torch
 
-from gpu_sections.common import Ctx, gbps, record_check
+from gpu_sections.common import BudgetExceeded, Ctx, gbps, record_check
 from gpu_sections.nvshmem import one_host_nvshmem_env, torch_symm_reason
 from gpu_sections.nvshmem_ep import ep_loopback
 from gpu_sections.nvshmem_kernels import kernel_targets, verdicts
+from gpu_sections.nvshmem_mega import mega_moe_check
 
 __all__ = ["symm_loopback", "torch_provider_child"]
 
@@ -56,10 +57,28 @@ def symm_loopback(ctx: Ctx, res: dict) -> None:
             ep_loopback(ctx, res)
         except Exception:  # noqa: BLE001 - recorded as a failed check; the SymmBuffer results above stand
             record_check(res, "EPBuffer(nvshmem) loopback ran", False, traceback.format_exc())
+        try:
+            _mega_moe(ctx, res)
+        except BudgetExceeded as exc:  # the checks above stand; say what did not run
+            res.setdefault("mega_moe", {})["status"] = f"not finished: {exc}"
+        except Exception:  # noqa: BLE001 - recorded as a failed check
+            record_check(res, "Mega MoE (compat.deep_gemm) on the nvshmem path ran", False, traceback.format_exc())
         res.setdefault("ep_kernels", {})["verdicts"] = verdicts(res)
     finally:
         dist.destroy_process_group()
         tmp.cleanup()
+
+
+def _mega_moe(ctx: Ctx, res: dict) -> None:
+    """DeepGEMM's Mega MoE layers on a group of one over NCCL (the nvshmem path), against the gloo group's CPU rows."""
+    import torch.distributed as dist
+
+    ctx.check("mega_moe")
+    nccl = dist.new_group(backend="nccl")
+    try:
+        mega_moe_check(ctx, res, nccl, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group(nccl)
 
 
 def _signal_checks(res: dict, out: dict, buf, nbytes: int) -> None:
