@@ -94,7 +94,7 @@ def fused_moe(
             f"domain); this buffer ({buffer.transport!r}) is not: compose dispatch -> expert_mlp -> combine instead"
         )
     refuse_capture("fused_moe", buffer.device)
-    error, biases = _check_call(x, topk_idx, topk_weights, buffer, bias, expert_alignment)
+    error, biases = _check_call(x, topk_idx, topk_weights, buffer, bias, expert_alignment, w13, w2)
     if buffer.uses_device_kernels:  # dispatch and combine on the device kernels, the expert MLP between them
         from epkit.moe import expert_mlp
 
@@ -112,9 +112,14 @@ def fused_moe(
         return _fused_rows(x, topk_idx, peers, w13, w2, buffer, biases, swiglu_limit, expert_alignment, backend)
 
 
-def _check_call(x, topk_idx, topk_weights, buffer: EPBuffer, bias, expert_alignment):
+def _check_call(x, topk_idx, topk_weights, buffer: EPBuffer, bias, expert_alignment, w13, w2):
     """This rank's validation: ``(error text or None, biases)``; no exception escapes, since every rank must
-    learn of a bad call through the publish header."""
+    learn of a bad call through the publish header. It covers what the expert MLP would refuse only after the
+    rows moved (the weights, an alignment the contiguous GEMM cannot take), so that such a call fails on every
+    rank before the first row moves, and the buffer goes on."""
+    from epkit.grouped_gemm import get_mk_alignment_for_contiguous_layout
+    from epkit.moe import check_expert_weights
+
     h, region = buffer.hidden, buffer.region_bytes
     try:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
@@ -124,6 +129,13 @@ def _check_call(x, topk_idx, topk_weights, buffer: EPBuffer, bias, expert_alignm
             raise ValueError("topk_weights is required")
         if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        gemm_align = get_mk_alignment_for_contiguous_layout()
+        if expert_alignment % gemm_align:
+            raise ValueError(
+                f"expert_alignment must be a multiple of {gemm_align} (each expert's rows start a block of the "
+                f"contiguous grouped GEMM: get_mk_alignment_for_contiguous_layout()), got {expert_alignment}"
+            )
+        check_expert_weights(x, w13, w2, buffer.num_local_experts)
         biases = check_biases(bias, x.shape[0], h)
         if len({b.dtype for b in biases}) > 1 or any(b.dtype not in (torch.bfloat16, torch.float32) for b in biases):
             raise ValueError(f"bias must be bfloat16 or float32 (one dtype), got {[b.dtype for b in biases]}")

@@ -99,6 +99,18 @@ def _bad_input(rank, world_size):
     bias = torch.zeros(2, HIDDEN, dtype=torch.float16 if rank == 0 else torch.bfloat16)
     with pytest.raises(ValueError, match=r"rank 0: bias must be bfloat16 or float32"):
         fused_moe(torch.zeros(2, HIDDEN).bfloat16(), idx.clamp(min=0), torch.ones(2, TOPK), w13, w2, buf, bias=bias)
+    # what the expert MLP would refuse only after the rows moved is refused before, on every rank, and the
+    # buffer goes on: an alignment the contiguous GEMM cannot take, weights for another number of experts
+    g = torch.Generator().manual_seed(rank)
+    x, good = torch.randn(4, HIDDEN, generator=g).bfloat16(), torch.randint(0, EXPERTS, (4, TOPK), generator=g)
+    wts = torch.rand(4, TOPK, generator=g)
+    with pytest.raises(ValueError, match=r"rank 1: expert_alignment must be a multiple of 128"):
+        fused_moe(x, good, wts, w13, w2, buf, expert_alignment=4 if rank == 1 else 128)
+    with pytest.raises(ValueError, match=r"rank 0: w13 and w2 must hold this rank's 4 local experts"):
+        fused_moe(x, good, wts, *((w13[:3], w2[:3]) if rank == 0 else (w13, w2)), buf)
+    recv_x, _, _, _, handle = buf.dispatch(x, good, wts, expand=True, expert_alignment=128)
+    composed = buf.combine(expert_mlp(recv_x, "contiguous", w13, w2, m_indices=EPBuffer.m_indices(handle)), handle)
+    assert_bitwise_equal(fused_moe(x, good, wts, w13, w2, buf), composed, f"{rank=} after the refused calls")
     return True
 
 

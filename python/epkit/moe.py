@@ -25,7 +25,14 @@ from epkit import grouped_gemm as gemm
 from epkit.ops import custom_op
 from epkit.quant import FP8_BLOCK, cast_groups_to_fp8, per_token_group_cast_to_fp8
 
-__all__ = ["expert_mlp", "expert_mlp_reference", "pack_moe_weight", "unpack_moe_weight", "fuse_gate_up"]
+__all__ = [
+    "expert_mlp",
+    "check_expert_weights",
+    "expert_mlp_reference",
+    "pack_moe_weight",
+    "unpack_moe_weight",
+    "fuse_gate_up",
+]
 
 
 def pack_moe_weight(w: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -115,20 +122,29 @@ def expert_mlp(
     """
     if layout not in ("contiguous", "masked"):
         raise ValueError(f"layout must be 'contiguous' or 'masked', got {layout!r}")
-    kind = _kind_of(w13)
-    if _kind_of(w2) != kind:
-        raise ValueError(f"w13 and w2 must use one format, got {kind} and {_kind_of(w2)}")
-    two_i, hidden = _check_weight_shapes(kind, x, w13, w2)
-    inter = two_i // 2
+    check_expert_weights(x, w13, w2)
     masked = layout == "masked"
     if masked and (masked_m is None or expected_m is None):
         raise ValueError("the masked layout needs masked_m and expected_m")
     if not masked and m_indices is None:
         raise ValueError("the contiguous layout needs m_indices")
-    if kind != "bf16" and inter % FP8_BLOCK:
-        raise ValueError(f"I = {inter} must be a multiple of {FP8_BLOCK} to re-quantize the intermediate to FP8")
     (x0, xs), (b13, s13), (b2, s2) = (_split(v, name) for v, name in ((x, "x"), (w13, "w13"), (w2, "w2")))
     return _expert_mlp_op(x0, xs, b13, s13, b2, s2, layout, m_indices, masked_m, expected_m, swiglu_limit, backend)
+
+
+def check_expert_weights(x, w13, w2, num_groups: int | None = None) -> None:
+    """The checks :func:`expert_mlp` makes of its weights against ``x [..., H]``, without running it: one format,
+    ``w13 [G, 2*I, H]`` / ``w2 [G, H, I]`` shapes, ``I`` a multiple of 128 for the FP8/FP4 formats, and ``G`` equal
+    to ``num_groups`` when given. ``fused_moe`` runs them on every rank before any row moves."""
+    kind = _kind_of(w13)
+    if _kind_of(w2) != kind:
+        raise ValueError(f"w13 and w2 must use one format, got {kind} and {_kind_of(w2)}")
+    two_i, _ = _check_weight_shapes(kind, x, w13, w2)
+    if kind != "bf16" and two_i // 2 % FP8_BLOCK:
+        raise ValueError(f"I = {two_i // 2} must be a multiple of {FP8_BLOCK} to re-quantize the intermediate to FP8")
+    g = _body(w13).shape[0]
+    if num_groups is not None and g != num_groups:
+        raise ValueError(f"w13 and w2 must hold this rank's {num_groups} local experts (G), got G = {g}")
 
 
 def _split(v, name: str):
