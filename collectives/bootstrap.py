@@ -32,10 +32,30 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["Rendezvous", "SubGroup", "group_info", "host_identity", "memory_available", "root_of"]
+from epkit.collectives.deadline import deadline_after
+
+__all__ = ["Rendezvous", "SubGroup", "bounded_call", "group_info", "host_identity", "memory_available", "root_of"]
 
 # Buffers made so far in this process, per group (by its SubGroup name and global ranks).
 _COUNTS: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+def bounded_call(fn, seconds: float) -> tuple[bool, object]:
+    """``fn()`` (a call of the job store) in a daemon thread, waited for at most ``seconds``: ``(finished, its
+    result)`` (None when it raised or did not finish). A job store out of reach (a host cut off from it) can hold a
+    call past any timeout set on the store; the caller goes on, and the thread is left to it."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except Exception:  # noqa: BLE001 -- a store call that failed is one that told nothing
+            box.append(None)
+
+    t = threading.Thread(target=run, daemon=True, name="epkit-store")
+    t.start()
+    t.join(seconds)
+    return bool(box), (box[0] if box else None)
 
 
 class SubGroup:
@@ -196,7 +216,7 @@ class Rendezvous:
         self._store.set(key, json.dumps(payload))
         self._mine.append(key)
         keys = [f"{step}/{r}" for r in range(self.world_size)]
-        deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        deadline = deadline_after(self.timeout) if deadline is None else deadline
         pause = 1e-3
         while not self._store.check(keys):
             quit_msg = self.abandoned()
@@ -227,14 +247,17 @@ class Rendezvous:
         """Publish this rank's presence under ``step``; the ranks whose presence has not arrived by ``deadline``
         (without raising: for naming the ranks a failed step lost)."""
         keys = [f"{step}/{r}" for r in range(self.world_size)]
-        try:
+
+        def look() -> list[int]:
             self._store.set(keys[self.rank], "1")
             self._mine.append(keys[self.rank])
             while not self._store.check(keys) and time.monotonic() < deadline:
                 time.sleep(0.005)
             return [r for r, k in enumerate(keys) if not self._store.check([k])]
-        except Exception:  # noqa: BLE001 -- a store out of reach: nothing known, nobody named
-            return []
+
+        # off this thread: a store out of reach (a host cut off) must not hold the caller past the deadline
+        finished, missing = bounded_call(look, max(deadline - time.monotonic(), 0.0) + 0.5)
+        return missing if finished and isinstance(missing, list) else []  # out of reach: nothing known, nobody named
 
     @contextlib.contextmanager
     def store_deadline(self, deadline: float):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from epkit.collectives.bootstrap import group_info
+from epkit.collectives.deadline import within
 from epkit.collectives.ep.config import DEFAULT_LOW_LATENCY_TOKENS, EPConfig, RegionSizes, region_sizes
 from epkit.collectives.ep.handles import DispatchHandle
 from epkit.collectives.ep.ll_layout import LowLatencyHandle
@@ -125,7 +126,8 @@ class EPBuffer:
         rank, w, ranks = group_info(group)[:3]
         n_ll, n = num_max_dispatch_tokens_per_rank, num_max_tokens_per_rank
         cfg = EPConfig.checked(w, rank, hidden, num_experts, n, num_topk, n_ll, timeout, portable, ranks)
-        self._ctx, self._normal, self._ll = open_paths(group, cfg, transport, kernels)
+        with within(timeout):  # every wait of the construction together: one timeout, end to end
+            self._ctx, self._normal, self._ll = open_paths(group, cfg, transport, kernels)
         self.group, self.cfg = group, self._ctx.cfg
 
     # what the buffer is

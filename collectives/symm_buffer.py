@@ -19,6 +19,7 @@ import torch
 from epkit.collectives import transports
 from epkit.collectives._details.deferred import DeferredChecks
 from epkit.collectives.bootstrap import Rendezvous, group_info
+from epkit.collectives.deadline import within
 from epkit.collectives.exchange import Exchange, OneSidedExchange, TwoSidedExchange, exchange_payloads
 from epkit.collectives.peer_failure import FailureNotices, PeerFailedError, wait_judge
 from epkit.collectives.transports.base import ACK, BARRIER, NOTICE, READY, user_word, word
@@ -99,20 +100,21 @@ class SymmBuffer(FailureNotices):
         self.num_bytes = num_bytes
         self.num_signals = num_signals
         self.timeout = timeout
-        self._rendezvous = rv = Rendezvous(group, timeout, "SymmBuffer")
-        rv.memory_hint = memory_hint
-        me = {**transports.hello("nccl" in str(backend)), "args": [num_bytes, num_signals, transport]}
-        hellos = rv.gather("hello", me)
-        args = [h["args"] for h in hellos]
-        if len({tuple(a) for a in args}) != 1:  # every rank sees the same list, so every rank raises
-            detail = "; ".join(
-                f"rank {r}: num_bytes={a[0]}, num_signals={a[1]}, transport={a[2]!r}" for r, a in enumerate(args)
-            )
-            raise ValueError(f"SymmBuffer arguments differ across ranks ({detail}); every rank must pass the same")
-        #: This buffer's identity: random, agreed at construction, the same on every rank.
-        self.buffer_id: int = rv.buffer_id
-        name = transport if transport != "auto" else transports.choose(hellos, backend, rv)
-        self.impl = transports.create(name, rv, hellos, num_bytes, num_signals)
+        with within(timeout):  # every wait of the construction together: one timeout, end to end
+            self._rendezvous = rv = Rendezvous(group, timeout, "SymmBuffer")
+            rv.memory_hint = memory_hint
+            me = {**transports.hello("nccl" in str(backend)), "args": [num_bytes, num_signals, transport]}
+            hellos = rv.gather("hello", me)
+            args = [h["args"] for h in hellos]
+            if len({tuple(a) for a in args}) != 1:  # every rank sees the same list, so every rank raises
+                detail = "; ".join(
+                    f"rank {r}: num_bytes={a[0]}, num_signals={a[1]}, transport={a[2]!r}" for r, a in enumerate(args)
+                )
+                raise ValueError(f"SymmBuffer arguments differ across ranks ({detail}); every rank must pass the same")
+            #: This buffer's identity: random, agreed at construction, the same on every rank.
+            self.buffer_id: int = rv.buffer_id
+            name = transport if transport != "auto" else transports.choose(hellos, backend, rv)
+            self.impl = transports.create(name, rv, hellos, num_bytes, num_signals)
         self.nvshmem_provider, self.nvshmem_note = self.impl.provider, self.impl.note
         self.local = self.impl.local
         self._epochs = {"barrier": 0, "a2a": 0}

@@ -213,6 +213,49 @@ def test_a_rank_frozen_in_construction_is_named_after_the_buffers_timeout():
         assert seconds < 1.5 + 1.5, seconds  # the buffer's timeout, not the process group's
 
 
+def _late_then_frozen(rank, world_size, where):
+    """Rank 1 comes to the first wait 0.8 of the timeout late, then stops before the next one (SIGSTOP; rank 0
+    wakes it when it has given up): ``where`` ``"epbuffer"`` between EPBuffer's host probe and its segment
+    exchange, ``"compat"`` between a deep_ep call's agreement and its first EPBuffer's construction."""
+    import epkit.compat.deep_ep as deep_ep
+    from epkit.collectives.transports import shm
+    from epkit.compat._details.deep_ep_session import Session
+
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    timeout = 2.0
+    if rank == 1:
+        time.sleep(0.8 * timeout)
+        stop = lambda *a, **k: os.kill(os.getpid(), signal.SIGSTOP)  # noqa: E731
+        if where == "epbuffer":
+            real = shm.share_descriptors
+            shm.share_descriptors = lambda *a, **k: (stop(), real(*a, **k))[1]
+        else:
+            real_ep = Session.epbuffer
+            Session.epbuffer = lambda *a, **k: (stop(), real_ep(*a, **k))[1]
+    t0 = time.monotonic()
+    if where == "epbuffer":
+        kind, msg = _raised(lambda: _buffer("shm", timeout=timeout))
+    else:
+        buffer = deep_ep.Buffer(dist.group.WORLD, 0, 1 << 22, low_latency_mode=True)
+        buffer.timeout = timeout
+        x, idx, _ = _inputs(rank, 0)
+        kind, msg = _raised(lambda: buffer.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False))
+    seconds = time.monotonic() - t0
+    if rank == 0:
+        os.kill(pids[1], signal.SIGCONT)
+    return kind, msg, seconds
+
+
+@pytest.mark.parametrize("where", ["epbuffer", "compat"])
+def test_a_rank_late_to_one_wait_and_frozen_before_the_next_costs_one_timeout(where):
+    """Issue 39 D3: the waits of one construction (or of one deep_ep call) share one deadline. Before, each had
+    the whole timeout: rank 0 raised after 0.8 + 1 timeouts (3.6 s)."""
+    kind, msg, seconds = run_ranks(_late_then_frozen, 2, where, timeout=60)[0]
+    assert kind == "TimeoutError" and re.search(r"rank 1 (did not come|sent no|went away)", msg), (kind, msg)
+    assert seconds < 2.0 + 0.8, (seconds, msg)
+
+
 def _too_large(rank, world_size):
     return _raised(
         lambda: EPBuffer(dist.group.WORLD, 7168, 256, 4096, 8, transport="shm", num_max_dispatch_tokens_per_rank=4096)
@@ -239,3 +282,40 @@ def test_mismatched_low_latency_parameters_give_the_same_error_everywhere():
     assert len(set(res)) == 1, res
     kind, msg = res[0]
     assert kind == "ValueError" and "rank 0: num_max_dispatch_tokens_per_rank=8" in msg, msg
+
+
+class _Store(dict):
+    """The job store's calls the torch transport's notices use, in memory."""
+
+    def set(self, key, value):
+        self[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return self[key]
+
+
+def test_a_peer_still_giving_its_own_peer_a_grace_is_heard_out():
+    """Issue 39: rank 1's wait on rank 2 fails at about the moment rank 0's wait on rank 1 does; neither sees the
+    other's process (other hosts), so each gives its peer NOTICE_GRACE_S. Rank 1 says it is waiting too (and how
+    long), so rank 0 listens until rank 1 tells whom it names, instead of ending its grace first and naming rank 1,
+    which is live."""
+    from types import SimpleNamespace
+
+    from epkit.collectives.transports import torch as torch_transport
+    from epkit.collectives.transports.base import NOTICE_GRACE_S
+
+    t = object.__new__(torch_transport.TorchTransport)
+    t._rv, t.buffer_id, t._store_lost, t.rank = SimpleNamespace(store=_Store()), 0xAB, False, 1
+    start = time.monotonic()
+    t._waiting(NOTICE_GRACE_S)  # rank 1's wait on rank 2 failed at once; it gives rank 2 its grace
+    timer = threading.Timer(NOTICE_GRACE_S, lambda: t.tell(2, True))  # ... and then names rank 2
+    timer.start()
+    try:
+        heard = t._heard(1, NOTICE_GRACE_S)  # rank 0's failed wait on rank 1 (positions = global ranks here)
+    finally:
+        timer.cancel()
+    assert heard == (2, True), heard
+    assert time.monotonic() - start < torch_transport.CHAIN_GRACE_S + 0.2

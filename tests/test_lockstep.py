@@ -148,3 +148,35 @@ def test_a_rank_that_stops_is_named_by_the_others_next_step(how):
         msg, seconds = res[rank]
         assert "rank 2 never reached it" in msg and "lockstep step 2 of DP group [0, 1, 2]" in msg, res
         assert seconds < 2 + 1.5, res
+
+
+class _StuckStore:
+    """A job store out of reach (a host cut off from it): every call blocks for a minute."""
+
+    def __getattr__(self, name):
+        import time
+
+        return lambda *args, **kwargs: time.sleep(60)
+
+
+def _stuck_store(rank, world_size):
+    import time
+
+    import epkit.lockstep as lockstep
+
+    lockstep._store = lambda: _StuckStore()
+    t0 = time.monotonic()
+    steps = [has_unfinished(rank == 0) for _ in range(3)]
+    took = time.monotonic() - t0
+    t0 = time.monotonic()
+    behind = lockstep._behind(_StuckStore(), "p/", (0, 1), 1)
+    return steps, took, behind, time.monotonic() - t0
+
+
+def test_a_job_store_out_of_reach_holds_no_step():
+    """Issue 39: the step's word and the failure path's reads of it go to the job's store off the caller's thread;
+    a store that blocks (a cut link) held every step before."""
+    res = run_ranks(_stuck_store, 2, timeout=60)
+    for steps, took, behind, read_took in res:
+        assert steps == [True, True, True] and took < 2.0, res
+        assert behind is None and read_took < 1.5, res  # the failure path says it cannot tell, after a second

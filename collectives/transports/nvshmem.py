@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from epkit.collectives.deadline import deadline_after
 from epkit.collectives.transports import nvshmem_job
 from epkit.collectives.transports.base import MASK64, Transport, layout
 
@@ -151,7 +152,9 @@ class NvshmemTransport(Transport):
         self, off: int, count: int, cmp: str, value: int, timeout: float, abort_words: int = 0
     ) -> tuple[int, int | None]:
         """A timed wait kernel on the current stream; the host then waits for the stream, with a deadline of
-        ``timeout + HOST_GRACE_S`` past which the stream counts as stuck (TimeoutError)."""
+        ``timeout + HOST_GRACE_S`` past which the stream counts as stuck (TimeoutError). Inside a
+        :func:`~epkit.collectives.deadline.within` block the kernel's timeout is what is left of the block's."""
+        timeout = max(deadline_after(timeout) - time.monotonic(), 0.0)
         self._launch_wait(off, count, cmp, value, timeout, self._result.data_ptr(), 0, abort_words, True)
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from epkit.collectives.deadline import deadline_after
 from epkit.collectives.transports.base import Transport, layout
 
 __all__ = ["ShmTransport", "confirm_hosts", "host_view", "share_descriptors", "wait_word"]
@@ -194,7 +195,7 @@ def share_descriptors(rv, pids: list[int], my_fd: int, timeout: float) -> list[i
     both ends). Raises TimeoutError naming the ranks that did not come (on rank 0, and in rank 0's words
     on every rank that did). The caller owns (and closes) every descriptor returned.
     """
-    deadline = time.monotonic() + timeout
+    deadline = deadline_after(timeout)
     server, name = _listen() if rv.rank == 0 else (None, b"")
     try:
         names = rv.gather("shm", name.hex())
@@ -260,7 +261,7 @@ def confirm_hosts(rv, hellos: list[dict], groups: list[list[int]]) -> list[list[
     """
     if all(len(g) == 1 for g in groups):
         return groups
-    deadline = time.monotonic() + rv.timeout
+    deadline = deadline_after(rv.timeout)
     mine = next(g for g in groups if rv.rank in g)
     lead, pids = mine[0], [h["pid"] for h in hellos]
     server, fd, sock, ok = None, -1, None, True
@@ -356,7 +357,7 @@ class ShmTransport(Transport):
         self, off: int, count: int, cmp: str, value: int, timeout: float, abort_words: int = 0
     ) -> tuple[int, int | None]:
         seg = self.segments[self.rank]
-        deadline = time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         seen = 0
         for i in range(count):
             o = off + 8 * i

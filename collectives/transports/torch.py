@@ -26,13 +26,14 @@ message is a local copy): what crosses the network, for tests and benchmarks of 
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from epkit.collectives.bootstrap import bounded_call
+from epkit.collectives.deadline import deadline_after
 from epkit.collectives.transports.base import Transport
 
 __all__ = ["INLINE_BYTES", "SPLIT_HEAD", "TorchTransport"]
@@ -53,24 +54,10 @@ _RETIRED: list = []
 #: Seconds a rank that gives up waits for the job store to take why (:meth:`TorchTransport.tell`; it goes on in
 #: the background after that).
 _TELL_S = 0.2
-
-
-def _bounded(fn, seconds: float) -> tuple[bool, object]:
-    """``fn()`` in a daemon thread, waited for at most ``seconds``: ``(finished, its result)`` (None when it raised
-    or did not finish). A job store out of reach (a host cut off from it) can hold a call past any timeout set on
-    the store: the thread is left to it."""
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except Exception:  # noqa: BLE001 -- a store call that failed is one that told nothing
-            box.append(None)
-
-    t = threading.Thread(target=run, daemon=True, name="epkit-store")
-    t.start()
-    t.join(seconds)
-    return bool(box), (box[0] if box else None)
+#: Seconds at most that a failed wait listens for its peer's notice when the peer said it is itself giving its own
+#: peer a grace (:meth:`TorchTransport._waiting`): the longest grace and a store round trip, within the 1.5 s
+#: past the timeout that a failed wait may take.
+CHAIN_GRACE_S = 1.4
 
 
 def _told(me: str, peer: str, what: str, src: int, heard: tuple[int, bool]) -> TimeoutError:
@@ -110,7 +97,7 @@ class TorchTransport(Transport):
         self._store_lost = False  # a store call did not come back (a host cut off): none is made again
         # One deadline for the group: every rank must reach it (a rank that does not is named), and the group's
         # rendezvous waits on the job store end by it too, not after the store's own timeout.
-        deadline = time.monotonic() + rv.timeout
+        deadline = deadline_after(rv.timeout)
         rv.gather("torch/group", None, deadline=deadline)
         try:
             store = dist.PrefixStore("pg/", rv.store)
@@ -143,26 +130,41 @@ class TorchTransport(Transport):
         if self._store_lost:
             return
         store, key = self._rv.store, self._notice_key(self.rank)
-        finished, _ = _bounded(lambda: store.set(key, f"{culprit} {int(silent)}"), _TELL_S)  # best effort
+        finished, _ = bounded_call(lambda: store.set(key, f"{culprit} {int(silent)}"), _TELL_S)  # best effort
+        self._store_lost = not finished
+
+    def _waiting(self, grace: float) -> None:
+        """Say (best effort) that this rank's wait failed and that it gives its own peer ``grace`` seconds before
+        telling whom it names: a rank waiting on this one then waits that long too (a chain of two ranks that
+        cannot see each other's processes would otherwise end both graces at once, and the first would name the
+        second, which is live)."""
+        if self._store_lost or grace <= 0:
+            return
+        store, key = self._rv.store, self._notice_key(self.rank)
+        finished, _ = bounded_call(lambda: store.set(key, f"waiting {grace:.3f}"), _TELL_S)
         self._store_lost = not finished
 
     def _heard(self, src: int, grace: float) -> tuple[int, bool] | None:
-        """``(culprit, silent)`` that rank ``src`` told (:meth:`tell`) within ``grace`` seconds, or None (also
+        """``(culprit, silent)`` that rank ``src`` told (:meth:`tell`) within ``grace`` seconds (longer by the grace
+        ``src`` said it gives its own peer, :meth:`_waiting`, at most :data:`CHAIN_GRACE_S` in all), or None (also
         when the job store is out of reach)."""
-        store, key, end = self._rv.store, self._notice_key(src), time.monotonic() + grace
+        store, key, start = self._rv.store, self._notice_key(src), time.monotonic()
+        end = [start + grace]
 
         def poll() -> tuple[int, bool] | None:
             while True:  # at least once: a peer that told and then exited closed its connection
                 if store.check([key]):
-                    culprit, silent = store.get(key).decode().split()
-                    return int(culprit), silent == "1"
-                if time.monotonic() >= end:
+                    word, value = store.get(key).decode().split()
+                    if word != "waiting":
+                        return int(word), value == "1"
+                    end[0] = max(end[0], min(time.monotonic() + float(value) + _TELL_S, start + CHAIN_GRACE_S))
+                if time.monotonic() >= end[0]:
                     return None
                 time.sleep(0.02)
 
         if self._store_lost:
             return None
-        finished, heard = _bounded(poll, grace + _TELL_S)
+        finished, heard = bounded_call(poll, CHAIN_GRACE_S + _TELL_S)
         self._store_lost = not finished
         return heard
 
@@ -173,7 +175,9 @@ class TorchTransport(Transport):
         except RuntimeError as exc:  # gloo: a timeout, or the connection to a peer that died or gave up
             cause = "timed out" if "Timed out" in str(exc) else str(exc).strip().splitlines()[0][:200]
             me, peer = self.rank_name(self.rank), self.rank_name(src)
-            heard = self._heard(src, self.grace(src))  # a peer that gave up (closing its group) says why
+            grace = self.grace(src)
+            self._waiting(grace)
+            heard = self._heard(src, grace)  # a peer that gave up (closing its group) says why
             if heard is not None:
                 raise _told(me, peer, what, src, heard) from None
             silence = TimeoutError(
@@ -219,7 +223,7 @@ class TorchTransport(Transport):
         own = send[me].numel()
         into, split = into or [None] * w, split or [0] * w
         first = self._check_call(send, recv_bytes, what, exact, into, split, meanwhile)
-        deadline = time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         self._exchanges += 1
         n = self._exchanges
         tag = 3 * (n % _TAGS)

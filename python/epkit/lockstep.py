@@ -18,6 +18,9 @@ all-reduce per step.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +62,9 @@ def _all_reduce_max(values: list[int], group) -> list[int]:
     n = _CALLS[members] = _CALLS.get(members, 0) + 1
     store, me = _store(), dist.get_rank()
     prefix = f"epkit/lockstep/{'-'.join(map(str, members))}/"
-    if store is not None:
-        try:
-            store.set(f"{prefix}{me}", str(n))
-        except Exception:  # noqa: BLE001 -- best effort: without the word a failure names nobody
-            store = None
+    if store is not None:  # best effort, off this thread: a store out of reach must not hold the step
+        _WORDS.put((store, f"{prefix}{me}", str(n)))
+        _start_writer()
     t = torch.tensor(values, dtype=torch.int64)
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -77,17 +78,35 @@ def _all_reduce_max(values: list[int], group) -> list[int]:
 BEHIND_GRACE_S = 1.0
 
 
+#: The words to write to the job's store, in order: ``(store, key, value)``; one daemon thread writes them.
+_WORDS: queue.SimpleQueue = queue.SimpleQueue()
+_WRITER: list[threading.Thread] = []
+
+
+def _start_writer() -> None:
+    if _WRITER and _WRITER[0].is_alive():
+        return
+
+    def write() -> None:
+        while True:
+            store, key, value = _WORDS.get()
+            with contextlib.suppress(Exception):  # best effort: without the word a failure names nobody
+                store.set(key, value)
+
+    _WRITER[:] = [threading.Thread(target=write, daemon=True, name="epkit-lockstep-words")]
+    _WRITER[0].start()
+
+
 def _behind(store, prefix: str, members: tuple[int, ...], n: int) -> list[int] | None:
-    """The members whose word says they have not entered step ``n``; None when the store cannot tell."""
-    out = []
-    try:
-        for r in members:
-            seen = int(store.get(f"{prefix}{r}")) if store.check([f"{prefix}{r}"]) else 0
-            if seen < n:
-                out.append(r)
-    except Exception:  # noqa: BLE001 -- a store out of reach: nothing known
-        return None
-    return out
+    """The members whose word says they have not entered step ``n``; None when the store cannot tell (it raised,
+    or did not answer within a second: a store out of reach must not hold the failing step)."""
+    from epkit.collectives.bootstrap import bounded_call
+
+    def read() -> list[int]:
+        return [r for r in members if (int(store.get(f"{prefix}{r}")) if store.check([f"{prefix}{r}"]) else 0) < n]
+
+    finished, out = bounded_call(read, 1.0)
+    return out if finished and isinstance(out, list) else None
 
 
 def _who_stopped(store, prefix: str, members: tuple[int, ...], me: int, n: int, exc: Exception) -> str:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from epkit.collectives.bootstrap import Rendezvous
+from epkit.collectives.deadline import deadline_after
 from epkit.collectives.ep.rows import META_MSG, decode_error, encode_error
 from epkit.collectives.transports.base import rank_name
 
@@ -177,7 +178,7 @@ class CallAgreement:
         return got.view(self.world_size, *mine.shape)
 
     def _wait(self, work: dist.Work, fn: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         noted = False
         while True:
             left = deadline - time.monotonic()

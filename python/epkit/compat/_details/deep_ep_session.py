@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from epkit.collectives.deadline import within
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.compat._details.deep_ep_agreement import CallAgreement, FieldValue
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
@@ -37,11 +38,15 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def calls(part: str, method: _F) -> _F:
     """A buffer method that hands the call to its ``part`` (its normal-mode, low-latency, dispatch or combine
-    calls): ``method``'s signature and docstring, one definition."""
+    calls): ``method``'s signature and docstring, one definition. The whole call (its agreement, a first EPBuffer's
+    construction, the routing gather, the rows' exchange) waits at most the session's timeout, end to end
+    (:func:`~epkit.collectives.deadline.within`); a receive hook called later has the timeout again."""
 
     @functools.wraps(method)
     def call(self: object, *args: Any, **kwargs: Any) -> Any:
-        return getattr(getattr(self, part), method.__name__)(*args, **kwargs)
+        calls_of = getattr(self, part)
+        with within(calls_of.s.timeout):
+            return getattr(calls_of, method.__name__)(*args, **kwargs)
 
     return call  # type: ignore[return-value]  # the same signature, by functools.wraps
 
