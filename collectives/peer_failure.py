@@ -235,7 +235,11 @@ class FailureNotices:
         """A wait on ``src`` ended without its signal: the peer's gave-up notice, or silence."""
         if is_notice(seen):
             raise self._gave_up(seen, what)
-        end = time.monotonic() + self.impl.grace(src)  # a live peer stuck behind the failed rank says so now
+        grace = self.impl.grace(src)
+        for buf in (self, *self.siblings):  # peers reading a torch buffer's notices then listen as long
+            with contextlib.suppress(ReferenceError):
+                buf.impl.waiting(grace)
+        end = time.monotonic() + grace  # a live peer stuck behind the failed rank says so now
         while self.is_open() and time.monotonic() < end:
             late = self.impl.load(self._word(NOTICE, src))
             if is_notice(late):

@@ -310,7 +310,7 @@ def test_a_peer_still_giving_its_own_peer_a_grace_is_heard_out():
     t = object.__new__(torch_transport.TorchTransport)
     t._rv, t.buffer_id, t._store_lost, t.rank = SimpleNamespace(store=_Store()), 0xAB, False, 1
     start = time.monotonic()
-    t._waiting(NOTICE_GRACE_S)  # rank 1's wait on rank 2 failed at once; it gives rank 2 its grace
+    t.waiting(NOTICE_GRACE_S)  # rank 1's wait on rank 2 failed at once; it gives rank 2 its grace
     timer = threading.Timer(NOTICE_GRACE_S, lambda: t.tell(2, True))  # ... and then names rank 2
     timer.start()
     try:

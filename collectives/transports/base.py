@@ -173,6 +173,13 @@ class Transport(abc.ABC):
         on this rank fails learns whom to name. A no-op here (the signal-word transports spread notices)."""
         return None
 
+    def waiting(self, grace: float) -> None:
+        """Transports without signal words: say that a wait of this rank (on this buffer or another of the same
+        EPBuffer) failed and that it gives its peer ``grace`` seconds before telling whom it names, so that a peer
+        whose wait on this rank fails meanwhile listens that long too. A no-op here (a signal-word peer on this
+        host sees this process running and gives it :data:`RUNNING_GRACE_S`)."""
+        return None
+
     def peer_state(self, rank: int) -> str | None:
         """``"running"``, ``"stopped"`` or ``"gone"`` for a rank on this host (its process as ``/proc`` shows it:
         stopped by a signal or a debugger, or exited); None for one elsewhere. A wait on a peer that timed out

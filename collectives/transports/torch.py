@@ -55,9 +55,20 @@ _RETIRED: list = []
 #: the background after that).
 _TELL_S = 0.2
 #: Seconds at most that a failed wait listens for its peer's notice when the peer said it is itself giving its own
-#: peer a grace (:meth:`TorchTransport._waiting`): the longest grace and a store round trip, within the 1.5 s
+#: peer a grace (:meth:`TorchTransport.waiting`): the longest grace and a store round trip, within the 1.5 s
 #: past the timeout that a failed wait may take.
 CHAIN_GRACE_S = 1.4
+
+
+class _Refused:
+    """A send or receive gloo refused when it was posted (the connection to the peer already gone): its wait raises
+    that error."""
+
+    def __init__(self, exc: RuntimeError) -> None:
+        self.exc = exc
+
+    def wait(self, *args: object) -> None:
+        raise self.exc
 
 
 def _told(me: str, peer: str, what: str, src: int, heard: tuple[int, bool]) -> TimeoutError:
@@ -133,7 +144,7 @@ class TorchTransport(Transport):
         finished, _ = bounded_call(lambda: store.set(key, f"{culprit} {int(silent)}"), _TELL_S)  # best effort
         self._store_lost = not finished
 
-    def _waiting(self, grace: float) -> None:
+    def waiting(self, grace: float) -> None:
         """Say (best effort) that this rank's wait failed and that it gives its own peer ``grace`` seconds before
         telling whom it names: a rank waiting on this one then waits that long too (a chain of two ranks that
         cannot see each other's processes would otherwise end both graces at once, and the first would name the
@@ -146,7 +157,7 @@ class TorchTransport(Transport):
 
     def _heard(self, src: int, grace: float) -> tuple[int, bool] | None:
         """``(culprit, silent)`` that rank ``src`` told (:meth:`tell`) within ``grace`` seconds (longer by the grace
-        ``src`` said it gives its own peer, :meth:`_waiting`, at most :data:`CHAIN_GRACE_S` in all), or None (also
+        ``src`` said it gives its own peer, :meth:`waiting`, at most :data:`CHAIN_GRACE_S` in all), or None (also
         when the job store is out of reach)."""
         store, key, start = self._rv.store, self._notice_key(src), time.monotonic()
         end = [start + grace]
@@ -173,19 +184,48 @@ class TorchTransport(Transport):
         try:
             work.wait(timedelta(seconds=left))
         except RuntimeError as exc:  # gloo: a timeout, or the connection to a peer that died or gave up
-            cause = "timed out" if "Timed out" in str(exc) else str(exc).strip().splitlines()[0][:200]
-            me, peer = self.rank_name(self.rank), self.rank_name(src)
-            grace = self.grace(src)
-            self._waiting(grace)
-            heard = self._heard(src, grace)  # a peer that gave up (closing its group) says why
-            if heard is not None:
-                raise _told(me, peer, what, src, heard) from None
-            silence = TimeoutError(
-                f"{me}: {peer} sent no {what} message within {timeout:g} s ({cause}); it died or stopped calling"
-            )
-            silence.peer = src  # type: ignore[attr-defined]  # a position, as silence_error's
-            silence.culprit = (self.global_ranks[src], True)  # type: ignore[attr-defined]  # whom to name
-            raise silence from None
+            raise self._peer_failed(exc, timeout, src, what) from None
+
+    def _post_payload(self, src: int, first: int, into, view: torch.Tensor, tag: int) -> list:
+        """Post the receives of ``src``'s payload: none when it travels in its header's message, else one part into
+        ``view`` (tag + 1), or ``first`` bytes into ``into`` and the rest into ``view`` (tags + 1, + 2)."""
+        if first:
+            parts = [(p, tag + 1 + i) for i, p in enumerate((into, view)) if p.numel()]
+        else:
+            parts = [] if _inline(view.numel(), 0) else [(view, tag + 1)]
+        return [self._post(self.pg.recv, p.view(-1), src, t) for p, t in parts]
+
+    def _post_heads(self, heads: torch.Tensor, tag: int) -> dict:
+        """Post the receive of every peer's header message (``tag``) into its row of ``heads``: ``{src: work}``."""
+        w, me = self.world_size, self.rank
+        return {src: self._post(self.pg.recv, heads[src], src, tag) for src in range(w) if src != me}
+
+    @staticmethod
+    def _post(op, t: torch.Tensor, peer: int, tag: int):
+        """``op([t], peer, tag)`` (the group's ``send`` or ``recv``). Gloo raises at once when the connection to
+        ``peer`` is already gone: the request returned then raises that error at its wait, so that it is judged in
+        the exchange's order, as a failed wait is (:meth:`_wait`)."""
+        try:
+            return op([t], peer, tag)
+        except RuntimeError as exc:
+            return _Refused(exc)
+
+    def _peer_failed(self, exc: RuntimeError, timeout: float, src: int, what: str) -> Exception:
+        """The error for gloo's ``exc`` on a message of ``src``: what ``src`` told, when it gave up (closing its
+        group) and says why, within its grace; otherwise its silence."""
+        cause = "timed out" if "Timed out" in str(exc) else str(exc).strip().splitlines()[0][:200]
+        me, peer = self.rank_name(self.rank), self.rank_name(src)
+        grace = self.grace(src)
+        self.waiting(grace)
+        heard = self._heard(src, grace)
+        if heard is not None:
+            return _told(me, peer, what, src, heard)
+        silence = TimeoutError(
+            f"{me}: {peer} sent no {what} message within {timeout:g} s ({cause}); it died or stopped calling"
+        )
+        silence.peer = src  # type: ignore[attr-defined]  # a position, as silence_error's
+        silence.culprit = (self.global_ranks[src], True)  # type: ignore[attr-defined]  # whom to name
+        return silence
 
     def barrier(self, timeout: float) -> None:
         self.all_to_all(
@@ -232,19 +272,19 @@ class TorchTransport(Transport):
         if self._heads is None:
             self._heads = torch.empty((w, _HEAD + INLINE_BYTES), dtype=torch.uint8)
         heads = self._heads
-        got = {src: self.pg.recv([heads[src]], src, tag) for src in range(w) if src != me}
 
-        def parts(src: int) -> list:  # a payload's receives: none when it travels in its header's message
-            if first[src]:
-                return [(p, tag + 1 + i) for i, p in enumerate((into[src], views[src])) if p.numel()]
-            return [] if _inline(views[src].numel(), 0) else [(views[src], tag + 1)]
+        def receives(src: int) -> list:
+            return self._post_payload(src, first[src], into[src], views[src], tag)
 
-        posted = {src: [self.pg.recv([p.view(-1)], src, t) for p, t in parts(src)] for src in got if meanwhile}
-        sent = self._send_all(send, split, n, tag)
-        views[me] = views[me][:own]
-        if own:
-            views[me].copy_(send[me])
+        got, posted, sent = {}, {}, []  # type: ignore[var-annotated]  # (filled below)
         try:
+            got.update(self._post_heads(heads, tag))
+            for src in got if meanwhile else ():
+                posted[src] = receives(src)
+            self._send_all(send, split, n, tag, sent)
+            views[me] = views[me][:own]
+            if own:
+                views[me].copy_(send[me])
             if meanwhile is not None:
                 meanwhile()
                 deadline = time.monotonic() + timeout  # the caller's work is not the peers' time
@@ -257,7 +297,7 @@ class TorchTransport(Transport):
                 if nbytes and _inline(nbytes, head[2] & _SPLIT):
                     views[src].copy_(heads[src][_HEAD : _HEAD + nbytes])
                     continue
-                works = posted[src] if src in posted else [self.pg.recv([p.view(-1)], src, t) for p, t in parts(src)]
+                works = posted[src] if src in posted else receives(src)
                 for work in works:
                     self._wait(work, deadline, timeout, src, what)
             for dst, _, work in sent:
@@ -291,26 +331,28 @@ class TorchTransport(Transport):
                 raise ValueError(f"{what}: a part of {self.rank_name(r)}'s payload is larger than the payload")
         return first
 
-    def _send_all(self, send, split, n: int, tag: int) -> list:
+    def _send_all(self, send, split, n: int, tag: int, sent: list) -> None:
         """Post exchange ``n``'s messages to every peer (header, then the payload in one part or two, or both in one
-        message when small); returns ``(dst, tensor, work)`` per message sent."""
-        me, w, sent = self.rank, self.world_size, []
+        message when small); appends ``(dst, tensor, work)`` per message sent to ``sent``."""
+        me, w = self.rank, self.world_size
         for k in range(1, w):
             dst = (me + k) % w
+
+            def post(msg: torch.Tensor, t: int, dst: int = dst) -> None:
+                sent.append((dst, msg, self._post(self.pg.send, msg, dst, t)))
+
             nbytes, s1 = send[dst].numel(), split[dst]
             words = [self.buffer_id, n, nbytes | _SPLIT, s1] if s1 else [self.buffer_id, n, nbytes]
             head = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
             if _inline(nbytes, s1):  # one message: the header and the payload
-                msg = torch.cat([head, send[dst].reshape(-1)]) if nbytes else head
-                sent.append((dst, msg, self.pg.send([msg], dst, tag)))
+                post(torch.cat([head, send[dst].reshape(-1)]) if nbytes else head, tag)
             else:
-                sent.append((dst, head, self.pg.send([head], dst, tag)))
+                post(head, tag)
                 payload = send[dst].contiguous()
                 for part, t in ((payload[:s1], tag + 1), (payload[s1:], tag + 2)) if s1 else ((payload, tag + 1),):
                     if part.numel():
-                        sent.append((dst, part, self.pg.send([part], dst, t)))
+                        post(part, t)
             self.bytes_sent[dst] += head.numel() + nbytes
-        return sent
 
     def _receive_space(self, nbytes: int) -> torch.Tensor:
         """``[nbytes]`` uint8 for one exchange's incoming payloads, kept between exchanges (the views of one are
