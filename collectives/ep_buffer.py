@@ -230,8 +230,11 @@ class EPBuffer:
         an empty set: none): nothing is sent to them or awaited from them, a dispatch receives no row from them
         and a combine sums no term of their experts (a pair routed there adds nothing). Every other rank must mask
         the same ranks before the same call, and a masked rank takes no further part in this buffer. Host-checked
-        low-latency calls (CPU rows on ``shm``) only; the normal mode ignores no rank: do not call it meanwhile."""
-        if not isinstance(self._ll, HostLowLatencyPath) or self.cfg.portable or self.device.type != "cpu":
+        low-latency calls (CPU rows on ``shm``) only (elsewhere only the empty set); the normal mode ignores no rank:
+        do not call it meanwhile."""
+        ranks = list(ranks)
+        host = isinstance(self._ll, HostLowLatencyPath) and not self.cfg.portable and self.device.type == "cpu"
+        if ranks and not host:
             raise RuntimeError("EPBuffer.mask_ranks needs the host-checked low-latency path (CPU rows, not portable)")
         self._ctx.buffer.mask(ranks)
 
