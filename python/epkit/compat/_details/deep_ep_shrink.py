@@ -108,10 +108,13 @@ class RankMask:
         need = [r for r in range(w) if r not in masked and r != self.rank and r not in rows]
         rows.update(zip(need, store.multi_get([f"{n}/{r}" for r in need])) if need else ())
         rows[self.rank] = _flags(self.masked, w) + payload
+        live = [r for r in sorted(rows) if r not in masked]
         with contextlib.suppress(Exception):  # every unmasked rank has read the rows of two calls ago: drop mine
             if n > 2:
                 store.delete_key(f"{n - 2}/{self.rank}")
-        return {r: rows[r][w:] for r in sorted(rows) if r not in masked}
+                if self.rank == live[0]:  # and the lowest unmasked rank that call's decision
+                    store.delete_key(f"{n - 2}/masked")
+        return {r: rows[r][w:] for r in live}
 
     def gather(self, mine: torch.Tensor, what: str, timeout: float, fill: int) -> torch.Tensor:
         """Every rank's ``mine`` (one shape and dtype on every rank), ``[W, *mine.shape]`` on the CPU: the masked
