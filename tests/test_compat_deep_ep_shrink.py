@@ -90,6 +90,9 @@ def _shrink(rank: int, world: int) -> dict[str, float]:
         took["silent masked"] = _round(buffer, rank, 1, {SILENT})  # waits out the timeout once
         assert _query(buffer) == {SILENT}
         took["after"] = _round(buffer, rank, 2, {SILENT})  # no wait for it any more
+        # a call that differs on one rank: the same ValueError on the survivors, naming only them
+        with pytest.raises(ValueError, match=r"rejected on every rank.*hidden: rank 0 has 0, ranks 1, 2 have 128\)"):
+            buffer.clean_low_latency_buffer(N_MAX, HIDDEN if rank else 0, EXPERTS)
         buffer.low_latency_clean_mask_buffer()  # every survivor: the next call waits for it again
         assert _query(buffer) == set()
         buffer.clean_low_latency_buffer(N_MAX, HIDDEN, EXPERTS)  # masks it again, after the timeout
