@@ -39,6 +39,7 @@ How it maps:
   other rank alike, and the rows then move among the unmasked ranks only (``EPBuffer.mask_ranks``, or a buffer
   over them alone): a dispatch receives nothing from a masked rank, a combine sums no term of its experts.
   ``low_latency_query_mask_buffer`` / ``update`` / ``clean`` read and set the mask (``_details/deep_ep_shrink.py``).
+  The normal-mode calls mask nothing (as DeepEP's): they still meet over the whole group.
 
 Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py communicator), ``enable_shrink``
 on an NCCL group,

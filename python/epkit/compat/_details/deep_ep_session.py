@@ -61,7 +61,7 @@ class Session:
         self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)
         self.timeout = timeout
         self.agreement = CallAgreement(group)
-        self.current: dict[tuple[int, ...], EPBuffer] = {}  # (hidden, num_experts, num_topk) -> its buffer
+        self.current: dict[tuple[int, ...], EPBuffer] = {}  # (hidden, num_experts, num_topk[, -1: shrink's]) -> buffer
         self.made: list[EPBuffer] = []  # every buffer made, in order (outstanding handles keep using theirs)
         self.destroyed = False
         self.broken: str | None = None  # why an agreement failed: the buffer is then unusable
