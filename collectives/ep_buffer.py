@@ -28,6 +28,7 @@ from epkit.collectives.bootstrap import group_info
 from epkit.collectives.deadline import within
 from epkit.collectives.ep.config import DEFAULT_LOW_LATENCY_TOKENS, EPConfig, RegionSizes, region_sizes
 from epkit.collectives.ep.handles import DispatchHandle
+from epkit.collectives.ep.ll_host import HostLowLatencyPath
 from epkit.collectives.ep.ll_layout import LowLatencyHandle
 from epkit.collectives.ep.normal_device import DeviceNormalPath
 from epkit.collectives.ep.normal_flat import FlatNormalPath
@@ -225,6 +226,24 @@ class EPBuffer:
         themselves: their failures surface here or at the start of the next call on this buffer (on the
         device kernels, once this rank's queued kernels have finished: a bounded wait)."""
         self._ll.synchronize()
+
+    def mask_ranks(self, ranks) -> None:
+        """Leave the group's ranks at positions ``ranks`` out of the later low-latency calls (DeepEP's shrink mode;
+        an empty set: none): nothing is sent to them or awaited from them, a dispatch receives no row from them
+        and a combine sums no term of their experts (a pair routed there adds nothing). Every other rank must mask
+        the same ranks before the same call, and a masked rank takes no further part in this buffer. Host-checked
+        low-latency calls (CPU rows on ``shm``) only (elsewhere only the empty set); the normal mode ignores no rank:
+        do not call it meanwhile."""
+        ranks = list(ranks)
+        host = isinstance(self._ll, HostLowLatencyPath) and not self.cfg.portable and self.device.type == "cpu"
+        if ranks and not host:
+            raise RuntimeError("EPBuffer.mask_ranks needs the host-checked low-latency path (CPU rows, not portable)")
+        self._ctx.buffer.mask(ranks)
+
+    @property
+    def masked_ranks(self) -> frozenset[int]:
+        """The positions :meth:`mask_ranks` left out (empty: none)."""
+        return self._ctx.buffer.masked
 
     # normal mode
 

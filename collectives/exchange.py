@@ -12,16 +12,21 @@ ways to move the payloads, chosen by the transport's capability:
 - :class:`TwoSidedExchange` (``torch``): payloads are staged and ``receive`` is one timed
   ``all_to_all`` of the transport.
 
+Ranks the buffer masks (:meth:`SymmBuffer.mask`, one-sided only) are left out: their send regions are scratch,
+nothing is posted to them or awaited from them, and their receive views are empty.
+
 Only the public protocol primitives of the buffer are used (``post``, ``wait_for_peer``,
 ``wait_for_all``, ``mark_broken``, ``is_open``, ``impl``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
+from epkit.collectives.deadline import deadline_after
 from epkit.collectives.transports.base import ACK, READY, word
 
 __all__ = ["Exchange", "OneSidedExchange", "TwoSidedExchange", "exchange_payloads"]
@@ -160,9 +165,17 @@ class OneSidedExchange(Exchange):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._acked = [False] * self.buf.world_size
+        #: The ranks this exchange leaves out (``SymmBuffer.mask``): their regions are scratch, their words unread.
+        self.skip: frozenset[int] = self.buf.masked
+        if self.skip and self.deferred:
+            raise RuntimeError(f"{self.tag}: masked ranks need the host's waits, not a stream-ordered exchange")
 
     def send_region(self, dst: int) -> torch.Tensor:
         buf = self.buf
+        if dst in self.skip:  # written, never sent
+            if self._staging[dst] is None:
+                self._staging[dst] = torch.empty(self.region_bytes, dtype=torch.uint8, device=buf.local.device)
+            return self._staging[dst]
         if self.epoch > 1 and not self._acked[dst]:
             # dst must have consumed our previous message before we overwrite its region.
             what = f"{self.tag} consumed"
@@ -178,6 +191,8 @@ class OneSidedExchange(Exchange):
 
     def _send(self, dst: int, nbytes: int) -> None:
         buf = self.buf
+        if dst in self.skip:
+            return
         if nbytes and self.epoch > 1 and not self._acked[dst]:
             raise RuntimeError("commit() of a payload without send_region(): nothing was written for this epoch")
         guarded = self.guard is not None
@@ -195,18 +210,25 @@ class OneSidedExchange(Exchange):
         buf = self.buf
         if meanwhile is not None:
             meanwhile()
-        buf.wait_for_all(READY, self.epoch, f"{self.tag} data", self.timeout, self.deferred)
+        if not self.skip:
+            buf.wait_for_all(READY, self.epoch, f"{self.tag} data", self.timeout, self.deferred)
+        else:  # the others one by one, within one deadline
+            deadline = deadline_after(self.timeout)
+            for src in sorted(set(range(buf.world_size)) - self.skip):
+                left = max(deadline - time.monotonic(), 1e-3)
+                buf.wait_for_peer(READY, src, self.epoch, f"{self.tag} data", left)
         out = []
         for src, n in enumerate(recv_bytes):
             if n > self.region_bytes:
                 raise ValueError(f"rank {src} is said to send {n} bytes, more than the {self.region_bytes}-byte region")
-            out.append(buf.local[src * self.region_bytes : src * self.region_bytes + n])
+            at = src * self.region_bytes
+            out.append(buf.local[at : at + (0 if src in self.skip else n)])
         return out
 
     def release(self) -> None:
         buf = self.buf
         if buf.is_open():
-            for src in range(buf.world_size):
+            for src in set(range(buf.world_size)) - self.skip:
                 buf.post(ACK, src, self.epoch)
         super().release()
 

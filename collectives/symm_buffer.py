@@ -121,6 +121,8 @@ class SymmBuffer(FailureNotices):
         self._broken: str | None = None
         self._closed = False
         self._open: Exchange | None = None
+        #: Positions left out of every later exchange (:meth:`mask`): nothing sent to them, nothing awaited.
+        self.masked: frozenset[int] = frozenset()
         #: Outcomes of stream-ordered waits and device-side checks, raised by the next collective call.
         self.deferred = DeferredChecks(self.local.device, self._deferred_failed)
 
@@ -335,6 +337,22 @@ class SymmBuffer(FailureNotices):
         for r in range(self.world_size):
             self.post(BARRIER, r, e)
         self.wait_for_all(BARRIER, e, "barrier", t)
+
+    def mask(self, ranks) -> None:
+        """Leave the ranks at positions ``ranks`` out of every later :meth:`exchange` (an empty set: none): nothing
+        is sent to them (their send regions are scratch memory of this rank's), no signal of theirs is awaited and
+        none is posted to them, and their receive views are empty (``[0]`` uint8). For ranks that stopped taking
+        part (DeepEP's shrink mode): every other rank must mask the same ranks before the same exchange, and a
+        masked rank never exchanges on this buffer again (its epochs fell behind). Direct transports (shm,
+        nvshmem) on the host's waits only."""
+        masked = frozenset(self._check_rank(int(r)) for r in ranks)
+        if masked and not self.impl.direct:
+            raise RuntimeError(
+                f"SymmBuffer.mask needs a directly addressable transport (shm, nvshmem), not {self.transport!r}"
+            )
+        if self.rank in masked:
+            raise ValueError(f"rank {self.global_rank} cannot mask itself")
+        self.masked = masked
 
     # collective exchange used by the dispatch/combine protocol
 

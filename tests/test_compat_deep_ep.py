@@ -383,6 +383,9 @@ SIGNATURES = {
     "return_recv_hook=False out=None combine_wait_recv_cost_stats=None",
     "clean_low_latency_buffer": "self num_max_dispatch_tokens_per_rank hidden num_experts",
     "get_next_low_latency_combine_buffer": "self handle",
+    "low_latency_update_mask_buffer": "self rank_to_mask mask=False",
+    "low_latency_query_mask_buffer": "self mask_status",
+    "low_latency_clean_mask_buffer": "self",
     "get_low_latency_rdma_size_hint": "num_max_dispatch_tokens_per_rank hidden num_ranks num_experts",
     "get_local_buffer_tensor": "self dtype size=None offset=0 use_rdma_buffer=False",
     "set_num_sms": "new_num_sms",
@@ -445,7 +448,7 @@ def test_constructor_refusals_name_the_parameter():
     with pytest.raises(ValueError, match="comm"):
         deep_ep.Buffer(None, comm=object())
     with pytest.raises(ValueError, match="enable_shrink"):
-        deep_ep.Buffer(object(), enable_shrink=True)
+        deep_ep.Buffer(object(), enable_shrink="yes")  # a bool (True masks silent ranks: test_compat_deep_ep_shrink)
     with pytest.raises(TypeError):
         deep_ep.Buffer(object(), use_fabric=True)  # not a parameter of DeepEP's legacy Buffer either
 

@@ -66,6 +66,23 @@ __all__ = ["HostLowLatencyPath"]
 _Route = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _stand_in(views: list[torch.Tensor], ex: Exchange, words: list[int], nbytes: int) -> list[torch.Tensor]:
+    """``views`` with each masked source's (``SymmBuffer.mask``: it sent nothing) replaced by a message of ``nbytes``
+    that sends nothing either: ``words`` (int64) at its start, zeros after (a dispatch header with no rows, a
+    combine header naming the expected dispatch)."""
+    skip: frozenset[int] = getattr(ex, "skip", frozenset())
+    if not skip:
+        return views
+    msg = torch.zeros(nbytes, dtype=torch.uint8)
+    msg[: 8 * len(words)] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    return [msg.to(v.device) if src in skip else v for src, v in enumerate(views)]
+
+
+def _dispatch_words(n_max: int, use_fp8: bool) -> list[int]:
+    """The int64 words whose bytes are the int32 header ``[OK, n_max, use_fp8, 0, ...]`` of a message with no rows."""
+    return [OK | (n_max << 32), int(use_fp8)]
+
+
 class HostLowLatencyPath:
     """``low_latency_dispatch`` / ``low_latency_combine`` driven by the host (host-checked on CPU rows,
     stream-ordered on CUDA rows: the module docstring)."""
@@ -281,6 +298,7 @@ class HostLowLatencyPath:
         streamed = self._stream_ordered()
         with self.ctx.retire_on_failure("low-latency dispatch receive"):
             views = ex.receive([msg_bytes] * w, at_most=not streamed)
+            views = _stand_in(views, ex, _dispatch_words(n_max, use_fp8), hdr)
             packed.check_lengths(views, [hdr] * w, "low-latency dispatch", self.cfg.ranks)
             heads = self._heads(views)
         if streamed:
@@ -313,6 +331,7 @@ class HostLowLatencyPath:
             ex.write(dst, text, hdr - META_MSG, self.cfg.portable)
             ex.commit(dst, msg_bytes if streamed else hdr)  # packed: a header with no rows
         views = ex.receive([msg_bytes] * self.cfg.world_size, at_most=not streamed)
+        views = _stand_in(views, ex, _dispatch_words(0, use_fp8), hdr)
         packed.check_lengths(views, [hdr] * self.cfg.world_size, "low-latency dispatch", self.cfg.ranks)
         self.ctx.buffer.synchronize()  # error path: wait for the data (and surface a silent peer first)
         errors = self._errors(self._heads(views), views, hdr, False)
@@ -355,6 +374,7 @@ class HostLowLatencyPath:
                 ex.write(dst, text, head)
                 ex.commit(dst, head + META_MSG)
             views = ex.receive([self.ctx.region_bytes] * w, at_most=True)
+            views = _stand_in(views, ex, [0, 0], head)
             packed.check_lengths(views, [head] * w, "low-latency combine", self.cfg.ranks)
             rejected = self._rejections(views)
         ex.release()
@@ -433,6 +453,7 @@ class HostLowLatencyPath:
         with self.ctx.retire_on_failure("low-latency combine receive"):
             bound = msg_bytes if streamed else max(msg_bytes, head + META_MSG)  # a rejection's header and text
             views = ex.receive([bound] * w, at_most=not streamed)
+            views = _stand_in(views, ex, [self.ctx.buffer.buffer_id, handle.epoch], head)
             packed.check_lengths(views, [head] * w, "low-latency combine", self.cfg.ranks)
             idents = torch.stack([v[:16].view(torch.int64) for v in views])  # [W, 2] buffer id, epoch
         if not streamed:  # the handles first: a foreign one's rows need not even fit
@@ -450,14 +471,18 @@ class HostLowLatencyPath:
                 res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
                 res.copy_(sum_table_rows(table, handle.dst_of, slot, topk_weights.float()))  # rounded as .to()
             else:
-                sent = packed.sent_counts(handle.dst_of, handle.expert_of, w, L)
+                dst_of = handle.dst_of  # a masked rank's experts are absent (SymmBuffer.mask): no term of theirs
+                skip = sorted(getattr(ex, "skip", ()))
+                if skip:
+                    dst_of = torch.where(torch.isin(dst_of, torch.tensor(skip, device=dst_of.device)), -1, dst_of)
+                sent = packed.sent_counts(dst_of, handle.expert_of, w, L)
                 per_src = sent.sum(1).tolist()
                 packed.check_lengths(views, [head + n * row for n in per_src], "low-latency combine", self.cfg.ranks)
-                at = packed.first_rows(sent)[handle.dst_of.clamp(min=0), handle.expert_of.clamp(min=0)]
+                at = packed.first_rows(sent)[dst_of.clamp(min=0), handle.expert_of.clamp(min=0)]
                 at = at + handle.pos_of.clamp(min=0)
                 sources = [v[head : head + n * row].view(torch.bfloat16).view(n, h) for v, n in zip(views, per_src)]
                 res = outputs.combine_output(self.ctx.ll_outputs, given, handle.num_tokens, n_max, h, self.ctx.device)
-                sum_indexed_rows(res, sources, handle.dst_of, at, topk_weights.float(), portable=self.cfg.portable)
+                sum_indexed_rows(res, sources, dst_of, at, topk_weights.float(), portable=self.cfg.portable)
         if streamed:  # judged once the stream has passed it; a mismatch retires the buffer on every rank
             buffer_id, ranks = self.ctx.buffer.buffer_id, self.cfg.ranks
 

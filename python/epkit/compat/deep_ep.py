@@ -2,7 +2,7 @@
 :class:`~epkit.collectives.ep_buffer.EPBuffer`: ``import epkit.compat.deep_ep as deep_ep`` where an engine had
 ``import deep_ep``. This module is the legacy ``Buffer``; ``_details/deep_ep_elastic.py`` says how V2's calls map.
 
-Every public method of DeepEP's legacy ``Buffer`` but the internode and rank-masking ones, with DeepEP's names,
+Every public method of DeepEP's legacy ``Buffer`` but the internode ones, with DeepEP's names,
 parameter names and order, defaults, return arity and tensor layouts (the low-latency FP8 scales column-major,
 packed UE8M0 with ``use_ue8m0``); ``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` too. Handles are
 DeepEP's tuples, each element with DeepEP's meaning on epkit's layout (``_details/deep_ep_handles.py`` defines the
@@ -34,8 +34,15 @@ How it maps:
   receive to the hook. ``config``, ``num_qps_per_rank`` and ``allow_nvlink_for_low_latency_mode`` tune DeepEP's
   kernels and are checked, with no effect here; ``clean_low_latency_buffer`` has nothing to clean (each
   message carries its own header).
+- ``enable_shrink=True`` (CPU ranks): the low-latency calls (and ``clean_low_latency_buffer``) meet through the
+  job's store among the unmasked ranks; a rank silent past the Buffer's timeout is masked at that call on every
+  other rank alike, and the rows then move among the unmasked ranks only (``EPBuffer.mask_ranks``, or a buffer
+  over them alone): a dispatch receives nothing from a masked rank, a combine sums no term of its experts.
+  ``low_latency_query_mask_buffer`` / ``update`` / ``clean`` read and set the mask (``_details/deep_ep_shrink.py``).
+  The normal-mode calls mask nothing (as DeepEP's): they still meet over the whole group.
 
-Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py communicator), ``enable_shrink``,
+Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py communicator), ``enable_shrink``
+on an NCCL group,
 ``num_tokens_per_rdma_rank`` (internode), a dispatch with a layout that does not match ``topk_idx`` (without
 top-k, rows go where ``is_token_in_rank`` says), ``dispatch_wait_recv_cost_stats`` /
 ``combine_wait_recv_cost_stats``, more scale columns than ``ceil(hidden / 128)``. :class:`Buffer` lists every
@@ -54,6 +61,7 @@ from epkit.compat._details.deep_ep_handles import EPHandle
 from epkit.compat._details.deep_ep_low_latency import LowLatencyCalls
 from epkit.compat._details.deep_ep_normal import NormalCalls
 from epkit.compat._details.deep_ep_session import Session, calls
+from epkit.compat._details.deep_ep_shrink import RankMask
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -83,7 +91,9 @@ class Buffer:
       synchronizes with the host (epkit's normal mode reads its counts), so it is not for CUDA graphs;
       ``round_scale`` quantizes the received bf16 rows at the receiver (epkit's per-128 cast with the scales
       rounded up to powers of two, as DeepEP's sender-side cast rounds them; twice the bytes on the wire);
-    - refused with a ``ValueError`` naming the parameter: ``comm``, ``enable_shrink=True``,
+    - ``enable_shrink=True`` masks ranks that stop taking part in the low-latency calls (module docstring; CPU
+      ranks: a gloo group);
+    - refused with a ``ValueError`` naming the parameter: ``comm``, ``enable_shrink=True`` on an NCCL group,
       ``num_tokens_per_rdma_rank`` (not None), ``dispatch_wait_recv_cost_stats`` /
       ``combine_wait_recv_cost_stats``; and what DeepEP asserts against
       (``async_finish`` with ``return_recv_hook``, ``use_ue8m0`` without ``round_scale``, a low-latency call
@@ -111,8 +121,10 @@ class Buffer:
             raise ValueError("Buffer: comm (an mpi4py communicator) is not supported; pass a torch.distributed group")
         if group is None:
             raise ValueError("Buffer: group must be a torch.distributed process group (comm is not supported)")
-        if enable_shrink:
-            raise ValueError("Buffer: enable_shrink=True (masking failed ranks) is not supported; pass False")
+        if not isinstance(enable_shrink, bool):
+            raise ValueError(f"Buffer: enable_shrink must be a bool, got {enable_shrink!r}")
+        if enable_shrink and "nccl" in str(torch.distributed.get_backend(group)):
+            raise ValueError("Buffer: enable_shrink=True (masking failed ranks) needs CPU ranks (a gloo group) here")
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Buffer: {name} must be an int >= 0, got {v!r}")
@@ -126,10 +138,14 @@ class Buffer:
         self.group, self.rank = group, torch.distributed.get_rank(group)
         self.group_size = torch.distributed.get_world_size(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode, self.explicitly_destroy, self.enable_shrink = low_latency_mode, explicitly_destroy, False
+        self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
+        self.enable_shrink = enable_shrink
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode, self.allow_mnnvl = allow_nvlink_for_low_latency_mode, allow_mnnvl
         self._session = Session(group, 30.0)
+        if enable_shrink:  # the low-latency calls meet among the unmasked ranks (deep_ep_shrink)
+            agreement = self._session.agreement
+            agreement.shrink = RankMask(group, self.rank, self.group_size, agreement.global_ranks)
         self._normal = NormalCalls(self._session, lambda: Buffer.num_sms)
         self._low_latency = LowLatencyCalls(self._session, low_latency_mode)
 
@@ -219,3 +235,6 @@ class Buffer:
     low_latency_dispatch = calls("_low_latency", LowLatencyCalls.low_latency_dispatch)
     low_latency_combine = calls("_low_latency", LowLatencyCalls.low_latency_combine)
     get_next_low_latency_combine_buffer = calls("_low_latency", LowLatencyCalls.get_next_low_latency_combine_buffer)
+    low_latency_update_mask_buffer = calls("_low_latency", LowLatencyCalls.low_latency_update_mask_buffer)
+    low_latency_query_mask_buffer = calls("_low_latency", LowLatencyCalls.low_latency_query_mask_buffer)
+    low_latency_clean_mask_buffer = calls("_low_latency", LowLatencyCalls.low_latency_clean_mask_buffer)

@@ -11,6 +11,10 @@ the arguments every rank must share. Every rank reads the same rows and raises t
 arguments that differ, each with which global rank has which value; else, calls out of step; else, each rejecting
 rank's error. Only then is a buffer picked or made, the same one on every rank, and a row moved.
 
+In shrink mode (``Buffer(..., enable_shrink=True)``) the low-latency calls' rows (:data:`SHRINK_KINDS`) meet through
+the job's store among the unmasked ranks instead, masking the ranks that stay silent (``deep_ep_shrink``); the
+errors name the unmasked ranks only.
+
 The wait has the Buffer's timeout. A rank still waiting after :data:`NOTE_AFTER` seconds notes in the job's
 store which call it waits in, so that at the timeout the ranks without that note are named as the silent
 ones (a call that completes in time costs no store access). On an NCCL group the rows are CUDA tensors, the
@@ -35,6 +39,8 @@ from epkit.collectives.transports.base import rank_name
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from epkit.compat._details.deep_ep_shrink import RankMask
+
 __all__ = ["CallAgreement", "FieldValue", "describe_differences", "size_of"]
 
 #: int64 words of a rank's row before its error text (every row has the same size, whatever the call: a row of
@@ -47,7 +53,10 @@ ROW_WORDS = HEAD_WORDS + TEXT_WORDS
 #: The calls that agree, by their code in a row (1-based): every call of a buffer that moves rows, and its barrier;
 #: the last two are ``epkit.compat.deep_gemm``'s Mega MoE layer calls, which agree the same way.
 KINDS = ("dispatch", "low_latency_dispatch", "cached dispatch", "combine", "low_latency_combine", "barrier",
-         "fp8_fp4_mega_moe", "bf16_mega_moe")  # fmt: skip
+         "fp8_fp4_mega_moe", "bf16_mega_moe", "clean_low_latency_buffer")  # fmt: skip
+#: The calls that meet through the job's store among the unmasked ranks in shrink mode (``deep_ep_shrink``); the
+#: normal mode's meet as without it.
+SHRINK_KINDS = ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer")
 #: dtypes by their code in a row (another dtype is ``len(DTYPES)``); -1 is a value a rejected call could not tell.
 DTYPES = (
     torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -111,6 +120,8 @@ class CallAgreement:
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
+        #: Shrink mode (``deep_ep_shrink``): the rows meet through the job's store among the unmasked ranks only.
+        self.shrink: RankMask | None = None
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.nccl = "nccl" in str(dist.get_backend(group))
@@ -135,9 +146,15 @@ class CallAgreement:
         if len(head) > HEAD_WORDS:
             raise AssertionError(f"{fn}: {len(fields)} fields do not fit an agreement row")
         text = encode_error(error or "").view(torch.int64).tolist()
-        rows = self._gather(head + [0] * (HEAD_WORDS - len(head)) + text, fn, timeout)
+        row = head + [0] * (HEAD_WORDS - len(head)) + text
         names = [(name, name.endswith("dtype")) for name, _ in fields]
         who = self.global_ranks
+        if self.shrink is None or fn not in SHRINK_KINDS:
+            rows = self._gather(row, fn, timeout)
+        else:  # the unmasked ranks' rows, named by their global ranks
+            got = self.shrink.gather(torch.tensor(row, dtype=torch.int64), fn, timeout, 0)
+            present = self.shrink.unmasked()
+            rows, who = got[list(present)].tolist(), [self.global_ranks[r] for r in present]
         if all(r[:2] == rows[0][:2] for r in rows):
             differ = describe_differences(names, [r[4 : 4 + len(fields)] for r in rows], who)
             if differ is not None:
@@ -165,10 +182,12 @@ class CallAgreement:
         mine = torch.tensor(row, dtype=torch.int64, device="cuda" if self.nccl else "cpu")
         return self.gather(mine, fn, timeout).cpu().tolist()
 
-    def gather(self, mine: torch.Tensor, fn: str, timeout: float) -> torch.Tensor:
+    def gather(self, mine: torch.Tensor, fn: str, timeout: float, fill: int = 0) -> torch.Tensor:
         """Every rank's ``mine`` (contiguous, the same shape and dtype on every rank: call it only after an
         agreement that makes it so), ``[W, *mine.shape]``: a wait of ``timeout`` naming the silent ranks on CPU
-        ranks; on an NCCL group stream-ordered, no host read."""
+        ranks; on an NCCL group stream-ordered, no host read. In shrink mode the masked ranks' rows are ``fill``."""
+        if self.shrink is not None and fn in SHRINK_KINDS:
+            return self.shrink.gather(mine, fn, timeout, fill).to(mine.device)
         flat = mine.contiguous().view(-1)
         got = flat.new_empty(self.world_size * flat.numel())
         if self.nccl:

@@ -20,10 +20,12 @@ from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
 from epkit.compat._details.deep_ep_handles import LowLatencyHandle, low_latency_handle
 from epkit.compat._details.deep_ep_layouts import DeepEPRows, LowLatencyOutputs
 from epkit.compat._details.deep_ep_session import Hook, Session
+from epkit.compat._details.deep_ep_shrink import RankMask, sub_experts, widen
 from epkit.quant import FP8_BLOCK
 
 if TYPE_CHECKING:
     from epkit.collectives.ep.ll_layout import LLCombineResult, LLDispatchResult
+    from epkit.collectives.ep_buffer import EPBuffer
 
 __all__ = ["LowLatencyCalls"]
 
@@ -34,6 +36,10 @@ def _flags(fn: str, **flags: object) -> None:
             raise ValueError(f"{fn}: {name} must be a bool, got {v!r}")
     if flags.get("async_finish") and flags.get("return_recv_hook"):
         raise ValueError(f"{fn}: async_finish and return_recv_hook cannot both be True (as in DeepEP)")
+
+
+def _parts(rows: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return rows if isinstance(rows, tuple) else (rows,)
 
 
 def _positive(fn: str, name: str, v: object) -> int:
@@ -82,12 +88,45 @@ class LowLatencyCalls:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean: each of epkit's low-latency messages carries its own header (the arguments are
-        checked), so a low-latency call may follow a normal one directly."""
+        checked), so a low-latency call may follow a normal one directly. In shrink mode the unmasked ranks meet
+        (as DeepEP's clean does): a rank silent past the timeout is masked, arguments that differ are the same
+        ValueError on every rank."""
         fn = "clean_low_latency_buffer"
-        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden)):
-            _positive(fn, name, v)
-        if _positive(fn, "num_experts", num_experts) % self.s.group_size:
-            raise ValueError(f"{fn}: num_experts ({num_experts}) must be a multiple of the group size")
+        args = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        error: str | None = None
+        try:
+            for name, v in zip(("num_max_dispatch_tokens_per_rank", "hidden"), args):
+                _positive(fn, name, v)
+            if _positive(fn, "num_experts", num_experts) % self.s.group_size:
+                raise ValueError(f"{fn}: num_experts ({num_experts}) must be a multiple of the group size")
+        except ValueError as exc:
+            if self.s.agreement.shrink is None:
+                raise
+            error = str(exc)
+        if self.s.agreement.shrink is not None:
+            names = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts")
+            self.s.settle()
+            self.s.agree(fn, error, [(n, v if isinstance(v, int) else None) for n, v in zip(names, args)])
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask ``rank_to_mask`` (shrink mode): a masked rank is neither sent to nor waited
+        for in the low-latency calls. Takes effect on every rank at the next call (``deep_ep_shrink``)."""
+        self._shrink("low_latency_update_mask_buffer").update(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write into ``mask_status`` (``[num_ranks]`` int32) 1 for each masked rank, 0 for the others (shrink
+        mode)."""
+        self._shrink("low_latency_query_mask_buffer").query(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank here (shrink mode; call it on every rank): the next call waits for all of them again."""
+        self._shrink("low_latency_clean_mask_buffer").masked.clear()
+
+    def _shrink(self, fn: str) -> RankMask:
+        shrink = self.s.agreement.shrink
+        if shrink is None:
+            raise RuntimeError(f"{fn}: the Buffer was made without enable_shrink=True (as DeepEP, it needs it)")
+        return shrink
 
     def low_latency_dispatch(
         self,
@@ -139,29 +178,58 @@ class LowLatencyCalls:
         else:  # the same buffer on every rank, or the same ValueError (a rejection, or arguments that differ)
             self.s.agree(fn, error, _fields(x, topk_idx, num_experts, n_max))
         assert n_max is not None  # set by the checks, which passed on every rank (else a ValueError came above)
-        hidden = x.shape[1]
-        buf = self.s.epbuffer(hidden, num_experts, topk_idx.shape[1], x.device, 0, n_max)
+        hidden, shrink = x.shape[1], self.s.agreement.shrink is not None
+        padded = topk_idx.new_full((n_max, topk_idx.shape[1]), -1, dtype=torch.int64)  # one dtype on every rank
+        padded[: topk_idx.shape[0]] = topk_idx
+        # every rank's routing (DeepEP's handle); in shrink mode before any row moves, so that the ranks masked
+        # for the rows are the handle's too (a masked rank's routing: none)
+        topk_all = self.s.gather(padded, fn, -1) if shrink else None
         mode = "bf16" if not use_fp8 else ("round" if round_scale else "fp8")
-        dispatched: LLDispatchResult = buf.low_latency_dispatch(
-            x, topk_idx, n_max, use_fp8=mode == "fp8", return_recv_hook=return_recv_hook
-        )
+        buf, dispatched, wide = self._move(x, topk_idx, n_max, num_experts, mode, return_recv_hook)
         recv_x, recv_count, h, ll_hook = dispatched
-        out = LowLatencyOutputs(mode, use_ue8m0, recv_x, recv_count)  # EPBuffer's tensors: no copy of the rows
+        out = LowLatencyOutputs(mode, use_ue8m0, recv_x if wide is None else wide, recv_count)  # no copy (but shrink's)
 
         def receive() -> None:
             ll_hook()
+            if wide is not None:  # a buffer over fewer ranks (shrink mode): its rows in front of DeepEP's layout
+                for full, got in zip(_parts(wide), _parts(recv_x)):
+                    full[:, : got.shape[1]].copy_(got)
             out.fill()
             if stats is not None:
                 stats.add_(out.count.to(stats.dtype))
 
         hook = self.s.deferred(receive, return_recv_hook)
-        padded = topk_idx.new_full((n_max, topk_idx.shape[1]), -1, dtype=torch.int64)  # one dtype on every rank
-        padded[: topk_idx.shape[0]] = topk_idx
-        topk_all = self.s.gather(padded, fn)  # every rank's routing: DeepEP's handle
+        if topk_all is None:
+            topk_all = self.s.gather(padded, fn)
         src_info, layout_range = low_latency_handle(topk_all, self.s.rank, num_experts // self.s.group_size, n_max)
         handle = LowLatencyHandle((src_info, layout_range, n_max, hidden, num_experts), buf, h)
         event = EventOverlap(EventHandle() if async_finish else None, (x, topk_idx) if async_finish else None)
         return out.result(), out.count, handle, event, hook
+
+    def _move(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, n_max: int, num_experts: int, mode: str, recv_hook: bool
+    ) -> tuple[EPBuffer, LLDispatchResult, DeepEPRows | None]:
+        """The dispatch's rows moved by its EPBuffer: ``(buffer, its result, None)``; in shrink mode over the ranks
+        not masked (``Session.shrink_buffer``), the experts renumbered, and where the buffer has fewer ranks than
+        the Buffer, DeepEP's wider receive tensors to copy its rows into (``[L, N * W, ...]``, zeros)."""
+        hidden, k, fp8 = x.shape[1], topk_idx.shape[1], mode == "fp8"
+        shrink = self.s.agreement.shrink
+        if shrink is None:
+            buf = self.s.epbuffer(hidden, num_experts, k, x.device, 0, n_max)
+            return buf, buf.low_latency_dispatch(x, topk_idx, n_max, use_fp8=fp8, return_recv_hook=recv_hook), None
+        buf = self.s.shrink_buffer(hidden, num_experts, k, n_max)
+        members = self.s.members[id(buf)]
+        ids = sub_experts(topk_idx, members, shrink.masked, num_experts // self.s.group_size, num_experts)
+        dispatched: LLDispatchResult = buf.low_latency_dispatch(x, ids, n_max, use_fp8=fp8, return_recv_hook=recv_hook)
+        if len(members) == self.s.group_size:
+            return buf, dispatched, None
+        slots = n_max * self.s.group_size
+        rows = dispatched[0]
+        return (
+            buf,
+            dispatched,
+            (widen(rows[0], slots), widen(rows[1], slots)) if isinstance(rows, tuple) else widen(rows, slots),
+        )
 
     def low_latency_combine(
         self,
@@ -209,6 +277,11 @@ class LowLatencyCalls:
         if zero_copy:
             x = handle.staging["y"]
         buf = handle.buffer
+        if self.s.agreement.shrink is not None:  # the ranks masked now, a buffer over fewer ranks: its rows of x
+            self.s.apply_mask(buf)
+            slots = handle.num_max_dispatch_tokens_per_rank * len(self.s.members[id(buf)])
+            if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] > slots:
+                x = x[:, :slots].contiguous()
         if out is None:  # a wrong y or out is EPBuffer's to reject: the same ValueError on every rank
             out = torch.empty((topk_idx.shape[0], handle.hidden), dtype=torch.bfloat16, device=buf.device)
         weights = topk_weights.float() if isinstance(topk_weights, torch.Tensor) else topk_weights

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from epkit.collectives.bootstrap import SubGroup
 from epkit.collectives.deadline import within
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.compat._details.deep_ep_agreement import CallAgreement, FieldValue
@@ -65,11 +66,12 @@ class Session:
         self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)
         self.timeout = timeout
         self.agreement = CallAgreement(group)
-        self.current: dict[tuple[int, int, int], EPBuffer] = {}  # (hidden, num_experts, num_topk) -> its buffer
+        self.current: dict[tuple[int, ...], EPBuffer] = {}  # (hidden, num_experts, num_topk[, -1: shrink's]) -> buffer
         self.made: list[EPBuffer] = []  # every buffer made, in order (outstanding handles keep using theirs)
         self.destroyed = False
         self.broken: str | None = None  # why an agreement failed: the buffer is then unusable
         self.pending: list[Hook] = []  # receive hooks not yet called
+        self.members: dict[int, tuple[int, ...]] = {}  # shrink mode: each low-latency buffer's ranks (positions)
 
     @property
     def nccl(self) -> bool:
@@ -90,9 +92,10 @@ class Session:
             self.broken = f"{type(exc).__name__}: {exc}"
             raise
 
-    def gather(self, mine: torch.Tensor, fn: str) -> torch.Tensor:
-        """Every rank's ``mine`` after an agreement made its shape the same everywhere (``CallAgreement.gather``)."""
-        return self.agreement.gather(mine, fn, self.timeout)
+    def gather(self, mine: torch.Tensor, fn: str, fill: int = 0) -> torch.Tensor:
+        """Every rank's ``mine`` after an agreement made its shape the same everywhere (``CallAgreement.gather``;
+        in shrink mode the masked ranks' rows are ``fill``)."""
+        return self.agreement.gather(mine, fn, self.timeout, fill)
 
     def routes(
         self, fn: str, in_rank: torch.Tensor, per_expert: torch.Tensor, tokens_max: int
@@ -148,6 +151,38 @@ class Session:
         self.current[key] = buf
         self.made.append(buf)
         return buf
+
+    def shrink_buffer(self, hidden: int, num_experts: int, num_topk: int, n_max: int) -> EPBuffer:
+        """Shrink mode (``deep_ep_shrink``): the low-latency EPBuffer for these shapes over the ranks not masked now,
+        masked as the ranks are (:meth:`apply_mask`). The current one while it holds every unmasked rank and none it
+        left out has come back, else one made (after the call's agreement: by every unmasked rank) over the
+        unmasked ranks alone, a SubGroup where some are masked, its experts those ranks' (``sub_experts``)."""
+        shrink = self.agreement.shrink
+        assert shrink is not None  # shrink mode
+        live, key = shrink.unmasked(), (hidden, num_experts, num_topk, -1)  # apart from the normal mode's
+        buf = self.current.get(key)
+        if buf is not None:
+            members = self.members[id(buf)]
+            fits = all(r in members and members.index(r) not in buf.masked_ranks for r in live)
+            if fits and buf.num_max_dispatch_tokens_per_rank >= n_max:
+                self.apply_mask(buf)
+                return buf
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({self.group_size})")
+        cap = 1 << (max(n_max, 1) - 1).bit_length()
+        group = self.group if len(live) == self.group_size else SubGroup(self.group, live, "deep_ep-shrink")
+        experts = num_experts // self.group_size * len(live)
+        buf = EPBuffer(group, hidden, experts, cap, num_topk, "auto", num_max_dispatch_tokens_per_rank=cap,
+                       timeout=self.timeout)  # fmt: skip
+        self.current[key], self.members[id(buf)] = buf, live
+        self.made.append(buf)
+        return buf
+
+    def apply_mask(self, buf: EPBuffer) -> None:
+        """Leave the ranks masked now out of ``buf``'s next low-latency exchange (shrink mode)."""
+        shrink, members = self.agreement.shrink, self.members[id(buf)]
+        assert shrink is not None  # shrink mode
+        buf.mask_ranks([i for i, r in enumerate(members) if r in shrink.masked])
 
     def index_of(self, handle: object) -> int | None:
         """Which of this session's EPBuffers ``handle`` (a deep_ep handle) comes from; None for a handle of another

@@ -1,0 +1,151 @@
+"""DeepEP's shrink mode (``Buffer(..., enable_shrink=True)``) for ``epkit.compat.deep_ep``'s low-latency calls:
+the ranks masked on one Buffer, and how the unmasked ranks meet without the masked ones.
+
+A rank that stops taking part in the low-latency calls (alive, but it never calls again) would hold every other
+rank's all-gather forever. So in shrink mode each low-latency call (and ``clean_low_latency_buffer``) meets the
+other ranks through the job's store instead (:meth:`RankMask.exchange`): every unmasked rank posts its row under
+the call's number and waits, for the Buffer's timeout at most, for the rows of the ranks it has not masked. Who is
+masked after that call is decided once, by the first rank to get there (an atomic ``compare_set`` of the call's
+decision key): the ranks whose row that rank had not seen, plus every rank some posted row (or that rank) masks.
+Every other rank adopts that decision, whatever it saw itself (a rank that posted just after the decision stays
+masked on every rank, and finds itself masked: it raises). So the survivors mask the same ranks at the same call,
+and the rows then move among them only (``EPBuffer.mask_ranks``, and buffers made over them alone: a
+:class:`~epkit.collectives.bootstrap.SubGroup`, with the experts renumbered, :func:`sub_experts`).
+
+A rank masked by hand (``low_latency_update_mask_buffer``) is masked at the next call on every rank (its mask is in
+this rank's row); a mask cleared by hand on every rank (``low_latency_clean_mask_buffer``) makes the next call wait
+for that rank again (a silent one is masked again after the timeout). A rank left out of a buffer's exchanges never
+rejoins that buffer (its exchanges fell behind): a new buffer is made over the unmasked ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from epkit.collectives.bootstrap import Rendezvous
+from epkit.collectives.deadline import deadline_after
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["RankMask", "sub_experts", "widen"]
+
+#: Longest pause between two looks at the store while waiting for the other ranks' rows.
+_MAX_PAUSE = 0.01
+
+
+def _flags(ranks: set[int], world_size: int) -> bytes:
+    return bytes(int(r in ranks) for r in range(world_size))
+
+
+def _ranks(flags: bytes) -> set[int]:
+    return {r for r, f in enumerate(flags) if f}
+
+
+class RankMask:
+    """The ranks (group positions) masked on one Buffer, and the meeting of the others (module docstring); made
+    with the Buffer on every rank, in the same order."""
+
+    def __init__(self, group: ProcessGroup, rank: int, world_size: int, global_ranks: list[int]) -> None:
+        self.rank, self.world_size, self.global_ranks = rank, world_size, global_ranks
+        self.masked: set[int] = set()
+        self._rv = Rendezvous(group, 30.0, "deep_ep Buffer shrink")  # its store prefix: no communication
+        self._calls = 0
+
+    def unmasked(self) -> tuple[int, ...]:
+        """The positions not masked, ascending (this rank's among them)."""
+        return tuple(r for r in range(self.world_size) if r not in self.masked)
+
+    def update(self, rank: int, mask: bool) -> None:
+        """Mask (``mask``) or unmask ``rank`` here; the next call's meeting makes it every rank's (module docstring)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"low_latency_update_mask_buffer: rank_to_mask must be in [0, {self.world_size}), got {rank!r}"
+            )
+        if not isinstance(mask, bool):
+            raise ValueError(f"low_latency_update_mask_buffer: mask must be a bool, got {mask!r}")
+        if mask and rank == self.rank:
+            raise ValueError(f"low_latency_update_mask_buffer: rank {rank} cannot mask itself")
+        (self.masked.add if mask else self.masked.discard)(rank)
+
+    def query(self, mask_status: torch.Tensor) -> None:
+        """Write 1 for each masked rank, 0 for the others, into ``mask_status`` (``[num_ranks]`` int32)."""
+        if not isinstance(mask_status, torch.Tensor) or mask_status.shape != (self.world_size,):
+            raise ValueError(f"low_latency_query_mask_buffer: mask_status must be a [{self.world_size}] int32 tensor")
+        if mask_status.dtype != torch.int32:
+            raise ValueError(f"low_latency_query_mask_buffer: mask_status must be int32, got {mask_status.dtype}")
+        flags = torch.tensor([int(r in self.masked) for r in range(self.world_size)], dtype=torch.int32)
+        mask_status.copy_(flags)
+
+    def exchange(self, payload: bytes, what: str, timeout: float) -> dict[int, bytes]:
+        """Every unmasked rank's ``payload`` by position (this rank's too), once the ranks silent for ``timeout``
+        seconds are masked on every rank alike (module docstring). Raises RuntimeError on a rank its peers masked."""
+        self._calls += 1
+        n, w, store = self._calls, self.world_size, self._rv.store
+        store.set(f"{n}/{self.rank}", _flags(self.masked, w) + payload)
+        others = [r for r in range(w) if r != self.rank and r not in self.masked]
+        keys, decided = [f"{n}/{r}" for r in others], f"{n}/masked"
+        deadline, pause = deadline_after(timeout), 1e-4
+        while not store.check(keys) and not store.check([decided]) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_PAUSE)
+        present = [r for r, k in zip(others, keys) if store.check([k])]
+        rows = dict(zip(present, store.multi_get([f"{n}/{r}" for r in present]))) if present else {}
+        proposal = self.masked | (set(others) - set(present))
+        for row in rows.values():
+            proposal |= _ranks(row[:w])
+        masked = _ranks(store.compare_set(decided, "", _flags(proposal, w)))  # the first rank's decision wins
+        if self.rank in masked:
+            raise RuntimeError(
+                f"rank {self.global_ranks[self.rank]}: {what}: the other ranks masked this rank (it did not come "
+                f"within {timeout:g} s, or a rank masked it by hand); it takes no further part in this Buffer's "
+                "low-latency calls"
+            )
+        self.masked = masked
+        need = [r for r in range(w) if r not in masked and r != self.rank and r not in rows]
+        rows.update(zip(need, store.multi_get([f"{n}/{r}" for r in need])) if need else ())
+        rows[self.rank] = _flags(self.masked, w) + payload
+        live = [r for r in sorted(rows) if r not in masked]
+        with contextlib.suppress(Exception):  # every unmasked rank has read the rows of two calls ago: drop mine
+            if n > 2:
+                store.delete_key(f"{n - 2}/{self.rank}")
+                if self.rank == live[0]:  # and the lowest unmasked rank that call's decision
+                    store.delete_key(f"{n - 2}/masked")
+        return {r: rows[r][w:] for r in live}
+
+    def gather(self, mine: torch.Tensor, what: str, timeout: float, fill: int) -> torch.Tensor:
+        """Every rank's ``mine`` (one shape and dtype on every rank), ``[W, *mine.shape]`` on the CPU: the masked
+        ranks' rows ``fill``."""
+        flat = mine.detach().contiguous().cpu().view(-1)
+        got = self.exchange(flat.view(torch.uint8).numpy().tobytes(), what, timeout)
+        out = torch.full((self.world_size, flat.numel()), fill, dtype=flat.dtype)
+        for r, row in got.items():
+            out[r] = torch.frombuffer(bytearray(row), dtype=torch.uint8).view(flat.dtype)
+        return out.view(self.world_size, *mine.shape)
+
+
+def sub_experts(topk_idx: torch.Tensor, members: tuple[int, ...], masked: set[int], num_local: int,
+                num_experts: int) -> torch.Tensor:  # fmt: skip
+    """``topk_idx [T, K]`` (DeepEP's global expert ids) as ids of a buffer over the ranks ``members`` (positions,
+    ascending): expert ``e`` of rank ``e // num_local`` is ``members.index(that rank) * num_local + e % num_local``,
+    -1 where that rank is masked (its experts are absent), ``num_local * len(members)`` (out of range, for the
+    buffer to reject) where ``e`` is not an expert id, -1 stays -1. int64, on ``topk_idx``'s device."""
+    where = torch.full((num_experts // num_local,), -1, dtype=torch.int64)
+    for i, r in enumerate(members):
+        if r not in masked:
+            where[r] = i
+    ids = topk_idx.long()
+    bad = (ids < -1) | (ids >= num_experts)
+    owner = where.to(ids.device)[(ids.clamp(0, num_experts - 1) // num_local)]
+    sub = torch.where((ids >= 0) & (owner >= 0), owner * num_local + ids.clamp(min=0) % num_local, -1)
+    return torch.where(bad, num_local * len(members), sub)
+
+
+def widen(rows: torch.Tensor, slots: int) -> torch.Tensor:
+    """A zeroed ``[L, slots, ...]`` tensor of ``rows``' dtype and device for ``rows [L, fewer slots, ...]`` (a
+    buffer over fewer ranks than the Buffer's): DeepEP's receive layout, filled by copying ``rows`` in front."""
+    return rows.new_zeros((rows.shape[0], slots, *rows.shape[2:]))
