@@ -132,13 +132,15 @@ class ElasticEngram:
         flat = indices.reshape(-1).long()
         rows = (flat // self.num_entries) * self.per_rank + flat % self.num_entries
         lookup = self.table.fetch(rows.to(torch.int32))
-        num_tokens = indices.shape[0]
+        num_tokens, per_token = indices.shape  # explicit widths: a rank may fetch no token
         sf = None
         if self.sf is not None:
-            sf = tma_scales(self.sf[flat].view(num_tokens, -1), use_tma_aligned_col_major_sf)
+            packs = per_token * self.sf.shape[1]
+            sf = tma_scales(self.sf[flat].view(num_tokens, packs), use_tma_aligned_col_major_sf)
+        width = per_token * self.table.dim
 
         def hook() -> tuple[torch.Tensor, torch.Tensor | None]:
-            return lookup().view(num_tokens, -1), sf
+            return lookup().view(num_tokens, width), sf
 
         return hook
 
