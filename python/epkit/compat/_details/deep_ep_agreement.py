@@ -51,9 +51,11 @@ HEAD_WORDS = 16
 TEXT_WORDS = META_MSG // 8
 ROW_WORDS = HEAD_WORDS + TEXT_WORDS
 #: The calls that agree, by their code in a row (1-based): every call of a buffer that moves rows, and its barrier;
-#: the last two are ``epkit.compat.deep_gemm``'s Mega MoE layer calls, which agree the same way.
+#: then ``epkit.compat.deep_gemm``'s Mega MoE layer calls, which agree the same way; then the ElasticBuffer's
+#: collective calls past dispatch and combine (Engram, pipeline configuration, the all-gather session).
 KINDS = ("dispatch", "low_latency_dispatch", "cached dispatch", "combine", "low_latency_combine", "barrier",
-         "fp8_fp4_mega_moe", "bf16_mega_moe", "clean_low_latency_buffer")  # fmt: skip
+         "fp8_fp4_mega_moe", "bf16_mega_moe", "clean_low_latency_buffer", "engram_write", "engram_fetch",
+         "pp_set_config", "agrs_set_config", "all_gather", "destroy_agrs_session")  # fmt: skip
 #: The calls that meet through the job's store among the unmasked ranks in shrink mode (``deep_ep_shrink``); the
 #: normal mode's meet as without it.
 SHRINK_KINDS = ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer")
@@ -193,10 +195,13 @@ class CallAgreement:
         if self.nccl:
             _all_gather(got, flat, group=self.group)
         else:
-            self._wait(_all_gather(got, flat, group=self.group, async_op=True), fn, timeout)
+            self.wait(_all_gather(got, flat, group=self.group, async_op=True), fn, timeout)
         return got.view(self.world_size, *mine.shape)
 
-    def _wait(self, work: dist.Work, fn: str, timeout: float) -> None:
+    def wait(self, work: dist.Work, fn: str, timeout: float) -> None:
+        """Wait up to ``timeout`` (or the enclosing ``within`` block's deadline) for ``work``, a collective over the
+        group that call ``fn`` (agreed, this buffer's latest) started on a gloo group; a TimeoutError names the
+        ranks that noted no wait in this call (they died, or stopped calling)."""
         deadline = deadline_after(timeout)
         noted = False
         while True:

@@ -29,20 +29,35 @@ How V2's calls map:
   ``async_with_compute_stream`` (an event is returned either way) and ``do_zero_padding`` (padding is always
   zero). ``use_tma_aligned_col_major_sf`` gives the scales V2's TMA strides. ``num_cpu_timeout_secs`` is every
   wait's timeout.
-- Not provided yet (``AttributeError`` saying so): Engram (``engram_write`` / ``engram_fetch``), pipeline
-  send/receive (``pp_*``) and the all-gather session (``agrs_*``, ``all_gather``).
+- **Engram** (``engram_write`` / ``engram_fetch``, ``deep_ep_elastic_engram``) over epkit's ENP-sharded Engram
+  table; epkit's fetch is collective where V2's is one-sided: every rank calls ``engram_fetch`` in the same order.
+- **Pipeline send/receive** (``pp_set_config`` / ``pp_send`` / ``pp_recv``, ``deep_ep_elastic_pp``) to the ring's
+  previous and next rank, over the group's ``isend`` / ``irecv``.
+- **The all-gather session** (``agrs_set_config``, ``create_agrs_session`` / ``destroy_agrs_session`` /
+  ``agrs_new_session``, ``agrs_get_inplace_tensor``, ``all_gather``; ``deep_ep_elastic_agrs``) over the group's
+  ``all_gather_into_tensor`` into a session area.
+- Accepted with no effect there: ``engram_fetch``'s ``num_qps``, ``pp_send`` / ``pp_recv``'s ``num_sms``, and
+  ``barrier``'s ``use_comm_stream``, ``with_cpu_sync``, ``sequential`` (a barrier is a host wait).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from epkit.collectives.ep.rows import align_up
 from epkit.compat._details.deep_ep_config import HINT_TOPK, EventHandle, epbuffer_bytes
+from epkit.compat._details.deep_ep_elastic_agrs import (
+    ElasticAGRS,
+    Shapes,
+    agrs_buffer_size_hint,
+    agrs_num_max_session_bytes,
+)
 from epkit.compat._details.deep_ep_elastic_combine import ElasticCombine
 from epkit.compat._details.deep_ep_elastic_dispatch import ElasticDispatch
+from epkit.compat._details.deep_ep_elastic_engram import ElasticEngram, engram_storage_size_hint
+from epkit.compat._details.deep_ep_elastic_pp import ElasticPP, pp_buffer_size_hint
 from epkit.compat._details.deep_ep_session import Session, calls
 
 if TYPE_CHECKING:
@@ -52,12 +67,6 @@ __all__ = ["ElasticBuffer"]
 
 #: V2's alignment of buffer sizes (``get_buffer_size_hint``).
 _SIZE_ALIGN = 2 << 20
-#: V2 methods epkit does not provide yet: their AttributeError says so.
-_NOT_YET = {
-    "engram_write", "engram_fetch", "get_engram_storage_size_hint", "pp_set_config", "pp_send", "pp_recv",
-    "get_pp_buffer_size_hint", "create_agrs_session", "destroy_agrs_session", "agrs_new_session", "agrs_set_config",
-    "agrs_get_inplace_tensor", "all_gather", "get_agrs_num_max_session_bytes", "get_agrs_buffer_size_hint",
-}  # fmt: skip
 
 
 class ElasticBuffer:
@@ -134,14 +143,9 @@ class ElasticBuffer:
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
         self._dispatch = ElasticDispatch(self._session, num_max_tokens_per_rank, self.num_allocated_qps)
         self._combine = ElasticCombine(self._session, allow_multiple_reduction)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _NOT_YET:
-            raise AttributeError(
-                f"ElasticBuffer.{name} is not yet provided by epkit (Engram, pipeline send/receive and the all-gather "
-                "session are planned); install DeepEP on a GPU machine for it"
-            )
-        raise AttributeError(f"'ElasticBuffer' object has no attribute {name!r}")
+        self._engram = ElasticEngram(self._session, num_bytes, num_cpu_bytes)
+        self._pp = ElasticPP(self._session, num_bytes)
+        self._agrs = ElasticAGRS(self._session, num_bytes)
 
     # sizes and resources
 
@@ -226,9 +230,45 @@ class ElasticBuffer:
             raise RuntimeError(
                 "ElasticBuffer.destroy() needs ElasticBuffer(..., explicitly_destroy=True), as in DeepEP"
             )
+        self._engram.close()
+        self._pp.close()
+        self._agrs.close()
         self._session.destroy()
 
-    # the calls (ElasticDispatch and ElasticCombine hold their signatures and docstrings)
+    @staticmethod
+    def get_engram_storage_size_hint(
+        num_entries: int, hidden: int, num_max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16
+    ) -> tuple[int, int]:
+        """``(num_gpu_bytes, num_cpu_bytes)`` for Engram, 2 MiB aligned (V2's: ``engram_storage_size_hint``)."""
+        return engram_storage_size_hint(num_entries, hidden, num_max_tokens_per_rank, dtype)
+
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """Bytes for pipeline send/receive, 2 MiB aligned (V2's: ``pp_buffer_size_hint``)."""
+        return pp_buffer_size_hint(num_max_tensor_bytes, num_max_inflight_tensors)
+
+    @staticmethod
+    def get_agrs_num_max_session_bytes(group: ProcessGroup, shapes: Shapes, dtype: torch.dtype) -> int:
+        """Session bytes the all-gathers of ``shapes`` take on ``group`` (V2's: ``agrs_num_max_session_bytes``)."""
+        return agrs_num_max_session_bytes(torch.distributed.get_world_size(group), shapes, dtype)
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(group: ProcessGroup, num_max_session_bytes: int) -> int:
+        """Buffer bytes for sessions of ``num_max_session_bytes``: aligned to 2 MiB (V2's)."""
+        return agrs_buffer_size_hint(num_max_session_bytes)
+
+    # the calls (each part holds its signatures and docstrings)
 
     dispatch = calls("_dispatch", ElasticDispatch.dispatch)
     combine = calls("_combine", ElasticCombine.combine)
+    engram_write = calls("_engram", ElasticEngram.engram_write)
+    engram_fetch = calls("_engram", ElasticEngram.engram_fetch)
+    pp_set_config = calls("_pp", ElasticPP.pp_set_config)
+    pp_send = calls("_pp", ElasticPP.pp_send)
+    pp_recv = calls("_pp", ElasticPP.pp_recv)
+    agrs_set_config = calls("_agrs", ElasticAGRS.agrs_set_config)
+    create_agrs_session = calls("_agrs", ElasticAGRS.create_agrs_session)
+    destroy_agrs_session = calls("_agrs", ElasticAGRS.destroy_agrs_session)
+    agrs_new_session = calls("_agrs", ElasticAGRS.agrs_new_session)
+    agrs_get_inplace_tensor = calls("_agrs", ElasticAGRS.agrs_get_inplace_tensor)
+    all_gather = calls("_agrs", ElasticAGRS.all_gather)

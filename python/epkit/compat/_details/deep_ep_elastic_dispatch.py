@@ -14,14 +14,11 @@ from epkit.collectives.ep.rows import align_up
 from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
 from epkit.compat._details.deep_ep_handles import EPHandle, normal_handle
-from epkit.compat._details.deep_ep_layouts import carry_scales, pad_rows, restore_scales
+from epkit.compat._details.deep_ep_layouts import carry_scales, pad_rows, restore_scales, tma_scales
 from epkit.compat._details.deep_ep_session import Session, new_v2_event
 from epkit.utils import check_topk_idx
 
 __all__ = ["ElasticDispatch"]
-
-#: Token-dimension padding of the TMA-aligned column-major scales (``use_tma_aligned_col_major_sf``).
-_SF_PACK = 4
 
 
 class ElasticDispatch:
@@ -105,7 +102,7 @@ class ElasticDispatch:
         if stats is not None:
             stats += h.num_unaligned_recv_tokens_per_expert.to(stats.device, stats.dtype)
         if recv_s is not None:
-            scales = _scales(restore_scales(recv_s, cols, sdtype), use_tma_aligned_col_major_sf)
+            scales = tma_scales(restore_scales(recv_s, cols, sdtype), use_tma_aligned_col_major_sf)
             return (recv_x, scales), recv_idx, recv_w, h, new_v2_event()
         return recv_x, recv_idx, recv_w, h, new_v2_event()
 
@@ -361,13 +358,3 @@ def _fields(
         ("do_expand", int(bool(do_expand))),
         ("expert_alignment", expert_alignment if isinstance(expert_alignment, int) else None),
     ]
-
-
-def _scales(scales: torch.Tensor, tma_aligned: bool) -> torch.Tensor:
-    """The received ``[R, S]`` scales, row-major, or with ``tma_aligned`` column-major with the rows padded to a
-    multiple of 4 (V2's ``use_tma_aligned_col_major_sf`` strides: ``(1, align_up(R, 4))``)."""
-    if not tma_aligned:
-        return scales
-    rows = scales.shape[0]
-    tma = torch.empty((scales.shape[1], align_up(rows, _SF_PACK)), dtype=scales.dtype, device=scales.device)
-    return tma.T[:rows].copy_(scales)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, overload
 
 import torch
 
+from epkit.collectives.ep.rows import align_up
 from epkit.quant import FP8_BLOCK, cast_groups_to_fp8
 
 if TYPE_CHECKING:
@@ -28,8 +29,13 @@ __all__ = [
     "carry_scales",
     "restore_scales",
     "column_major",
+    "tma_scales",
     "LowLatencyOutputs",
 ]
+
+#: Token-dimension padding of V2's TMA-aligned column-major scales (``use_tma_aligned_col_major_sf``): 16 bytes of
+#: 4-byte packs.
+SF_PACK = 4
 
 #: Rows as DeepEP's calls take and return them: bf16 ``x``, or ``(x e4m3, scales)``.
 DeepEPRows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -129,3 +135,14 @@ class LowLatencyOutputs:
 
     def result(self) -> DeepEPRows:
         return (self.x, self.scales) if self.scales is not None else self.x
+
+
+def tma_scales(scales: torch.Tensor, tma_aligned: bool) -> torch.Tensor:
+    """``[R, S]`` scales (a dispatch's received ones, or V2's fetched Engram factors) row-major, or with
+    ``tma_aligned`` column-major with the rows padded to a multiple of 4 (V2's ``use_tma_aligned_col_major_sf``
+    strides: ``(1, align_up(R, 4))``)."""
+    if not tma_aligned:
+        return scales
+    rows = scales.shape[0]
+    tma = torch.empty((scales.shape[1], align_up(rows, SF_PACK)), dtype=scales.dtype, device=scales.device)
+    return tma.T[:rows].copy_(scales)
