@@ -118,15 +118,22 @@ def perturb_combine(factor: float = 1.01) -> None:
     shim.Buffer.low_latency_combine = scaled_low_latency
 
 
-def quantize_fp8_groups(x, group_size: int = 128, eps: float = 1e-10):
-    """The engines' per-token-group FP8 cast in torch (their CUDA/Triton kernels' formula, row-major float32
-    scales): per ``group_size`` columns, ``scale = max(amax, eps) / 448`` and ``q = clamp(x / scale)`` as e4m3."""
+def quantize_fp8_groups(x, group_size: int = 128, eps: float = 1e-10, column_major_tma_aligned: bool = False):
+    """The engines' per-token-group FP8 cast in torch (their CUDA/Triton kernels' formula): per ``group_size``
+    columns, ``scale = max(amax, eps) / 448`` and ``q = clamp(x / scale)`` as e4m3. The float32 scales are
+    row-major, or with ``column_major_tma_aligned`` column-major with the token axis padded to 4 (16 bytes), the
+    layout SGLang's kernels write for DeepGEMM on Hopper (``create_per_token_group_quant_fp8_output_scale``)."""
     import torch
 
     groups = x.float().unflatten(-1, (-1, group_size))
     scale = groups.abs().amax(-1, keepdim=True).clamp(min=eps) / 448.0
     q = (groups / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.flatten(-2), scale.squeeze(-1)
+    scale = scale.squeeze(-1)
+    if column_major_tma_aligned:
+        m = x.shape[-2]
+        storage = torch.empty((*x.shape[:-2], scale.shape[-1], -(-m // 4) * 4), dtype=torch.float32)
+        scale = storage.transpose(-1, -2)[..., :m, :].copy_(scale)
+    return q.flatten(-2), scale
 
 
 def dequantize_fp8_groups(q, scales, group_size: int = 128):

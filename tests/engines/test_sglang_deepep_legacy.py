@@ -28,7 +28,7 @@ Engine-side patches (applied in each rank's process, none in SGLang's or epkit's
   disabled"), and it makes the normal dispatch ask for ``expert_alignment=128`` and cast to FP8 first.
 - ``token_dispatcher.deepep.sglang_per_token_group_quant_fp8`` (that cast) is ``engine_harness.quantize_fp8_groups``:
   on CPU SGLang's helper launches its CUDA/Triton kernel; the stand-in is the same per-128-column cast in torch
-  (scale ``amax / 448``, row-major float32 scales).
+  (scale ``amax / 448``) into the layout SGLang asks for (here row-major float32).
 - ``torch.cuda.get_device_properties("cuda")`` answers an H100's ``multi_processor_count`` (132):
   ``DeepEPBuffer.get_deepep_buffer`` reads it, only to warn when DeepEP gets fewer than half the SMs.
 
@@ -62,8 +62,8 @@ HIDDEN, TOPK, EXPERTS_PER_RANK, MAX_TOKENS = 256, 4, 4, 32
 
 
 def _group_quant(x, group_size, eps=1e-10, column_major_scales=False, scale_tma_aligned=False, scale_ue8m0=False):
-    assert not (column_major_scales or scale_tma_aligned or scale_ue8m0), "Hopper's layout: row-major float32"
-    return quantize_fp8_groups(x, group_size, eps)
+    assert not scale_ue8m0 and column_major_scales == scale_tma_aligned, "Hopper's layouts (no UE8M0)"
+    return quantize_fp8_groups(x, group_size, eps, column_major_tma_aligned=column_major_scales)
 
 
 def _device_properties(get):
