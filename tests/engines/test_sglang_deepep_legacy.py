@@ -5,8 +5,9 @@ SGLang 0.5.23, on ``deep_ep.Buffer``), its installed module unmodified, with ``d
 Each rank builds the dispatcher as SGLang's ``create_moe_dispatcher`` does (``permute_fusion=True``,
 ``async_finish=True``, ``return_recv_hook=True``; its buffer from SGLang's own ``DeepEPBuffer``), routes its
 tokens through it, plays SGLang's DeepGEMM runner in plain torch (the stand-in experts of ``moe_reference``:
-normal mode, the local routes of each received token weighted and summed as its ``ep_gather`` does; low-latency
-mode, each expert's masked rows, the combine weighing), combines, and compares with the reference bit for bit.
+normal mode, the local routes of each received token weighted and summed as its ``ep_gather`` does, the
+per-expert counts checked as aligned to 128; low-latency mode, each expert's rows, ``masked_m`` checked against
+every rank's routing, the combine weighing), combines, and compares with the reference bit for bit.
 Modes (SGLang's ``--deepep-mode``): ``normal``, ``low_latency`` and ``auto`` (its forwards alternate extend and
 decode, so one buffer serves both modes, switching back and forth); each with the dispatch output dtype (the
 dispatcher's ``set_quant_config``, as a quantization method sets it) ``bf16`` and then ``fp8`` (normal mode:
@@ -52,7 +53,7 @@ from engine_harness import (
     require,
     stand_in_torchvision,
 )
-from moe_reference import assert_same, expert_scale, reference_moe, routing
+from moe_reference import assert_same, expert_scale, local_expert_counts, reference_moe, routing
 
 from epkit.testing.multiprocess import RankError, run_ranks
 
@@ -87,11 +88,11 @@ def _normal_expert_stage(out, rank: int) -> torch.Tensor:
     return (values.float() * scale.sum(1, keepdim=True)).to(torch.bfloat16)
 
 
-def _low_latency_expert_stage(out, rank: int) -> torch.Tensor:
+def _low_latency_expert_stage(out, rank: int, counts: torch.Tensor) -> torch.Tensor:
     """SGLang's DeepGEMM masked runner on a low-latency dispatch: expert ``e``'s rows times its scale."""
     rows = out.hidden_states
     values = dequantize_fp8_groups(rows, out.hidden_states_scale) if out.hidden_states_scale is not None else rows
-    assert out.masked_m.shape == (EXPERTS_PER_RANK,)
+    assert out.masked_m.tolist() == counts.tolist(), (out.masked_m, counts)
     scale = expert_scale(torch.arange(EXPERTS_PER_RANK) + rank * EXPERTS_PER_RANK)
     return (values.float() * scale.view(-1, 1, 1)).to(torch.bfloat16)
 
@@ -132,14 +133,16 @@ def _run(rank: int, world: int, mode: str, empty_rank: int | None, perturb: bool
         for step in range(2):  # auto: extend (normal), then decode (low latency), on the same buffer
             extend = mode == "normal" or (mode == "auto" and step == 0)
             set_is_extend_in_batch(extend)
-            tokens = 0 if rank == empty_rank else 5 + 7 * rank + step
-            x, ids, weights = routing(rank, tokens, HIDDEN, num_experts, TOPK, seed=step)
-            out = dispatcher.dispatch(x, StandardTopKOutput(weights, ids, torch.empty(tokens, num_experts)))
+            tokens = [0 if r == empty_rank else 5 + 7 * r + step for r in range(world)]
+            x, ids, weights = routing(rank, tokens[rank], HIDDEN, num_experts, TOPK, seed=step)
+            out = dispatcher.dispatch(x, StandardTopKOutput(weights, ids, torch.empty(tokens[rank], num_experts)))
             assert (out.hidden_states_scale is not None) == (dtype == "fp8"), type(out).__name__
             if extend:
                 combine_input = deepep.DeepEPNormalCombineInput(_normal_expert_stage(out, rank), ids, weights)
             else:
-                combine_input = deepep.DeepEPLLCombineInput(_low_latency_expert_stage(out, rank), ids, weights)
+                counts = local_expert_counts(rank, tokens, HIDDEN, num_experts, TOPK, seed=step)
+                hidden = _low_latency_expert_stage(out, rank, counts)
+                combine_input = deepep.DeepEPLLCombineInput(hidden, ids, weights)
             got = dispatcher.combine(combine_input)
             what = f"rank {rank} {mode} {dtype} {'normal' if extend else 'low-latency'} step {step}"
             assert_same(got, reference_moe(x, ids, weights, num_experts), what)

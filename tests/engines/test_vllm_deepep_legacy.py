@@ -14,7 +14,7 @@ managers on the EP group's ``cpu_group``, takes their buffers, and runs ``prepar
 - ``ht-fp8``: HT with a block-FP8 config (``fp8_w8a8_moe_quant_config``, block 128x128): vLLM quantizes before the
   dispatch and the rows travel as ``(e4m3, scales)``.
 - ``ll-bf16``: LL, hidden 2048 (the smallest of vLLM's ``SUPPORTED_HIDDEN_SIZES``), bf16 dispatch; the combine
-  weighs and sums.
+  weighs and sums; the per-expert counts vLLM passes on are checked against every rank's routing (all LL cases).
 - ``ll-fp8``: LL with ``use_fp8_dispatch=True`` and the block-FP8 config: DeepEP's (the shim's) FP8 cast, the
   scales passed on to the experts as they came.
 - ``ll-fp8-dequant``: ``use_fp8_dispatch=True`` with the unquantized config: vLLM's own ``dequant_fp8`` turns the
@@ -54,7 +54,7 @@ from engine_harness import (
     vllm_block_fp8_config,
     vllm_ep_group,
 )
-from moe_reference import assert_same, expert_scale, reference_moe, routing
+from moe_reference import assert_same, expert_scale, local_expert_counts, reference_moe, routing
 
 from epkit.testing.multiprocess import RankError, run_ranks
 
@@ -87,14 +87,14 @@ def _ht(pf, rank: int, x, ids, weights, num_experts: int, fp8: bool) -> torch.Te
     return out
 
 
-def _ll(pf, rank: int, x, ids, weights, num_experts: int, config) -> torch.Tensor:
+def _ll(pf, rank: int, x, ids, weights, num_experts: int, config, counts) -> torch.Tensor:
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
     rows, scales, meta, _, _ = pf.prepare(x, weights, ids, num_experts, None, False, config)
     quantized = config.quant_dtype is not None
     assert (scales is not None) == quantized, "the FP8 config passes the scales on; the others dequantize"
     values = dequantize_fp8_groups(rows, scales) if quantized else rows.float()
-    assert meta.expert_num_tokens.shape == (EXPERTS_PER_RANK,)
+    assert meta.expert_num_tokens.tolist() == counts.tolist(), (meta.expert_num_tokens, counts)
     scale = expert_scale(torch.arange(EXPERTS_PER_RANK) + rank * EXPERTS_PER_RANK)  # (local experts,)
     expert_out = (values * scale.view(-1, 1, 1)).to(torch.bfloat16)
     out = torch.empty_like(x)
@@ -133,14 +133,15 @@ def _run(rank: int, world: int, cases: tuple[str, ...], empty_rank: int | None, 
     ll = {fp8: DeepEPLLPrepareAndFinalize(ll_buffer, MAX_TOKENS, world, use_fp8_dispatch=fp8) for fp8 in (False, True)}
     for case in cases:
         for step in range(2):  # a second forward reuses the buffer
-            tokens = 0 if rank == empty_rank else 5 + 7 * rank + step
+            tokens = [0 if r == empty_rank else 5 + 7 * r + step for r in range(world)]
             hidden = HT_HIDDEN if case.startswith("ht") else LL_HIDDEN
-            x, ids, weights = routing(rank, tokens, hidden, num_experts, TOPK, seed=step)
+            x, ids, weights = routing(rank, tokens[rank], hidden, num_experts, TOPK, seed=step)
             if case.startswith("ht"):
                 got = _ht(ht, rank, x, ids, weights, num_experts, case == "ht-fp8")
             else:
                 config = vllm_block_fp8_config() if case == "ll-fp8" else FUSED_MOE_UNQUANTIZED_CONFIG
-                got = _ll(ll[case != "ll-bf16"], rank, x, ids, weights, num_experts, config)
+                counts = local_expert_counts(rank, tokens, hidden, num_experts, TOPK, seed=step)
+                got = _ll(ll[case != "ll-bf16"], rank, x, ids, weights, num_experts, config, counts)
             assert_same(got, reference_moe(x, ids, weights, num_experts), f"rank {rank} {case} step {step}")
     return "ok"
 
