@@ -85,14 +85,96 @@ def stand_in_torchvision() -> None:
 
 
 def perturb_combine(factor: float = 1.01) -> None:
-    """The negative control: the shim's V2 combine scales its output by ``factor`` (in this rank's process), so a
-    comparison that cannot tell must fail. 1.01, not less: a 0.1% change mostly rounds back to the same bf16."""
+    """The negative control: every combine of the shim (V2's ``ElasticBuffer.combine``, the legacy
+    ``Buffer.combine`` and ``Buffer.low_latency_combine``, in place into its ``out`` when the engine passes one)
+    scales its output by ``factor`` (in this rank's process), so a comparison that cannot tell must fail. 1.01, not
+    less: a 0.1% change mostly rounds back to the same bf16."""
     import epkit.compat.deep_ep as shim
 
-    combine = shim.ElasticBuffer.combine
+    elastic, legacy, low_latency = shim.ElasticBuffer.combine, shim.Buffer.combine, shim.Buffer.low_latency_combine
 
-    def scaled(self, *args, **kwargs):
-        x, weights, event = combine(self, *args, **kwargs)
+    def scaled_elastic(self, *args, **kwargs):
+        x, weights, event = elastic(self, *args, **kwargs)
         return x * factor, weights, event
 
-    shim.ElasticBuffer.combine = scaled
+    def scaled_legacy(self, *args, **kwargs):
+        x, weights, event = legacy(self, *args, **kwargs)
+        return x * factor, weights, event
+
+    def scaled_low_latency(self, *args, **kwargs):
+        x, event, hook = low_latency(self, *args, **kwargs)
+        if hook is None:
+            x.mul_(factor)
+            return x, event, None
+
+        def receive():
+            hook()
+            x.mul_(factor)
+
+        return x, event, receive
+
+    shim.ElasticBuffer.combine = scaled_elastic
+    shim.Buffer.combine = scaled_legacy
+    shim.Buffer.low_latency_combine = scaled_low_latency
+
+
+def quantize_fp8_groups(x, group_size: int = 128, eps: float = 1e-10, column_major_tma_aligned: bool = False):
+    """The engines' per-token-group FP8 cast in torch (their CUDA/Triton kernels' formula): per ``group_size``
+    columns, ``scale = max(amax, eps) / 448`` and ``q = clamp(x / scale)`` as e4m3. The float32 scales are
+    row-major, or with ``column_major_tma_aligned`` column-major with the token axis padded to 4 (16 bytes), the
+    layout SGLang's kernels write for DeepGEMM on Hopper (``create_per_token_group_quant_fp8_output_scale``)."""
+    import torch
+
+    groups = x.float().unflatten(-1, (-1, group_size))
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=eps) / 448.0
+    q = (groups / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    scale = scale.squeeze(-1)
+    if column_major_tma_aligned:
+        m = x.shape[-2]
+        storage = torch.empty((*x.shape[:-2], scale.shape[-1], -(-m // 4) * 4), dtype=torch.float32)
+        scale = storage.transpose(-1, -2)[..., :m, :].copy_(scale)
+    return q.flatten(-2), scale
+
+
+def dequantize_fp8_groups(q, scales, group_size: int = 128):
+    """``q`` (e4m3) times its per-group ``scales`` (any strides), float32: what an FP8 expert kernel reads."""
+    return (q.float().unflatten(-1, (-1, group_size)) * scales.float().unsqueeze(-1)).flatten(-2)
+
+
+def vllm_ep_group(rank: int, world: int, ident: str):
+    """vLLM's parallel state on the ranks' gloo group (TP = EP = ``world``), as vLLM's CPU worker sets it up
+    (``VLLM_DIST_IDENT``: one per run, its shared-memory names); the EP group's ``cpu_group``, which the tests
+    build vLLM's all2all managers on (its CPU communicator refuses DeepEP backends)."""
+    import os
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    os.environ["VLLM_DIST_IDENT"] = ident
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    return parallel_state.get_ep_group().cpu_group
+
+
+def stand_in_vllm_group_quant() -> None:
+    """Patch: ``vllm.model_executor.layers.fused_moe.utils.per_token_group_quant_fp8`` (the cast
+    ``moe_kernel_quantize_input`` calls for block-FP8 activations) is :func:`quantize_fp8_groups`: on CPU vLLM's
+    helper launches a Triton kernel; the stand-in is its formula in torch (row-major float32 scales)."""
+    import vllm.model_executor.layers.fused_moe.utils as fused_moe_utils
+
+    def group_quant(x, group_size, eps=1e-10, **options):
+        assert not any(options.values()), f"the stand-in has no layout options: {options}"  # _fp8_quantize: none
+        return quantize_fp8_groups(x, group_size, eps)
+
+    fused_moe_utils.per_token_group_quant_fp8 = group_quant
+
+
+def vllm_block_fp8_config():
+    """vLLM's block-FP8 MoE quant config (activations cast per 128 columns, as DeepSeek's checkpoints); the
+    weights' scales are placeholders (no expert GEMM runs in these tests)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    ones = torch.ones(1)
+    return fp8_w8a8_moe_quant_config(w1_scale=ones, w2_scale=ones, block_shape=[128, 128])

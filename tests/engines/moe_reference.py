@@ -27,6 +27,16 @@ def routing(rank: int, num_tokens: int, hidden: int, num_experts: int, topk: int
     return x, ids, weights
 
 
+def local_expert_counts(
+    rank: int, tokens_per_rank: list[int], hidden: int, num_experts: int, topk: int, seed: int = 0
+) -> torch.Tensor:
+    """How many routes every rank's :func:`routing` (``tokens_per_rank[r]`` tokens on rank ``r``) sends to each of
+    ``rank``'s experts: the per-expert counts a low-latency dispatch must report on ``rank``."""
+    per_rank = num_experts // len(tokens_per_rank)
+    ids = [routing(r, n, hidden, num_experts, topk, seed)[1].reshape(-1) for r, n in enumerate(tokens_per_rank)]
+    return torch.bincount(torch.cat(ids), minlength=num_experts)[rank * per_rank : (rank + 1) * per_rank]
+
+
 def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``y[t] = sum_k w[t, k] * expert_scale(ids[t, k]) * x[t]``, the experts applied on their owner ranks.
 
