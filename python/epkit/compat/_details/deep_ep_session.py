@@ -13,6 +13,7 @@ calls in the same order on every rank); a hook called later finds its data there
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -41,12 +42,16 @@ def calls(part: str, method: _F) -> _F:
     """A buffer method that hands the call to its ``part`` (its normal-mode, low-latency, dispatch or combine
     calls): ``method``'s signature and docstring, one definition. The whole call (its agreement, a first EPBuffer's
     construction, the routing gather, the rows' exchange) waits at most the session's timeout, end to end
-    (:func:`~epkit.collectives.deadline.within`); a receive hook called later has the timeout again."""
+    (:func:`~epkit.collectives.deadline.within`; not in shrink mode, see below); a receive hook called later has the
+    timeout again."""
 
     @functools.wraps(method)
     def call(self: object, *args: Any, **kwargs: Any) -> Any:
         calls_of = getattr(self, part)
-        with within(calls_of.s.timeout):
+        session: Session = calls_of.s
+        # shrink mode waits a silent rank out to mask it (its meetings' outcome, not a failure): the survivors' waits
+        # after that keep their own timeouts
+        with within(session.timeout) if session.agreement.shrink is None else contextlib.nullcontext():
             return getattr(calls_of, method.__name__)(*args, **kwargs)
 
     return call  # type: ignore[return-value]  # the same signature, by functools.wraps
