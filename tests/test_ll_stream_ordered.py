@@ -127,19 +127,32 @@ def _hooked_dispatch(rank, timeout):
     return buf, x, idx, wts, buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False, return_recv_hook=True)
 
 
+def _silent_until_done(ranks: list[int], most: float) -> None:
+    """Stay alive (the heap mapped) but silent to the buffer until ``ranks`` said they have their outcomes (keys of the
+    job's store, which the buffer does not read), ``most`` seconds at most."""
+    store, end = dist.distributed_c10d._get_default_store(), time.monotonic() + most
+    while not store.check([f"done {r}" for r in ranks]) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def _done(rank: int) -> None:
+    dist.distributed_c10d._get_default_store().set(f"done {rank}", "1")
+
+
 def _peer_never_acks(rank, world_size):
     """Rank 1 receives a dispatch but never releases it: the others' combine waits for its acknowledgement."""
     from epkit.testing import nvshmem_emulator
 
     buf, x, idx, wts, (recv_x, _, handle, hook) = _hooked_dispatch(rank, 2)
     if rank == 1:
-        time.sleep(5)  # alive (its heap stays mapped) but silent: no hook, no combine
+        _silent_until_done([r for r in range(world_size) if r != 1], 5)  # alive but silent: no hook, no combine
         return None
     hook()
     y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
     buf.low_latency_combine(y, idx, wts, handle)  # queues its waits and returns; the outcome comes later
     err = _raised(buf.synchronize, TimeoutError)
     later = _raised(lambda: buf.low_latency_dispatch(x, idx, N_MAX, use_fp8=False), RuntimeError)
+    _done(rank)
     return err, later, nvshmem_emulator.calls()
 
 
@@ -176,11 +189,12 @@ def _silent_peers(rank, world_size):
 
     buf, x, idx, wts, (recv_x, _, handle, hook) = _hooked_dispatch(rank, 3)
     if rank != 0:
-        time.sleep(9)  # past rank 0's 3 s wait, with room for a slow (interpreted) dispatch under load
+        _silent_until_done([0], 9)  # past rank 0's 3 s wait, with room for a slow dispatch under load
         return None
     hook()
     buf.low_latency_combine(torch.zeros(recv_x.shape, dtype=torch.bfloat16), idx, wts, handle)
     err = _raised(buf.synchronize, TimeoutError)
+    _done(0)
     return err, nvshmem_emulator.calls()
 
 
