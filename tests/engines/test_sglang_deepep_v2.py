@@ -38,8 +38,8 @@ from engine_harness import (
     bind_deep_ep,
     dequantize_fp8_groups,
     perturb_combine,
-    quantize_fp8_groups,
     require,
+    sglang_group_quant,
     stand_in_torchvision,
 )
 from moe_reference import assert_same, expert_scale, reference_moe, routing
@@ -72,11 +72,6 @@ def _expert_stage(out, num_local: int, rank: int) -> tuple[torch.Tensor, torch.T
     return (rows * scale.sum(1, keepdim=True)).to(torch.bfloat16), out.topk_weights
 
 
-def _group_quant(x, group_size, eps=1e-10, column_major_scales=False, scale_tma_aligned=False, scale_ue8m0=False):
-    assert not scale_ue8m0 and column_major_scales == scale_tma_aligned, "Hopper's layouts (no UE8M0)"
-    return quantize_fp8_groups(x, group_size, eps, column_major_tma_aligned=column_major_scales)
-
-
 def _run(rank: int, world: int, mode: str, empty_rank: int | None, perturb: bool, dtypes=("bf16", "fp8")) -> str:
     stand_in_torchvision()
     bind_deep_ep()
@@ -88,7 +83,7 @@ def _run(rank: int, world: int, mode: str, empty_rank: int | None, perturb: bool
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.runtime_context import get_context
 
-    deepep_v2.sglang_per_token_group_quant_fp8 = _group_quant
+    deepep_v2.sglang_per_token_group_quant_fp8 = sglang_group_quant
     if perturb:
         perturb_combine()
 

@@ -48,6 +48,7 @@ import torch
 from engine_harness import (
     bind_deep_ep,
     dequantize_fp8_groups,
+    moe_sum,
     perturb_combine,
     require,
     stand_in_vllm_group_quant,
@@ -62,10 +63,6 @@ require("vllm")
 
 HT_HIDDEN, LL_HIDDEN, TOPK, EXPERTS_PER_RANK, MAX_TOKENS = 256, 2048, 4, 4, 32
 ALL_CASES = ("ht-bf16", "ht-fp8", "ll-bf16", "ll-fp8", "ll-fp8-dequant")
-
-
-def _moe_sum(x: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(x.float().sum(1).to(out.dtype))
 
 
 def _ht(pf, rank: int, x, ids, weights, num_experts: int, fp8: bool) -> torch.Tensor:
@@ -111,7 +108,7 @@ def _run(rank: int, world: int, cases: tuple[str, ...], empty_rank: int | None, 
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ht import DeepEPHTPrepareAndFinalize
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import DeepEPLLPrepareAndFinalize
 
-    ops.moe_sum = _moe_sum
+    ops.moe_sum = moe_sum
     stand_in_vllm_group_quant()
     if perturb:
         perturb_combine()

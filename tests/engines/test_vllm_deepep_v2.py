@@ -48,6 +48,7 @@ import torch
 from engine_harness import (
     bind_deep_ep,
     dequantize_fp8_groups,
+    moe_sum,
     perturb_combine,
     require,
     stand_in_vllm_group_quant,
@@ -61,10 +62,6 @@ from epkit.testing.multiprocess import RankError, run_ranks
 require("vllm")
 
 HIDDEN, TOPK, EXPERTS_PER_RANK, MAX_TOKENS = 256, 4, 4, 64
-
-
-def _moe_sum(x: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(x.float().sum(1).to(out.dtype))
 
 
 def _tokens(rank: int, step: int, empty_rank: int | None) -> int:
@@ -111,7 +108,7 @@ def _run(
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_v2 import DeepEPV2PrepareAndFinalize
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
-    ops.moe_sum = _moe_sum
+    ops.moe_sum = moe_sum
     stand_in_vllm_group_quant()
     if mode == "decode":
         _interpret_globalize_kernel()
