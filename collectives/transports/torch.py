@@ -218,7 +218,9 @@ class TorchTransport(Transport):
         grace = self.grace(src)
         self.waiting(grace)
         heard = self._heard(src, grace)
-        if heard is not None:
+        # a peer that says it was itself the silent one (it was stopped, resumed, and learnt so from another rank)
+        # tells nothing new: it is the silent peer
+        if heard is not None and heard != (self.global_ranks[src], True):
             return _told(me, peer, what, src, heard)
         silence = TimeoutError(
             f"{me}: {peer} sent no {what} message within {timeout:g} s ({cause}); it died or stopped calling"
