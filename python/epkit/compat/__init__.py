@@ -1,8 +1,8 @@
 """Drop-in interfaces of the libraries engines already call, on epkit's ops: switch by one import line.
 
 ``epkit.compat.deep_ep``
-    DeepEP's legacy ``Buffer`` (intranode and low-latency modes), ``Config``, ``EventOverlap``, ``EventHandle``,
-    ``topk_idx_t``, over :class:`epkit.collectives.ep_buffer.EPBuffer`.
+    DeepEP's legacy ``Buffer`` (intranode, internode and low-latency modes), ``Config``, ``EventOverlap``,
+    ``EventHandle``, ``topk_idx_t``, over :class:`epkit.collectives.ep_buffer.EPBuffer`.
 ``epkit.compat.deep_gemm``
     DeepGEMM's grouped and dense GEMMs, layout helpers and runtime settings, over :mod:`epkit.grouped_gemm`, and
     its ``utils`` (the casts to FP8 / FP4) and ``testing`` submodules.

@@ -2,11 +2,14 @@
 :class:`~epkit.collectives.ep_buffer.EPBuffer`: ``import epkit.compat.deep_ep as deep_ep`` where an engine had
 ``import deep_ep``. This module is the legacy ``Buffer``; ``_details/deep_ep_elastic.py`` says how V2's calls map.
 
-Every public method of DeepEP's legacy ``Buffer`` but the internode ones, with DeepEP's names,
-parameter names and order, defaults, return arity and tensor layouts (the low-latency FP8 scales column-major,
-packed UE8M0 with ``use_ue8m0``); ``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` too. Handles are
-DeepEP's tuples, each element with DeepEP's meaning on epkit's layout (``_details/deep_ep_handles.py`` defines the
-channel split), and carry the EPBuffer state a later call checks.
+Every public method of DeepEP's legacy ``Buffer``, with DeepEP's names, parameter names and order, defaults,
+return arity and tensor layouts (the low-latency FP8 scales column-major, packed UE8M0 with ``use_ue8m0``);
+``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` too. Handles are DeepEP's tuples, each element with
+DeepEP's meaning on epkit's layout (``_details/deep_ep_handles.py`` defines the channel split), and carry the
+EPBuffer state a later call checks. A group of more than 8 ranks is DeepEP's internode mode, RDMA ranks of 8
+consecutive ranks (``_details/deep_ep_internode.py``: the per-RDMA-rank counts, the ten-tensor handle,
+``internode_dispatch`` / ``internode_combine``), whatever path epkit's EPBuffer takes underneath (the hierarchical
+one where the ranks are on several hosts).
 Semantics follow DeepEP where the two differ: received top-k weights are 0 where the expert lives on another
 rank; the low-latency receive tensors are never written again while the caller holds them (EPBuffer's pool reuses
 memory only once it is dropped).
@@ -42,9 +45,9 @@ How it maps:
   The normal-mode calls mask nothing (as DeepEP's): they still meet over the whole group.
 
 Refused, with a ``ValueError`` naming DeepEP's parameter: ``comm`` (an mpi4py communicator), ``enable_shrink``
-on an NCCL group,
-``num_tokens_per_rdma_rank`` (internode), a dispatch with a layout that does not match ``topk_idx`` (without
-top-k, rows go where ``is_token_in_rank`` says), ``dispatch_wait_recv_cost_stats`` /
+on an NCCL group, ``num_tokens_per_rdma_rank`` given on 8 ranks or fewer or missing on more (DeepEP's modes), a
+dispatch with a layout that does not match ``topk_idx`` (without top-k, rows go where ``is_token_in_rank`` says),
+a normal-mode call on more than 8 ranks that are not whole domains of 8, ``dispatch_wait_recv_cost_stats`` /
 ``combine_wait_recv_cost_stats``, more scale columns than ``ceil(hidden / 128)``. :class:`Buffer` lists every
 argument accepted with no effect; bench/README.md ("Drop-in interfaces: supported and refused") has the table.
 """
@@ -73,7 +76,7 @@ topk_idx_t = torch.int64
 
 
 class Buffer:
-    """DeepEP's expert-parallel communication buffer (intranode and low-latency modes) over EPBuffer.
+    """DeepEP's expert-parallel communication buffer (intranode, internode and low-latency modes) over EPBuffer.
 
     Parameters are DeepEP's (see the module docstring for how the calls map). What each DeepEP argument does
     here, where it is not DeepEP's own effect:
@@ -89,12 +92,14 @@ class Buffer:
       to wait for: the work is done when the call returns); ``return_recv_hook=True`` defers the receive to
       the hook; ``num_worst_tokens`` pads the outputs to that many rows, but a normal dispatch still
       synchronizes with the host (epkit's normal mode reads its counts), so it is not for CUDA graphs;
+      ``num_worst_tokens`` pads internode dispatches too (DeepEP's Python refuses it there);
       ``round_scale`` quantizes the received bf16 rows at the receiver (epkit's per-128 cast with the scales
       rounded up to powers of two, as DeepEP's sender-side cast rounds them; twice the bytes on the wire);
     - ``enable_shrink=True`` masks ranks that stop taking part in the low-latency calls (module docstring; CPU
       ranks: a gloo group);
     - refused with a ``ValueError`` naming the parameter: ``comm``, ``enable_shrink=True`` on an NCCL group,
-      ``num_tokens_per_rdma_rank`` (not None), ``dispatch_wait_recv_cost_stats`` /
+      ``num_tokens_per_rdma_rank`` on one domain (it must be None on 8 ranks or fewer, given on more),
+      ``dispatch_wait_recv_cost_stats`` /
       ``combine_wait_recv_cost_stats``; and what DeepEP asserts against
       (``async_finish`` with ``return_recv_hook``, ``use_ue8m0`` without ``round_scale``, a low-latency call
       on a Buffer made without ``low_latency_mode``).
@@ -231,6 +236,8 @@ class Buffer:
     get_dispatch_layout = calls("_normal", NormalCalls.get_dispatch_layout)
     dispatch = calls("_normal", NormalCalls.dispatch)
     combine = calls("_normal", NormalCalls.combine)
+    internode_dispatch = calls("_normal", NormalCalls.internode_dispatch)
+    internode_combine = calls("_normal", NormalCalls.internode_combine)
     clean_low_latency_buffer = calls("_low_latency", LowLatencyCalls.clean_low_latency_buffer)
     low_latency_dispatch = calls("_low_latency", LowLatencyCalls.low_latency_dispatch)
     low_latency_combine = calls("_low_latency", LowLatencyCalls.low_latency_combine)

@@ -36,12 +36,21 @@ if TYPE_CHECKING:
     from epkit.collectives.ep.ll_layout import LowLatencyHandle as EPLowLatencyHandle
     from epkit.collectives.ep_buffer import EPBuffer
 
-__all__ = ["EPHandle", "LowLatencyHandle", "NormalHandle", "channel_bounds", "low_latency_handle", "normal_handle"]
+__all__ = [
+    "EPHandle",
+    "LowLatencyHandle",
+    "NormalHandle",
+    "channel_bounds",
+    "low_latency_handle",
+    "normal_handle",
+    "per_channel",
+]
 
 
-class NormalHandle(tuple):  # type: ignore[type-arg]  # DeepEP's six tensors; attributes below
-    """DeepEP's normal-mode handle (the six tensors of the module docstring), with the EPBuffer that dispatched,
-    its handle, the rows received and the top-k (``None`` for a dispatch without top-k)."""
+class NormalHandle(tuple):  # type: ignore[type-arg]  # DeepEP's six (ten) tensors; attributes below
+    """DeepEP's normal-mode handle (the six tensors of the module docstring; internode, the ten of
+    ``deep_ep_internode``), with the EPBuffer that dispatched, its handle, the rows received and the top-k (``None``
+    for a dispatch without top-k)."""
 
     buffer: EPBuffer
     handle: DispatchHandle
@@ -53,7 +62,7 @@ class NormalHandle(tuple):  # type: ignore[type-arg]  # DeepEP's six tensors; at
     ) -> NormalHandle:
         self = super().__new__(cls, tensors)
         self.buffer, self.handle, self.num_topk = buffer, handle, num_topk
-        self.num_recv = int(tensors[3].numel())
+        self.num_recv = int(tensors[3].numel() if len(tensors) == 6 else tensors[7].shape[0])  # recv_src_idx / _meta
         return self
 
     def __reduce__(self) -> Any:
@@ -148,7 +157,7 @@ def channel_bounds(num_tokens: int, num_channels: int) -> torch.Tensor:
     return (torch.arange(num_channels + 1) * per).clamp(max=num_tokens)
 
 
-def _per_channel(in_rank: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+def per_channel(in_rank: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """``[W, C]`` int64 tokens of each channel that go to each rank (``in_rank [T, W]`` bool)."""
     before = torch.nn.functional.pad(in_rank.long().cumsum(0), (0, 0, 1, 0))  # [T + 1, W]: tokens before t
     return (before[bounds[1:]] - before[bounds[:-1]]).T
@@ -166,8 +175,8 @@ def normal_handle(
     rank_prefix = counts.cumsum(0)
     start = rank_prefix[:, me] - counts[:, me]  # first row of each source's block in my recv_x
     own = mine[me]
-    channel_prefix = _per_channel(own, channel_bounds(tokens[me], num_channels)).cumsum(1)
-    from_each = [_per_channel(mine[s], channel_bounds(tokens[s], num_channels))[me] for s in range(w)]  # [C] each
+    channel_prefix = per_channel(own, channel_bounds(tokens[me], num_channels)).cumsum(1)
+    from_each = [per_channel(mine[s], channel_bounds(tokens[s], num_channels))[me] for s in range(w)]  # [C] each
     recv_channel = torch.stack([start[s] + f.cumsum(0) - f for s, f in enumerate(from_each)])
     recv_src = torch.cat([m[:, me].nonzero().view(-1) for m in mine])
     first = rank_prefix[me] - counts[me]  # [W dst]: where my rows start in each destination's recv_x

@@ -27,6 +27,12 @@ from epkit.compat._details.deep_ep_config import (
     wait_for,
 )
 from epkit.compat._details.deep_ep_handles import NormalHandle, normal_handle
+from epkit.compat._details.deep_ep_internode import (
+    check_internode_call,
+    internode_handle,
+    rdma_ranks,
+    tokens_per_rdma_rank,
+)
 from epkit.compat._details.deep_ep_layouts import DeepEPRows, carry_scales, pad_rows, restore_scales
 from epkit.utils import check_topk_idx
 
@@ -113,10 +119,11 @@ class NormalCalls:
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:
-        """``(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool,
-        event)``, on ``topk_idx``'s device; ``-1`` ids are skipped. The second value, DeepEP's per-RDMA-rank
-        counts, is None: epkit's group is one domain (DeepEP's intranode answer)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """``(num_tokens_per_rank [W] int32, num_tokens_per_rdma_rank [W / 8] int32 or None, num_tokens_per_expert
+        [E] int32, is_token_in_rank [T, W] bool, event)``, on ``topk_idx``'s device; ``-1`` ids are skipped. The
+        per-RDMA-rank counts are DeepEP's internode answer, for a group of more than 8 ranks
+        (``deep_ep_internode``); None on 8 ranks or fewer."""
         events("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream)
         try:  # the shape and dtype (the values are counted below, -1 skipped)
             check_topk_idx(topk_idx, 0, check_values=False)  # num_experts is read by the value scan only
@@ -128,7 +135,8 @@ class NormalCalls:
             )
         per_rank, per_expert, in_rank = reference_layout(topk_idx.cpu(), num_experts, self.s.group_size)
         dev = topk_idx.device
-        return per_rank.to(dev), None, per_expert.to(dev), in_rank.to(dev), new_event(async_finish)
+        per_rdma = tokens_per_rdma_rank(in_rank).to(dev) if rdma_ranks(self.s.group_size) > 1 else None
+        return per_rank.to(dev), per_rdma, per_expert.to(dev), in_rank.to(dev), new_event(async_finish)
 
     def dispatch(
         self,
@@ -154,13 +162,39 @@ class NormalCalls:
         token; ``recv_topk_idx`` holds local expert ids (-1 elsewhere) and ``recv_topk_weights`` 0 there. The
         per-expert counts are aligned to ``expert_alignment``; with ``num_worst_tokens > 0`` the outputs have that
         many rows (the rest padding: ids -1, weights 0) and the list is empty. With ``handle`` (cached dispatch)
-        only ``recv_x`` is returned, the other four values None.
+        only ``recv_x`` is returned, the other four values None. On more than 8 ranks this is DeepEP's internode
+        dispatch (``deep_ep_internode``: ``num_tokens_per_rdma_rank`` is then required, and the handle has ten
+        tensors); ``num_worst_tokens`` pads there too (DeepEP's own Python refuses it on internode buffers).
         """
-        fn = "dispatch"
+        return self._dispatch("dispatch", x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                              config, previous_event, async_finish, allocate_on_comm_stream)  # fmt: skip
+
+    def internode_dispatch(
+        self, x: DeepEPRows, handle: NormalHandle | None = None, num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None, expert_alignment: int = 1, config: Config | None = None,
+        previous_event: EventOverlap | None = None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
+    ) -> DispatchOutput:  # fmt: skip
+        """DeepEP's internode dispatch, what :meth:`dispatch` runs on more than 8 ranks (its signature has no
+        ``num_worst_tokens``); ``config`` must be given, as DeepEP asserts, and the group must span RDMA ranks."""
+        return self._dispatch("internode_dispatch", x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                              is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, 0,
+                              config, previous_event, async_finish, allocate_on_comm_stream)  # fmt: skip
+
+    def _dispatch(
+        self, fn: str, x: DeepEPRows, handle: NormalHandle | None, num_tokens_per_rank: torch.Tensor | None,
+        num_tokens_per_rdma_rank: torch.Tensor | None, is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+        expert_alignment: int, num_worst_tokens: int, config: Config | None, previous_event: EventOverlap | None,
+        async_finish: bool, allocate_on_comm_stream: bool,
+    ) -> DispatchOutput:  # fmt: skip
+        """:meth:`dispatch` as ``fn`` (``dispatch`` or ``internode_dispatch``) names it."""
         self.s.settle()
         if handle is not None:
             return self._dispatch_cached(
-                x, handle, topk_idx, topk_weights, num_worst_tokens, config, previous_event, async_finish,
+                fn, x, handle, topk_idx, topk_weights, num_worst_tokens, config, previous_event, async_finish,
                 allocate_on_comm_stream,
             )  # fmt: skip
         error: str | None = None
@@ -170,6 +204,7 @@ class NormalCalls:
         try:  # a call rejected on one rank is rejected on every rank (one agreement below)
             check_events(fn, previous_event, async_finish, allocate_on_comm_stream)
             check_config(fn, config)
+            check_internode_call(fn, config, self.s.group_size)
             x0, scales = _rows(x, num_worst_tokens)
             self._check_layout(topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                num_tokens_per_expert, x0.shape[0])  # fmt: skip
@@ -177,12 +212,13 @@ class NormalCalls:
                 words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
         except ValueError as exc:
             error = str(exc)
-        tokens = self.s.agree(fn, error, _dispatch_fields(x, topk_idx, num_tokens_per_expert), _rows_of(x0))
+        # internode_dispatch is the call dispatch makes on RDMA ranks: one kind of call for the agreement
+        tokens = self.s.agree("dispatch", error, _dispatch_fields(x, topk_idx, num_tokens_per_expert), _rows_of(x0))
         wait_for(previous_event)
         # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
         assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         num_experts = num_tokens_per_expert.numel()
-        routes = self.s.routes(fn, is_token_in_rank, num_tokens_per_expert, tokens)
+        routes = self.s.routes("dispatch", is_token_in_rank, num_tokens_per_expert, tokens)
         _check_worst(self.s, routes[0], num_worst_tokens)
         with_topk = topk_idx is not None
         if topk_idx is None:  # route by is_token_in_rank: each token once to each of its ranks (their expert 0)
@@ -193,12 +229,11 @@ class NormalCalls:
         recv_rows, recv_idx, recv_w, counts, h = buf.dispatch(rows, topk_idx, topk_weights, expert_alignment)
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
         channels = _channels(config, self.default_sms())
-        tensors = normal_handle(routes[0], routes[1], self.s.rank, channels, is_token_in_rank)
+        make = internode_handle if rdma_ranks(self.s.group_size) > 1 else normal_handle
+        tensors = make(routes[0], routes[1], self.s.rank, channels, is_token_in_rank)
         out = NormalHandle(tensors, buf, h, topk_idx.shape[1] if with_topk else None)
         if not with_topk:  # DeepEP: no top-k out; the counts are the sources' num_tokens_per_expert, summed
-            local = num_experts // self.s.group_size
-            summed = routes[2][:, self.s.rank * local : (self.s.rank + 1) * local].sum(0)
-            counts = [-(-int(c) // expert_alignment) * expert_alignment for c in summed.tolist()]
+            counts = self._summed_counts(routes[2], num_experts, expert_alignment)
             recv_idx_out: torch.Tensor | None = None
             recv_w_out: torch.Tensor | None = None
         else:
@@ -209,6 +244,13 @@ class NormalCalls:
             recv_x, recv_s = pad_rows(recv_x, n, 0), pad_rows(recv_s, n, 0)
             recv_idx_out, recv_w_out, counts = pad_rows(recv_idx_out, n, -1), pad_rows(recv_w_out, n, 0), []
         return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, new_event(async_finish)
+
+    def _summed_counts(self, per_expert_all: torch.Tensor, num_experts: int, alignment: int) -> list[int]:
+        """A dispatch without top-k's per-expert counts (DeepEP's): the senders' ``num_tokens_per_expert``
+        (``per_expert_all [W, E]``) summed over this rank's experts, aligned up."""
+        local = num_experts // self.s.group_size
+        summed = per_expert_all[:, self.s.rank * local : (self.s.rank + 1) * local].sum(0)
+        return [-(-int(c) // alignment) * alignment for c in summed.tolist()]
 
     def _check_layout(
         self,
@@ -222,23 +264,26 @@ class NormalCalls:
     ) -> None:
         """A non-cached dispatch's routing arguments: the layout given, and ``topk_idx``'s when top-k is given (a
         dispatch without top-k routes each token to the ranks ``is_token_in_rank`` names)."""
-        if per_rdma_rank is not None:
+        w, domains = self.s.group_size, rdma_ranks(self.s.group_size)
+        if domains == 1 and per_rdma_rank is not None:
             raise ValueError(
-                "dispatch: num_tokens_per_rdma_rank must be None (internode RDMA layouts are not supported; pass "
-                "what get_dispatch_layout returned)"
+                f"dispatch: num_tokens_per_rdma_rank must be None on {w} ranks (one NVLink domain: DeepEP's intranode "
+                "mode; pass what get_dispatch_layout returned)"
             )
         missing = [n for n, v in (("num_tokens_per_rank", per_rank), ("is_token_in_rank", in_rank),
                                   ("num_tokens_per_expert", per_expert)) if v is None]  # fmt: skip
+        if domains > 1 and per_rdma_rank is None:
+            missing.append("num_tokens_per_rdma_rank (internode)")
         if missing:
             raise ValueError(
                 f"dispatch: {', '.join(missing)} must be given (from get_dispatch_layout) without a handle"
             )
         assert per_rank is not None and in_rank is not None and per_expert is not None  # none is missing
-        w = self.s.group_size
         for name, t, shape, dtypes in (
             ("num_tokens_per_rank", per_rank, (w,), (torch.int32, torch.int64)),
             ("is_token_in_rank", in_rank, (num_tokens, w), (torch.bool,)),
             ("num_tokens_per_expert", per_expert, None, (torch.int32, torch.int64)),
+            *([("num_tokens_per_rdma_rank", per_rdma_rank, (domains,), (torch.int32, torch.int64))] * (domains > 1)),
         ):
             if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or (shape is not None and t.shape != shape):
                 want = f"{list(shape) if shape is not None else '[num_experts]'} {' or '.join(map(str, dtypes))}"
@@ -247,6 +292,12 @@ class NormalCalls:
             raise ValueError(
                 f"dispatch: num_tokens_per_expert has {per_expert.numel()} experts, not a positive multiple of the "
                 f"{w} ranks"
+            )
+        if per_rdma_rank is not None and not torch.equal(
+            tokens_per_rdma_rank(in_rank.cpu()), per_rdma_rank.cpu().to(torch.int32)
+        ):  # given only on RDMA ranks (checked above)
+            raise ValueError(
+                "dispatch: num_tokens_per_rdma_rank is not is_token_in_rank's count of tokens per RDMA rank (8 ranks)"
             )
         if (topk_idx is None) != (topk_weights is None):
             raise ValueError("dispatch: topk_idx and topk_weights must both be given, or both None (no top-k)")
@@ -267,6 +318,7 @@ class NormalCalls:
 
     def _dispatch_cached(
         self,
+        caller: str,
         x: DeepEPRows,
         handle: NormalHandle,
         topk_idx: torch.Tensor | None,
@@ -277,16 +329,18 @@ class NormalCalls:
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ) -> DispatchOutput:
-        """A dispatch along ``handle``'s routing: every check in the call's agreement, which also holds every rank
-        to the same handle (the same buffer's same dispatch), so no rank enters another exchange."""
+        """A dispatch along ``handle``'s routing (``caller``: ``dispatch`` or ``internode_dispatch``): every check in
+        the call's agreement, which also holds every rank to the same handle (the same buffer's same dispatch), so
+        no rank enters another exchange."""
         fn = "cached dispatch"
         error: str | None = None
         words: torch.Tensor | None = None
         s, sdtype = 0, None
         x0: torch.Tensor | None = None
         try:
-            check_events("dispatch", previous_event, async_finish, allocate_on_comm_stream)
-            check_config("dispatch", config)
+            check_events(caller, previous_event, async_finish, allocate_on_comm_stream)
+            check_config(caller, config)
+            check_internode_call(caller, config, self.s.group_size)
             x0, scales = _rows(x, num_worst_tokens)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("dispatch: with a handle (cached dispatch), topk_idx and topk_weights must be None")
@@ -320,13 +374,33 @@ class NormalCalls:
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """``(combined_x [T, hidden], combined_topk_weights [T, num_topk] or None, event)``: each token's rows summed
         over the ranks it went to (no weights applied: the rows are the expert outputs already weighted), plus
-        ``bias`` (a tensor or two); ``topk_weights`` ``[R, num_topk]`` are summed the same way (in float32)."""
-        fn = "combine"
+        ``bias`` (a tensor or two); ``topk_weights`` ``[R, num_topk]`` are summed the same way (in float32). On more
+        than 8 ranks this is DeepEP's internode combine (with an internode handle)."""
+        return self._combine("combine", x, handle, topk_weights, bias, config, previous_event, async_finish,
+                             allocate_on_comm_stream)  # fmt: skip
+
+    def internode_combine(
+        self, x: torch.Tensor, handle: NormalHandle, topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None, config: Config | None = None,
+        previous_event: EventOverlap | None = None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:  # fmt: skip
+        """DeepEP's internode combine, what :meth:`combine` runs on more than 8 ranks; ``config`` must be given, as
+        DeepEP asserts."""
+        return self._combine("internode_combine", x, handle, topk_weights, bias, config, previous_event,
+                             async_finish, allocate_on_comm_stream)  # fmt: skip
+
+    def _combine(
+        self, fn: str, x: torch.Tensor, handle: NormalHandle, topk_weights: torch.Tensor | None,
+        bias: torch.Tensor | tuple[torch.Tensor, ...] | None, config: Config | None,
+        previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:  # fmt: skip
+        """:meth:`combine` as ``fn`` (``combine`` or ``internode_combine``) names it."""
         self.s.settle()
         error: str | None = None
         try:  # every check in the call's agreement: a rank never raises alone
             check_events(fn, previous_event, async_finish, allocate_on_comm_stream)
             check_config(fn, config)
+            check_internode_call(fn, config, self.s.group_size)
             self._check_handle(fn, handle)
             n, k = handle.num_recv, handle.num_topk
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < n:
@@ -354,7 +428,7 @@ class NormalCalls:
             ("x dtype", x.dtype if isinstance(x, torch.Tensor) else None),
             ("topk_weights given", int(topk_weights is not None)),
         ]
-        self.s.agree(fn, error, fields)
+        self.s.agree("combine", error, fields)  # internode_combine too: the call combine makes on RDMA ranks
         wait_for(previous_event)
         buf, n = handle.buffer, handle.num_recv
         combined = buf.combine(x[:n], handle.handle, bias=bias)
