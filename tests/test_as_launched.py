@@ -6,8 +6,10 @@ The launches are recorded, never written by hand (``epkit.testing.launch_shapes`
 op on CPU tensors, and every launcher at the GPU run's sizes. ``scripts/test.sh`` records everything once before
 pytest (1, 2, 4 and 8 ranks: ``python -m epkit.testing.rung3 record``) and names the file in
 ``EPKIT_LAUNCH_RECORDS``; run alone, this module records the rank runs on 1 and 2 ranks, the ops and the target
-shapes itself. It compiles the target shapes and the small kernels under this environment's Triton; after pytest,
-``scripts/test.sh`` compiles every record under each Triton version users have (``sweep``).
+shapes itself. It checks the compiles of the target shapes and the small kernels under this environment's Triton:
+under ``scripts/test.sh``, those its sweep made before pytest (every record under each Triton version users have,
+``python -m epkit.testing.rung3 sweep``, kept in the folder ``EPKIT_LAUNCH_COMPILED`` names); run alone, compiled
+here.
 """
 
 import multiprocessing
@@ -57,17 +59,39 @@ def records():
     return launches.merge(record_rank_runs((1, 2)), record_ops(), record_target_shapes())
 
 
+def _kept(folder: str, keys: list[str]) -> list:
+    """The compiles the sweep kept in ``folder`` under this environment's Triton, one per key of ``keys``; fails
+    the tests that use them unless every one is there (the records or a kernel changed since, or the sweep did
+    not run), and :func:`launches.load_compiled` raises on compiles of another Triton."""
+    import triton
+
+    path = rung3.whole_path(folder, triton.__version__)
+    if not os.path.exists(path):
+        pytest.fail(f"EPKIT_LAUNCH_COMPILED={folder}: no compiles kept under Triton {triton.__version__} ({path})")
+    by_key = launches.load_compiled(path)
+    missing = [k for k in keys if k not in by_key]
+    if missing:
+        pytest.fail(f"{path}: {len(missing)} of {len(keys)} specializations not kept (records or kernels changed "
+                    f"since the sweep?), e.g. {missing[0]}")  # fmt: skip
+    return [by_key[k] for k in keys]
+
+
 @pytest.fixture(scope="module")
 def compiled(records):
     """The launches at the target shapes and those of the small kernels (gathers, hashes, index maps), one compile
-    per distinct Triton specialization (two worker processes), each with its group's entries. Every recorded
-    launch is compiled by ``scripts/test.sh`` after pytest, under each Triton version users have (``python -m
-    epkit.testing.rung3 sweep``, which fails the run on any failure or spill)."""
-    groups = [g for g in launches.unique(records).values()
+    per distinct Triton specialization, each with its group's entries. ``scripts/test.sh`` compiles every recorded
+    launch before pytest under each Triton version users have (``python -m epkit.testing.rung3 sweep``, which
+    fails the run on any failure or spill) and keeps the compiles whole (PTX and SASS included) in the folder it
+    names in ``EPKIT_LAUNCH_COMPILED``: these are then this Triton's, looked up by specialization (:func:`_kept`),
+    not compiled twice. Run alone, compiled here (two worker processes)."""
+    groups = [(k, g) for k, g in launches.unique(records).items()
               if _name(g[0]) not in BIG or any(w.startswith("target") for e in g for w in e["where"])]  # fmt: skip
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(launches.compile_entry, [g[0] for g in groups]))
-    for res, group in zip(results, groups):
+    if os.environ.get("EPKIT_LAUNCH_COMPILED"):
+        results = _kept(os.environ["EPKIT_LAUNCH_COMPILED"], [k for k, _ in groups])
+    else:
+        with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(launches.compile_entry, [g[0] for _, g in groups]))
+    for res, (_, group) in zip(results, groups):
         res.where = [w for e in group for w in e["where"]]
         res.entry = group[0]
     return results
@@ -126,6 +150,41 @@ def test_a_spill_is_local_memory_or_more_than_a_few_parked_registers():
     assert launches.CompiledLaunch("k:k", [], sass="", local_bytes=4, stack_bytes=0).spills
     frame = launches.CompiledLaunch("k:k", [], sass="CALL.REL.NOINC 0x90 ;", local_bytes=0, stack_bytes=8)
     assert not frame.spills and frame.spilled_bytes == 0
+
+
+def test_kept_compiles_are_the_compiles_and_serve_only_their_own_triton_and_specializations(
+    records, compiled, tmp_path
+):
+    """What ``compiled`` loads under ``scripts/test.sh``: ``rung3 compile --whole`` (the sweep's) keeps each compile
+    whole, here the small kernels' equal to the fixture's in every field but where and the seconds; a
+    specialization not kept, no compiles of this Triton, or compiles of another Triton fail instead of checking
+    nothing."""
+    import dataclasses
+    import gzip
+    import json
+
+    import triton
+
+    small = [e for e in records if _name(e) in ("_copy_rows_kernel", "_engram_hash_kernel")]
+    launches.save(small, str(tmp_path / "records.json"))
+    path = rung3.whole_path(str(tmp_path), triton.__version__)
+    argv = ["compile", str(tmp_path / "records.json"), "--out", str(tmp_path / "summary.json"), "--whole", path]
+    assert rung3.main(argv) == 0
+    keys = list(launches.unique(small))
+    fixture = {launches.triton_key(r.entry): r for r in compiled}
+    for key, kept in zip(keys, _kept(str(tmp_path), keys)):
+        got, want = dataclasses.asdict(kept), dataclasses.asdict(fixture[key])
+        assert kept.ptx and kept.sass and {**got, "where": 0, "seconds": 0} == {**want, "where": 0, "seconds": 0}
+    with pytest.raises(pytest.fail.Exception, match="not kept"):
+        _kept(str(tmp_path), [*keys, "a specialization the sweep never saw"])
+    with pytest.raises(pytest.fail.Exception, match="no compiles kept"):
+        _kept(str(tmp_path / "elsewhere"), keys)
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(doc, triton="0.0"), f)
+    with pytest.raises(ValueError, match="under Triton 0.0"):
+        _kept(str(tmp_path), keys)
 
 
 # What the EP kernels must compile to (at the target shapes: hidden 7168, 256 experts, top-8).
@@ -223,7 +282,8 @@ def test_persistent_gemm_is_tma_into_wgmma_at_every_target_configuration(compile
 
 def test_warm_compiles_the_gpu_runs_launches(compiled, tmp_path):
     """``python -m epkit.testing.rung3 warm`` (``bench/gpu_run.sh``'s warm step) compiles every target-size
-    launch and reports it; here Triton's cache already holds them (the ``compiled`` fixture put them there)."""
+    launch and reports it; here Triton's cache already holds them (the sweep before pytest, or the ``compiled``
+    fixture, put them there)."""
     import json
 
     assert rung3.main(["warm", "--jobs", "2", "--out", str(tmp_path / "compile.json")]) == 0

@@ -14,12 +14,16 @@ divisibility hint) and a tensor by its dtype and alignment. So:
   ``GPUTarget("cuda", 90, 32)``: Triton binds, specializes, compiles to a cubin, and the result carries
   registers, local memory (spills) and shared memory from ``cuobjdump``.
 - :func:`compile_all` compiles every distinct specialization of a list of entries; ``epkit.testing.rung3`` is
-  the command line over it (one Triton, several versions, the GPU run's cache warm-up).
+  the command line over it (one Triton, several versions, the GPU run's cache warm-up). :func:`save_compiled`
+  keeps its compiles whole (PTX and SASS text included) by :func:`triton_key`, and :func:`load_compiled` gives
+  them back, so that one compile serves both the sweep and the tests that read its text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gzip
 import importlib
 import json
 import os
@@ -38,9 +42,11 @@ __all__ = [
     "compile_entry",
     "compile_all",
     "load",
+    "load_compiled",
     "merge",
     "recording",
     "save",
+    "save_compiled",
     "sm90_driver",
     "specialization_class",
     "triton_key",
@@ -329,12 +335,15 @@ def _bound(entry: dict):
 
 def triton_key(entry: dict) -> str:
     """The key this Triton's JIT caches the entry's compiled kernel under (its own binder's specialization of
-    the arguments, and the options): entries with one key compile to one kernel."""
+    the arguments, and the options), with the hash of the kernel's source and what it calls (``cache_key``):
+    entries with one key compile to one kernel, and a compile kept under a key (:func:`save_compiled`) is that
+    kernel's only while its source is unchanged."""
     kernel, args, kwargs, _keep = _bound(entry)
     with sm90_driver():
         binder = kernel.device_caches[0][-1]
         _, specialization, options = binder(*args, **kwargs)
-    return repr((entry["kernel"], specialization, sorted(options.items()) if isinstance(options, dict) else options))
+    opts = sorted(options.items()) if isinstance(options, dict) else options
+    return repr((entry["kernel"], getattr(kernel, "cache_key", None), specialization, opts))
 
 
 class _Captured:
@@ -401,23 +410,52 @@ def unique(entries: list[dict]) -> dict[str, list[dict]]:
     return groups
 
 
-def _summary(entry: dict) -> dict:
-    return compile_entry(entry).summary()
-
-
-def compile_all(entries: list[dict], jobs: int = 1) -> list[dict]:
+def compile_all(entries: list[dict], jobs: int = 1, whole: dict | None = None) -> list[dict]:
     """One :func:`compile_entry` summary per group of :func:`unique` (``jobs`` worker processes when more than
-    one), with every entry of the group's ``where`` and ``count``."""
-    groups = list(unique(entries).values())
-    firsts = [g[0] for g in groups]
+    one), with every entry of the group's ``where`` and ``count``; ``whole``, a dict, also gets each compile
+    itself (PTX and SASS included) under the group's :func:`triton_key`."""
+    groups = unique(entries)
+    firsts = [g[0] for g in groups.values()]
     if jobs <= 1:
-        results = [_summary(e) for e in firsts]
+        done = [compile_entry(e) for e in firsts]
     else:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(jobs) as pool:
-            results = list(pool.map(_summary, firsts))
-    for res, group in zip(results, groups):
+            done = list(pool.map(compile_entry, firsts))
+    results = []
+    for (key, group), compiled in zip(groups.items(), done):
+        if whole is not None:
+            whole[key] = compiled
+        res = compiled.summary()
         res["where"] = [w for e in group for w in e["where"]][:8]
         res["entries"] = len(group)
+        results.append(res)
     return results
+
+
+def save_compiled(compiled: dict[str, CompiledLaunch], path: str) -> None:
+    """Compiles kept whole by :func:`triton_key` (``compile_all``'s ``whole``), with the Triton version that made
+    them, as gzip'd JSON: ``scripts/test.sh``'s sweep keeps them before pytest, and ``tests/test_as_launched.py``
+    checks those very compiles of this environment's Triton instead of compiling them again."""
+    import triton
+
+    doc = {"format": FORMAT, "triton": triton.__version__}
+    doc["compiled"] = {key: dataclasses.asdict(c) for key, c in compiled.items()}
+    with gzip.open(path, "wt", compresslevel=1) as f:
+        json.dump(doc, f)
+
+
+def load_compiled(path: str) -> dict[str, CompiledLaunch]:
+    """The compiles :func:`save_compiled` kept, by key; raises unless this Triton made them (a key alone could
+    name the same specialization under another version)."""
+    import triton
+
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    if doc.get("format") != FORMAT or doc.get("triton") != triton.__version__:
+        raise ValueError(
+            f"{path}: compiles of format {doc.get('format')} under Triton {doc.get('triton')}; "
+            f"this reader takes format {FORMAT} under Triton {triton.__version__}"
+        )
+    return {key: CompiledLaunch(**fields) for key, fields in doc["compiled"].items()}

@@ -1,10 +1,13 @@
 """Rung 3's command line: ``python -m epkit.testing.rung3 compile | sweep | warm``.
 
 - ``compile RECORDS.json``: every entry (``epkit.testing.launches``) compiled for sm_90 under the Triton this
-  Python finds (``PYTHONPATH`` may put another version first), one JSON summary;
+  Python finds (``PYTHONPATH`` may put another version first), one JSON summary; ``--whole PATH`` also keeps
+  the compiles themselves, PTX and SASS included (``launches.save_compiled``);
 - ``sweep RECORDS.json --tritons 3.6.0,3.7.1,3.9.0``: ``compile`` under each version, each in its own process
-  (a version other than this environment's installed once with ``pip install --target``); fails on any
-  failed compile or spill (``scripts/test.sh`` runs it after pytest);
+  (a version other than this environment's installed once with ``pip install --target``), this environment's
+  own first; fails on any failed compile or spill. ``scripts/test.sh`` runs it before pytest with ``--keep``,
+  and pytest's rung-3 tests load the compiles it kept of their Triton (:func:`whole_path`) instead of compiling
+  them again;
 - ``record RECORDS.json``: every launch recorded (``epkit.testing.launch_shapes.record_all``);
 - ``warm``: the launches at the GPU run's sizes compiled into Triton's cache, timed (``bench/gpu_run.sh``'s warm
   step: the checks' first launches then load binaries instead of compiling, and the compile seconds are
@@ -21,9 +24,9 @@ import sys
 import tempfile
 import time
 
-from epkit.testing.launches import compile_all, load
+from epkit.testing.launches import compile_all, load, save_compiled
 
-__all__ = ["main", "sweep"]
+__all__ = ["main", "sweep", "whole_path"]
 
 
 def _install(version: str, into: str) -> str:
@@ -37,21 +40,28 @@ def _install(version: str, into: str) -> str:
     return where
 
 
+def whole_path(keep: str, version: str) -> str:
+    """Where ``sweep`` keeps the compiles of one Triton version whole in its ``keep`` folder."""
+    return os.path.join(keep, f"triton-{version}.whole.json.gz")
+
+
 def sweep(records: str, versions: list[str], into: str, jobs: int, keep: str | None = None) -> list[dict]:
     """Compile ``records`` under each Triton of ``versions`` (installed under ``into``, but for this environment's
     own), each in a process that finds that Triton first; returns each run's summary (``compile``'s JSON, with
-    the version it ran under), which ``keep``, a folder, also holds as ``triton-<version>.json``."""
+    the version it ran under), which ``keep``, a folder, also holds as ``triton-<version>.json``, beside the
+    compiles themselves (:func:`whole_path`). This environment's own version runs first, so that its compiles
+    (the ones pytest loads) are kept even when installing another version fails."""
     import triton
 
     out = []
-    for version in versions:
+    for version in sorted(versions, key=lambda v: v != triton.__version__):
         env = dict(os.environ)
         if version != triton.__version__:  # this environment's own Triton needs no side install
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_install(version, into), env.get("PYTHONPATH")]))
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             path = os.path.join(keep, f"triton-{version}.json") if keep else f.name
             cmd = [sys.executable, "-m", "epkit.testing.rung3", "compile", records, "--jobs", str(jobs),
-                   "--out", path]  # fmt: skip
+                   "--out", path, *(["--whole", whole_path(keep, version)] if keep else [])]  # fmt: skip
             subprocess.run(cmd, env=env, timeout=3600)
             with open(path) as g:
                 text = g.read()
@@ -72,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("records")
     c.add_argument("--jobs", type=int, default=1)
     c.add_argument("--out", help="write the JSON summary here instead of stdout")
+    c.add_argument("--whole", help="also keep the compiles themselves here (gzip'd JSON, PTX and SASS included)")
     w = sub.add_parser("sweep", help="compile a records file under other Triton versions, one process each")
     w.add_argument("records")
     w.add_argument("--tritons", required=True, help="comma-separated versions, e.g. 3.6.0,3.7.1")
     w.add_argument("--into", default=".venv/tritons", help="where each version is installed (once)")
     w.add_argument("--jobs", type=int, default=2)
-    w.add_argument("--keep", help="a folder to write each version's JSON summary to (triton-<version>.json)")
+    w.add_argument("--keep", help="a folder for each summary and its compiles (triton-<version>.json, .whole.json.gz)")
     r = sub.add_parser("record", help="record every launch (launch_shapes.record_all) into a records file")
     r.add_argument("out")
     m = sub.add_parser("warm", help="compile the launches at the GPU run's sizes into Triton's cache, timed")
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"the stack ({r['registers']} registers), within the allowance")  # fmt: skip
             bad += doc["failed"] != 0 or doc.get("spilled", 0) != 0
         return 1 if bad else 0
-    doc = _compiled(load(args.records), args.jobs)
+    doc = _compiled(load(args.records), args.jobs, args.whole)
     text = json.dumps(doc, indent=1)
     if args.out:
         with open(args.out, "w") as f:
@@ -116,15 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if doc["failed"] == 0 else 1
 
 
-def _compiled(entries: list[dict], jobs: int) -> dict:
-    """:func:`compile_all` of ``entries``, timed and counted (the JSON ``compile`` and ``warm`` write)."""
+def _compiled(entries: list[dict], jobs: int, whole: str | None = None) -> dict:
+    """:func:`compile_all` of ``entries``, timed and counted (the JSON ``compile`` and ``warm`` write); ``whole``,
+    a path, also gets the compiles themselves (:func:`epkit.testing.launches.save_compiled`)."""
     import triton
 
     start = time.perf_counter()
-    results = compile_all(entries, jobs)
+    kept: dict = {}
+    results = compile_all(entries, jobs, kept if whole else None)
+    seconds = round(time.perf_counter() - start, 1)
+    if whole:
+        save_compiled(kept, whole)
     return {
         "triton": triton.__version__,
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": seconds,
         "entries": sum(r["entries"] for r in results),
         "compiled": len(results),
         "failed": sum(r["error"] is not None for r in results),
