@@ -44,6 +44,7 @@ __all__ = [
     "low_latency_handle",
     "normal_handle",
     "per_channel",
+    "sent_rows",
 ]
 
 
@@ -163,6 +164,14 @@ def per_channel(in_rank: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return (before[bounds[1:]] - before[bounds[:-1]]).T
 
 
+def sent_rows(routes: torch.Tensor, rank_prefix: torch.Tensor, s: int) -> torch.Tensor:
+    """``[T_s, W]`` int64: the row of rank ``r``'s ``recv_x`` that source ``s``'s token ``t`` became, -1 where it
+    was not sent (``routes [T_s, W]`` bool: ``s``'s ``is_token_in_rank``; ``rank_prefix [W, W]``: rows rank ``j``
+    receives from ranks ``0..i``; rows come ordered by source rank, then token)."""
+    first = rank_prefix[s] - routes.long().sum(0)  # where s's rows start in each destination's recv_x
+    return torch.where(routes, first.view(1, -1) + routes.long().cumsum(0) - 1, -1)
+
+
 def normal_handle(
     in_rank_all: torch.Tensor, tokens: list[int], me: int, num_channels: int, in_rank: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
@@ -179,9 +188,7 @@ def normal_handle(
     from_each = [per_channel(mine[s], channel_bounds(tokens[s], num_channels))[me] for s in range(w)]  # [C] each
     recv_channel = torch.stack([start[s] + f.cumsum(0) - f for s, f in enumerate(from_each)])
     recv_src = torch.cat([m[:, me].nonzero().view(-1) for m in mine])
-    first = rank_prefix[me] - counts[me]  # [W dst]: where my rows start in each destination's recv_x
-    order = own.long().cumsum(0) - 1  # each token's index among the tokens sent to that rank
-    send_head = torch.where(own, first.view(1, w) + order, torch.full_like(order, -1))
+    send_head = sent_rows(own, rank_prefix, me)
     dev = in_rank.device
     i32 = torch.int32
     return (

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit.compat._details.deep_ep_handles import channel_bounds, per_channel
+from epkit.compat._details.deep_ep_handles import channel_bounds, normal_handle, per_channel, sent_rows
 
 __all__ = ["NVL_PEERS", "check_internode_call", "internode_handle", "rdma_ranks", "tokens_per_rdma_rank"]
 
@@ -82,14 +82,6 @@ def tokens_per_rdma_rank(in_rank: torch.Tensor) -> torch.Tensor:
     return _by_domain(in_rank).sum(0).to(torch.int32)
 
 
-def _head(routes: torch.Tensor, rank_prefix: torch.Tensor, s: int) -> torch.Tensor:
-    """``[T_s, W]`` int64: the row of rank ``r``'s ``recv_x`` that source ``s``'s token ``t`` became, -1 where it
-    was not sent (``routes [T_s, W]`` bool, ``rank_prefix [W, W]``: rows rank ``j`` receives from ranks ``0..i``)."""
-    first = rank_prefix[s] - routes.long().sum(0)
-    order = routes.long().cumsum(0) - 1
-    return torch.where(routes, first.view(1, -1) + order, torch.full_like(order, -1))
-
-
 def internode_handle(
     in_rank_all: torch.Tensor, tokens: list[int], me: int, num_channels: int, in_rank: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
@@ -98,38 +90,34 @@ def internode_handle(
     ``is_token_in_rank`` as the caller passed it (returned as it is), on its device."""
     w = in_rank_all.shape[0]
     d, h, lo = w // NVL_PEERS, me // NVL_PEERS, me % NVL_PEERS
+    # the global parts are the intranode handle's: rank_prefix [W, W], channel_prefix, recv_channel_prefix
+    rank_prefix, gbl_channel, recv_gbl_channel, *_ = normal_handle(in_rank_all, tokens, me, num_channels, in_rank)
+    prefix = rank_prefix.cpu().long()
     mine = [in_rank_all[s, : tokens[s]] for s in range(w)]
-    counts = torch.stack([m.long().sum(0) for m in mine])  # [W src, W dst]
-    rank_prefix = counts.cumsum(0)
     bounds = [channel_bounds(tokens[s], num_channels) for s in range(w)]
-    own = mine[me]
-    gbl_channel = per_channel(own, bounds[me]).cumsum(1)
-    rdma_channel = per_channel(_by_domain(own), bounds[me]).cumsum(1)
-    start = rank_prefix[:, me] - counts[:, me]
-    from_each = [per_channel(mine[s], bounds[s])[me] for s in range(w)]
-    recv_gbl_channel = torch.stack([start[s] + f.cumsum(0) - f for s, f in enumerate(from_each)])
+    domains = _by_domain(mine[me])
+    rdma_channel = per_channel(domains, bounds[me]).cumsum(1)
     # the RDMA receive: local rank lo of each RDMA rank, its tokens bound for my RDMA rank h
     rails = [e * NVL_PEERS + lo for e in range(d)]
     to_me = [_by_domain(mine[s])[:, h] for s in rails]
     recv_rdma_channel = torch.stack([per_channel(t.view(-1, 1), bounds[s])[0] for s, t in zip(rails, to_me)]).cumsum(1)
     recv_rdma_prefix = torch.tensor([int(t.sum()) for t in to_me], dtype=torch.long).cumsum(0)
     local = slice(h * NVL_PEERS, (h + 1) * NVL_PEERS)
-    send_nvl = torch.cat([_head(mine[s], rank_prefix, s)[t, local] for s, t in zip(rails, to_me)])
+    send_nvl = torch.cat([sent_rows(mine[s], prefix, s)[t, local] for s, t in zip(rails, to_me)])
     bits = (1 << torch.arange(NVL_PEERS)).view(1, -1)
     here = [m[m[:, me]] for m in mine]  # source s's tokens I receive, their routing
     meta = torch.cat([torch.stack([torch.full((len(r),), s // NVL_PEERS), (r[:, local].long() * bits).sum(1)], 1)
                       for s, r in enumerate(here)])  # fmt: skip
-    domains = _by_domain(own)
-    send_rdma = torch.where(domains, domains.long().cumsum(0) - 1, torch.full_like(domains, -1, dtype=torch.long))
+    send_rdma = torch.where(domains, domains.long().cumsum(0) - 1, -1)
     dev, i32 = in_rank.device, torch.int32
     return (
         in_rank,
         rdma_channel.to(dev, i32),
-        gbl_channel.to(dev, i32),
+        gbl_channel,
         recv_rdma_channel.to(dev, i32),
         recv_rdma_prefix.to(dev, i32),
-        recv_gbl_channel.to(dev, i32),
-        rank_prefix[:, me].to(dev, i32),
+        recv_gbl_channel,
+        rank_prefix[:, me].contiguous(),
         meta.to(torch.int32).contiguous().view(torch.uint8).view(-1, 8).to(dev),
         send_rdma.to(dev, i32),
         send_nvl.to(dev, i32),

@@ -283,7 +283,11 @@ class NormalCalls:
             ("num_tokens_per_rank", per_rank, (w,), (torch.int32, torch.int64)),
             ("is_token_in_rank", in_rank, (num_tokens, w), (torch.bool,)),
             ("num_tokens_per_expert", per_expert, None, (torch.int32, torch.int64)),
-            *([("num_tokens_per_rdma_rank", per_rdma_rank, (domains,), (torch.int32, torch.int64))] * (domains > 1)),
+            *(
+                [("num_tokens_per_rdma_rank", per_rdma_rank, (domains,), (torch.int32, torch.int64))]
+                if per_rdma_rank is not None
+                else []
+            ),  # given only on RDMA ranks (checked above)
         ):
             if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or (shape is not None and t.shape != shape):
                 want = f"{list(shape) if shape is not None else '[num_experts]'} {' or '.join(map(str, dtypes))}"
