@@ -24,7 +24,7 @@ import torch.distributed as dist
 from epkit.collectives.bootstrap import SubGroup
 from epkit.collectives.deadline import within
 from epkit.collectives.ep_buffer import EPBuffer
-from epkit.compat._details.deep_ep_agreement import CallAgreement, FieldValue
+from epkit.compat._details.deep_ep_agreement import SHRINK_KINDS, CallAgreement, FieldValue
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
 
 if TYPE_CHECKING:
@@ -42,16 +42,17 @@ def calls(part: str, method: _F) -> _F:
     """A buffer method that hands the call to its ``part`` (its normal-mode, low-latency, dispatch or combine
     calls): ``method``'s signature and docstring, one definition. The whole call (its agreement, a first EPBuffer's
     construction, the routing gather, the rows' exchange) waits at most the session's timeout, end to end
-    (:func:`~epkit.collectives.deadline.within`; not in shrink mode, see below); a receive hook called later has the
-    timeout again."""
+    (:func:`~epkit.collectives.deadline.within`; not shrink mode's low-latency calls, see below); a receive hook
+    called later has the timeout again."""
 
     @functools.wraps(method)
     def call(self: object, *args: Any, **kwargs: Any) -> Any:
         calls_of = getattr(self, part)
         session: Session = calls_of.s
-        # shrink mode waits a silent rank out to mask it (its meetings' outcome, not a failure): the survivors' waits
-        # after that keep their own timeouts
-        with within(session.timeout) if session.agreement.shrink is None else contextlib.nullcontext():
+        # shrink mode's low-latency calls wait a silent rank out to mask it (their meetings' outcome, not a failure):
+        # the survivors' waits after that keep their own timeouts; every other call has one deadline
+        masking = session.agreement.shrink is not None and method.__name__ in SHRINK_KINDS
+        with contextlib.nullcontext() if masking else within(session.timeout):
             return getattr(calls_of, method.__name__)(*args, **kwargs)
 
     return call  # type: ignore[return-value]  # the same signature, by functools.wraps
