@@ -42,7 +42,11 @@ class Exchange:
         This exchange's number on the buffer (1 for the first).
     region_bytes, tag, timeout, deferred, guarded
         As passed to :meth:`SymmBuffer.exchange`.
+    skip : frozenset of int
+        The ranks left out (``SymmBuffer.mask``; one-sided exchanges only, none elsewhere).
     """
+
+    skip: frozenset[int] = frozenset()
 
     def __init__(
         self,

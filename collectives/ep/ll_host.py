@@ -70,7 +70,7 @@ def _stand_in(views: list[torch.Tensor], ex: Exchange, words: list[int], nbytes:
     """``views`` with each masked source's (``SymmBuffer.mask``: it sent nothing) replaced by a message of ``nbytes``
     that sends nothing either: ``words`` (int64) at its start, zeros after (a dispatch header with no rows, a
     combine header naming the expected dispatch)."""
-    skip: frozenset[int] = getattr(ex, "skip", frozenset())
+    skip = ex.skip
     if not skip:
         return views
     msg = torch.zeros(nbytes, dtype=torch.uint8)
@@ -472,7 +472,7 @@ class HostLowLatencyPath:
                 res.copy_(sum_table_rows(table, handle.dst_of, slot, topk_weights.float()))  # rounded as .to()
             else:
                 dst_of = handle.dst_of  # a masked rank's experts are absent (SymmBuffer.mask): no term of theirs
-                skip = sorted(getattr(ex, "skip", ()))
+                skip = sorted(ex.skip)
                 if skip:
                     dst_of = torch.where(torch.isin(dst_of, torch.tensor(skip, device=dst_of.device)), -1, dst_of)
                 sent = packed.sent_counts(dst_of, handle.expert_of, w, L)

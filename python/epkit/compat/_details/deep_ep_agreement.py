@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from epkit.compat._details.deep_ep_shrink import RankMask
 
-__all__ = ["CallAgreement", "FieldValue", "describe_differences", "size_of"]
+__all__ = ["SHRINK_KINDS", "CallAgreement", "FieldValue", "all_gather_into", "describe_differences", "size_of"]
 
 #: int64 words of a rank's row before its error text (every row has the same size, whatever the call: a row of
 #: another call must pair).
@@ -67,7 +67,7 @@ DTYPES = (
 #: Seconds a rank waits in an agreement before it notes in the job's store that it waits there.
 NOTE_AFTER = 1.0
 #: One tensor gathered into one (torch 2.13 renamed it; a list of tensors would cost gloo half as much again).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: A value of an agreement's field: an int, a dtype, or None where a rejected call could not tell it.
 FieldValue = int | torch.dtype | None
 
@@ -193,9 +193,9 @@ class CallAgreement:
         flat = mine.contiguous().view(-1)
         got = flat.new_empty(self.world_size * flat.numel())
         if self.nccl:
-            _all_gather(got, flat, group=self.group)
+            all_gather_into(got, flat, group=self.group)
         else:
-            self.wait(_all_gather(got, flat, group=self.group, async_op=True), fn, timeout)
+            self.wait(all_gather_into(got, flat, group=self.group, async_op=True), fn, timeout)
         return got.view(self.world_size, *mine.shape)
 
     def wait(self, work: dist.Work, fn: str, timeout: float) -> None:

@@ -24,10 +24,12 @@ import torch
 from epkit.collectives.ep_buffer import region_sizes
 
 __all__ = [
-    "Config", "EventHandle", "EventOverlap", "HINT_TOPK", "check_config", "check_events", "epbuffer_bytes", "events",
-    "new_event", "wait_for",
+    "Config", "EventHandle", "EventOverlap", "HINT_TOPK", "SIZE_ALIGN", "check_config", "check_events",
+    "epbuffer_bytes", "events", "new_event", "wait_for",
 ]  # fmt: skip
 
+#: V2's size hints round every byte count up to this (2 MiB).
+SIZE_ALIGN = 2 << 20
 #: The top-k the size hints assume (DeepEP's hints take no top-k; DeepSeek-V3 routes each token to 8 experts).
 HINT_TOPK = 8
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from epkit.collectives.ep.rows import align_up
-from epkit.compat._details.deep_ep_config import HINT_TOPK, EventHandle, epbuffer_bytes
+from epkit.compat._details.deep_ep_config import HINT_TOPK, SIZE_ALIGN, EventHandle, epbuffer_bytes
 from epkit.compat._details.deep_ep_elastic_agrs import (
     ElasticAGRS,
     Shapes,
@@ -64,9 +64,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["ElasticBuffer"]
-
-#: V2's alignment of buffer sizes (``get_buffer_size_hint``).
-_SIZE_ALIGN = 2 << 20
 
 
 class ElasticBuffer:
@@ -152,7 +149,7 @@ class ElasticBuffer:
     @staticmethod
     def _size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> int:
         topk = num_topk or HINT_TOPK
-        return align_up(epbuffer_bytes(hidden, num_ranks, num_ranks, num_max_tokens_per_rank, topk, 0), _SIZE_ALIGN)
+        return align_up(epbuffer_bytes(hidden, num_ranks, num_ranks, num_max_tokens_per_rank, topk, 0), SIZE_ALIGN)
 
     @staticmethod
     def get_buffer_size_hint(

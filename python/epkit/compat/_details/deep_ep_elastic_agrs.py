@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from epkit.collectives.ep.rows import align_up
-from epkit.compat._details.deep_ep_agreement import FieldValue
+from epkit.compat._details.deep_ep_agreement import FieldValue, all_gather_into
+from epkit.compat._details.deep_ep_config import SIZE_ALIGN
 from epkit.compat._details.deep_ep_session import Session
 
 __all__ = ["ElasticAGRS", "Shapes", "agrs_buffer_size_hint", "agrs_num_max_session_bytes"]
@@ -37,9 +38,7 @@ __all__ = ["ElasticAGRS", "Shapes", "agrs_buffer_size_hint", "agrs_num_max_sessi
 Shapes = tuple[int, ...] | torch.Size | Sequence[tuple[int, ...] | torch.Size]
 #: V2's bound on all-gathers per session (its workspace's signal slots).
 MAX_PER_SESSION = 32
-_SIZE_ALIGN, _ALIGN = 2 << 20, 32
-#: One tensor gathered into one (torch 2.13 renamed it).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_ALIGN = 32
 
 
 def _batch(shapes: Shapes) -> tuple[bool, list[tuple[int, ...]]]:
@@ -57,7 +56,7 @@ def agrs_num_max_session_bytes(num_ranks: int, shapes: Shapes, dtype: torch.dtyp
 
 def agrs_buffer_size_hint(num_max_session_bytes: int) -> int:
     """V2's ``get_agrs_buffer_size_hint``: ``num_max_session_bytes`` aligned to 2 MiB."""
-    return align_up(num_max_session_bytes, _SIZE_ALIGN)
+    return align_up(num_max_session_bytes, SIZE_ALIGN)
 
 
 class ElasticAGRS:
@@ -177,7 +176,7 @@ class ElasticAGRS:
             if self._inplace(x) and not self.s.nccl:
                 src = src.clone()  # gloo's all-gather may not read and write one buffer; NCCL's may
             if nbytes:
-                works.append(_all_gather(region, src, group=self.s.group, async_op=True))
+                works.append(all_gather_into(region, src, group=self.s.group, async_op=True))
             outs.append(region.view(x.dtype).view(w, *x.shape))
             self.offset += align_up(nbytes * w, _ALIGN)
         self.calls += 1

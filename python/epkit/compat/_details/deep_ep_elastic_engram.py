@@ -24,15 +24,15 @@ the buffer's timeout and names the silent ranks. ``num_qps``: accepted, no effec
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from epkit.collectives._details.engram_table_checks import fetch_error
-from epkit.collectives.engram_table import ShardedEngramTable
+from epkit.collectives.engram_table import ShardedEngramTable, engram_table_partition
 from epkit.collectives.ep.rows import align_up
 from epkit.compat._details.deep_ep_agreement import FieldValue
+from epkit.compat._details.deep_ep_config import SIZE_ALIGN
 from epkit.compat._details.deep_ep_layouts import tma_scales
 from epkit.compat._details.deep_ep_session import Session
 
@@ -40,9 +40,7 @@ __all__ = ["ElasticEngram", "engram_storage_size_hint"]
 
 #: The hook ``engram_fetch`` returns: ``() -> (data, sf or None)``.
 FetchHook = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
-_SIZE_ALIGN, _ENTRY_ALIGN = 2 << 20, 32
-#: A ShardedEngramTable's padding of its row count (``engram_table_partition``).
-_TABLE_ROW_ALIGN = 256
+_ENTRY_ALIGN = 32
 _DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -53,7 +51,7 @@ def engram_storage_size_hint(
     ``num_max_tokens_per_rank`` fetched entries, and for ``num_entries`` stored ones, each ``align(hidden *
     itemsize, 32)`` bytes."""
     entry = align_up(hidden * dtype.itemsize, _ENTRY_ALIGN)
-    return align_up(entry * num_max_tokens_per_rank, _SIZE_ALIGN), align_up(entry * num_entries, _SIZE_ALIGN)
+    return align_up(entry * num_max_tokens_per_rank, SIZE_ALIGN), align_up(entry * num_entries, SIZE_ALIGN)
 
 
 def _storage_error(storage: object, sf: object, num_ranks: int, num_cpu_bytes: int) -> str | None:
@@ -110,10 +108,8 @@ class ElasticEngram:
         if table is None or (table.dim, table.dtype, self.num_entries) != (hidden, storage.dtype, num_entries):
             self.close()
             w = self.s.group_size
-            self.per_rank = align_up(num_entries, math.lcm(_TABLE_ROW_ALIGN, w) // w)
-            table = ShardedEngramTable(
-                w * self.per_rank, hidden, self.s.group, storage.dtype, storage.device, self.s.timeout
-            )
+            padded, self.per_rank = engram_table_partition(w * num_entries, w)
+            table = ShardedEngramTable(padded, hidden, self.s.group, storage.dtype, storage.device, self.s.timeout)
             self.table, self.num_entries = table, num_entries
         table.load_rows(self.s.rank * self.per_rank, storage)
         self.sf = sf

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from epkit.collectives.ep.rows import align_up
 from epkit.collectives.transports.base import rank_name
 from epkit.compat._details.deep_ep_agreement import FieldValue
+from epkit.compat._details.deep_ep_config import SIZE_ALIGN
 
 if TYPE_CHECKING:
     from epkit.compat._details.deep_ep_session import Session
@@ -37,15 +38,15 @@ __all__ = ["ElasticPP", "pp_buffer_size_hint"]
 
 #: The tag of the pipeline's messages on the group (gloo matches a receive by source and tag).
 _TAG = 0x5050
-#: V2's alignment of buffer sizes and of one tensor's slot.
-_SIZE_ALIGN, _SLOT_ALIGN = 2 << 20, 32
+#: V2's alignment of one tensor's slot.
+_SLOT_ALIGN = 32
 
 
 def pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
     """V2's ``get_pp_buffer_size_hint``: bytes (2 MiB aligned) for ``num_max_inflight_tensors`` slots of
     ``num_max_tensor_bytes`` (32-byte aligned) in each direction (send, receive) to each ring neighbour (prev, next)."""
     slot = align_up(num_max_tensor_bytes, _SLOT_ALIGN)
-    return align_up(slot * num_max_inflight_tensors * 2 * 2, _SIZE_ALIGN)
+    return align_up(slot * num_max_inflight_tensors * 2 * 2, SIZE_ALIGN)
 
 
 def _positive(name: str, v: object) -> str | None:
