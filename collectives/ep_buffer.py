@@ -26,14 +26,17 @@ import torch
 
 from epkit.collectives.bootstrap import group_info
 from epkit.collectives.deadline import within
+from epkit.collectives.ep import routing
 from epkit.collectives.ep.config import DEFAULT_LOW_LATENCY_TOKENS, EPConfig, RegionSizes, region_sizes
-from epkit.collectives.ep.handles import DispatchHandle
+from epkit.collectives.ep.handles import DispatchHandle, DispatchResult
 from epkit.collectives.ep.ll_host import HostLowLatencyPath
 from epkit.collectives.ep.ll_layout import LowLatencyHandle
 from epkit.collectives.ep.normal_device import DeviceNormalPath
 from epkit.collectives.ep.normal_flat import FlatNormalPath
 from epkit.collectives.ep.planner import open_paths
 from epkit.collectives.ep.routing import dispatch_layout, validate_dispatch
+from epkit.collectives.ep.rows import format_code
+from epkit.collectives.ep.worst import check_worst, pad_result, worst_error
 from epkit.ops import refuse_capture
 
 __all__ = [
@@ -274,7 +277,8 @@ class EPBuffer:
         expert_alignment: int = 1,
         expand: bool = False,
         handle: DispatchHandle | None = None,
-    ):
+        num_worst_tokens: int = 0,
+    ) -> DispatchResult:
         """Send each token to every rank holding one of its experts.
 
         Parameters
@@ -287,14 +291,26 @@ class EPBuffer:
         expand : bool
             Also return one row per (token, local expert), grouped by expert (see module doc).
         handle : DispatchHandle, optional
-            Reuse a previous layout (cached dispatch): skips the layout exchange; topk come from it.
+            Reuse a previous layout (cached dispatch): skips the layout exchange; topk come from it (and the
+            worst-case shape, if its dispatch had one).
+        num_worst_tokens : int
+            Worst-case outputs (DeepEP's ``num_worst_tokens``; 0: none): ``R = num_worst_tokens`` rows and, with
+            ``expand=True``, ``X = align(num_worst_tokens * min(num_topk, L) + (alignment - 1) * L, alignment)``
+            expanded rows (L local experts), so that nothing has to be read back to size them: on the device kernels
+            the call makes no host read (``ep/worst.py``). Rows past the received ones are padding: zero rows, expert
+            ids -1, weights 0, ``m_indices`` -1; a combine takes ``y`` of the padded shape. Every rank passes the same
+            value and none may receive more rows than it: else ValueError on every rank before any row moves (on
+            the device kernels at the rank's next call, retiring the buffer: the host learns of it only then; at once
+            on CPU ranks, whose kernels have finished when the call returns).
 
         Returns
         -------
+        :class:`DispatchResult` (a named tuple):
         recv_x : Tensor [R, hidden] (or (fp8, scales)); with ``expand=True`` [X, hidden] expanded rows
         recv_topk_idx : Tensor [R, num_topk] local expert ids, -1 elsewhere
         recv_topk_weights : Tensor [R, num_topk] float32
-        num_recv_tokens_per_expert : list[int], per local expert, aligned to ``expert_alignment``
+        num_recv_tokens_per_expert : list[int], per local expert, aligned to ``expert_alignment`` (with
+            ``num_worst_tokens``: a ``[L]`` int32 tensor on the buffer's device)
         handle : DispatchHandle (``handle.m_indices`` when expanded: see :attr:`DispatchHandle`)
         """
         refuse_capture("dispatch", self.device)
@@ -302,8 +318,28 @@ class EPBuffer:
         if isinstance(x, (tuple, list)):
             x, scales = x
         if handle is not None:
-            return self._normal.dispatch_cached(x, scales, handle)
-        return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand)
+            result = self._normal.dispatch_cached(x, scales, handle)
+            if handle.worst is not None and not self.uses_device_kernels:  # the kernels padded it themselves
+                result = pad_result(result, handle.worst, self.num_local_experts)
+            return result
+        if isinstance(num_worst_tokens, int) and not isinstance(num_worst_tokens, bool) and num_worst_tokens == 0:
+            return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand)
+        return self._dispatch_worst(x, scales, topk_idx, topk_weights, expert_alignment, expand, num_worst_tokens)
+
+    def _dispatch_worst(self, x, scales, topk_idx, topk_weights, alignment: int, expand: bool, n) -> DispatchResult:
+        """``dispatch`` with ``num_worst_tokens=n`` (see there): the device kernels judge it themselves; a host path
+        first exchanges every rank's counts (``worst.check_worst``), then dispatches and pads."""
+        bad = worst_error(n)
+        n = n if bad is None else 0  # a bad value is this rank's rejection: its peers learn why in the agreement
+        if isinstance(self._normal, DeviceNormalPath):
+            return self._normal.dispatch(x, scales, topk_idx, topk_weights, alignment, expand, n, bad)
+        cfg = self.cfg
+        error = bad or routing.dispatch_error(cfg, self.device, x, scales, topk_idx, topk_weights, alignment, False)
+        counts = dispatch_layout(cfg, topk_idx.cpu())[:2] if error is None else (torch.zeros(0), torch.zeros(0))
+        fmt = format_code(x.dtype, scales is not None) if error is None else 0
+        shape = check_worst(self._ctx, n, error, fmt, counts, alignment)
+        result = self._normal.dispatch(x, scales, topk_idx, topk_weights, alignment, expand)
+        return pad_result(result, shape, self.num_local_experts)
 
     @staticmethod
     def m_indices(handle: DispatchHandle) -> torch.Tensor:
@@ -313,7 +349,7 @@ class EPBuffer:
         if handle.kernel_state is not None:  # the device kernels wrote it
             return handle.kernel_state.m
         rows = handle.expanded_rows
-        out = torch.full(rows.shape, -1, dtype=torch.int32)
+        out = torch.full((handle.worst[1],) if handle.worst else rows.shape, -1, dtype=torch.int32)
         ok = handle.expanded_slot >= 0
         flat_slot = handle.expanded_slot[ok]
         out[flat_slot] = handle.recv_topk_idx[ok].to(torch.int32)

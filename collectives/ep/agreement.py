@@ -12,6 +12,7 @@ import torch
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.handles import DispatchHandle
 from epkit.collectives.ep.rows import META_MSG, ROW_DTYPES, check_formats, decode_error, encode_error, format_code
+from epkit.collectives.ep.worst import agreement_mismatch
 
 __all__ = ["Meanwhile", "agree_on_handle", "agree_rows", "error_text", "judge_agreement"]
 
@@ -41,6 +42,9 @@ def agree_rows(
             msg[num_words * 8 :].copy_(encode_error(error))
         send.append(msg)
     got = ctx.buffer.all_to_all(send, [nbytes] * w, ctx.region_bytes, tag="layout", meanwhile=meanwhile)
+    mismatch = agreement_mismatch(got, ctx.cfg.ranks)  # some rank made a worst-case dispatch (ep/worst.py)
+    if mismatch is not None:
+        raise mismatch
     errors = []
     for src, g in enumerate(got):
         if int(g[:8].view(torch.int64)[0]) == -1:

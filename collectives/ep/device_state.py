@@ -41,11 +41,13 @@ from epkit.collectives.ep.config import EPConfig
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.ll_layout import describe_handles, judge_headers
 from epkit.collectives.ep.rows import META_MSG, align_up, decode_error, encode_error
+from epkit.collectives.ep.worst import judge_notify
 from epkit.collectives.peer_failure import is_notice, notice_error, silence_error
 from epkit.collectives.transports.base import MASK64, NOTICE, word
 from epkit.kernels.triton.ep_layout import (
     CODE_HANDLES,
     CODE_HEADERS,
+    CODE_NOTIFY,
     CODE_WAIT,
     COMBINE_HEAD,
     KINDS,
@@ -253,7 +255,7 @@ class DeviceState:
         raise error
 
     def _error(self) -> BaseException:
-        code, kind, peer, seen, _, epoch = (int(v) for v in self._status[:6])
+        code, kind, peer, seen, target, epoch = (int(v) for v in self._status[:6])
         what = _WHAT[KINDS[kind]]
         detail = self._status[STATUS_WORDS:].reshape(self.world, STATUS_DETAIL)
         if code == CODE_WAIT:
@@ -262,19 +264,32 @@ class DeviceState:
             return silence_error(self.rank, peer, what, self.timeout, epoch, self.sb.global_ranks)
         if code == CODE_HEADERS:
             heads = [[int(v) for v in detail[src, :3]] for src in range(self.world)]
-            errors = judge_headers(heads, lambda src: self._ll_text(src, epoch), True, self.cfg.ranks)
+            at = self.layout["header"] - META_MSG
+            errors = judge_headers(heads, lambda src: self.message_text("ll_dispatch", src, epoch, at), True,
+                                   self.cfg.ranks)  # fmt: skip
             return ValueError("low-latency dispatch rejected on every rank: " + "; ".join(errors))
+        if code == CODE_NOTIFY:  # a worst-case dispatch's layout exchange, judged on the device (ep/worst.py)
+            codes, words, rows, expanded = ([int(v) for v in detail[:, c]] for c in range(4))
+            found = judge_notify(codes, words, rows, expanded, (seen, target), self.cfg.ranks,
+                                 lambda src: self.notify_text(src, epoch))  # fmt: skip
+            if found is not None:
+                return found
         if code == CODE_HANDLES:
             idents = [[int(v) for v in detail[src, :2]] for src in range(self.world)]
             return ValueError(describe_handles(idents, self.sb.buffer_id, "low-latency combine", self.cfg.ranks))
         return RuntimeError(f"{self.cfg.rank_name(self.rank)}: corrupt device status record (code {code})")
 
-    def _ll_text(self, src: int, epoch: int) -> str:
-        """The error text of source ``src``'s low-latency dispatch message of exchange ``epoch`` (error path)."""
+    def message_text(self, area: str, src: int, epoch: int, offset: int) -> str:
+        """The error text at byte ``offset`` of source ``src``'s message in this rank's ``area`` ("ll_dispatch",
+        "notify", "agree") of exchange ``epoch`` (whose parity picks the half): the error path's one read."""
         lay = self.layout
-        at = lay["ll_dispatch"] + (epoch % 2) * lay["ll_dispatch_area"] + src * lay["ll_dispatch_msg"]
-        area = self.sb.local[self.area_offset :]
-        return decode_error(area[at + lay["header"] - META_MSG : at + lay["header"]].cpu())
+        at = lay[area] + (epoch % 2) * lay[f"{area}_area"] + src * lay[f"{area}_msg"] + offset
+        mem = self.sb.local[self.area_offset :]
+        return decode_error(mem[at : at + META_MSG].cpu())
+
+    def notify_text(self, src: int, epoch: int) -> str:
+        """The error text of source ``src``'s notify message of exchange ``epoch`` (after its words)."""
+        return self.message_text("notify", src, epoch, 8 * (2 + self.world + self.cfg.num_experts))
 
 
 def _drain(device: torch.device, timeout: float) -> None:

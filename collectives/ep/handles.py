@@ -34,14 +34,16 @@ class HierRoute:
 @dataclass
 class DeviceRoute:
     """A dispatch on the device kernels, on the device: ``lay`` the layout words ``notify`` wrote, ``idx`` the
-    routing, ``rows`` / ``expanded`` the rows received and expanded, ``aligned`` the per-expert counts dispatch
-    returned, ``send_pos`` ``[T, W]`` where each token went, ``m`` the expanded rows' expert ids (``m_indices``)."""
+    routing, ``rows`` / ``expanded`` the rows received and expanded (-1 for a worst-case dispatch, whose host never
+    read them: the kernels read them from ``lay``), ``aligned`` the per-expert counts dispatch returned (a device
+    tensor for a worst-case dispatch), ``send_pos`` ``[T, W]`` where each token went, ``m`` the expanded rows'
+    expert ids (``m_indices``)."""
 
     lay: torch.Tensor
     idx: torch.Tensor
     rows: int
     expanded: int
-    aligned: list[int]
+    aligned: list[int] | torch.Tensor
     send_pos: torch.Tensor | None = None
     m: torch.Tensor | None = None
 
@@ -64,6 +66,7 @@ class DispatchHandle:
     epoch: int = 0  # which normal dispatch of that buffer made it (1 for the first)
     hier: HierRoute | None = None  # a hierarchical buffer's routing
     kernel_state: DeviceRoute | None = None  # the device kernels' layout, routing and row maps
+    worst: tuple[int, int] | None = None  # a worst-case dispatch's (rows, expanded rows) (``ep/worst.py``)
 
     def __getattr__(self, name: str) -> NoReturn:
         if name in ("current_stream_wait", "wait", "event", "register_hook_after_wait"):
@@ -88,5 +91,5 @@ class DispatchResult(NamedTuple):
     recv_x: Rows
     recv_topk_idx: torch.Tensor
     recv_topk_weights: torch.Tensor
-    num_recv_tokens_per_expert: list[int]
+    num_recv_tokens_per_expert: list[int] | torch.Tensor  # a [L] int32 tensor for a worst-case dispatch
     handle: DispatchHandle

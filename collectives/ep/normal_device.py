@@ -3,7 +3,9 @@
 
 Dispatch: ``layout`` -> ``notify`` -> one host read of the summary (every rank's status and format, the rows
 received: this is what sizes the outputs) -> ``dispatch_send`` -> ``dispatch_recv``; routing and handles stay
-on the device. Combine and cached dispatch: ``agree`` -> one host read (every rank's call valid, every handle
+on the device. A worst-case dispatch (``num_worst_tokens``, ``ep/worst.py``) sizes its outputs from that and
+reads nothing: ``notify`` judges the exchange on the device, the receive and the combine read the rows
+received from the layout. Combine and cached dispatch: ``agree`` -> one host read (every rank's call valid, every handle
 from the same dispatch of this buffer: else the same ValueError on every rank, before any row moves, and the
 buffer goes on) -> ``combine_send`` -> ``combine_reduce`` (or ``dispatch_send`` -> ``dispatch_recv``).
 
@@ -25,8 +27,8 @@ from epkit.collectives.ep.agreement import judge_agreement
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.device_state import DeviceState
 from epkit.collectives.ep.handles import DeviceRoute, DispatchHandle, DispatchResult, Rows
-from epkit.collectives.ep.ll_layout import describe_header
-from epkit.collectives.ep.rows import META_MSG, Bias, check_formats, decode_error, format_code
+from epkit.collectives.ep.rows import Bias, format_code
+from epkit.collectives.ep.worst import FORMAT_UNIT, REJECTED_WHAT, format_word, judge_notify, worst_shape
 from epkit.kernels.triton.ep_layout import OK, REJECTED
 
 if TYPE_CHECKING:
@@ -73,10 +75,11 @@ class DeviceNormalPath:
 
     def dispatch(
         self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-        alignment: int, expand: bool,
+        alignment: int, expand: bool, worst: int = 0, error: str | None = None,
     ) -> DispatchResult:  # fmt: skip
-        """Normal dispatch on the kernels (see ``EPBuffer.dispatch``)."""
-        return self._dispatch(x, scales, topk_idx, topk_weights, alignment, expand)
+        """Normal dispatch on the kernels (see ``EPBuffer.dispatch``); ``worst``: its ``num_worst_tokens``,
+        ``error``: the caller's own verdict on its arguments."""
+        return self._dispatch(x, scales, topk_idx, topk_weights, alignment, expand, error, worst=worst)
 
     def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
         """A dispatch along an earlier one's routing: the handle agreement (one launch), then the rows."""
@@ -162,20 +165,13 @@ class DeviceNormalPath:
         self.dev.poll()  # a wait that failed left its record; the summary is not to be trusted then
         return values[:-1]
 
-    def _slot_text(self, area: str, src: int, offset: int) -> str:
-        """The error text of source ``src``'s latest ``area`` message ("notify" / "agree"), from this rank's area."""
-        dev = self.dev
-        lay = dev.layout
-        at = lay[area] + (self.exchanges[area] % 2) * lay[f"{area}_area"] + src * lay[f"{area}_msg"] + offset
-        mem = self.ctx.buffer.local[dev.area_offset :]
-        return decode_error(mem[at : at + META_MSG].cpu())
-
     def _dispatch(
         self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-        alignment: int, expand: bool, error: str | None = None, what: str | None = None,
+        alignment: int, expand: bool, error: str | None = None, what: str | None = None, worst: int = 0,
     ) -> DispatchResult:  # fmt: skip
         """``dispatch`` (not cached) on the kernels: same arguments and results. ``error``: the caller's own
-        validation failed (``fused_moe``); ``what``: the caller's name in the rejection ("dispatch")."""
+        validation failed (``fused_moe``); ``what``: the caller's name in the rejection ("dispatch"); ``worst``:
+        ``num_worst_tokens`` (0: none; else outputs of :func:`worst_shape`, no host read)."""
         from epkit.kernels.triton.ep_normal import layout, notify
 
         self.ctx.buffer.check_usable()
@@ -193,33 +189,27 @@ class DeviceNormalPath:
             idx, fmt, alignment = torch.empty((0, self.cfg.num_topk), dtype=torch.int64, device=dev), 0, 1
         counts = torch.empty((z["P_P2"], z["W_P2"] + z["E_P2"] + 1), dtype=torch.int32, device=dev)
         layout(geo, idx, counts)
-        lay = torch.empty(geo.layout_words(), dtype=torch.int64, device=dev)
+        # a worst-case dispatch's load counts are read from the layout even where its notify failed: zeros then
+        lay = (torch.zeros if worst else torch.empty)(geo.layout_words(), dtype=torch.int64, device=dev)
         code = OK if error is None else REJECTED
         self.exchanges["notify"] += 1
         ready = self.exchanges["notify"]
-        notify(geo, counts, lay, self.dev.error_text(error), summary, code, fmt, alignment, ready)
-        got = self._read_back(summary, ready)
-        w = self.cfg.world_size
-        num_rows, num_expanded = got[0], got[1]
-        codes, fmts, recv_n = got[2 : 2 + w], got[2 + w : 2 + 2 * w], got[2 + 2 * w : 2 + 3 * w]
-        counts_l = got[2 + 3 * w :]
-        errors = []
-        for src, c in enumerate(codes):
-            if c != OK:
-                text = self._slot_text("notify", src, 8 * (2 + w + self.cfg.num_experts)) if c == REJECTED else ""
-                found = describe_header(src, c, 0, text, self.cfg.ranks)
-                assert found is not None  # every status but OK is an error
-                errors.append(found)
-        if errors:
-            what = what or "dispatch rejected on every rank before any data moved"
-            raise ValueError(f"{what}: " + "; ".join(errors))
-        check_formats(fmts, self.cfg.ranks)
+        shape = worst_shape(self.cfg, worst, alignment) if worst else (0, 0)
+        notify(geo, counts, lay, self.dev.error_text(error), summary, code, format_word(fmt, worst), alignment, ready,
+               shape)  # fmt: skip
         weights = None if topk_weights is None else topk_weights.float().to(dev).contiguous()
-        aligned = [-(-c // alignment) * alignment for c in counts_l]
-        state = DeviceRoute(lay, idx, num_rows, num_expanded, aligned)
+        if worst:
+            if error is not None:  # this rank's own call was rejected: the device's verdict names it (and the others')
+                self.dev.poll(wait=True)
+            state, recv_n = self._worst_route(lay, idx, alignment), list[int]()
+        else:
+            state, counts_l, recv_n = self._read_route(summary, ready, lay, idx, alignment, what)
         with self.ctx.retire_on_failure("dispatch"):
-            out = self._move(x, scales, weights, state, alignment, expand)
-        self.ctx.recv_tokens_per_expert_total += torch.tensor(counts_l, dtype=torch.int64)
+            out = self._move(x, scales, weights, state, alignment, expand, shape if worst else None)
+        if worst:
+            self.ctx.count_load(self._received_counts(lay).to(torch.int64))
+        else:
+            self.ctx.recv_tokens_per_expert_total += torch.tensor(counts_l, dtype=torch.int64)
         handle = DispatchHandle(
             send_tokens=[],
             recv_counts=recv_n,
@@ -234,10 +224,43 @@ class DeviceNormalPath:
             buffer_id=self.ctx.buffer.buffer_id,
             epoch=self.ctx.dispatches,
             kernel_state=state,
+            worst=shape if worst else None,
         )
         state.m = out.get("m")
         x_out = (out["x"], out["s"]) if out["s"] is not None else out["x"]
-        return DispatchResult(x_out, out["idx"], out["w"], aligned, handle)
+        return DispatchResult(x_out, out["idx"], out["w"], state.aligned, handle)
+
+    def _read_route(
+        self, summary: torch.Tensor, ready: int, lay: torch.Tensor, idx: torch.Tensor, alignment: int, what: str | None
+    ) -> tuple[DeviceRoute, list[int], list[int]]:
+        """A plain dispatch's route from the summary (its one host read) once it is judged (the same ValueError on
+        every rank else): the route, the unaligned counts per local expert and the rows from each source."""
+        got, w = self._read_back(summary, ready), self.cfg.world_size
+        codes, fmts, recv_n = got[2 : 2 + w], got[2 + w : 2 + 2 * w], got[2 + 2 * w : 2 + 3 * w]
+        found = judge_notify(
+            codes, fmts, None, None, None, self.cfg.ranks, lambda src: self.dev.notify_text(src, ready)
+        )
+        if found is not None:
+            if any(f >= FORMAT_UNIT for f in fmts):  # a worst-case peer judged it on the device and retired: so do we
+                on_failure = self.ctx.buffer.deferred.on_failure
+                assert on_failure is not None  # a SymmBuffer's checks always retire it
+                on_failure(found)
+            raise ValueError(str(found).replace(REJECTED_WHAT, what, 1)) if what else found
+        counts = got[2 + 3 * w :]
+        aligned = [-(-c // alignment) * alignment for c in counts]
+        return DeviceRoute(lay, idx, got[0], got[1], aligned), counts, recv_n
+
+    def _received_counts(self, lay: torch.Tensor) -> torch.Tensor:
+        """``[L]`` int64 (pairs per local expert received), a view of the layout words on the device."""
+        z, local = self._geometries()[0].sizes(), self.cfg.num_local_experts
+        at = self._geometries()[0].tail() + 2 * z["W_P2"] + z["L_P2"]
+        return lay[at : at + local]
+
+    def _worst_route(self, lay: torch.Tensor, idx: torch.Tensor, alignment: int) -> DeviceRoute:
+        """A worst-case dispatch's route: rows and expanded rows unknown to the host (-1), the aligned counts a
+        ``[L]`` int32 tensor computed on the device from the layout (no host read)."""
+        c = self._received_counts(lay)
+        return DeviceRoute(lay, idx, -1, -1, ((c + alignment - 1) // alignment * alignment).to(torch.int32))
 
     def dispatch_cached_rows(
         self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle
@@ -246,15 +269,17 @@ class DeviceNormalPath:
         assert handle.kernel_state is not None  # the agreement found the handle this buffer's: the kernels'
         state = dataclasses.replace(handle.kernel_state)
         with self.ctx.retire_on_failure("cached dispatch"):
-            out = self._move(x, scales, None, state, handle.expert_alignment, handle.expand)
+            out = self._move(x, scales, None, state, handle.expert_alignment, handle.expand, handle.worst)
         x_out: Rows = (out["x"], out["s"]) if out["s"] is not None else out["x"]
-        return DispatchResult(x_out, handle.recv_topk_idx, handle.recv_topk_weights, list(state.aligned), handle)
+        aligned = state.aligned.clone() if isinstance(state.aligned, torch.Tensor) else list(state.aligned)
+        return DispatchResult(x_out, handle.recv_topk_idx, handle.recv_topk_weights, aligned, handle)
 
     def _move(
         self, x: torch.Tensor, scales: torch.Tensor | None, weights: torch.Tensor | None, state: DeviceRoute,
-        alignment: int, expand: bool,
+        alignment: int, expand: bool, worst: tuple[int, int] | None = None,
     ) -> _Outputs:  # fmt: skip
-        """Send every row once per destination and receive into fresh outputs (two launches)."""
+        """Send every row once per destination and receive into fresh outputs (two launches); ``worst``: a
+        worst-case dispatch's output shape (rows, expanded rows), the rows received being unknown here."""
         from epkit.kernels.triton.ep_normal import dispatch_send
         from epkit.kernels.triton.ep_normal_recv import dispatch_recv
 
@@ -264,7 +289,11 @@ class DeviceNormalPath:
         x, scales = x.contiguous(), scales.contiguous() if scales is not None else None
         dispatch_send(geo, x, scales, state.idx, weights, state.lay, send_pos)
         state.send_pos = send_pos
-        r, rows = state.rows, state.expanded if expand else state.rows
+        r, rows = (
+            (worst[0], worst[1] if expand else worst[0])
+            if worst
+            else (state.rows, state.expanded if expand else state.rows)
+        )
         g = scales.shape[1] if scales is not None else 0
         out: _Outputs = {
             "x": torch.empty((rows, h), dtype=x.dtype, device=dev),
@@ -276,7 +305,7 @@ class DeviceNormalPath:
             out["rows"] = torch.empty(rows, dtype=torch.int64, device=dev)
             out["slot"] = torch.empty((r, k), dtype=torch.int64, device=dev)
             out["m"] = torch.empty(rows, dtype=torch.int32, device=dev)
-        dispatch_recv(geo, out, state.lay, r, alignment, h * x.element_size(), 4 * g)
+        dispatch_recv(geo, out, state.lay, -1 if worst else r, alignment, h * x.element_size(), 4 * g)
         self.dev.poll()
         return out
 
@@ -294,7 +323,7 @@ class DeviceNormalPath:
         agree(cgeo, self.dev.error_text(error), agreed, OK if error is None else REJECTED, ident, ready)
         got, w = self._read_back(agreed, ready), self.cfg.world_size
         heads = [[got[r], got[w + r], got[2 * w + r]] for r in range(w)]
-        judge_agreement(self.ctx, what, heads, lambda src: self._slot_text("agree", src, 32))
+        judge_agreement(self.ctx, what, heads, lambda src: self.dev.message_text("agree", src, ready, 32))
 
     def fused(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, alignment: int,

@@ -128,7 +128,9 @@ def check_combine(
             hint = " (dispatch's fourth value, the per-expert counts; its fifth is)" * isinstance(handle, list)
             raise ValueError(f"handle must be the DispatchHandle of a dispatch, got {type(handle).__name__}{hint}")
         biases = check_biases(bias, handle.num_tokens, h)
-        if handle.expand:
+        if handle.worst is not None:  # a worst-case dispatch's y is as padded as its outputs
+            want_rows = handle.worst[1] if handle.expand else handle.worst[0]
+        elif handle.expand:
             assert handle.expanded_rows is not None  # an expanded dispatch's handle holds its rows
             want_rows = handle.expanded_rows.numel()
         else:
@@ -148,11 +150,12 @@ def check_combine(
             for what, t in (("y", y), *((f"bias {i}", b) for i, b in enumerate(biases))):
                 check_aligned(what, t)
         if handle.expand:
-            weights = handle.recv_topk_weights if topk_weights is None else topk_weights.float()
-            if tuple(weights.shape) != tuple(handle.recv_topk_idx.shape):
-                raise ValueError(
-                    f"topk_weights must be {tuple(handle.recv_topk_idx.shape)}, got {tuple(weights.shape)}"
-                )
+            weights = handle.recv_topk_weights
+            if topk_weights is not None:
+                want = (handle.worst[0], cfg.num_topk) if handle.worst else tuple(handle.recv_topk_idx.shape)
+                if tuple(topk_weights.shape) != want:
+                    raise ValueError(f"topk_weights must be {want}, got {tuple(topk_weights.shape)}")
+                weights = topk_weights.float()[: handle.recv_topk_idx.shape[0]]  # a host path's worst case: received
     except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement
         return error_text(exc), biases, weights
     return None, biases, weights

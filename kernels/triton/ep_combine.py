@@ -101,6 +101,7 @@ def _combine_send(y_addr, slot_ptr, w_ptr, layout_ptr, rows_table, ctrl_table, c
         rs = tl.load(layout_ptr + tail + s, mask=s < W, other=0)
         rn = tl.load(layout_ptr + tail + W_P2 + s, mask=s < W, other=0)
         bases = tl.load(rows_table + s, mask=s < W, other=0)
+        R = tl.where(R < 0, vsum(rn, 0).to(tl.int32), R)  # -1: a worst-case dispatch's (the host never read R)
         for r0 in range(tl.program_id(0) * BLOCK_R, R, tl.num_programs(0) * BLOCK_R):
             j = wide(r0 + tl.arange(0, BLOCK_R))
             src, i = _source_of(j, rs, rn, s)
@@ -210,7 +211,8 @@ def _rows_per_step(device, expand: bool) -> int:
 @launcher
 def combine_send(geo: CombineGeometry, y, lay, tail: int, num_rows: int, slot=None, weights=None) -> None:
     """Expert side (one launch): ``y [R or X, hidden]`` back to the sources; ``slot`` / ``weights`` ``[R, K]`` for
-    the expanded layout; ``lay`` the dispatch's layout words, whose ``recv_start`` / ``recv_n`` start at ``tail``."""
+    the expanded layout; ``lay`` the dispatch's layout words, whose ``recv_start`` / ``recv_n`` start at ``tail``;
+    ``num_rows`` the rows received (-1: read them from ``lay``, for a worst-case dispatch's padded ``y``)."""
     expand = slot is not None
     row = geo.hidden * y.element_size()
     launch(

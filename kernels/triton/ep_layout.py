@@ -11,6 +11,7 @@ __all__ = [
     "BAD_IDS",
     "CODE_HANDLES",
     "CODE_HEADERS",
+    "CODE_NOTIFY",
     "CODE_WAIT",
     "COMBINE_HEAD",
     "INV_FP8_MAX",
@@ -31,8 +32,9 @@ NUM_KINDS = len(KINDS)
 #: Byte alignment of every row field the kernels move (16-byte vector accesses).
 ALIGN = 16
 #: Status codes of the status block: a wait that ended without its signal (timeout or notice), rejected
-#: low-latency headers, combine messages of different dispatches.
-CODE_WAIT, CODE_HEADERS, CODE_HANDLES = 1, 2, 3
+#: low-latency headers, combine messages of different dispatches, a worst-case dispatch's notify judged on the
+#: device (a rejecting rank, different ``num_worst_tokens`` or formats, more rows than the worst case).
+CODE_WAIT, CODE_HEADERS, CODE_HANDLES, CODE_NOTIFY = 1, 2, 3, 4
 #: Words of the status block before the per-source details, and detail words per source.
 STATUS_WORDS, STATUS_DETAIL = 8, 4
 #: Status word of a low-latency message header (and of a normal-mode notify message).

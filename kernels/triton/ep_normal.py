@@ -6,7 +6,10 @@ Four launches per dispatch, one host read (the received counts, to size the outp
   destination rank (a token counts once per rank) and (token, expert) pairs per expert; bad expert ids.
 - ``notify`` (one program): prefix sums over the chunks, then every rank's totals go to every rank (release
   signals, timed acquire waits), from which each rank computes where its rows land in every destination
-  (after the rows of the lower ranks) and what it receives; the summary goes to host memory.
+  (after the rows of the lower ranks) and what it receives; the summary goes to host memory. A worst-case
+  dispatch (``worst``: outputs sized for ``num_worst_tokens``, no host read) judges the exchange here instead:
+  every rank sees every message, so every rank finds the same rejection, mismatch or overflow, and records it
+  as a failure (``CODE_NOTIFY``; the host raises it at the rank's next call) before any row moves.
 - ``dispatch_send``: each program walks its chunk in token order with running counters, writing each token's
   row once per destination rank straight into its final row of the receive layout (source rank, then source
   token order), with its local expert ids, weights and, per slot, its row in the expanded layout (grouped by
@@ -31,6 +34,7 @@ from epkit.kernels.triton.ep_common import (
     DEFAULT_CTAS,
     alive,
     begin_send,
+    claim_failure,
     copy_rows_at,
     end_exchange,
     launch,
@@ -38,6 +42,7 @@ from epkit.kernels.triton.ep_common import (
     programs,
     ptr,
     publish_ready,
+    record,
     row_words,
     signal_peers,
     vcumsum,
@@ -46,7 +51,7 @@ from epkit.kernels.triton.ep_common import (
     wait_sources,
     wide,
 )
-from epkit.kernels.triton.ep_layout import BAD_IDS, KINDS, OK
+from epkit.kernels.triton.ep_layout import BAD_IDS, CODE_NOTIFY, KINDS, OK
 from epkit.kernels.triton.launch import launcher, target
 
 __all__ = [
@@ -62,7 +67,7 @@ __all__ = [
 
 _NOTIFY = tl.constexpr(KINDS.index("notify"))
 _DATA = tl.constexpr(KINDS.index("dispatch"))
-_OK, _BAD = tl.constexpr(OK), tl.constexpr(BAD_IDS)
+_OK, _BAD, _JUDGED = tl.constexpr(OK), tl.constexpr(BAD_IDS), tl.constexpr(CODE_NOTIFY)
 
 
 def summary_words(world: int, local: int) -> int:
@@ -73,12 +78,13 @@ def summary_words(world: int, local: int) -> int:
 
 # the layout words (int64, one tensor per dispatch; ``layout_words`` sizes it): send_start [W_P2],
 # exp_base [E_P2], chunk token bases [P_P2, W_P2], chunk pair bases [P_P2, E_P2], then recv_start [W_P2],
-# recv_n [W_P2], exp_start [L_P2], count [L_P2]
+# recv_n [W_P2], exp_start [L_P2], count [L_P2], rows received, expanded rows (for the kernels that run without
+# the host knowing them: a worst-case dispatch's receive and its combine)
 
 
 def layout_words(w_p2: int, e_p2: int, l_p2: int, p_p2: int) -> int:
     """Words of a dispatch's layout tensor (see the comment above)."""
-    return w_p2 + e_p2 + p_p2 * (w_p2 + e_p2) + 2 * w_p2 + 2 * l_p2
+    return w_p2 + e_p2 + p_p2 * (w_p2 + e_p2) + 2 * w_p2 + 2 * l_p2 + 2
 
 
 @triton.jit
@@ -191,7 +197,7 @@ def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, align, E: tl.co
     """From every rank's message: where this rank's rows go in every destination (``send_start [W_P2]``, then
     ``exp_base``: the expanded row of this rank's first pair per global expert ``d * L + l``) and what it
     receives (the host summary; returns ``recv_start [W_P2]``, ``recv_n [W_P2]``, ``exp_start`` and ``count``
-    ``[L_P2]``)."""
+    ``[L_P2]``, then, per rank ``[W_P2]``, its status, format word, rows received and expanded rows)."""
     s, lj = tl.arange(0, W_P2), tl.arange(0, L_P2)
     at = ptr(msgs + wide(s) * msg_bytes, tl.int64)
     live = s < W
@@ -216,12 +222,35 @@ def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, align, E: tl.co
     tl.store(h + 2 + W + s, fmt, mask=live)
     tl.store(h + 2 + 2 * W + s, recv_n, mask=live)
     tl.store(h + 2 + 3 * W + lj, cnt, mask=lj < L)
-    return vcumsum(recv_n, 0) - recv_n, recv_n, vcumsum(al, 0) - al, cnt
+    rs, es = vcumsum(recv_n, 0) - recv_n, vcumsum(al, 0) - al
+    return rs, recv_n, es, cnt, code, fmt, vsum(nmat, 0), vsum(aligned, 1)
 
 
-@triton.jit(do_not_specialize=["timeout_ns", "me", "W", "P", "code", "fmt", "align", "ready"])
+@triton.jit
+def _judge_worst(ctrl, status_addr, W, e, codes, fmts, rows, expanded, fmt, worst, worst_x, W_P2: tl.constexpr):
+    """A worst-case dispatch's verdict, from every rank's status and format word and every rank's rows received
+    and expanded (the same on every rank): a failure, recorded with every rank's words, unless every call is
+    valid, every rank has this rank's format word (format and ``num_worst_tokens``) and no rank receives more
+    than ``worst`` rows or ``worst_x`` expanded rows. True when the dispatch may go on."""
+    s = tl.arange(0, W_P2)
+    live = s < W
+    bad = live & ((codes != _OK) | (fmts != fmt) | (rows > worst) | (expanded > worst_x))
+    nbad = vsum(bad.to(tl.int32), 0)
+    if nbad != 0:  # noqa: SIM102 -- Triton evaluates both sides of an `and`: the claim only on a failure
+        if claim_failure(ctrl, W):  # every rank's words, for the same error on every rank
+            status = ptr(status_addr, tl.int64)
+            tl.store(status + 8 + 4 * s, codes, mask=live)
+            tl.store(status + 9 + 4 * s, fmts, mask=live)
+            tl.store(status + 10 + 4 * s, rows, mask=live)
+            tl.store(status + 11 + 4 * s, expanded, mask=live)
+            record(status, _JUDGED, _NOTIFY, nbad, worst, worst_x, e)
+    return nbad == 0
+
+
+@triton.jit(do_not_specialize=["timeout_ns", "me", "W", "P", "code", "fmt", "align", "ready", "worst", "worst_x"])
 def _notify(counts_ptr, layout_ptr, text_ptr, notify_table, ctrl_table, ctrl_addr, notice_addr, status_addr,
-            clock_addr, host_addr, ready_addr, ready, timeout_ns, me, W, P, code, fmt, align, area_bytes, msg_bytes,
+            clock_addr, host_addr, ready_addr, ready, timeout_ns, me, W, P, code, fmt, align, worst, worst_x,
+            area_bytes, msg_bytes,
             E: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr, L_P2: tl.constexpr,
             P_P2: tl.constexpr, EB: tl.constexpr, TEXT: tl.constexpr, TEXT_P2: tl.constexpr,
             HW_TIMER: tl.constexpr):  # fmt: skip
@@ -239,13 +268,18 @@ def _notify(counts_ptr, layout_ptr, text_ptr, notify_table, ctrl_table, ctrl_add
         if wait_sources(ctrl, _NOTIFY, W, e, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             msgs = tl.load(notify_table + me) + off
             tl.debug_barrier()  # every thread has read the totals before the layout overwrites their words
-            rs, rn, es, cnt = _global_layout(msgs, msg_bytes, layout_ptr, host_addr, me, W, align, E, L, W_P2, E_P2,
-                                             L_P2)  # fmt: skip
+            rs, rn, es, cnt, codes, fmts, rows, expanded = _global_layout(
+                msgs, msg_bytes, layout_ptr, host_addr, me, W, align, E, L, W_P2, E_P2, L_P2
+            )
             tail = layout_ptr + layout_tail(W_P2, E_P2, P_P2)
             tl.store(tail + tl.arange(0, W_P2), rs)
             tl.store(tail + W_P2 + tl.arange(0, W_P2), rn)
             tl.store(tail + 2 * W_P2 + tl.arange(0, L_P2), es)
             tl.store(tail + 2 * W_P2 + L_P2 + tl.arange(0, L_P2), cnt)
+            tl.store(tail + 2 * W_P2 + 2 * L_P2, vsum(rn, 0))
+            tl.store(tail + 2 * W_P2 + 2 * L_P2 + 1, vsum(_align_up(cnt, align), 0))
+            if worst > 0:
+                _judge_worst(ctrl, status_addr, W, e, codes, fmts, rows, expanded, fmt, worst, worst_x, W_P2)
         end_exchange(ctrl, _NOTIFY, W, e)
     publish_ready(ready_addr, ready)
 
@@ -408,16 +442,20 @@ def layout(geo: NormalGeometry, topk_idx, counts) -> None:
 
 
 @launcher
-def notify(geo: NormalGeometry, counts, lay, text, host, code: int, fmt: int, align: int, ready: int) -> None:
+def notify(
+    geo: NormalGeometry, counts, lay, text, host, code: int, fmt: int, align: int, ready: int,
+    worst: tuple[int, int] = (0, 0),
+) -> None:  # fmt: skip
     """The notify exchange (one program): ``lay`` the dispatch's layout words (int64, out), ``host`` the summary
     (host memory, ``summary_words``; its last word gets ``ready``, the caller's call number, after every other
-    word), ``code`` this rank's status (OK or REJECTED with ``text``), ``fmt`` its row format."""
+    word), ``code`` this rank's status (OK or REJECTED with ``text``), ``fmt`` its format word (row format, and
+    ``num_worst_tokens`` above it: ``collectives/ep/worst.py``). ``worst``: a worst-case dispatch's ``(rows,
+    expanded rows)``, judged here (``(0, 0)``: the host reads the summary and judges)."""
     z = geo.sizes()
     launch(
         _notify, (1,), geo.device, counts, lay, text, geo.notify_table, geo.ctrl_table, geo.ctrl, geo.notices,
         geo.status, geo.clock, host.data_ptr(), host[-1:].data_ptr(), ready, geo.timeout_ns, geo.rank, geo.world,
-        programs(geo.device, geo.ctas), code, fmt,
-        align, geo.notify_area, geo.notify_msg,
+        programs(geo.device, geo.ctas), code, fmt, align, worst[0], worst[1], geo.notify_area, geo.notify_msg,
         E=geo.num_experts, L=geo.num_experts // geo.world, W_P2=z["W_P2"], E_P2=z["E_P2"], L_P2=z["L_P2"],
         P_P2=z["P_P2"], EB=min(64, z["E_P2"]), TEXT=geo.text, TEXT_P2=triton.next_power_of_2(geo.text),
         HW_TIMER=geo.hw_timer(), num_warps=8 if geo.hw_timer() else 4,  # 8: its [W, W, L] tiles spill on 4 warps

@@ -1,7 +1,9 @@
 """Normal-mode dispatch, the receiver's half (``ep_normal.py`` has the layout, notify and send kernels): wait for
 every source, then copy the received rows (already in the receive layout: source rank, then source token
 order) into the outputs, or expand them (one row per slot whose expert is local, grouped by local expert, each
-group padded to ``expert_alignment`` with zero rows) with ``m_indices`` and both row maps. 16-byte copies;
+group padded to ``expert_alignment`` with zero rows) with ``m_indices`` and both row maps. A worst-case dispatch's
+outputs are sized before the rows received are known: this kernel reads them from the layout and pads the rest
+(rows past the received ones: expert ids -1, weights 0, zero x and scale rows, ``m_indices`` -1). 16-byte copies;
 Triton for the reasons ``ep_common.py`` gives.
 """
 
@@ -82,10 +84,37 @@ def _pad_experts(layout_ptr, out_x_addr, out_s_addr, exp_rows_ptr, m_ptr, align,
             tl.store(exp_rows_ptr + rows, -1, mask=live)
 
 
-@triton.jit(do_not_specialize=["timeout_ns", "W", "R", "cap", "align", "p_send", "L"])
+@triton.jit
+def _pad_worst(R, RW, X, XW, out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr, slot_ptr, m_ptr,
+               K: tl.constexpr, K_P2: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr, EXPAND: tl.constexpr,
+               BLOCK_R: tl.constexpr, BW_X: tl.constexpr, BW_S: tl.constexpr):  # fmt: skip
+    """A worst-case dispatch's rows past the received ones: rows ``[R, RW)`` get expert ids and expanded slots -1
+    and weights 0, x rows ``[X, XW)`` zeros (and scales), -1 in ``m_indices`` and the expanded row map."""
+    kk = tl.arange(0, K_P2)
+    p0, step = tl.program_id(0) * BLOCK_R, tl.num_programs(0) * BLOCK_R
+    for r0 in range(R + p0, RW, step):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        inside = (rows < RW)[:, None] & (kk < K)[None, :]
+        at = wide(rows)[:, None] * K + kk[None, :]
+        tl.store(out_idx_ptr + at, tl.full([BLOCK_R, K_P2], -1, tl.int32), mask=inside)
+        tl.store(out_w_ptr + at, tl.full([BLOCK_R, K_P2], 0.0, tl.float32), mask=inside)
+        if EXPAND:
+            tl.store(slot_ptr + at, tl.full([BLOCK_R, K_P2], -1, tl.int64), mask=inside)
+    for r0 in range(X + p0, XW, step):
+        rows = wide(r0 + tl.arange(0, BLOCK_R))
+        live = rows < XW
+        zero_rows_at(out_x_addr + rows * XB, live, XB // 4, BW_X, 16)
+        if SB > 0:
+            zero_rows_at(out_s_addr + rows * SB, live, SB // 4, BW_S, 4)
+        if EXPAND:
+            tl.store(m_ptr + rows, -1, mask=live)
+            tl.store(exp_rows_ptr + rows, -1, mask=live)
+
+
+@triton.jit(do_not_specialize=["timeout_ns", "W", "R", "RW", "XW", "cap", "align", "p_send", "L"])
 def _dispatch_recv(out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr, slot_ptr, m_ptr, layout_ptr,
-                   status_addr, rows_addr, ctrl_addr, notice_addr, clock_addr, timeout_ns, W, R, cap, align, p_send,
-                   L, K: tl.constexpr, K_P2: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr,
+                   status_addr, rows_addr, ctrl_addr, notice_addr, clock_addr, timeout_ns, W, R, RW, XW, cap, align,
+                   p_send, L, K: tl.constexpr, K_P2: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr,
                    EXPAND: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr, P_P2: tl.constexpr,
                    L_P2: tl.constexpr, BLOCK_R: tl.constexpr, BW_X: tl.constexpr, BW_E: tl.constexpr,
                    BW_S: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
@@ -93,6 +122,8 @@ def _dispatch_recv(out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr,
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _DATA, W)
         if wait_sources(ctrl, _DATA, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
+            tail = layout_ptr + layout_tail(W_P2, E_P2, P_P2) + 2 * W_P2 + 2 * L_P2  # rows, expanded rows received
+            R = tl.where(R < 0, tl.load(tail).to(tl.int32), R)  # -1: a worst-case dispatch's, from the layout
             o_s, o_i, o_w, _ = row_fields(cap, XB, SB, K)
             kk = tl.arange(0, K_P2)
             for r0 in range(tl.program_id(0) * BLOCK_R, R, tl.num_programs(0) * BLOCK_R):
@@ -111,6 +142,11 @@ def _dispatch_recv(out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr,
             if EXPAND:
                 _pad_experts(layout_ptr, out_x_addr, out_s_addr, exp_rows_ptr, m_ptr, align, L, W_P2, E_P2, P_P2,
                              L_P2, XB, SB, BW_X, BW_S)  # fmt: skip
+                X = tl.load(tail + 1).to(tl.int32)
+            else:
+                X = R
+            _pad_worst(R, RW, X, XW, out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr, slot_ptr, m_ptr,
+                       K, K_P2, XB, SB, EXPAND, BLOCK_R, BW_X, BW_S)  # fmt: skip
         if tl.program_id(0) == 0:
             end_exchange(ctrl, _DATA, W, e)
 
@@ -119,7 +155,8 @@ def _dispatch_recv(out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr,
 def dispatch_recv(geo: NormalGeometry, out, lay, num_rows: int, align: int, xb: int, sb: int) -> None:
     """Wait for every source and copy the ``num_rows`` received rows into ``out``: a dict of ``x`` (rows, or
     expanded rows), ``s`` (scales or None), ``idx`` / ``w`` ``[R, K]``, and for the expanded layout ``rows``
-    ``[X]`` int64, ``slot`` ``[R, K]`` int64, ``m`` ``[X]`` int32."""
+    ``[X]`` int64, ``slot`` ``[R, K]`` int64, ``m`` ``[X]`` int32. ``num_rows=-1``: a worst-case dispatch (the
+    kernel reads the rows received from ``lay``; the outputs' rows past them are padding)."""
     z = geo.sizes()
     expand = out.get("rows") is not None
     block_r = 4 if geo.hw_timer() else 16  # on CUDA 8 rows a step reach 255 registers and spill under Triton 3.6
@@ -128,8 +165,9 @@ def dispatch_recv(geo: NormalGeometry, out, lay, num_rows: int, align: int, xb: 
         _dispatch_recv, (programs(geo.device, geo.ctas),), geo.device, out["x"].data_ptr(),
         (out["s"] if out["s"] is not None else out["x"]).data_ptr(), out["idx"], out["w"],
         out["rows"] if expand else dummy, out["slot"] if expand else dummy, out["m"] if expand else dummy, lay,
-        geo.status, geo.rows_local, geo.ctrl, geo.notices, geo.clock, geo.timeout_ns, geo.world, num_rows, geo.cap,
-        align, programs(geo.device, geo.ctas), geo.num_experts // geo.world,
+        geo.status, geo.rows_local, geo.ctrl, geo.notices, geo.clock, geo.timeout_ns, geo.world, num_rows,
+        out["idx"].shape[0] if num_rows < 0 else 0, out["x"].shape[0] if num_rows < 0 else 0, geo.cap, align,
+        programs(geo.device, geo.ctas), geo.num_experts // geo.world,
         K=geo.num_topk, K_P2=z["K_P2"], XB=xb, SB=sb, EXPAND=expand, W_P2=z["W_P2"], E_P2=z["E_P2"],
         P_P2=z["P_P2"], L_P2=z["L_P2"], BLOCK_R=block_r, BW_X=row_words(xb),
         BW_E=max(4, min(row_words(xb), (2048 if geo.hw_timer() else 4096) // (block_r * z["K_P2"]))),

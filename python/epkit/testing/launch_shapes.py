@@ -179,9 +179,8 @@ def _ep_target(world: int, rank: int, ctas: int, hidden: int = 7168, num_experts
     n_ll, n, tokens = 128, 4096, 4096
     lay = device_layout(world, hidden, num_experts, topk, n_ll, n)
     bases = [0x7F00_0000_0000 + r * (1 << 36) for r in range(world)]  # one rank's memory per 64 GiB
-    table = {
-        k: torch.tensor([b + lay[k] for b in bases]) for k in ("ll_dispatch", "ll_combine", "notify", "agree", "rows")
-    }
+    table = {k: torch.tensor([b + lay[k] for b in bases]) for k in ("ll_dispatch", "ll_combine", "notify", "agree")}
+    table["rows"] = torch.tensor([b + lay["rows"] for b in bases])
     local = {k: bases[rank] + lay[k] for k in table}
     status = torch.zeros(STATUS_WORDS + STATUS_DETAIL * world, dtype=torch.int64)
     cuda = torch.device("cpu")  # CPU tensors: their dtypes and alignment are what a launch specializes on
@@ -226,6 +225,8 @@ def _ep_target(world: int, rank: int, ctas: int, hidden: int = 7168, num_experts
     summary = torch.zeros(nm.summary_words(world, local_experts), dtype=torch.int64)
     nm.layout(ngeo, idx, counts)
     nm.notify(ngeo, counts, lay_words, text, summary, 0, 1, 128, 1)
+    worst = (world * n, -(-(world * n * min(topk, local_experts) + 127 * local_experts) // 128) * 128)  # worst_shape
+    nm.notify(ngeo, counts, lay_words, text, summary, 0, 1 + 16 * world * n, 128, 2, worst)
     send_pos = torch.empty(tokens, world, dtype=torch.int32)
     xq = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn)
     scales = torch.empty(tokens, hidden // 128)
@@ -238,11 +239,13 @@ def _ep_target(world: int, rank: int, ctas: int, hidden: int = 7168, num_experts
             out.update(rows=torch.empty(rows, dtype=torch.int64), slot=torch.empty(rows, topk, dtype=torch.int64),
                        m=torch.empty(rows, dtype=torch.int32))  # fmt: skip
         nr.dispatch_recv(ngeo, out, lay_words, rows, 128, hidden, 4 * (hidden // 128))
+        nr.dispatch_recv(ngeo, out, lay_words, -1, 128, hidden, 4 * (hidden // 128))  # a worst-case dispatch's
     agreed = torch.zeros(3 * world + 1, dtype=torch.int64)
     cb.agree(cgeo, text, agreed, 0, (5, 1), 1)
     y = torch.empty(rows, hidden, dtype=torch.bfloat16)
     cb.combine_send(cgeo, y, lay_words, ngeo.tail(), rows)
     cb.combine_send(cgeo, y, lay_words, ngeo.tail(), rows, out["slot"], torch.empty(rows, topk))
+    cb.combine_send(cgeo, y, lay_words, ngeo.tail(), -1)  # after a worst-case dispatch
     cb.combine_reduce(cgeo, torch.empty(tokens, hidden, dtype=torch.bfloat16), send_pos, [])
 
 

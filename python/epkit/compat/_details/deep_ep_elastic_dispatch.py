@@ -212,6 +212,7 @@ class ElasticDispatch:
         src_rank = torch.repeat_interleave(torch.arange(w), torch.tensor(h.recv_counts))
         idx_cpu = recv_idx.cpu().long()
         unaligned = torch.bincount(idx_cpu[idx_cpu >= 0], minlength=local).to(torch.int32)
+        assert isinstance(aligned, list)  # a plain dispatch's (the shim pads the worst case itself)
         aligned_t = torch.tensor(aligned, dtype=torch.int32)
         meta = torch.full((n_recv, k + 2), -1, dtype=torch.int32)
         meta[:, 0] = (src_rank * n_max + recv_src).to(torch.int32)

@@ -227,6 +227,7 @@ class NormalCalls:
         buf = self.s.epbuffer(x0.shape[1], num_experts, topk_idx.shape[1], x0.device, tokens)
         rows = (x0, words) if words is not None else x0
         recv_rows, recv_idx, recv_w, counts, h = buf.dispatch(rows, topk_idx, topk_weights, expert_alignment)
+        assert isinstance(counts, list)  # a plain dispatch's (the shim pads the worst case itself)
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
         channels = _channels(config, self.default_sms())
         make = internode_handle if rdma_ranks(self.s.group_size) > 1 else normal_handle

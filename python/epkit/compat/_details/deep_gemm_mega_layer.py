@@ -73,7 +73,9 @@ def run_layer(ep: EPBuffer, call: LayerCall, y: torch.Tensor) -> None:
         rows, _, _, _, handle = ep.dispatch((call.x, words), idx, call.topk_weights.float(), SETTINGS.alignment, True)
         act: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (rows[0], restore_scales(rows[1], cols, dtype))
     else:
-        act, _, _, _, handle = ep.dispatch(call.x, idx, call.topk_weights.float(), SETTINGS.alignment, True)
+        bf16, _, _, _, handle = ep.dispatch(call.x, idx, call.topk_weights.float(), SETTINGS.alignment, True)
+        assert isinstance(bf16, torch.Tensor)  # bf16 rows in, bf16 rows out
+        act = bf16
     recv_idx = handle.recv_topk_idx.long()
     unaligned = torch.bincount(recv_idx[recv_idx >= 0], minlength=local)
     aligned = -(-unaligned // SETTINGS.alignment) * SETTINGS.alignment
