@@ -569,6 +569,7 @@ def _sub_group_member_dies(rank, world_size, transport):
 
     from epkit.collectives.bootstrap import SubGroup
 
+    dist.barrier()  # every rank's gloo mesh is up: a rank 3 that died sooner could fail another rank's connect
     if rank < 2:
         return None
     sub = SubGroup(dist.group.WORLD, [2, 3], "pair")
