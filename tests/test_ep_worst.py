@@ -15,6 +15,7 @@ import torch.distributed as dist
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.testing.host_sync import HostSyncDetector
 from epkit.testing.hosts import requires_namespaces, run_hosts
+from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
 
 HIDDEN, EXPERTS, TOPK, N_MAX, ALIGN = 128, 8, 2, 16, 4
@@ -102,20 +103,24 @@ def _reads(rank, world_size):
     os.environ.pop("EPKIT_EP_KERNELS", None)
     buf = _buffer(world_size, "shm", "device")
     x, idx, w = _routing(rank, 2)
-    buf.dispatch(x, idx, w, num_worst_tokens=32)  # warm: compiled, every cache filled
     out = {}
     for name, kw in (("plain", {}), ("worst", {"num_worst_tokens": 32})):
-        with HostSyncDetector() as reads:
-            buf.dispatch(x, idx, w, expand=True, expert_alignment=ALIGN, **kw)
-        out[name] = reads.events
+        for _warm in (True, False):  # the first call compiles and fills every cache; the second is measured
+            with HostSyncDetector() as reads:
+                recv, _, _, _, handle = buf.dispatch(x, idx, w, expand=True, expert_alignment=ALIGN, **kw)
+            with HostSyncDetector() as reads_combine:
+                buf.combine(recv, handle)
+            with HostSyncDetector() as reads_cached:
+                buf.dispatch(x, handle=handle)
+        out[name] = (reads.events, reads_combine.events, reads_cached.events)
     buf.close()
     return out
 
 
-def test_worst_case_dispatch_on_the_device_kernels_reads_nothing_back():
+def test_worst_case_dispatch_combine_and_cached_dispatch_on_the_device_kernels_read_nothing_back():
     for got in run_ranks(_reads, 2, timeout=240):
-        assert got["plain"], "the detector sees the plain dispatch's summary read (control)"
-        assert got["worst"] == [], got["worst"]
+        assert all(got["plain"]), f"the detector sees each plain call's one read (control): {got['plain']}"
+        assert got["worst"] == ([], [], []), got["worst"]
 
 
 def _bad_call(rank, world_size, transport, kernels, case):
@@ -143,6 +148,40 @@ def _bad_call(rank, world_size, transport, kernels, case):
     return error, after
 
 
+def _bad_combine(rank, world_size, case):
+    buf = _buffer(world_size, "shm", "device")
+    x, idx, w = _routing(rank, 4)
+    first = buf.dispatch(x, idx, w, num_worst_tokens=32)
+    second = buf.dispatch(x, idx, w, num_worst_tokens=32)
+    handle = {"stale": [first, second][rank].handle, "not_a_handle": [second.handle, []][rank]}[case]
+    try:
+        buf.combine(second.recv_x, handle)
+    except ValueError as exc:
+        error = str(exc)
+    else:
+        error = None
+    try:
+        buf.combine(second.recv_x, second.handle)
+        after = "usable"
+    except RuntimeError:
+        after = "retired"
+    buf.close()
+    return error, after
+
+
+@pytest.mark.parametrize("case", ["stale", "not_a_handle"])
+def test_a_bad_combine_after_a_worst_case_dispatch_is_judged_on_the_device_alike_on_every_rank(case):
+    # "stale": both ranks judge on the device (every handle a worst-case one); "not_a_handle": rank 1 judges on the
+    # host (its call is bad) and retires its buffer as rank 0's kernel retires rank 0's
+    got = run_ranks(_bad_combine, 2, case, timeout=240)
+    errors = [g[0] for g in got]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert errors[0].startswith("combine rejected on every rank before any row moved"), errors[0]
+    want = "handles do not come from one dispatch" if case == "stale" else "rank 1: handle must be the DispatchHandle"
+    assert want in errors[0], errors[0]
+    assert [g[1] for g in got] == ["retired", "retired"]
+
+
 _EXPECTED = {
     "overflow": "num_worst_tokens=4 leaves room for 4 rows",
     "differ": "the ranks' num_worst_tokens differ (rank 0: 32; rank 1: 24)",
@@ -160,3 +199,34 @@ def test_bad_worst_case_calls_raise_the_same_error_on_every_rank(transport, kern
     assert errors[0].startswith("dispatch rejected on every rank before any data moved"), errors[0]
     assert _EXPECTED[case] in errors[0], errors[0]
     assert {g[1] for g in got} == {"retired" if kernels == "device" else "usable"}
+
+
+def _gpu_worst(rank, world_size):
+    """Rung 4: on one GPU (nvshmem, the device kernels), a worst-case dispatch and its combine make no host read
+    and give the plain dispatch's rows, padded, and its combine's bits."""
+    torch.cuda.set_device(0)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="nvshmem", timeout=20)
+    assert buf.uses_device_kernels and buf.device.type == "cuda"
+    x, idx, w = (t.cuda() for t in _routing(rank, 5))
+    for expand in (False, True):
+        plain = buf.dispatch(x, idx, w, expert_alignment=ALIGN, expand=expand)
+        y_plain = (plain.recv_x.float() * 2 - 1).bfloat16()
+        want = buf.combine(y_plain, plain.handle)
+        x_rows = _expanded_bound(N_MAX, EXPERTS) if expand else N_MAX
+        y_worst = torch.full((x_rows, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y_worst[: y_plain.shape[0]] = y_plain
+        for _warm in (True, False):  # the first call compiles; the second is measured
+            with HostSyncDetector() as reads:
+                worst = buf.dispatch(x, idx, w, expert_alignment=ALIGN, expand=expand, num_worst_tokens=N_MAX)
+                got = buf.combine(y_worst, worst.handle)
+        assert reads.events == [], reads.events
+        _check_padded(worst.recv_x.cpu(), plain.recv_x.cpu(), x_rows, 0)
+        _check_padded(worst.recv_topk_idx.cpu(), plain.recv_topk_idx.cpu(), N_MAX, -1)
+        assert torch.equal(got.cpu(), want.cpu())
+    buf.close()
+    return True
+
+
+@requires_cuda
+def test_gpu_worst_case_dispatch_and_combine_read_nothing_back():
+    assert run_ranks(_gpu_worst, 1, timeout=240) == [True]

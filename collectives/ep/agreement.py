@@ -5,16 +5,24 @@ agreement in a kernel (``normal_device``) and judges it here too (:func:`judge_a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.handles import DispatchHandle
-from epkit.collectives.ep.rows import META_MSG, ROW_DTYPES, check_formats, decode_error, encode_error, format_code
+from epkit.collectives.ep.rows import (
+    META_MSG,
+    ROW_DTYPES,
+    check_formats,
+    decode_error,
+    encode_error,
+    format_code,
+    rank_name,
+)
 from epkit.collectives.ep.worst import agreement_mismatch
 
-__all__ = ["Meanwhile", "agree_on_handle", "agree_rows", "error_text", "judge_agreement"]
+__all__ = ["Meanwhile", "agree_on_handle", "agree_rows", "agreement_error", "error_text", "judge_agreement"]
 
 #: Work of this rank's to do while an exchange's messages move (``Exchange.receive``'s ``meanwhile``), or None.
 Meanwhile = Callable[[], None] | None
@@ -93,17 +101,27 @@ def agree_on_handle(
 def judge_agreement(ctx: EPContext, what: str, heads: list[list[int]], text_of: Callable[[int], str]) -> None:
     """The agreement's verdict from every rank's ``[status (0: valid), buffer id, dispatch epoch]``;
     ``text_of(rank)`` reads a rejecting rank's error text. The same ValueError on every rank, or None."""
-    errors = [f"{ctx.cfg.rank_name(r)}: {text_of(r)}" for r, h in enumerate(heads) if h[0] != 0]
+    found = agreement_error(what, heads, text_of, ctx.buffer.buffer_id, ctx.cfg.ranks)
+    if found is not None:
+        raise found
+
+
+def agreement_error(
+    what: str, heads: list[list[int]], text_of: Callable[[int], str], buffer_id: int, ranks: Sequence[int]
+) -> ValueError | None:
+    """:func:`judge_agreement`'s error (None: every call valid, every handle from one dispatch of the buffer
+    ``buffer_id``), from every rank's words; ``ranks``: the global rank of each position."""
+    errors = [f"{rank_name(r, ranks)}: {text_of(r)}" for r, h in enumerate(heads) if h[0] != 0]
     if errors:
-        raise ValueError(f"{what} rejected on every rank before any row moved: " + "; ".join(errors))
-    mine = ctx.buffer.buffer_id
-    if any(h[1:] != heads[0][1:] for h in heads) or heads[0][1] != mine:
+        return ValueError(f"{what} rejected on every rank before any row moved: " + "; ".join(errors))
+    if any(h[1:] != heads[0][1:] for h in heads) or heads[0][1] != buffer_id:
         desc = "; ".join(
-            f"{ctx.cfg.rank_name(r)}: {'this buffer' if h[1] == mine else f'another buffer ({h[1]:x})'}'s "
+            f"{rank_name(r, ranks)}: {'this buffer' if h[1] == buffer_id else f'another buffer ({h[1]:x})'}'s "
             f"dispatch {h[2]}"
             for r, h in enumerate(heads)
         )
-        raise ValueError(
+        return ValueError(
             f"{what} rejected on every rank before any row moved: the handles do not come from one dispatch of "
             f"this buffer ({desc}); give every rank the handle its matching dispatch returned"
         )
+    return None

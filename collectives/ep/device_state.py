@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from epkit._details.host_memory import mark_host_memory
+from epkit.collectives.ep.agreement import agreement_error
 from epkit.collectives.ep.config import EPConfig
 from epkit.collectives.ep.context import EPContext
 from epkit.collectives.ep.ll_layout import describe_handles, judge_headers
@@ -45,6 +46,7 @@ from epkit.collectives.ep.worst import judge_notify
 from epkit.collectives.peer_failure import is_notice, notice_error, silence_error
 from epkit.collectives.transports.base import MASK64, NOTICE, word
 from epkit.kernels.triton.ep_layout import (
+    CODE_AGREE,
     CODE_HANDLES,
     CODE_HEADERS,
     CODE_NOTIFY,
@@ -272,6 +274,13 @@ class DeviceState:
             codes, words, rows, expanded = ([int(v) for v in detail[:, c]] for c in range(4))
             found = judge_notify(codes, words, rows, expanded, (seen, target), self.cfg.ranks,
                                  lambda src: self.notify_text(src, epoch))  # fmt: skip
+            if found is not None:
+                return found
+        if code == CODE_AGREE:  # an agreement after a worst-case dispatch, judged on the device
+            heads = [[int(v) for v in detail[src, :3]] for src in range(self.world)]
+            what = ("combine", "cached dispatch")[target]
+            found = agreement_error(what, heads, lambda src: self.message_text("agree", src, epoch, 32),
+                                    self.sb.buffer_id, self.cfg.ranks)  # fmt: skip
             if found is not None:
                 return found
         if code == CODE_HANDLES:

@@ -141,7 +141,7 @@ class DeviceNormalPath:
             )
             pinned = self.ctx.device.type == "cuda"
             summary = torch.zeros(summary_words(w, self.cfg.num_local_experts), dtype=torch.int64, pin_memory=pinned)
-            agreed = torch.zeros(3 * w + 1, dtype=torch.int64, pin_memory=pinned)  # + the ready word
+            agreed = torch.zeros(4 * w + 1, dtype=torch.int64, pin_memory=pinned)  # + the ready word
             self._geo = (normal, combine, summary, agreed)
         return self._geo
 
@@ -242,13 +242,17 @@ class DeviceNormalPath:
         )
         if found is not None:
             if any(f >= FORMAT_UNIT for f in fmts):  # a worst-case peer judged it on the device and retired: so do we
-                on_failure = self.ctx.buffer.deferred.on_failure
-                assert on_failure is not None  # a SymmBuffer's checks always retire it
-                on_failure(found)
+                self._retire(found)
             raise ValueError(str(found).replace(REJECTED_WHAT, what, 1)) if what else found
         counts = got[2 + 3 * w :]
         aligned = [-(-c // alignment) * alignment for c in counts]
         return DeviceRoute(lay, idx, got[0], got[1], aligned), counts, recv_n
+
+    def _retire(self, exc: BaseException) -> None:
+        """Retire the buffer for ``exc`` (a verdict a peer reached on the device, which retired it there)."""
+        on_failure = self.ctx.buffer.deferred.on_failure
+        assert on_failure is not None  # a SymmBuffer's checks always retire it
+        on_failure(exc)
 
     def _received_counts(self, lay: torch.Tensor) -> torch.Tensor:
         """``[L]`` int64 (pairs per local expert received), a view of the layout words on the device."""
@@ -311,19 +315,29 @@ class DeviceNormalPath:
 
     def agree(self, what: str, handle: DispatchHandle, error: str | None) -> None:
         """The device form of ``agree_on_handle`` (one launch, one host read): the same errors, raised on every
-        rank before any row moves; the buffer goes on."""
+        rank before any row moves; the buffer goes on. After a worst-case dispatch (a valid ``handle`` with
+        ``worst``) the kernel judges and nothing is read back: a rejection is raised at the rank's next call, on
+        every rank, and retires the buffer (as a worst-case dispatch's own)."""
         from epkit.kernels.triton.ep_combine import agree
 
         self.ctx.buffer.check_usable()
         self.dev.poll()
         _, cgeo, _, agreed = self._geometries()
         ident = (handle.buffer_id, handle.epoch) if error is None else (0, 0)
+        judged = 0 if error is not None or handle.worst is None else 1 + (what == "cached dispatch")
         self.exchanges["agree"] += 1
         ready = self.exchanges["agree"]
-        agree(cgeo, self.dev.error_text(error), agreed, OK if error is None else REJECTED, ident, ready)
+        agree(cgeo, self.dev.error_text(error), agreed, OK if error is None else REJECTED, ident, ready, judged)
+        if judged:
+            return
         got, w = self._read_back(agreed, ready), self.cfg.world_size
         heads = [[got[r], got[w + r], got[2 * w + r]] for r in range(w)]
-        judge_agreement(self.ctx, what, heads, lambda src: self.dev.message_text("agree", src, ready, 32))
+        try:
+            judge_agreement(self.ctx, what, heads, lambda src: self.dev.message_text("agree", src, ready, 32))
+        except ValueError as exc:
+            if any(got[3 * w :]):  # a peer judged it on the device and retired: so does this rank
+                self._retire(exc)
+            raise
 
     def fused(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, alignment: int,

@@ -101,7 +101,7 @@ def cached_dispatch_error(
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"x must be [num_tokens, {cfg.hidden}]")
         no_routing = torch.zeros((x.shape[0], cfg.num_topk), dtype=torch.int64)
-        validate_dispatch(cfg, device, x, scales, no_routing, None, cfg.num_max_tokens_per_rank)
+        validate_dispatch(cfg, device, x, scales, no_routing, None, cfg.num_max_tokens_per_rank, False)  # no ids
         if x.shape[0] != handle.num_tokens:
             raise ValueError(f"cached dispatch: x has {x.shape[0]} tokens, the handle was made for {handle.num_tokens}")
     except Exception as exc:  # noqa: BLE001 -- every rank must learn of it in the agreement

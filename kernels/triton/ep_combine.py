@@ -1,9 +1,11 @@
 """Normal-mode combine kernels (and the agreement before a combine or cached dispatch) for ranks whose memory is
 all addressable. Triton for the reasons ``ep_common.py`` gives.
 
-- ``agree`` (one program): every rank's ``[status, buffer id, dispatch epoch]`` and error text go to every rank;
-  the host reads them all (one read) and raises the same error on every rank unless every call is valid and
-  every handle comes from the same dispatch of this buffer: no row moves before that.
+- ``agree`` (one program): every rank's ``[status, buffer id, dispatch epoch, judged]`` and error text go to every
+  rank; the host reads them all (one read) and raises the same error on every rank unless every call is valid and
+  every handle comes from the same dispatch of this buffer: no row moves before that. After a worst-case
+  dispatch (``judged``) the kernel judges instead, with no host read: a failure recorded with every rank's words
+  (``CODE_AGREE``), after which no kernel of the rank moves a row; the host raises it at its next call.
 - ``combine_send`` (expert side): each received row's output goes back into its source's memory (region of
   this rank, row = its index among the rows that source sent here); in the expanded layout the row is first
   reduced over its local slots, ``sum over k ascending of w[j, k] * y[slot(j, k)]`` in float32, rounded to
@@ -32,6 +34,7 @@ from epkit.kernels.triton.ep_common import (
     programs,
     ptr,
     publish_ready,
+    record_verdict,
     row_words,
     sent_epoch,
     signal_peers,
@@ -40,21 +43,38 @@ from epkit.kernels.triton.ep_common import (
     wait_sources,
     wide,
 )
-from epkit.kernels.triton.ep_layout import KINDS
+from epkit.kernels.triton.ep_layout import CODE_AGREE, KINDS, OK
 from epkit.kernels.triton.launch import launcher, target
 
 __all__ = ["DTYPE_CODES", "CombineGeometry", "agree", "combine_reduce", "combine_send"]
 
 _AGREE = tl.constexpr(KINDS.index("agree"))
 _COMBINE = tl.constexpr(KINDS.index("combine"))
+_OK, _JUDGED = tl.constexpr(OK), tl.constexpr(CODE_AGREE)
 #: Row dtypes the combine kernels read and write, by the code they take.
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 
-@triton.jit(do_not_specialize=["timeout_ns", "me", "W", "code", "ident0", "ident1", "ready"])
+@triton.jit
+def _judge_agreement(words, status_addr, ctrl, W, e, code, ident0, ident1, what, W_P2: tl.constexpr):
+    """The agreement's verdict on the device from every rank's words (``words``: ``[W_P2]`` pointers to them): a
+    failure, recorded with every rank's ``[status, buffer id, epoch]``, unless every call is valid and every
+    handle is this rank's (``what``: 0 for a combine, 1 for a cached dispatch, for the host's error text)."""
+    s = tl.arange(0, W_P2)
+    live = s < W
+    st = tl.load(words, mask=live, other=_OK)
+    i0 = tl.load(words + 1, mask=live, other=0)
+    i1 = tl.load(words + 2, mask=live, other=0)
+    bad = live & ((st != _OK) | (i0 != ident0) | (i1 != ident1) | (code != _OK))
+    nbad = vsum(bad.to(tl.int32), 0)
+    if nbad != 0:
+        record_verdict(ctrl, W, status_addr, _JUDGED, _AGREE, nbad, 0, what, e, st, i0, i1, i1, 3, W_P2)
+
+
+@triton.jit(do_not_specialize=["timeout_ns", "me", "W", "code", "ident0", "ident1", "judged", "ready"])
 def _agree(text_ptr, agree_table, ctrl_table, ctrl_addr, notice_addr, status_addr, clock_addr, host_addr,
-           ready_addr, ready, timeout_ns, me, W, code, ident0, ident1, area_bytes, msg_bytes, W_P2: tl.constexpr,
-           TEXT: tl.constexpr, TEXT_P2: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
+           ready_addr, ready, timeout_ns, me, W, code, ident0, ident1, judged, area_bytes, msg_bytes,
+           W_P2: tl.constexpr, TEXT: tl.constexpr, TEXT_P2: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = next_epoch(ctrl, _AGREE, W)
@@ -67,14 +87,17 @@ def _agree(text_ptr, agree_table, ctrl_table, ctrl_addr, notice_addr, status_add
             tl.store(ptr(slot + 32, tl.int8) + tj, text, mask=tj < TEXT)
             tl.store(w + 1, wide(ident0))
             tl.store(w + 2, wide(ident1))
+            tl.store(w + 3, wide(judged))
             tl.store(w, wide(code))
         signal_peers(ctrl_table, W, _AGREE * W + wide(me))
         if wait_sources(ctrl, _AGREE, W, e, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             s = tl.arange(0, W_P2)
             at = ptr(tl.load(agree_table + me) + off + wide(s) * msg_bytes, tl.int64)
             h = ptr(host_addr, tl.int64)
-            for j in tl.static_range(3):
+            for j in tl.static_range(4):
                 tl.store(h + j * W + s, tl.load(at + j, mask=s < W), mask=s < W)
+            if judged != 0:
+                _judge_agreement(at, status_addr, ctrl, W, e, code, ident0, ident1, judged - 1, W_P2)
         end_exchange(ctrl, _AGREE, W, e)
     publish_ready(ready_addr, ready)
 
@@ -190,13 +213,14 @@ class CombineGeometry:
 
 
 @launcher
-def agree(geo: CombineGeometry, text, host, code: int, ident: tuple[int, int], ready: int) -> None:
-    """The agreement exchange (one program): ``host`` gets ``[status[W], buffer id[W], epoch[W], ready]`` (``ready``,
-    the caller's call number, written after every other word)."""
+def agree(geo: CombineGeometry, text, host, code: int, ident: tuple[int, int], ready: int, judged: int = 0) -> None:
+    """The agreement exchange (one program): ``host`` gets ``[status[W], buffer id[W], epoch[W], judged[W], ready]``
+    (``ready``, the caller's call number, written after every other word). ``judged``: 0, the host reads and
+    judges; 1 (a combine) or 2 (a cached dispatch), the kernel judges (after a worst-case dispatch)."""
     launch(
         _agree, (1,), geo.device, text, geo.agree_table, geo.ctrl_table, geo.ctrl, geo.notices, geo.status, geo.clock,
         host.data_ptr(), host[-1:].data_ptr(), ready, geo.timeout_ns, geo.rank, geo.world, code, ident[0], ident[1],
-        geo.agree_area, geo.agree_msg,
+        judged, geo.agree_area, geo.agree_msg,
         W_P2=triton.next_power_of_2(geo.world), TEXT=geo.text, TEXT_P2=triton.next_power_of_2(geo.text),
         HW_TIMER=target(geo.device) == "cuda",
     )  # fmt: skip

@@ -309,6 +309,26 @@ def record(status, code, kind, peer, seen, target, epoch):
 
 
 @triton.jit
+def record_verdict(ctrl, W, status_addr, code, kind, nbad, seen, target, epoch, w0, w1, w2, w3, NW: tl.constexpr,
+                   W_P2: tl.constexpr):  # fmt: skip
+    """A rejection reached on the device from every rank's words, the same on every rank: the rank's first failure
+    (:func:`claim_failure`) stores each rank's ``NW`` detail words (``w0``, ``w1``, ...: ``[W_P2]`` each, by rank)
+    and the record (``nbad`` ranks at fault; ``seen`` / ``target``: what the host needs to word the error)."""
+    if claim_failure(ctrl, W):
+        status = ptr(status_addr, tl.int64)
+        s = tl.arange(0, W_P2)
+        live = s < W
+        tl.store(status + 8 + 4 * s, w0, mask=live)
+        if NW > 1:
+            tl.store(status + 9 + 4 * s, w1, mask=live)
+        if NW > 2:
+            tl.store(status + 10 + 4 * s, w2, mask=live)
+        if NW > 3:
+            tl.store(status + 11 + 4 * s, w3, mask=live)
+        record(status, code, kind, nbad, seen, target, epoch)
+
+
+@triton.jit
 def fail_wait(ctrl, W, status, kind, failed, seen, target, epoch):
     """A wait on source ``failed - 1`` ended without its signal: record it (first failure only)."""
     if claim_failure(ctrl, W):

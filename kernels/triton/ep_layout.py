@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ALIGN",
     "BAD_IDS",
+    "CODE_AGREE",
     "CODE_HANDLES",
     "CODE_HEADERS",
     "CODE_NOTIFY",
@@ -33,8 +34,10 @@ NUM_KINDS = len(KINDS)
 ALIGN = 16
 #: Status codes of the status block: a wait that ended without its signal (timeout or notice), rejected
 #: low-latency headers, combine messages of different dispatches, a worst-case dispatch's notify judged on the
-#: device (a rejecting rank, different ``num_worst_tokens`` or formats, more rows than the worst case).
-CODE_WAIT, CODE_HEADERS, CODE_HANDLES, CODE_NOTIFY = 1, 2, 3, 4
+#: device (a rejecting rank, different ``num_worst_tokens`` or formats, more rows than the worst case), an
+#: agreement judged on the device (a worst-case dispatch's combine or cached dispatch: a rejecting rank, handles
+#: of different dispatches).
+CODE_WAIT, CODE_HEADERS, CODE_HANDLES, CODE_NOTIFY, CODE_AGREE = 1, 2, 3, 4, 5
 #: Words of the status block before the per-source details, and detail words per source.
 STATUS_WORDS, STATUS_DETAIL = 8, 4
 #: Status word of a low-latency message header (and of a normal-mode notify message).

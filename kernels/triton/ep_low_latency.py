@@ -34,7 +34,6 @@ from epkit.kernels.triton.ep_common import (
     DEFAULT_CTAS,
     alive,
     begin_send,
-    claim_failure,
     copy_rows,
     end_exchange,
     f32_from_bf16_bits,
@@ -43,7 +42,7 @@ from epkit.kernels.triton.ep_common import (
     programs,
     ptr,
     quantize_row,
-    record,
+    record_verdict,
     row_words,
     sent_epoch,
     signal_peers,
@@ -251,7 +250,6 @@ def _ll_dispatch_recv(recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _LLD, W)
-        status = ptr(status_addr, tl.int64)
         if wait_sources(ctrl, _LLD, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             msgs = stage_addr + (e % 2) * area_bytes
             s = tl.arange(0, W_P2)
@@ -260,12 +258,9 @@ def _ll_dispatch_recv(recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load
             nm = tl.load(hp + 1, mask=s < W, other=n_max)
             f8 = tl.load(hp + 2, mask=s < W, other=FP8)
             nbad = vsum(((st != _OK) | (nm != n_max) | (f8 != FP8)).to(tl.int32), 0)
-            if nbad != 0:
-                if claim_failure(ctrl, W):  # every source's header words, for the same words on every rank
-                    tl.store(status + 8 + 4 * s, st.to(tl.int64), mask=s < W)
-                    tl.store(status + 9 + 4 * s, nm.to(tl.int64), mask=s < W)
-                    tl.store(status + 10 + 4 * s, f8.to(tl.int64), mask=s < W)
-                    record(status, _HEADERS, _LLD, nbad, 0, 0, e)
+            if nbad != 0:  # every source's header words, for the same words on every rank
+                record_verdict(ctrl, W, status_addr, _HEADERS, _LLD, nbad, 0, 0, e, st.to(tl.int64), nm.to(tl.int64),
+                               f8.to(tl.int64), f8, 3, W_P2)  # fmt: skip
             else:
                 _unpack(msgs, recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load_ptr, W, n_max, msg_bytes, L,
                         XB, SB, HDR, W_P2, L_P2, BLOCK_R, BW_X, BW_S, VEC_S)  # fmt: skip
@@ -339,7 +334,6 @@ def _ll_combine_recv(out_ptr, w_ptr, route_ptr, status_addr, stage_addr, ctrl_ad
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _LLC, W)
-        status = ptr(status_addr, tl.int64)
         if wait_sources(ctrl, _LLC, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             msgs = stage_addr + (e % 2) * area_bytes
             s = tl.arange(0, W_P2)
@@ -348,10 +342,7 @@ def _ll_combine_recv(out_ptr, w_ptr, route_ptr, status_addr, stage_addr, ctrl_ad
             i1 = tl.load(ptr(msgs + s.to(tl.int64) * msg_bytes, tl.int64) + 1, mask=s < W, other=id1)
             nbad = vsum(((i0 != id0) | (i1 != id1)).to(tl.int32), 0)
             if nbad != 0:
-                if claim_failure(ctrl, W):
-                    tl.store(status + 8 + 4 * s, i0, mask=s < W)
-                    tl.store(status + 9 + 4 * s, i1, mask=s < W)
-                    record(status, _HANDLES, _LLC, nbad, 0, 0, e)
+                record_verdict(ctrl, W, status_addr, _HANDLES, _LLC, nbad, 0, 0, e, i0, i1, i1, i1, 2, W_P2)
             else:
                 for t0 in range(tl.program_id(0) * BT, T, tl.num_programs(0) * BT):
                     _reduce_tokens(out_ptr, w_ptr, route_ptr, msgs, t0, T, n_max, msg_bytes, K, K_P2, H, BT, BLOCK_H)

@@ -34,7 +34,6 @@ from epkit.kernels.triton.ep_common import (
     DEFAULT_CTAS,
     alive,
     begin_send,
-    claim_failure,
     copy_rows_at,
     end_exchange,
     launch,
@@ -42,7 +41,7 @@ from epkit.kernels.triton.ep_common import (
     programs,
     ptr,
     publish_ready,
-    record,
+    record_verdict,
     row_words,
     signal_peers,
     vcumsum,
@@ -236,14 +235,9 @@ def _judge_worst(ctrl, status_addr, W, e, codes, fmts, rows, expanded, fmt, wors
     live = s < W
     bad = live & ((codes != _OK) | (fmts != fmt) | (rows > worst) | (expanded > worst_x))
     nbad = vsum(bad.to(tl.int32), 0)
-    if nbad != 0:  # noqa: SIM102 -- Triton evaluates both sides of an `and`: the claim only on a failure
-        if claim_failure(ctrl, W):  # every rank's words, for the same error on every rank
-            status = ptr(status_addr, tl.int64)
-            tl.store(status + 8 + 4 * s, codes, mask=live)
-            tl.store(status + 9 + 4 * s, fmts, mask=live)
-            tl.store(status + 10 + 4 * s, rows, mask=live)
-            tl.store(status + 11 + 4 * s, expanded, mask=live)
-            record(status, _JUDGED, _NOTIFY, nbad, worst, worst_x, e)
+    if nbad != 0:
+        record_verdict(ctrl, W, status_addr, _JUDGED, _NOTIFY, nbad, worst, worst_x, e, codes, fmts, rows, expanded,
+                       4, W_P2)  # fmt: skip
     return nbad == 0
 
 

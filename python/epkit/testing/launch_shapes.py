@@ -170,17 +170,15 @@ def record_target_shapes() -> list[dict]:
 def _ep_target(world: int, rank: int, ctas: int, hidden: int = 7168, num_experts: int = 256, topk: int = 8) -> None:
     """Every EP launcher once at the target sizes, with the addresses laid out as ``DeviceState`` lays them."""
     from epkit.collectives.ep.device_state import device_layout
-    from epkit.kernels.triton import ep_combine as cb
     from epkit.kernels.triton import ep_low_latency as ll
-    from epkit.kernels.triton import ep_normal as nm
-    from epkit.kernels.triton import ep_normal_recv as nr
     from epkit.kernels.triton.ep_layout import STATUS_DETAIL, STATUS_WORDS
 
     n_ll, n, tokens = 128, 4096, 4096
     lay = device_layout(world, hidden, num_experts, topk, n_ll, n)
     bases = [0x7F00_0000_0000 + r * (1 << 36) for r in range(world)]  # one rank's memory per 64 GiB
-    table = {k: torch.tensor([b + lay[k] for b in bases]) for k in ("ll_dispatch", "ll_combine", "notify", "agree")}
-    table["rows"] = torch.tensor([b + lay["rows"] for b in bases])
+    table = {
+        k: torch.tensor([b + lay[k] for b in bases]) for k in ("ll_dispatch", "ll_combine", "notify", "agree", "rows")
+    }
     local = {k: bases[rank] + lay[k] for k in table}
     status = torch.zeros(STATUS_WORDS + STATUS_DETAIL * world, dtype=torch.int64)
     cuda = torch.device("cpu")  # CPU tensors: their dtypes and alignment are what a launch specializes on
@@ -208,7 +206,18 @@ def _ep_target(world: int, rank: int, ctas: int, hidden: int = 7168, num_experts
     y = torch.empty(local_experts, world * n_ll, hidden, dtype=torch.bfloat16)
     ll.ll_combine_send(geo, y, counts, n_ll, (5, 1))
     ll.ll_combine_recv(geo, x, torch.empty(n_ll, topk), route, n_ll, (5, 1))
+    _normal_target(common, table, local, lay, (world, n, tokens), (hidden, num_experts, topk), text)
 
+
+def _normal_target(common: dict, table: dict, local: dict, lay: dict, counts_: tuple, shape: tuple, text) -> None:
+    """:func:`_ep_target`'s normal-mode launches (plain and worst-case dispatches, their combines):
+    ``counts_`` ``(world, num_max_tokens_per_rank, tokens)``, ``shape`` ``(hidden, num_experts, topk)``."""
+    from epkit.kernels.triton import ep_combine as cb
+    from epkit.kernels.triton import ep_normal as nm
+    from epkit.kernels.triton import ep_normal_recv as nr
+
+    (world, n, tokens), (hidden, num_experts, topk) = counts_, shape
+    local_experts = num_experts // world
     ngeo = nm.NormalGeometry(
         num_experts=num_experts, num_topk=topk, cap=world * n, notify_table=table["notify"],
         rows_table=table["rows"], rows_local=local["rows"], notify_area=lay["notify_area"],
@@ -240,8 +249,9 @@ def _ep_target(world: int, rank: int, ctas: int, hidden: int = 7168, num_experts
                        m=torch.empty(rows, dtype=torch.int32))  # fmt: skip
         nr.dispatch_recv(ngeo, out, lay_words, rows, 128, hidden, 4 * (hidden // 128))
         nr.dispatch_recv(ngeo, out, lay_words, -1, 128, hidden, 4 * (hidden // 128))  # a worst-case dispatch's
-    agreed = torch.zeros(3 * world + 1, dtype=torch.int64)
+    agreed = torch.zeros(4 * world + 1, dtype=torch.int64)
     cb.agree(cgeo, text, agreed, 0, (5, 1), 1)
+    cb.agree(cgeo, text, agreed, 0, (5, 2), 2, 1)  # judged on the device: after a worst-case dispatch
     y = torch.empty(rows, hidden, dtype=torch.bfloat16)
     cb.combine_send(cgeo, y, lay_words, ngeo.tail(), rows)
     cb.combine_send(cgeo, y, lay_words, ngeo.tail(), rows, out["slot"], torch.empty(rows, topk))
