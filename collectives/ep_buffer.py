@@ -73,7 +73,8 @@ class EPBuffer:
         for nvshmem); routing metadata and handles stay on the CPU. On CUDA the row moves and sums are torch
         ops with the CPU's fused C++ rounding (tested on CPU through ``portable=True``, and over nvshmem
         with ``epkit.testing.nvshmem_emulator``). Normal mode synchronizes with the host (routing copied to the
-        CPU, counts read back, as DeepEP's normal mode reads its counts); the low-latency mode does not (see
+        CPU, counts read back, as DeepEP's normal mode reads its counts; not a worst-case dispatch on the device
+        kernels: ``dispatch(num_worst_tokens=...)``); the low-latency mode does not (see
         ``ep/ll_host.py``: on CUDA rows its failures surface at a later call or at :meth:`synchronize`).
     num_max_dispatch_tokens_per_rank : int, optional
         Capacity of the low-latency mode: the most tokens a rank sends in one low-latency dispatch (default
@@ -301,7 +302,9 @@ class EPBuffer:
             ids -1, weights 0, ``m_indices`` -1; a combine takes ``y`` of the padded shape. Every rank passes the same
             value and none may receive more rows than it: else ValueError on every rank before any row moves (on
             the device kernels at the rank's next call, retiring the buffer: the host learns of it only then; at once
-            on CPU ranks, whose kernels have finished when the call returns).
+            on CPU ranks, whose kernels have finished when the call returns). Such a call, its combine and its cached
+            dispatches are the normal mode's only ones a CUDA graph can capture (warm up eagerly first: the first
+            call allocates the buffer's host words).
 
         Returns
         -------
@@ -313,7 +316,12 @@ class EPBuffer:
             ``num_worst_tokens``: a ``[L]`` int32 tensor on the buffer's device)
         handle : DispatchHandle (``handle.m_indices`` when expanded: see :attr:`DispatchHandle`)
         """
-        refuse_capture("dispatch", self.device)
+        if isinstance(handle, DispatchHandle):
+            worst = handle.worst is not None
+        else:
+            worst = worst_error(num_worst_tokens) is None and num_worst_tokens > 0
+        if not (worst and self.uses_device_kernels):  # only a worst-case call on the kernels reads nothing back
+            refuse_capture("dispatch", self.device)
         scales = None
         if isinstance(x, (tuple, list)):
             x, scales = x
@@ -375,7 +383,10 @@ class EPBuffer:
         -------
         Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order.
         """
-        refuse_capture("combine", self.device)
+        if not (isinstance(handle, DispatchHandle) and handle.worst and self.uses_device_kernels):
+            refuse_capture(
+                "combine", self.device
+            )  # only a worst-case dispatch's combine on the kernels can be captured
         return self._normal.combine(y, handle, topk_weights, bias)
 
     def combine_unsummed(

@@ -230,3 +230,37 @@ def _gpu_worst(rank, world_size):
 @requires_cuda
 def test_gpu_worst_case_dispatch_and_combine_read_nothing_back():
     assert run_ranks(_gpu_worst, 1, timeout=240) == [True]
+
+
+def _gpu_capture(rank, world_size):
+    """Rung 4: a worst-case dispatch and its combine captured in a CUDA graph (after one eager warm-up call) and
+    replayed on new rows give, each time, the eager plain dispatch's rows (padded) and its combine's bits."""
+    torch.cuda.set_device(0)
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="nvshmem", timeout=20)
+    x, idx, w = (t.cuda() for t in _routing(rank, 6, num_tokens=N_MAX))
+    static_x = x.clone()
+
+    def step():
+        got = buf.dispatch(static_x, idx, w, expert_alignment=ALIGN, expand=True, num_worst_tokens=N_MAX)
+        return got, buf.combine(got.recv_x, got.handle)
+
+    step()  # compiles, allocates the host words
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, out = step()
+    for trial in range(3):
+        static_x.copy_((x.float() * (trial + 2)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        plain = buf.dispatch(static_x, idx, w, expert_alignment=ALIGN, expand=True)
+        want = buf.combine(plain.recv_x, plain.handle)
+        _check_padded(captured.recv_x.cpu(), plain.recv_x.cpu(), _expanded_bound(N_MAX, EXPERTS), 0)
+        assert torch.equal(out.cpu(), want.cpu()), trial
+    buf.close()
+    return True
+
+
+@requires_cuda
+def test_gpu_worst_case_dispatch_and_combine_replay_from_a_cuda_graph():
+    assert run_ranks(_gpu_capture, 1, timeout=240) == [True]

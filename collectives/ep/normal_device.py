@@ -141,7 +141,7 @@ class DeviceNormalPath:
             )
             pinned = self.ctx.device.type == "cuda"
             summary = torch.zeros(summary_words(w, self.cfg.num_local_experts), dtype=torch.int64, pin_memory=pinned)
-            agreed = torch.zeros(4 * w + 1, dtype=torch.int64, pin_memory=pinned)  # + the ready word
+            agreed = torch.zeros(4 * w + 2, dtype=torch.int64, pin_memory=pinned)  # + exchange and ready words
             self._geo = (normal, combine, summary, agreed)
         return self._geo
 
@@ -237,14 +237,15 @@ class DeviceNormalPath:
         every rank else): the route, the unaligned counts per local expert and the rows from each source."""
         got, w = self._read_back(summary, ready), self.cfg.world_size
         codes, fmts, recv_n = got[2 : 2 + w], got[2 + w : 2 + 2 * w], got[2 + 2 * w : 2 + 3 * w]
+        exchange = got[2 + 3 * w + self.cfg.num_local_experts]  # the device's number (graph replays count there)
         found = judge_notify(
-            codes, fmts, None, None, None, self.cfg.ranks, lambda src: self.dev.notify_text(src, ready)
+            codes, fmts, None, None, None, self.cfg.ranks, lambda src: self.dev.notify_text(src, exchange)
         )
         if found is not None:
             if any(f >= FORMAT_UNIT for f in fmts):  # a worst-case peer judged it on the device and retired: so do we
                 self._retire(found)
             raise ValueError(str(found).replace(REJECTED_WHAT, what, 1)) if what else found
-        counts = got[2 + 3 * w :]
+        counts = got[2 + 3 * w : 2 + 3 * w + self.cfg.num_local_experts]
         aligned = [-(-c // alignment) * alignment for c in counts]
         return DeviceRoute(lay, idx, got[0], got[1], aligned), counts, recv_n
 
@@ -332,10 +333,11 @@ class DeviceNormalPath:
             return
         got, w = self._read_back(agreed, ready), self.cfg.world_size
         heads = [[got[r], got[w + r], got[2 * w + r]] for r in range(w)]
+        exchange = got[4 * w]  # the device's number (graph replays count there)
         try:
-            judge_agreement(self.ctx, what, heads, lambda src: self.dev.message_text("agree", src, ready, 32))
+            judge_agreement(self.ctx, what, heads, lambda src: self.dev.message_text("agree", src, exchange, 32))
         except ValueError as exc:
-            if any(got[3 * w :]):  # a peer judged it on the device and retired: so does this rank
+            if any(got[3 * w : 4 * w]):  # a peer judged it on the device and retired: so does this rank
                 self._retire(exc)
             raise
 

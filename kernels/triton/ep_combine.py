@@ -96,6 +96,7 @@ def _agree(text_ptr, agree_table, ctrl_table, ctrl_addr, notice_addr, status_add
             h = ptr(host_addr, tl.int64)
             for j in tl.static_range(4):
                 tl.store(h + j * W + s, tl.load(at + j, mask=s < W), mask=s < W)
+            tl.store(h + 4 * W, e)  # the exchange's number: its parity picks the area (the error texts)
             if judged != 0:
                 _judge_agreement(at, status_addr, ctrl, W, e, code, ident0, ident1, judged - 1, W_P2)
         end_exchange(ctrl, _AGREE, W, e)
@@ -214,8 +215,9 @@ class CombineGeometry:
 
 @launcher
 def agree(geo: CombineGeometry, text, host, code: int, ident: tuple[int, int], ready: int, judged: int = 0) -> None:
-    """The agreement exchange (one program): ``host`` gets ``[status[W], buffer id[W], epoch[W], judged[W], ready]``
-    (``ready``, the caller's call number, written after every other word). ``judged``: 0, the host reads and
+    """The agreement exchange (one program): ``host`` gets ``[status[W], buffer id[W], epoch[W], judged[W], exchange,
+    ready]`` (``exchange``: the exchange's number on the device; ``ready``, the caller's call number, written after
+    every other word). ``judged``: 0, the host reads and
     judges; 1 (a combine) or 2 (a cached dispatch), the kernel judges (after a worst-case dispatch)."""
     launch(
         _agree, (1,), geo.device, text, geo.agree_table, geo.ctrl_table, geo.ctrl, geo.notices, geo.status, geo.clock,

@@ -70,9 +70,10 @@ _OK, _BAD, _JUDGED = tl.constexpr(OK), tl.constexpr(BAD_IDS), tl.constexpr(CODE_
 
 
 def summary_words(world: int, local: int) -> int:
-    """Words of the notify summary in host memory: ``[R, X, code[W], fmt[W], recv_n[W], count[L], ready]``
-    (``ready``: the call number, written last)."""
-    return 2 + 3 * world + local + 1
+    """Words of the notify summary in host memory: ``[R, X, code[W], fmt[W], recv_n[W], count[L], exchange, ready]``
+    (``exchange``: the notify exchange's number on the device, whose parity picks the area the messages are in: a
+    graph's replays make exchanges the host never counted; ``ready``: the call number, written last)."""
+    return 2 + 3 * world + local + 2
 
 
 # the layout words (int64, one tensor per dispatch; ``layout_words`` sizes it): send_start [W_P2],
@@ -191,7 +192,7 @@ def _align_up(n, align):
 
 
 @triton.jit
-def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, align, E: tl.constexpr, L: tl.constexpr,
+def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, e, align, E: tl.constexpr, L: tl.constexpr,
                    W_P2: tl.constexpr, E_P2: tl.constexpr, L_P2: tl.constexpr):  # fmt: skip
     """From every rank's message: where this rank's rows go in every destination (``send_start [W_P2]``, then
     ``exp_base``: the expanded row of this rank's first pair per global expert ``d * L + l``) and what it
@@ -221,6 +222,7 @@ def _global_layout(msgs, msg_bytes, layout_ptr, host_ptr, me, W, align, E: tl.co
     tl.store(h + 2 + W + s, fmt, mask=live)
     tl.store(h + 2 + 2 * W + s, recv_n, mask=live)
     tl.store(h + 2 + 3 * W + lj, cnt, mask=lj < L)
+    tl.store(h + 2 + 3 * W + L, e)
     rs, es = vcumsum(recv_n, 0) - recv_n, vcumsum(al, 0) - al
     return rs, recv_n, es, cnt, code, fmt, vsum(nmat, 0), vsum(aligned, 1)
 
@@ -263,7 +265,7 @@ def _notify(counts_ptr, layout_ptr, text_ptr, notify_table, ctrl_table, ctrl_add
             msgs = tl.load(notify_table + me) + off
             tl.debug_barrier()  # every thread has read the totals before the layout overwrites their words
             rs, rn, es, cnt, codes, fmts, rows, expanded = _global_layout(
-                msgs, msg_bytes, layout_ptr, host_addr, me, W, align, E, L, W_P2, E_P2, L_P2
+                msgs, msg_bytes, layout_ptr, host_addr, me, W, e, align, E, L, W_P2, E_P2, L_P2
             )
             tail = layout_ptr + layout_tail(W_P2, E_P2, P_P2)
             tl.store(tail + tl.arange(0, W_P2), rs)

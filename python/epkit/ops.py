@@ -115,8 +115,9 @@ def refuse_capture(what: str, device: torch.device) -> None:
     if torch.device(device).type == "cuda" and capturing():
         raise RuntimeError(
             f"{what} cannot run under CUDA graph capture: its output sizes come from a host read of the received "
-            f"counts. Capture low_latency_dispatch / low_latency_combine (fixed shapes, no host synchronisation) "
-            f"instead, or run {what} outside the graph"
+            f"counts. Capture low_latency_dispatch / low_latency_combine (fixed shapes, no host synchronisation), or "
+            f"a dispatch with num_worst_tokens (and its combine) on a buffer on the device kernels, instead, or run "
+            f"{what} outside the graph"
         )
 
 

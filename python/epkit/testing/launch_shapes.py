@@ -249,7 +249,7 @@ def _normal_target(common: dict, table: dict, local: dict, lay: dict, counts_: t
                        m=torch.empty(rows, dtype=torch.int32))  # fmt: skip
         nr.dispatch_recv(ngeo, out, lay_words, rows, 128, hidden, 4 * (hidden // 128))
         nr.dispatch_recv(ngeo, out, lay_words, -1, 128, hidden, 4 * (hidden // 128))  # a worst-case dispatch's
-    agreed = torch.zeros(4 * world + 1, dtype=torch.int64)
+    agreed = torch.zeros(4 * world + 2, dtype=torch.int64)
     cb.agree(cgeo, text, agreed, 0, (5, 1), 1)
     cb.agree(cgeo, text, agreed, 0, (5, 2), 2, 1)  # judged on the device: after a worst-case dispatch
     y = torch.empty(rows, hidden, dtype=torch.bfloat16)
