@@ -383,10 +383,9 @@ class EPBuffer:
         -------
         Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order.
         """
+        # only a worst-case dispatch's combine on the kernels reads nothing back: a graph can capture it
         if not (isinstance(handle, DispatchHandle) and handle.worst and self.uses_device_kernels):
-            refuse_capture(
-                "combine", self.device
-            )  # only a worst-case dispatch's combine on the kernels can be captured
+            refuse_capture("combine", self.device)
         return self._normal.combine(y, handle, topk_weights, bias)
 
     def combine_unsummed(

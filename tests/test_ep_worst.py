@@ -94,6 +94,28 @@ def test_worst_case_outputs_equal_the_plain_dispatch_padded(transport, kernels):
     assert run_ranks(_equivalence, 2, transport, kernels, timeout=240) == [True, True]
 
 
+def _fp8(rank, world_size, transport, kernels):
+    from epkit.quant import per_token_group_cast_to_fp8
+
+    buf = _buffer(world_size, transport, kernels)
+    x, idx, w = _routing(rank, 7)
+    xq = per_token_group_cast_to_fp8(x.float(), 128)
+    n = world_size * N_MAX
+    for expand in (False, True):
+        plain = buf.dispatch(xq, idx, w, expert_alignment=ALIGN, expand=expand)
+        worst = buf.dispatch(xq, idx, w, expert_alignment=ALIGN, expand=expand, num_worst_tokens=n)
+        rows = _expanded_bound(n, EXPERTS // world_size) if expand else n
+        _check_padded(worst.recv_x[0].view(torch.uint8), plain.recv_x[0].view(torch.uint8), rows, 0)
+        _check_padded(worst.recv_x[1], plain.recv_x[1], rows, 0)  # the scales
+    buf.close()
+    return True
+
+
+@pytest.mark.parametrize("transport,kernels", PATHS)
+def test_fp8_rows_and_their_scales_are_padded_alike(transport, kernels):
+    assert run_ranks(_fp8, 2, transport, kernels, timeout=240) == [True, True]
+
+
 @requires_namespaces
 def test_worst_case_outputs_on_the_hierarchy_across_two_hosts():
     assert run_hosts(_equivalence, 2, 2, "auto", "host", timeout=240) == [True] * 4

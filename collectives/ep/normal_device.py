@@ -3,11 +3,14 @@
 
 Dispatch: ``layout`` -> ``notify`` -> one host read of the summary (every rank's status and format, the rows
 received: this is what sizes the outputs) -> ``dispatch_send`` -> ``dispatch_recv``; routing and handles stay
-on the device. A worst-case dispatch (``num_worst_tokens``, ``ep/worst.py``) sizes its outputs from that and
-reads nothing: ``notify`` judges the exchange on the device, the receive and the combine read the rows
-received from the layout. Combine and cached dispatch: ``agree`` -> one host read (every rank's call valid, every handle
+on the device. Combine and cached dispatch: ``agree`` -> one host read (every rank's call valid, every handle
 from the same dispatch of this buffer: else the same ValueError on every rank, before any row moves, and the
 buffer goes on) -> ``combine_send`` -> ``combine_reduce`` (or ``dispatch_send`` -> ``dispatch_recv``).
+
+A worst-case dispatch (``num_worst_tokens``, ``ep/worst.py``) sizes its outputs from that and reads nothing back,
+nor do its combine and cached dispatches: ``notify`` and ``agree`` judge on the device (a rejection is a recorded
+failure, raised at the rank's next call), the receive and the combine kernels read the rows received from the
+layout. A CUDA graph can capture these calls.
 
 The normal-mode path of a buffer that took the device kernels (``device_state``). Results are bitwise those of
 the host-driven paths.
@@ -294,11 +297,10 @@ class DeviceNormalPath:
         x, scales = x.contiguous(), scales.contiguous() if scales is not None else None
         dispatch_send(geo, x, scales, state.idx, weights, state.lay, send_pos)
         state.send_pos = send_pos
-        r, rows = (
-            (worst[0], worst[1] if expand else worst[0])
-            if worst
-            else (state.rows, state.expanded if expand else state.rows)
-        )
+        if worst is not None:  # the rows received are unknown here: outputs of the worst case's shape
+            r, rows = worst[0], worst[1] if expand else worst[0]
+        else:
+            r, rows = state.rows, state.expanded if expand else state.rows
         g = scales.shape[1] if scales is not None else 0
         out: _Outputs = {
             "x": torch.empty((rows, h), dtype=x.dtype, device=dev),
