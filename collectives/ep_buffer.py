@@ -279,6 +279,7 @@ class EPBuffer:
         expand: bool = False,
         handle: DispatchHandle | None = None,
         num_worst_tokens: int = 0,
+        num_sms: int | None = None,
     ) -> DispatchResult:
         """Send each token to every rank holding one of its experts.
 
@@ -305,6 +306,11 @@ class EPBuffer:
             on CPU ranks, whose kernels have finished when the call returns). Such a call, its combine and its cached
             dispatches are the normal mode's only ones a CUDA graph can capture (warm up eagerly first: the first
             call allocates the buffer's host words).
+        num_sms : int, optional
+            The SM budget of this call on the device kernels (DeepEP's ``num_sms``): the programs of each of its
+            multi-program launches (an int >= 2; None: the buffer's, 128 on CUDA). Each rank may pass its own. Its
+            cached dispatches keep it (their layout's chunks are its programs). Under the interpreter the count
+            is honoured too (programs run one after another); no effect on the host-driven paths.
 
         Returns
         -------
@@ -325,22 +331,25 @@ class EPBuffer:
         scales = None
         if isinstance(x, (tuple, list)):
             x, scales = x
-        if handle is not None:
+        if handle is not None:  # a cached dispatch keeps its dispatch's num_sms
             result = self._normal.dispatch_cached(x, scales, handle)
             if handle.worst is not None and not self.uses_device_kernels:  # the kernels padded it themselves
                 result = pad_result(result, handle.worst, self.num_local_experts)
             return result
-        if isinstance(num_worst_tokens, int) and not isinstance(num_worst_tokens, bool) and num_worst_tokens == 0:
+        plain = isinstance(num_worst_tokens, int) and not isinstance(num_worst_tokens, bool) and num_worst_tokens == 0
+        if isinstance(self._normal, DeviceNormalPath):
+            bad = worst_error(num_worst_tokens)  # a bad value is this rank's rejection: the others learn why
+            n = num_worst_tokens if bad is None else 0
+            return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, n, bad, num_sms)
+        if plain:
             return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand)
         return self._dispatch_worst(x, scales, topk_idx, topk_weights, expert_alignment, expand, num_worst_tokens)
 
     def _dispatch_worst(self, x, scales, topk_idx, topk_weights, alignment: int, expand: bool, n) -> DispatchResult:
-        """``dispatch`` with ``num_worst_tokens=n`` (see there): the device kernels judge it themselves; a host path
-        first exchanges every rank's counts (``worst.check_worst``), then dispatches and pads."""
+        """``dispatch`` with ``num_worst_tokens=n`` (see there) on a host path: first an exchange of every rank's
+        counts (``worst.check_worst``), then the dispatch, padded."""
         bad = worst_error(n)
         n = n if bad is None else 0  # a bad value is this rank's rejection: its peers learn why in the agreement
-        if isinstance(self._normal, DeviceNormalPath):
-            return self._normal.dispatch(x, scales, topk_idx, topk_weights, alignment, expand, n, bad)
         cfg = self.cfg
         error = bad or routing.dispatch_error(cfg, self.device, x, scales, topk_idx, topk_weights, alignment, False)
         counts = dispatch_layout(cfg, topk_idx.cpu())[:2] if error is None else (torch.zeros(0), torch.zeros(0))
@@ -364,7 +373,12 @@ class EPBuffer:
         return out.to(handle.device)
 
     def combine(
-        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias=None,
+        num_sms: int | None = None,
     ) -> torch.Tensor:
         """Return every token's expert outputs to its source rank and sum them there.
 
@@ -378,6 +392,8 @@ class EPBuffer:
             Expanded mode: weights to apply (default: the weights carried in the handle).
         bias : Tensor [T, hidden] or a tuple of up to two, optional
             Added after the sum (e.g. the shared expert's output).
+        num_sms : int, optional
+            This call's SM budget on the device kernels (as :meth:`dispatch`'s; no effect elsewhere).
 
         Returns
         -------
@@ -386,6 +402,8 @@ class EPBuffer:
         # only a worst-case dispatch's combine on the kernels reads nothing back: a graph can capture it
         if not (isinstance(handle, DispatchHandle) and handle.worst and self.uses_device_kernels):
             refuse_capture("combine", self.device)
+        if isinstance(self._normal, DeviceNormalPath):
+            return self._normal.combine(y, handle, topk_weights, bias, num_sms)
         return self._normal.combine(y, handle, topk_weights, bias)
 
     def combine_unsummed(

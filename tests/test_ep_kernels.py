@@ -282,3 +282,34 @@ def test_gpu_section_counts_the_moved_bytes_and_judges_each_target(monkeypatch):
     kernel_targets(ctx, out)
     assert out["ep_kernels"]["targets"] == TARGETS
     assert all(out["ep_kernels"][k]["status"].startswith("not run") for k in ("normal", "low_latency")), out
+
+
+def _num_sms(rank, world_size):
+    """Each rank its own SM budget per call (odd counts, honoured by the interpreter too): the same bits as the
+    buffer's default, for a plain, an expanded worst-case and a cached dispatch and their combines."""
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 64, TOPK, transport="shm", kernels="device", timeout=20)
+    x, idx, w = _routing(rank, world_size, "random", 12)
+    out = []
+    for sms in (None, [3, 5][rank], [7, 2][rank]):
+        plain = buf.dispatch(x, idx, w, expert_alignment=4, num_sms=sms)
+        worst = buf.dispatch(x, idx, w, expert_alignment=4, expand=True, num_worst_tokens=128, num_sms=sms)
+        cached = buf.dispatch((x.float() + 1).bfloat16(), handle=plain.handle)
+        y = (plain.recv_x.float() * 0.5).bfloat16()
+        combined = buf.combine(y, plain.handle, num_sms=sms)
+        combined_worst = buf.combine(worst.recv_x, worst.handle, num_sms=[2, 4][rank] if sms else None)
+        out.append([plain.recv_x, worst.recv_x, EPBuffer.m_indices(worst.handle), cached.recv_x, combined,
+                    combined_worst])  # fmt: skip
+    default, *others = out
+    same = [[torch.equal(a, b) for a, b in zip(default, other)] for other in others]
+    try:
+        buf.dispatch(x, idx, w, num_sms=[8, 1][rank])
+    except ValueError as exc:
+        error = str(exc)
+    buf.close()
+    return same, error
+
+
+def test_each_rank_may_choose_its_own_num_sms_per_call():
+    for same, error in run_ranks(_num_sms, 2, timeout=240):
+        assert same == [[True] * 6] * 2, same
+        assert error.startswith("dispatch rejected on every rank before any data moved: rank 1: num_sms must be")

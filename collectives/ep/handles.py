@@ -37,7 +37,7 @@ class DeviceRoute:
     routing, ``rows`` / ``expanded`` the rows received and expanded (-1 for a worst-case dispatch, whose host never
     read them: the kernels read them from ``lay``), ``aligned`` the per-expert counts dispatch returned (a device
     tensor for a worst-case dispatch), ``send_pos`` ``[T, W]`` where each token went, ``m`` the expanded rows'
-    expert ids (``m_indices``)."""
+    expert ids (``m_indices``), ``num_sms`` the programs its launches ran (the layout's chunks depend on them)."""
 
     lay: torch.Tensor
     idx: torch.Tensor
@@ -46,6 +46,7 @@ class DeviceRoute:
     aligned: list[int] | torch.Tensor
     send_pos: torch.Tensor | None = None
     m: torch.Tensor | None = None
+    num_sms: int | None = None  # the dispatch's programs per launch (None: the buffer's): its layout's chunks
 
 
 @dataclass

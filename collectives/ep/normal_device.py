@@ -78,11 +78,13 @@ class DeviceNormalPath:
 
     def dispatch(
         self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-        alignment: int, expand: bool, worst: int = 0, error: str | None = None,
+        alignment: int, expand: bool, worst: int = 0, error: str | None = None, num_sms: int | None = None,
     ) -> DispatchResult:  # fmt: skip
         """Normal dispatch on the kernels (see ``EPBuffer.dispatch``); ``worst``: its ``num_worst_tokens``,
-        ``error``: the caller's own verdict on its arguments."""
-        return self._dispatch(x, scales, topk_idx, topk_weights, alignment, expand, error, worst=worst)
+        ``error``: the caller's own verdict on its arguments, ``num_sms``: the programs of its launches."""
+        error = error or routing.num_sms_error(num_sms)
+        sms = num_sms if error is None else None
+        return self._dispatch(x, scales, topk_idx, topk_weights, alignment, expand, error, worst=worst, num_sms=sms)
 
     def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
         """A dispatch along an earlier one's routing: the handle agreement (one launch), then the rows."""
@@ -91,13 +93,16 @@ class DeviceNormalPath:
         return self.dispatch_cached_rows(x, scales, handle)
 
     def combine(
-        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias
-    ) -> torch.Tensor:
-        """Combine on the kernels (see ``EPBuffer.combine``): the agreement (one launch), then the rows."""
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias,
+        num_sms: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Combine on the kernels (see ``EPBuffer.combine``): the agreement (one launch), then the rows;
+        ``num_sms``: the programs of its launches (None: the buffer's)."""
         error, biases, weights = routing.check_combine(self.cfg, self.ctx.device, y, handle, topk_weights, bias, True)
+        error = error or routing.num_sms_error(num_sms)
         self.agree("combine", handle, error)
         with self.ctx.retire_on_failure("combine"):
-            return self._combine(y, handle, weights, biases)
+            return self._combine(y, handle, weights, biases, num_sms)
 
     def bytes_across_hosts(self) -> int:
         return 0  # the kernels run inside one domain only
@@ -171,6 +176,7 @@ class DeviceNormalPath:
     def _dispatch(
         self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
         alignment: int, expand: bool, error: str | None = None, what: str | None = None, worst: int = 0,
+        num_sms: int | None = None,
     ) -> DispatchResult:  # fmt: skip
         """``dispatch`` (not cached) on the kernels: same arguments and results. ``error``: the caller's own
         validation failed (``fused_moe``); ``what``: the caller's name in the rejection ("dispatch"); ``worst``:
@@ -180,7 +186,7 @@ class DeviceNormalPath:
         self.ctx.buffer.check_usable()
         self.dev.poll()
         self.ctx.dispatches += 1
-        geo, _, summary, _ = self._geometries()
+        geo, summary = self._normal_geo(num_sms), self._geometries()[2]
         error = error or routing.dispatch_error(
             self.cfg, self.ctx.device, x, scales, topk_idx, topk_weights, alignment, True
         )
@@ -204,13 +210,14 @@ class DeviceNormalPath:
         if worst:
             if error is not None:  # this rank's own call was rejected: the device's verdict names it (and the others')
                 self.dev.poll(wait=True)
-            state, recv_n = self._worst_route(lay, idx, alignment), list[int]()
+            state, recv_n = self._worst_route(lay, idx, alignment, num_sms), list[int]()
         else:
             state, counts_l, recv_n = self._read_route(summary, ready, lay, idx, alignment, what)
+            state.num_sms = num_sms
         with self.ctx.retire_on_failure("dispatch"):
             out = self._move(x, scales, weights, state, alignment, expand, shape if worst else None)
         if worst:
-            self.ctx.count_load(self._received_counts(lay).to(torch.int64))
+            self.ctx.count_load(self._received_counts(lay, num_sms).to(torch.int64))
         else:
             self.ctx.recv_tokens_per_expert_total += torch.tensor(counts_l, dtype=torch.int64)
         handle = DispatchHandle(
@@ -258,17 +265,25 @@ class DeviceNormalPath:
         assert on_failure is not None  # a SymmBuffer's checks always retire it
         on_failure(exc)
 
-    def _received_counts(self, lay: torch.Tensor) -> torch.Tensor:
-        """``[L]`` int64 (pairs per local expert received), a view of the layout words on the device."""
-        z, local = self._geometries()[0].sizes(), self.cfg.num_local_experts
-        at = self._geometries()[0].tail() + 2 * z["W_P2"] + z["L_P2"]
+    def _normal_geo(self, num_sms: int | None) -> NormalGeometry:
+        """The dispatch kernels' geometry for a call with ``num_sms`` programs per launch (None: the buffer's)."""
+        geo = self._geometries()[0]
+        return geo if num_sms is None else dataclasses.replace(geo, ctas=num_sms, exact_ctas=True)
+
+    def _received_counts(self, lay: torch.Tensor, num_sms: int | None) -> torch.Tensor:
+        """``[L]`` int64 (pairs per local expert received), a view of the layout words on the device (whose
+        extent depends on the dispatch's ``num_sms``)."""
+        geo, local = self._normal_geo(num_sms), self.cfg.num_local_experts
+        z = geo.sizes()
+        at = geo.tail() + 2 * z["W_P2"] + z["L_P2"]
         return lay[at : at + local]
 
-    def _worst_route(self, lay: torch.Tensor, idx: torch.Tensor, alignment: int) -> DeviceRoute:
+    def _worst_route(self, lay: torch.Tensor, idx: torch.Tensor, alignment: int, num_sms: int | None) -> DeviceRoute:
         """A worst-case dispatch's route: rows and expanded rows unknown to the host (-1), the aligned counts a
         ``[L]`` int32 tensor computed on the device from the layout (no host read)."""
-        c = self._received_counts(lay)
-        return DeviceRoute(lay, idx, -1, -1, ((c + alignment - 1) // alignment * alignment).to(torch.int32))
+        c = self._received_counts(lay, num_sms)
+        aligned = ((c + alignment - 1) // alignment * alignment).to(torch.int32)
+        return DeviceRoute(lay, idx, -1, -1, aligned, num_sms=num_sms)
 
     def dispatch_cached_rows(
         self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle
@@ -291,7 +306,7 @@ class DeviceNormalPath:
         from epkit.kernels.triton.ep_normal import dispatch_send
         from epkit.kernels.triton.ep_normal_recv import dispatch_recv
 
-        geo, _, _, _ = self._geometries()
+        geo = self._normal_geo(state.num_sms)  # the layout's chunks are the dispatch's programs
         dev, t, k, w, h = self.ctx.device, x.shape[0], self.cfg.num_topk, self.cfg.world_size, self.cfg.hidden
         send_pos = torch.empty((t, w), dtype=torch.int32, device=dev)
         x, scales = x.contiguous(), scales.contiguous() if scales is not None else None
@@ -367,15 +382,19 @@ class DeviceNormalPath:
             return self._combine(y, handle, handle.recv_topk_weights, biases)
 
     def _combine(
-        self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor]
-    ) -> torch.Tensor:
-        """``combine`` on the kernels after the agreement: expert side, then source side (two launches)."""
+        self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor],
+        num_sms: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``combine`` on the kernels after the agreement: expert side, then source side (two launches of
+        ``num_sms`` programs, None: the buffer's)."""
         from epkit.kernels.triton.ep_combine import combine_reduce, combine_send
 
-        _, cgeo, _, _ = self._geometries()
+        cgeo = self._geometries()[1]
+        if num_sms is not None:
+            cgeo = dataclasses.replace(cgeo, ctas=num_sms, exact_ctas=True)
         state = handle.kernel_state
         assert state is not None  # a dispatch on the kernels made the handle (the agreement checked it)
-        tail = self._geometries()[0].tail()
+        tail = self._normal_geo(state.num_sms).tail()  # where the dispatch's layout keeps its receive counts
         y = y.contiguous()
         if handle.expand:
             assert weights is not None  # the expanded mode's

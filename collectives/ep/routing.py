@@ -18,6 +18,7 @@ from epkit.utils import check_topk_idx
 
 __all__ = [
     "cached_dispatch_error",
+    "num_sms_error",
     "check_combine",
     "dispatch_error",
     "check_ll_combine",
@@ -69,6 +70,14 @@ def validate_dispatch(
     check_topk(cfg, topk_idx, t, check_values)
     if topk_weights is not None and tuple(topk_weights.shape) != (t, cfg.num_topk):
         raise ValueError(f"topk_weights must be [{t}, {cfg.num_topk}], got {tuple(topk_weights.shape)}")
+
+
+def num_sms_error(num_sms: object) -> str | None:
+    """The verdict on a call's ``num_sms`` (None, or an int >= 2: the programs of its kernels' multi-program
+    launches on the device kernels, no effect elsewhere)."""
+    if num_sms is None or (isinstance(num_sms, int) and not isinstance(num_sms, bool) and num_sms >= 2):
+        return None
+    return f"num_sms must be None or an int >= 2 (the programs of each device-kernel launch), got {num_sms!r}"
 
 
 def dispatch_error(

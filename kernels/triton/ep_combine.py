@@ -37,7 +37,9 @@ from epkit.kernels.triton.ep_common import (
     record_verdict,
     row_words,
     sent_epoch,
+    shared_target,
     signal_peers,
+    signal_share,
     store_f32,
     vsum,
     wait_sources,
@@ -89,7 +91,7 @@ def _agree(text_ptr, agree_table, ctrl_table, ctrl_addr, notice_addr, status_add
             tl.store(w + 2, wide(ident1))
             tl.store(w + 3, wide(judged))
             tl.store(w, wide(code))
-        signal_peers(ctrl_table, W, _AGREE * W + wide(me))
+        signal_peers(ctrl_table, W, _AGREE * W + wide(me), 1)
         if wait_sources(ctrl, _AGREE, W, e, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             s = tl.arange(0, W_P2)
             at = ptr(tl.load(agree_table + me) + off + wide(s) * msg_bytes, tl.int64)
@@ -147,18 +149,20 @@ def _combine_send(y_addr, slot_ptr, w_ptr, layout_ptr, rows_table, ctrl_table, c
                     store_f32(dst, cols, acc, m, DT)
             else:
                 copy_rows_at(dst, y_addr + j * row, j < R, row // 4, BW, 16)
-        signal_peers(ctrl_table, W, _COMBINE * W + wide(me))
+        signal_peers(ctrl_table, W, _COMBINE * W + wide(me), signal_share())
 
 
-@triton.jit(do_not_specialize=["T", "timeout_ns", "W", "n_max", "p_send"])
+@triton.jit(do_not_specialize=["T", "timeout_ns", "W", "n_max"])
 def _combine_reduce(out_ptr, send_pos_ptr, b1_ptr, b2_ptr, status_addr, rows_addr, ctrl_addr, notice_addr,
-                    clock_addr, T, timeout_ns, W, n_max, p_send, H: tl.constexpr, DT: tl.constexpr,
+                    clock_addr, T, timeout_ns, W, n_max, H: tl.constexpr, DT: tl.constexpr,
                     NB: tl.constexpr, BDT: tl.constexpr, BDT2: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_H: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _COMBINE, W)
-        if wait_sources(ctrl, _COMBINE, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
+        if wait_sources(
+            ctrl, _COMBINE, W, shared_target(e), e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER
+        ):
             es: tl.constexpr = 2 if DT != 1 else 4
             bs: tl.constexpr = 2 if BDT != 1 else 4
             bs2: tl.constexpr = 2 if BDT2 != 1 else 4
@@ -208,9 +212,15 @@ class CombineGeometry:
     clock: int
     timeout_ns: int
     device: torch.device
-    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; every rank must use the same
-    #: count: a receiver counts its senders' programs). :func:`~epkit.kernels.triton.ep_common.programs`.
+    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; per rank and per call, e.g. a
+    #: combine's ``num_sms``). :func:`~epkit.kernels.triton.ep_common.programs`.
     ctas: int = ep_common.DEFAULT_CTAS
+    #: ``ctas`` was chosen for the call: the interpreter runs that many programs too (else 2).
+    exact_ctas: bool = False
+
+    def programs(self) -> int:
+        """Programs of each multi-program launch."""
+        return programs(self.device, self.ctas, self.exact_ctas)
 
 
 @launcher
@@ -242,7 +252,7 @@ def combine_send(geo: CombineGeometry, y, lay, tail: int, num_rows: int, slot=No
     expand = slot is not None
     row = geo.hidden * y.element_size()
     launch(
-        _combine_send, (programs(geo.device, geo.ctas),), geo.device, y.data_ptr(), slot if expand else lay,
+        _combine_send, (geo.programs(),), geo.device, y.data_ptr(), slot if expand else lay,
         weights if expand else lay, lay, geo.rows_table, geo.ctrl_table, geo.ctrl, geo.rank, geo.world, num_rows,
         geo.n_max, tail,
         K=geo.num_topk, K_P2=triton.next_power_of_2(geo.num_topk), H=geo.hidden, DT=DTYPE_CODES[y.dtype],
@@ -257,9 +267,9 @@ def combine_reduce(geo: CombineGeometry, out, send_pos, biases) -> None:
     order); ``send_pos [T, W]`` int32 from the dispatch."""
     bt = [b.dtype for b in biases] + [out.dtype] * (2 - len(biases))
     launch(
-        _combine_reduce, (programs(geo.device, geo.ctas),), geo.device, out, send_pos, biases[0] if biases else out,
+        _combine_reduce, (geo.programs(),), geo.device, out, send_pos, biases[0] if biases else out,
         biases[1] if len(biases) > 1 else out, geo.status, geo.rows_local, geo.ctrl, geo.notices, geo.clock,
-        out.shape[0], geo.timeout_ns, geo.world, geo.n_max, programs(geo.device, geo.ctas),
+        out.shape[0], geo.timeout_ns, geo.world, geo.n_max,
         H=geo.hidden, DT=DTYPE_CODES[out.dtype], NB=len(biases), BDT=DTYPE_CODES[bt[0]], BDT2=DTYPE_CODES[bt[1]],
         BLOCK_T=4 if target(geo.device) == "cuda" else 8, BLOCK_H=min(1024, triton.next_power_of_2(geo.hidden)),
         HW_TIMER=target(geo.device) == "cuda",

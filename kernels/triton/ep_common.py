@@ -18,8 +18,11 @@ Control words (int64, at the start of every rank's device area; word ``i`` is ``
 
 An exchange of one kind is numbered on the device (the sender kernel reads ``epoch_in`` and writes
 ``epoch_out``; the receiver reads ``epoch_out`` and writes ``epoch_in``: no kernel reads a word it writes),
-so a captured CUDA graph replays correctly. Every one of a sender's ``P`` programs adds 1 to the receiver's
-counter after its writes; exchange ``e`` is complete at the receiver when the counter reaches ``e * P``.
+so a captured CUDA graph replays correctly. A single-program sender (notify, agree) adds 1 to the receiver's
+counter after its writes, and exchange ``e`` is complete at the receiver when the counter reaches ``e``; each of a
+multi-program sender's ``P`` programs adds its share of :data:`SIGNAL_TOTAL` (the shares sum to it, none is 0),
+and exchange ``e`` is complete when the counter reaches ``e * SIGNAL_TOTAL``: whatever ``P`` the sender ran,
+which each rank may choose per call (``num_sms``) without telling the others.
 
 Waits are bounded: by ``%globaltimer`` on a GPU (``HW_TIMER``), by a clock word a host thread keeps current
 under the interpreter. A wait also ends when the source's gave-up notice (its NOTICE signal word) turns
@@ -53,6 +56,7 @@ from epkit.kernels.triton.launch import target, twin_active
 __all__ = [
     "DEFAULT_CTAS",
     "LAUNCHES",
+    "SIGNAL_TOTAL",
     "alive",
     "begin_send",
     "end_exchange",
@@ -82,6 +86,8 @@ __all__ = [
     "publish_ready",
     "read_word",
     "signal_peers",
+    "signal_share",
+    "shared_target",
     "store_f32",
     "vcumsum",
     "vmax",
@@ -103,15 +109,18 @@ LAUNCHES: dict[str, int] = {}
 
 #: Programs of a multi-program EP launch on CUDA unless a geometry says otherwise (``ctas``).
 DEFAULT_CTAS = 128
+#: What a multi-program sender's programs add to a receiver's counter per exchange, all together (see above).
+SIGNAL_TOTAL = 1 << 20
+_TOTAL = tl.constexpr(SIGNAL_TOTAL)
 
 
-def programs(device: torch.device, ctas: int = DEFAULT_CTAS) -> int:
-    """Programs of every multi-program launch: ``ctas`` on CUDA (the same on every rank: a receiver counts its
-    senders' programs; at least 2: the low-latency send keeps program 0 for the headers), 2 under the
-    interpreter, which runs them one after another."""
+def programs(device: torch.device, ctas: int = DEFAULT_CTAS, exact: bool = False) -> int:
+    """Programs of a multi-program launch: ``ctas`` on CUDA (at least 2: the low-latency send keeps program 0 for
+    the headers; any count per rank and call: a receiver's target does not depend on it, see :func:`signal_share`),
+    under the interpreter, which runs them one after another, 2 unless ``exact`` (a count the caller chose)."""
     if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 2:
         raise ValueError(f"the EP kernels' CTA count must be an int >= 2, got {ctas!r}")
-    return ctas if target(device) == "cuda" else 2
+    return ctas if target(device) == "cuda" or exact else 2
 
 
 def row_words(row_bytes: int, rows: int = 1) -> int:
@@ -282,12 +291,30 @@ def wait_counters(words, notices, count, target, deadline, clock, HW_TIMER: tl.c
 
 
 @triton.jit
-def signal_peers(ctrl_table, W, word):
-    """After every thread's writes: add 1 to control word ``word`` of every rank (release, system scope)."""
+def signal_peers(ctrl_table, W, word, amount):
+    """After every thread's writes: add ``amount`` (1, or :func:`signal_share`) to control word ``word`` of every
+    rank (release, system scope)."""
     tl.debug_barrier()
     for dst in range(W):
         c = ptr(tl.load(ctrl_table + dst), tl.int64)
-        tl.atomic_add(c + word, 1, sem="release", scope="sys")
+        tl.atomic_add(c + word, amount, sem="release", scope="sys")
+
+
+@triton.jit
+def shared_target(e):
+    """The counter value at which exchange ``e`` of a multi-program sender is complete (``e * SIGNAL_TOTAL``)."""
+    return e.to(tl.int64) * _TOTAL
+
+
+@triton.jit
+def signal_share():
+    """This program's share of :data:`SIGNAL_TOTAL` (``SIGNAL_TOTAL // P``, one more for the first ``SIGNAL_TOTAL %
+    P`` programs): the shares of a launch of ``P <= SIGNAL_TOTAL`` programs sum to it, and none is 0, so the total
+    is reached only once every program has signalled."""
+    p, P = tl.program_id(0), tl.num_programs(0)
+    total = tl.full([], _TOTAL, tl.int32)
+    base = total // P
+    return tl.where(p < total - base * P, base + 1, base).to(tl.int64)
 
 
 @triton.jit

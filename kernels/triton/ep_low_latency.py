@@ -45,7 +45,9 @@ from epkit.kernels.triton.ep_common import (
     record_verdict,
     row_words,
     sent_epoch,
+    shared_target,
     signal_peers,
+    signal_share,
     vmax,
     vsum,
     wait_sources,
@@ -205,7 +207,7 @@ def _ll_dispatch_send(x_ptr, idx_ptr, route_ptr, text_ptr, stage_table, ctrl_tab
                 _route_block(idx_ptr, route_ptr, b, T, n_max, E, L, K, BLOCK_T, NP2, CH)
                 tl.debug_barrier()  # the route, stored by every thread, read back by each token's thread
                 _send_block(x_ptr, route_ptr, stage_table, my_off, b, T, n_max, L, K, H, G_P2, FP8, HDR, BLOCK_T)
-        signal_peers(ctrl_table, W, _LLD * W + wide(me))
+        signal_peers(ctrl_table, W, _LLD * W + wide(me), signal_share())
 
 
 # dispatch: receive
@@ -241,16 +243,16 @@ def _unpack(msgs, recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load_ptr
                 copy_rows(recv_s_addr + first * SB, s_at, r0 + rows, c, SB, SB, SB // 4, BW_S, VEC_S)
 
 
-@triton.jit(do_not_specialize=["timeout_ns", "W", "n_max", "p_send"])
+@triton.jit(do_not_specialize=["timeout_ns", "W", "n_max"])
 def _ll_dispatch_recv(recv_x_addr, recv_s_addr, counts_ptr, recv_count_ptr, load_ptr, status_addr, stage_addr,
-                      ctrl_addr, notice_addr, clock_addr, timeout_ns, W, n_max, area_bytes, msg_bytes, p_send,
+                      ctrl_addr, notice_addr, clock_addr, timeout_ns, W, n_max, area_bytes, msg_bytes,
                       L: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr, FP8: tl.constexpr, HDR: tl.constexpr,
                       W_P2: tl.constexpr, L_P2: tl.constexpr, BLOCK_R: tl.constexpr, BW_X: tl.constexpr,
                       BW_S: tl.constexpr, VEC_S: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _LLD, W)
-        if wait_sources(ctrl, _LLD, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
+        if wait_sources(ctrl, _LLD, W, shared_target(e), e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             msgs = stage_addr + (e % 2) * area_bytes
             s = tl.arange(0, W_P2)
             hp = ptr(msgs + s.to(tl.int64) * msg_bytes, tl.int32)
@@ -295,7 +297,7 @@ def _ll_combine_send(y_addr, counts_ptr, stage_table, ctrl_table, ctrl_addr, me,
             y_at = y_addr + (wide(le) * W * n_max + before) * ROW
             for r0 in range(0, c, BLOCK_R):
                 copy_rows(at, y_at, r0 + rows, c, ROW, ROW, ROW // 4, BW, 16)
-        signal_peers(ctrl_table, W, _LLC * W + wide(me))
+        signal_peers(ctrl_table, W, _LLC * W + wide(me), signal_share())
 
 
 @triton.jit
@@ -326,15 +328,15 @@ def _reduce_tokens(out_ptr, w_ptr, route_ptr, msgs, t0, T, n_max, msg_bytes, K: 
         tl.store(out_row[:, None] + cols[None, :], f32_to_bf16_bits(acc), mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "timeout_ns", "W", "n_max", "p_send", "ident0", "ident1"])
+@triton.jit(do_not_specialize=["T", "timeout_ns", "W", "n_max", "ident0", "ident1"])
 def _ll_combine_recv(out_ptr, w_ptr, route_ptr, status_addr, stage_addr, ctrl_addr, notice_addr, clock_addr, T,
-                     timeout_ns, W, n_max, area_bytes, msg_bytes, p_send, ident0, ident1, K: tl.constexpr,
+                     timeout_ns, W, n_max, area_bytes, msg_bytes, ident0, ident1, K: tl.constexpr,
                      K_P2: tl.constexpr, H: tl.constexpr, W_P2: tl.constexpr, BT: tl.constexpr,
                      BLOCK_H: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _LLC, W)
-        if wait_sources(ctrl, _LLC, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
+        if wait_sources(ctrl, _LLC, W, shared_target(e), e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             msgs = stage_addr + (e % 2) * area_bytes
             s = tl.arange(0, W_P2)
             id0, id1 = wide(ident0), wide(ident1)
@@ -385,8 +387,8 @@ class LLGeometry:
     clock: int
     timeout_ns: int
     device: torch.device
-    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; every rank must use the same
-    #: count: a receiver counts its senders' programs). :func:`~epkit.kernels.triton.ep_common.programs`.
+    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; each rank may use its own: a
+    #: receiver's target does not depend on it). :func:`~epkit.kernels.triton.ep_common.programs`.
     ctas: int = DEFAULT_CTAS
 
     @property
@@ -452,7 +454,7 @@ def ll_dispatch_recv(geo: LLGeometry, recv_x, recv_s, counts, recv_count, load, 
         _ll_dispatch_recv, _grid(geo), geo.device,
         recv_x.data_ptr(), (recv_s if recv_s is not None else recv_x).data_ptr(), counts, recv_count, load,
         geo.status, geo.dispatch_local, geo.ctrl, geo.notices, geo.clock, geo.timeout_ns, geo.world, n_max,
-        geo.dispatch_area, geo.dispatch_msg, programs(geo.device, geo.ctas),
+        geo.dispatch_area, geo.dispatch_msg,
         L=geo.local, XB=xb, SB=sb, FP8=int(fp8), HDR=geo.header, W_P2=z["W_P2"], L_P2=z["L_P2"],
         BLOCK_R=8 if geo.hw_timer() else 4, BW_X=row_words(xb), BW_S=row_words(sb), VEC_S=16 if sb % 16 == 0 else 4,
         HW_TIMER=geo.hw_timer(),
@@ -481,8 +483,7 @@ def ll_combine_recv(geo: LLGeometry, out, weights, route, n_max: int, ident: tup
     launch(
         _ll_combine_recv, _grid(geo), geo.device,
         out, weights, route, geo.status, geo.combine_local, geo.ctrl, geo.notices, geo.clock, out.shape[0],
-        geo.timeout_ns, geo.world, n_max, geo.combine_area, geo.combine_msg, programs(geo.device, geo.ctas), ident[0],
-        ident[1],
+        geo.timeout_ns, geo.world, n_max, geo.combine_area, geo.combine_msg, ident[0], ident[1],
         K=geo.num_topk, K_P2=z["K_P2"], H=geo.hidden, W_P2=z["W_P2"], BT=2 if geo.hw_timer() else 8,
         BLOCK_H=min(1024, triton.next_power_of_2(geo.hidden)),
         HW_TIMER=geo.hw_timer(),

@@ -44,6 +44,7 @@ from epkit.kernels.triton.ep_common import (
     record_verdict,
     row_words,
     signal_peers,
+    signal_share,
     vcumsum,
     vmax,
     vsum,
@@ -260,7 +261,7 @@ def _notify(counts_ptr, layout_ptr, text_ptr, notify_table, ctrl_table, ctrl_add
         for d in range(W):
             slot = tl.load(notify_table + d) + off + wide(me) * msg_bytes
             _publish(slot, code, fmt, n, layout_ptr + W_P2, text_ptr, W, E, W_P2, E_P2, TEXT, TEXT_P2)
-        signal_peers(ctrl_table, W, _NOTIFY * W + wide(me))
+        signal_peers(ctrl_table, W, _NOTIFY * W + wide(me), 1)
         if wait_sources(ctrl, _NOTIFY, W, e, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
             msgs = tl.load(notify_table + me) + off
             tl.debug_barrier()  # every thread has read the totals before the layout overwrites their words
@@ -363,7 +364,7 @@ def _dispatch_send(x_ptr, s_ptr, idx_ptr, w_ptr, layout_ptr, send_pos_ptr, rows_
                        BW_S)  # fmt: skip
             run_t += vsum(in_rank, 0)
             run_e += vsum(onehot.to(tl.int32), 0)
-        signal_peers(ctrl_table, W, _DATA * W + wide(me))
+        signal_peers(ctrl_table, W, _DATA * W + wide(me), signal_share())
 
 
 # launchers
@@ -393,9 +394,15 @@ class NormalGeometry:
     clock: int
     timeout_ns: int
     device: torch.device
-    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; every rank must use the same
-    #: count: a receiver counts its senders' programs). :func:`~epkit.kernels.triton.ep_common.programs`.
+    #: Programs of each multi-program launch on CUDA (the SMs the exchange takes; per rank and per call, e.g. a
+    #: dispatch's ``num_sms``). :func:`~epkit.kernels.triton.ep_common.programs`.
     ctas: int = DEFAULT_CTAS
+    #: ``ctas`` was chosen for the call: the interpreter runs that many programs too (else 2).
+    exact_ctas: bool = False
+
+    def programs(self) -> int:
+        """Programs of each multi-program launch (and chunks of the layout)."""
+        return programs(self.device, self.ctas, self.exact_ctas)
 
     def sizes(self) -> dict:
         """Block sizes and padded extents shared by the launches. ``BT`` tokens per step: on a GPU the per-step tiles
@@ -408,7 +415,7 @@ class NormalGeometry:
             "W_P2": w_p2,
             "E_P2": p2(self.num_experts),
             "L_P2": p2(self.num_experts // self.world),
-            "P_P2": p2(programs(self.device, self.ctas)),
+            "P_P2": p2(self.programs()),
             "BT": max(1, 16 // max(w_p2, k_p2)) if self.hw_timer() else 8,
         }
 
@@ -431,7 +438,7 @@ def layout(geo: NormalGeometry, topk_idx, counts) -> None:
     """Per-chunk counts of ``topk_idx [T, K]`` into ``counts [P, W_P2 + E_P2 + 1]`` int32 (one launch)."""
     z = geo.sizes()
     launch(
-        _layout, (programs(geo.device, geo.ctas),), geo.device, topk_idx, counts, topk_idx.shape[0],
+        _layout, (geo.programs(),), geo.device, topk_idx, counts, topk_idx.shape[0],
         E=geo.num_experts, L=geo.num_experts // geo.world, K=geo.num_topk, BT=z["BT"], K_P2=z["K_P2"],
         W_P2=z["W_P2"], E_P2=z["E_P2"],
     )  # fmt: skip
@@ -451,7 +458,7 @@ def notify(
     launch(
         _notify, (1,), geo.device, counts, lay, text, geo.notify_table, geo.ctrl_table, geo.ctrl, geo.notices,
         geo.status, geo.clock, host.data_ptr(), host[-1:].data_ptr(), ready, geo.timeout_ns, geo.rank, geo.world,
-        programs(geo.device, geo.ctas), code, fmt, align, worst[0], worst[1], geo.notify_area, geo.notify_msg,
+        geo.programs(), code, fmt, align, worst[0], worst[1], geo.notify_area, geo.notify_msg,
         E=geo.num_experts, L=geo.num_experts // geo.world, W_P2=z["W_P2"], E_P2=z["E_P2"], L_P2=z["L_P2"],
         P_P2=z["P_P2"], EB=min(64, z["E_P2"]), TEXT=geo.text, TEXT_P2=triton.next_power_of_2(geo.text),
         HW_TIMER=geo.hw_timer(), num_warps=8 if geo.hw_timer() else 4,  # 8: its [W, W, L] tiles spill on 4 warps
@@ -468,7 +475,7 @@ def dispatch_send(geo: NormalGeometry, x, scales, topk_idx, weights, lay, send_p
     sb = 4 * scales.shape[1] if scales is not None else 0
     rows = z["BT"] * z["W_P2"] if geo.hw_timer() else 1  # a GPU step's tile stays in registers; the interpreter's
     launch(
-        _dispatch_send, (programs(geo.device, geo.ctas),), geo.device, x, scales if scales is not None else x, topk_idx,
+        _dispatch_send, (geo.programs(),), geo.device, x, scales if scales is not None else x, topk_idx,
         weights if weights is not None else send_pos, lay, send_pos, geo.rows_table, geo.ctrl_table, geo.ctrl,
         x.shape[0], geo.rank, geo.world, geo.cap,
         E=geo.num_experts, L=geo.num_experts // geo.world, K=geo.num_topk, XB=xb, SB=sb, HAS_W=weights is not None,

@@ -18,10 +18,10 @@ from epkit.kernels.triton.ep_common import (
     copy_rows_at,
     end_exchange,
     launch,
-    programs,
     ptr,
     row_words,
     sent_epoch,
+    shared_target,
     wait_sources,
     wide,
     zero_rows_at,
@@ -111,17 +111,19 @@ def _pad_worst(R, RW, X, XW, out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp
             tl.store(exp_rows_ptr + rows, -1, mask=live)
 
 
-@triton.jit(do_not_specialize=["timeout_ns", "W", "R", "RW", "XW", "cap", "align", "p_send", "L"])
+@triton.jit(do_not_specialize=["timeout_ns", "W", "R", "RW", "XW", "cap", "align", "L"])
 def _dispatch_recv(out_x_addr, out_s_addr, out_idx_ptr, out_w_ptr, exp_rows_ptr, slot_ptr, m_ptr, layout_ptr,
                    status_addr, rows_addr, ctrl_addr, notice_addr, clock_addr, timeout_ns, W, R, RW, XW, cap, align,
-                   p_send, L, K: tl.constexpr, K_P2: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr,
+                   L, K: tl.constexpr, K_P2: tl.constexpr, XB: tl.constexpr, SB: tl.constexpr,
                    EXPAND: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr, P_P2: tl.constexpr,
                    L_P2: tl.constexpr, BLOCK_R: tl.constexpr, BW_X: tl.constexpr, BW_E: tl.constexpr,
                    BW_S: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _DATA, W)
-        if wait_sources(ctrl, _DATA, W, e * p_send, e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER):
+        if wait_sources(
+            ctrl, _DATA, W, shared_target(e), e, notice_addr, status_addr, clock_addr, timeout_ns, HW_TIMER
+        ):
             tail = layout_ptr + layout_tail(W_P2, E_P2, P_P2) + 2 * W_P2 + 2 * L_P2  # rows, expanded rows received
             R = tl.where(R < 0, tl.load(tail).to(tl.int32), R)  # -1: a worst-case dispatch's, from the layout
             o_s, o_i, o_w, _ = row_fields(cap, XB, SB, K)
@@ -162,12 +164,12 @@ def dispatch_recv(geo: NormalGeometry, out, lay, num_rows: int, align: int, xb: 
     block_r = 4 if geo.hw_timer() else 16  # on CUDA 8 rows a step reach 255 registers and spill under Triton 3.6
     dummy = out["idx"]
     launch(
-        _dispatch_recv, (programs(geo.device, geo.ctas),), geo.device, out["x"].data_ptr(),
+        _dispatch_recv, (geo.programs(),), geo.device, out["x"].data_ptr(),
         (out["s"] if out["s"] is not None else out["x"]).data_ptr(), out["idx"], out["w"],
         out["rows"] if expand else dummy, out["slot"] if expand else dummy, out["m"] if expand else dummy, lay,
         geo.status, geo.rows_local, geo.ctrl, geo.notices, geo.clock, geo.timeout_ns, geo.world, num_rows,
         out["idx"].shape[0] if num_rows < 0 else 0, out["x"].shape[0] if num_rows < 0 else 0, geo.cap, align,
-        programs(geo.device, geo.ctas), geo.num_experts // geo.world,
+        geo.num_experts // geo.world,
         K=geo.num_topk, K_P2=z["K_P2"], XB=xb, SB=sb, EXPAND=expand, W_P2=z["W_P2"], E_P2=z["E_P2"],
         P_P2=z["P_P2"], L_P2=z["L_P2"], BLOCK_R=block_r, BW_X=row_words(xb),
         BW_E=max(4, min(row_words(xb), (2048 if geo.hw_timer() else 4096) // (block_r * z["K_P2"]))),
