@@ -225,7 +225,7 @@ def test_bad_worst_case_calls_raise_the_same_error_on_every_rank(transport, kern
 
 def _gpu_worst(rank, world_size):
     """Rung 4: on one GPU (nvshmem, the device kernels), a worst-case dispatch and its combine make no host read
-    and give the plain dispatch's rows, padded, and its combine's bits."""
+    and give the plain dispatch's rows, padded, and its combine's bits (the expanded pair on a budget of 24 SMs)."""
     torch.cuda.set_device(0)
     buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, N_MAX, TOPK, transport="nvshmem", timeout=20)
     assert buf.uses_device_kernels and buf.device.type == "cuda"
@@ -237,10 +237,13 @@ def _gpu_worst(rank, world_size):
         x_rows = _expanded_bound(N_MAX, EXPERTS) if expand else N_MAX
         y_worst = torch.full((x_rows, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
         y_worst[: y_plain.shape[0]] = y_plain
+        sms = 24 if expand else None
         for _warm in (True, False):  # the first call compiles; the second is measured
             with HostSyncDetector() as reads:
-                worst = buf.dispatch(x, idx, w, expert_alignment=ALIGN, expand=expand, num_worst_tokens=N_MAX)
-                got = buf.combine(y_worst, worst.handle)
+                worst = buf.dispatch(
+                    x, idx, w, expert_alignment=ALIGN, expand=expand, num_worst_tokens=N_MAX, num_sms=sms
+                )
+                got = buf.combine(y_worst, worst.handle, num_sms=sms)
         assert reads.events == [], reads.events
         _check_padded(worst.recv_x.cpu(), plain.recv_x.cpu(), x_rows, 0)
         _check_padded(worst.recv_topk_idx.cpu(), plain.recv_topk_idx.cpu(), N_MAX, -1)
