@@ -1,7 +1,8 @@
 """EPBuffer(transport="nvshmem") over a group of one, in either NVSHMEM child of the nvshmem section.
 
 Dispatch/combine (plain and expanded) and the low-latency pair on CUDA tensors, bit for bit against the CPU
-reference exchange, with their time per call; that the low-latency pair makes no synchronizing call and no
+reference exchange, with their time per call; the worst-case pair (``num_worst_tokens``) against the plain one,
+its time beside the plain pair's; that the low-latency and the worst-case pairs make no synchronizing call and no
 device-to-host copy; and ``fused_moe`` against dispatch -> ``expert_mlp`` -> combine.
 """
 
@@ -44,6 +45,7 @@ def ep_loopback(ctx: Ctx, res: dict) -> None:
     )
     try:
         on_dev = _normal_mode(ctx, res, out, buf, x, idx, w)
+        _worst_case(ctx, res, out, buf, *on_dev)
         _low_latency(ctx, res, out, buf, x[:n_ll], idx[:n_ll], w[:n_ll])
         try:
             ctx.check("fused_moe")
@@ -82,6 +84,39 @@ def _normal_mode(ctx: Ctx, res: dict, out: dict, buf, x, idx, w) -> tuple[torch.
 
     out["dispatch_combine"] = ctx.time_wall(normal, calls=3, rounds=5)
     return xd, idd, wd
+
+
+def _worst_case(ctx: Ctx, res: dict, out: dict, buf, xd, idd, wd) -> None:
+    """dispatch(num_worst_tokens) + combine on the device kernels: the plain pair's rows (padded with zeros) and
+    combine bits; its time per call beside the plain pair's (``out["dispatch_combine_worst"]``, ``worst_vs_plain``:
+    the plain pair's time over it); no synchronizing call and no device-to-host copy."""
+    plain = buf.dispatch(xd, idd, wd)
+    want = buf.combine(plain.recv_x, plain.handle)
+
+    def worst():
+        got = buf.dispatch(xd, idd, wd, num_worst_tokens=out["tokens"])
+        return got, buf.combine(got.recv_x, got.handle)
+
+    got, combined = worst()
+    n = plain.recv_x.shape[0]
+    same = torch.equal(got.recv_x[:n].cpu(), plain.recv_x.cpu()) and not got.recv_x[n:].any().item()
+    record_check(
+        res, "EPBuffer(nvshmem) worst-case dispatch+combine: the plain pair's rows (zero-padded) and combine bits",
+        same and torch.equal(combined.cpu(), want.cpu()),
+    )  # fmt: skip
+    out["dispatch_combine_worst"] = ctx.time_wall(lambda: worst()[1], calls=3, rounds=5)
+    out["worst_vs_plain"] = out["dispatch_combine"]["median_ms"] / out["dispatch_combine_worst"]["median_ms"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call inside raises
+    try:
+        worst()
+        sync_msg = ""
+    except RuntimeError as exc:
+        sync_msg = str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    record_check(res, "EPBuffer(nvshmem) worst-case dispatch+combine: no synchronizing call", not sync_msg, sync_msg)
+    _no_device_to_host_copy(res, worst, buf, "worst-case dispatch+combine", "worst_device_to_host_copies")
 
 
 def _low_latency(ctx: Ctx, res: dict, out: dict, buf, xl, il, wl) -> None:
@@ -123,7 +158,7 @@ def _low_latency(ctx: Ctx, res: dict, out: dict, buf, xl, il, wl) -> None:
         torch.cuda.set_sync_debug_mode(0)
     buf.synchronize()
     record_check(res, "EPBuffer(nvshmem) low-latency dispatch+combine: no synchronizing call", not sync_msg, sync_msg)
-    _no_device_to_host_copy(res, low_latency, buf)
+    _no_device_to_host_copy(res, low_latency, buf, "low-latency dispatch+combine", "ll_device_to_host_copies")
 
 
 def _fused_moe_check(ctx: Ctx, res: dict, buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
@@ -171,9 +206,9 @@ def _fused_moe_check(ctx: Ctx, res: dict, buf, x: torch.Tensor, idx: torch.Tenso
     ctx.log(f"fused_moe {out['fused']['median_ms']:.2f} ms, composed {out['composed']['median_ms']:.2f} ms")
 
 
-def _no_device_to_host_copy(res: dict, call, buf) -> None:
-    """The low-latency pair under the CUDA profiler: no device-to-host memcpy at all (its status words reach
-    the host through a kernel's stores into pinned memory)."""
+def _no_device_to_host_copy(res: dict, call, buf, what: str, key: str) -> None:
+    """``call`` (the pair named ``what``) under the CUDA profiler: no device-to-host memcpy at all (its status words
+    reach the host through a kernel's stores into pinned memory); the copies seen go to ``res[key]``."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -182,14 +217,14 @@ def _no_device_to_host_copy(res: dict, call, buf) -> None:
             torch.cuda.synchronize()
         names = [e.name for e in prof.events()]
     except Exception as exc:  # noqa: BLE001 - no CUPTI: say so instead of failing the section
-        res["ll_device_to_host_copies"] = f"not measured: profiler unavailable ({type(exc).__name__}: {exc})"
+        res[key] = f"not measured: profiler unavailable ({type(exc).__name__}: {exc})"
         return
     buf.synchronize()
     d2h = [n for n in names if "DtoH" in n or "Device -> Pinned" in n or "Device -> Pageable" in n]
-    res["ll_device_to_host_copies"] = d2h
+    res[key] = d2h
     record_check(
         res,
-        "EPBuffer(nvshmem) low-latency dispatch+combine: no device-to-host memcpy (CUDA profiler)",
+        f"EPBuffer(nvshmem) {what}: no device-to-host memcpy (CUDA profiler)",
         not d2h and len(names) > 0,  # (an empty trace would prove nothing)
         f"{len(d2h)} device-to-host copies: {d2h[:4]}; {len(names)} events",
     )
