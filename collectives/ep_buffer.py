@@ -310,7 +310,8 @@ class EPBuffer:
             The SM budget of this call on the device kernels (DeepEP's ``num_sms``): the programs of each of its
             multi-program launches (an int >= 2; None: the buffer's, 128 on CUDA). Each rank may pass its own. Its
             cached dispatches keep it (their layout's chunks are its programs). Under the interpreter the count
-            is honoured too (programs run one after another); no effect on the host-driven paths.
+            is honoured too (programs run one after another); no effect on the host-driven paths, which reject a
+            bad value alike (the same ValueError on every rank).
 
         Returns
         -------
@@ -341,17 +342,21 @@ class EPBuffer:
             bad = worst_error(num_worst_tokens)  # a bad value is this rank's rejection: the others learn why
             n = num_worst_tokens if bad is None else 0
             return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, n, bad, num_sms)
+        sms = routing.num_sms_error(num_sms)  # no effect here, but a bad value is rejected as on the device kernels
         if plain:
-            return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand)
-        return self._dispatch_worst(x, scales, topk_idx, topk_weights, expert_alignment, expand, num_worst_tokens)
+            return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, sms)
+        return self._dispatch_worst(x, scales, topk_idx, topk_weights, expert_alignment, expand, num_worst_tokens, sms)
 
-    def _dispatch_worst(self, x, scales, topk_idx, topk_weights, alignment: int, expand: bool, n) -> DispatchResult:
+    def _dispatch_worst(
+        self, x, scales, topk_idx, topk_weights, alignment: int, expand: bool, n, sms: str | None
+    ) -> DispatchResult:
         """``dispatch`` with ``num_worst_tokens=n`` (see there) on a host path: first an exchange of every rank's
-        counts (``worst.check_worst``), then the dispatch, padded."""
+        counts (``worst.check_worst``), then the dispatch, padded; ``sms``: the verdict on ``num_sms``."""
         bad = worst_error(n)
         n = n if bad is None else 0  # a bad value is this rank's rejection: its peers learn why in the agreement
         cfg = self.cfg
         error = bad or routing.dispatch_error(cfg, self.device, x, scales, topk_idx, topk_weights, alignment, False)
+        error = error or sms
         counts = dispatch_layout(cfg, topk_idx.cpu())[:2] if error is None else (torch.zeros(0), torch.zeros(0))
         fmt = format_code(x.dtype, scales is not None) if error is None else 0
         shape = check_worst(self._ctx, n, error, fmt, counts, alignment)
@@ -404,7 +409,7 @@ class EPBuffer:
             refuse_capture("combine", self.device)
         if isinstance(self._normal, DeviceNormalPath):
             return self._normal.combine(y, handle, topk_weights, bias, num_sms)
-        return self._normal.combine(y, handle, topk_weights, bias)
+        return self._normal.combine(y, handle, topk_weights, bias, routing.num_sms_error(num_sms))
 
     def combine_unsummed(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None

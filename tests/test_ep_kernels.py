@@ -313,3 +313,40 @@ def test_each_rank_may_choose_its_own_num_sms_per_call():
     for same, error in run_ranks(_num_sms, 2, timeout=240):
         assert same == [[True] * 6] * 2, same
         assert error.startswith("dispatch rejected on every rank before any data moved: rank 1: num_sms must be")
+
+
+def _bad_num_sms(rank, world_size, transport, kernels):
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, EXPERTS, 64, TOPK, transport=transport, kernels=kernels, timeout=20)
+    x, idx, w = _routing(rank, world_size, "random", 13)
+    first = buf.dispatch(x, idx, w)
+    calls = (
+        lambda: buf.dispatch(x, idx, w, num_sms=[4, 0][rank]),
+        lambda: buf.combine(first.recv_x, first.handle, num_sms=[True, 2][rank]),
+        # last: a rejected worst-case dispatch retires a buffer on the device kernels
+        lambda: buf.dispatch(x, idx, w, num_worst_tokens=128, num_sms=[None, 1][rank]),
+    )
+    errors, same = [], None
+    for i, call in enumerate(calls):
+        if i == 2:  # usable after the plain rejections: a rejected call moves no row
+            same = torch.equal(buf.combine(first.recv_x, first.handle), buf.combine(first.recv_x, first.handle))
+        try:
+            call()
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    buf.close()
+    return errors, same
+
+
+@pytest.mark.parametrize("transport,kernels", [("shm", "host"), ("torch", "host"), ("shm", "device")])
+def test_a_bad_num_sms_is_the_same_error_on_every_rank_on_every_path(transport, kernels):
+    # no effect on the host paths, but refused there as on the device kernels: a CPU test catches what a GPU would
+    got = run_ranks(_bad_num_sms, 2, transport, kernels, timeout=240)
+    (errors0, same0), (errors1, same1) = got
+    assert errors0 == errors1 and same0 and same1, got
+    why = "num_sms must be None or an int >= 2 (the programs of each device-kernel launch), got"
+    dispatch, combine = (
+        "dispatch rejected on every rank before any data moved",
+        "combine rejected on every rank before any row moved",
+    )
+    assert errors0 == [f"{dispatch}: rank 1: {why} 0", f"{combine}: rank 0: {why} True", f"{dispatch}: rank 1: {why} 1"]

@@ -42,7 +42,7 @@ class FlatNormalPath:
 
     def dispatch(
         self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-        alignment: int, expand: bool,
+        alignment: int, expand: bool, error: str | None = None,
     ) -> DispatchResult:  # fmt: skip
         """Normal dispatch (see ``EPBuffer.dispatch``). The layout agreement tells each destination the row
         format, the rows and the rows per local expert it gets from here (or this rank's error: then every rank
@@ -50,7 +50,8 @@ class FlatNormalPath:
         rank sends every rank, so that a sender knows where its rows start in each receiver's result."""
         ctx, cfg = self.ctx, self.cfg
         ctx.dispatches += 1  # on every rank at every call, rejected ones too: the ranks' handles stay comparable
-        error = routing.dispatch_error(cfg, ctx.device, x, scales, topk_idx, topk_weights, alignment, False)
+        # ``error``: the caller's verdict on its other arguments (``num_sms``), agreed as this call's own
+        error = routing.dispatch_error(cfg, ctx.device, x, scales, topk_idx, topk_weights, alignment, False) or error
         w, L, me = cfg.world_size, cfg.num_local_experts, cfg.rank
         slots = ctx.result_slots
         slot = slots.take() if slots is not None else -1
@@ -105,11 +106,13 @@ class FlatNormalPath:
         return cached_result(ctx, recv_x, recv_s, handle)
 
     def combine(
-        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias
-    ) -> torch.Tensor:
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias,
+        error: str | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Combine (see ``EPBuffer.combine``): the handle agreement, then the rows."""
         ctx = self.ctx
-        error, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
+        found, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
+        error = found or error  # ``error``: the caller's verdict on its other arguments (``num_sms``)
         agree_on_handle(ctx, "combine", handle, error, fmt=(y.dtype, False) if not error else None)
         with ctx.retire_on_failure("combine"):
             return self._combine_rows(y, handle, weights, biases)

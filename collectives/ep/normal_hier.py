@@ -179,12 +179,14 @@ class HierNormalPath:
         self.ctx, self.cfg, self.hy = ctx, ctx.cfg, hy
 
     def combine(
-        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias
-    ) -> torch.Tensor:
+        self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias,
+        error: str | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Combine (see ``EPBuffer.combine``): the handle agreement, while it is under way the routing of the
         combine from the handle, then the rows."""
         ctx = self.ctx
-        error, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
+        found, biases, weights = routing.check_combine(self.cfg, ctx.device, y, handle, topk_weights, bias, False)
+        error = found or error  # ``error``: the caller's verdict on its other arguments (``num_sms``)
         plan: dict[str, Any] = {}  # the combine's routing, made from the handle while the agreement is under way
 
         def prepare() -> None:
@@ -211,7 +213,7 @@ class HierNormalPath:
 
     def dispatch(
         self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None,
-        alignment: int, expand: bool,
+        alignment: int, expand: bool, error: str | None = None,
     ) -> DispatchResult:  # fmt: skip
         """Normal dispatch through the hierarchy (see ``EPBuffer.dispatch``). On a two-sided rail (``torch``) the rail
         messages are staged while the layout agreement is under way; nothing leaves the rank before it, and a
@@ -219,7 +221,8 @@ class HierNormalPath:
         ctx, cfg, hy = self.ctx, self.cfg, self.hy
         w, me = cfg.world_size, cfg.rank
         ctx.dispatches += 1  # on every rank at every call, rejected ones too: the ranks' handles stay comparable
-        error = routing.dispatch_error(cfg, ctx.device, x, scales, topk_idx, topk_weights, alignment, False)
+        # ``error``: the caller's verdict on its other arguments (``num_sms``), agreed as this call's own
+        error = routing.dispatch_error(cfg, ctx.device, x, scales, topk_idx, topk_weights, alignment, False) or error
         rows: list[torch.Tensor] = []
         state = HierRoute()
         cols: list[torch.Tensor] | None = None
