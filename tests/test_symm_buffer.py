@@ -147,6 +147,9 @@ def _torch_parts(rank, world_size):
             errors.append(None)
         except (ValueError, TimeoutError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
+        # every rank has its verdict before any closes the buffer: a peer's close resets the gloo pairs that rank 1
+        # still waits on, which would end its wait as "died" (a CI run saw it) instead of its own timeout
+        dist.barrier()
         buf.close()
     return errors
 
