@@ -106,16 +106,7 @@ def _worst_case(ctx: Ctx, res: dict, out: dict, buf, xd, idd, wd) -> None:
     )  # fmt: skip
     out["dispatch_combine_worst"] = ctx.time_wall(lambda: worst()[1], calls=3, rounds=5)
     out["worst_vs_plain"] = out["dispatch_combine"]["median_ms"] / out["dispatch_combine_worst"]["median_ms"]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call inside raises
-    try:
-        worst()
-        sync_msg = ""
-    except RuntimeError as exc:
-        sync_msg = str(exc)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    record_check(res, "EPBuffer(nvshmem) worst-case dispatch+combine: no synchronizing call", not sync_msg, sync_msg)
+    _no_synchronizing_call(res, worst, "worst-case dispatch+combine")
     _no_device_to_host_copy(res, worst, buf, "worst-case dispatch+combine", "worst_device_to_host_copies")
 
 
@@ -147,17 +138,8 @@ def _low_latency(ctx: Ctx, res: dict, out: dict, buf, xl, il, wl) -> None:
 
     out["low_latency"] = ctx.time_wall(low_latency, calls=3, rounds=5)
     buf.synchronize()  # raises what the stream-ordered calls' deferred checks found
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call inside raises
-    try:
-        low_latency()
-        sync_msg = ""
-    except RuntimeError as exc:
-        sync_msg = str(exc)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    _no_synchronizing_call(res, low_latency, "low-latency dispatch+combine")
     buf.synchronize()
-    record_check(res, "EPBuffer(nvshmem) low-latency dispatch+combine: no synchronizing call", not sync_msg, sync_msg)
     _no_device_to_host_copy(res, low_latency, buf, "low-latency dispatch+combine", "ll_device_to_host_copies")
 
 
@@ -204,6 +186,20 @@ def _fused_moe_check(ctx: Ctx, res: dict, buf, x: torch.Tensor, idx: torch.Tenso
     out["fused"] = ctx.time_wall(fused, calls=3, rounds=3)
     out["speedup_vs_composed"] = out["composed"]["median_ms"] / out["fused"]["median_ms"]
     ctx.log(f"fused_moe {out['fused']['median_ms']:.2f} ms, composed {out['composed']['median_ms']:.2f} ms")
+
+
+def _no_synchronizing_call(res: dict, call, what: str) -> None:
+    """``call`` (the pair named ``what``) under torch's sync debug mode "error": any synchronizing call raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+        sync_msg = ""
+    except RuntimeError as exc:
+        sync_msg = str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    record_check(res, f"EPBuffer(nvshmem) {what}: no synchronizing call", not sync_msg, sync_msg)
 
 
 def _no_device_to_host_copy(res: dict, call, buf, what: str, key: str) -> None:

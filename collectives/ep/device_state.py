@@ -240,9 +240,7 @@ class DeviceState:
             try:
                 _drain(self.device, self.timeout)
             except TimeoutError as exc:
-                on_failure = self.sb.deferred.on_failure
-                assert on_failure is not None  # a SymmBuffer's checks always retire it
-                on_failure(exc)  # the buffer is broken: its later calls raise at once
+                self.retire(exc)  # the buffer is broken: its later calls raise at once
                 raise
         if self._status[0] == 0:
             if wait:
@@ -251,10 +249,14 @@ class DeviceState:
         if self.device.type == "cuda":  # the record is complete once the failing kernel has finished
             _drain(self.device, self.timeout)
         error = self._error()
+        self.retire(error)
+        raise error
+
+    def retire(self, exc: BaseException) -> None:
+        """Retire the buffer for ``exc`` and tell the peers (its later calls raise at once)."""
         on_failure = self.sb.deferred.on_failure
         assert on_failure is not None  # a SymmBuffer's checks always retire it
-        on_failure(error)
-        raise error
+        on_failure(exc)
 
     def _error(self) -> BaseException:
         code, kind, peer, seen, target, epoch = (int(v) for v in self._status[:6])

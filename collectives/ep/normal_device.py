@@ -253,17 +253,11 @@ class DeviceNormalPath:
         )
         if found is not None:
             if any(f >= FORMAT_UNIT for f in fmts):  # a worst-case peer judged it on the device and retired: so do we
-                self._retire(found)
+                self.dev.retire(found)
             raise ValueError(str(found).replace(REJECTED_WHAT, what, 1)) if what else found
         counts = got[2 + 3 * w : 2 + 3 * w + self.cfg.num_local_experts]
         aligned = [-(-c // alignment) * alignment for c in counts]
         return DeviceRoute(lay, idx, got[0], got[1], aligned), counts, recv_n
-
-    def _retire(self, exc: BaseException) -> None:
-        """Retire the buffer for ``exc`` (a verdict a peer reached on the device, which retired it there)."""
-        on_failure = self.ctx.buffer.deferred.on_failure
-        assert on_failure is not None  # a SymmBuffer's checks always retire it
-        on_failure(exc)
 
     def _normal_geo(self, num_sms: int | None) -> NormalGeometry:
         """The dispatch kernels' geometry for a call with ``num_sms`` programs per launch (None: the buffer's)."""
@@ -355,7 +349,7 @@ class DeviceNormalPath:
             judge_agreement(self.ctx, what, heads, lambda src: self.dev.message_text("agree", src, exchange, 32))
         except ValueError as exc:
             if any(got[3 * w : 4 * w]):  # a peer judged it on the device and retired: so does this rank
-                self._retire(exc)
+                self.dev.retire(exc)
             raise
 
     def fused(

@@ -142,12 +142,10 @@ def check_worst(
     if error is not None:
         msg[words.numel() * 8 :] = encode_error(error)
     got = ctx.buffer.all_to_all([msg] * w, [size] * w, ctx.region_bytes, tag="layout")
-    heads = [g[: 8 * (3 + w + e)].view(torch.int64) if g.numel() >= 8 * (3 + w + e) else None for g in got]
     ns = [worst_message_of(int(g[:8].view(torch.int64)[0])) for g in got]
     if any(m is None for m in ns):  # a plain dispatch's agreement message among them: num_worst_tokens 0 there
         raise ValueError(_mismatch([m or 0 for m in ns], cfg.ranks))
-    assert all(h is not None for h in heads)  # every message is a worst-case one, of this size
-    mat = torch.stack([h for h in heads if h is not None])  # [src, 3 + W + E]
+    mat = torch.stack([g[: words.numel() * 8].view(torch.int64) for g in got])  # [src, 3 + W + E]: all this size
     per_rank, per_expert = mat[:, 3 : 3 + w], mat[:, 3 + w :]
     shape = worst_shape(cfg, n, alignment)
     rows = per_rank.sum(0).tolist()
