@@ -90,9 +90,13 @@ class Buffer:
     - honoured in epkit's terms: ``previous_event`` is waited for on the current stream before the call;
       ``async_finish=True`` returns an event recorded on the current stream (on CPU ranks there is nothing
       to wait for: the work is done when the call returns); ``return_recv_hook=True`` defers the receive to
-      the hook; ``num_worst_tokens`` pads the outputs to that many rows, but a normal dispatch still
-      synchronizes with the host (epkit's normal mode reads its counts), so it is not for CUDA graphs;
-      ``num_worst_tokens`` pads internode dispatches too (DeepEP's Python refuses it there);
+      the hook; ``num_worst_tokens`` gives outputs of that many rows (padding: zero rows, ids -1, weights 0,
+      ``recv_src_idx`` -1) and, inside one domain, is EPBuffer's worst-case dispatch: on the device kernels it,
+      its combine and its cached dispatches read no device data back (the call's agreement exchanges host
+      values only: over a gloo group nothing is read back at all; over an NCCL group that gather is the one
+      read left), a rank that receives more rows raises at its next call, on every rank, and the layout's values
+      are not checked against ``topk_idx`` (its routing is ``topk_idx``'s); ``num_worst_tokens`` pads internode
+      dispatches too (on the host; DeepEP's Python refuses it there);
       ``round_scale`` quantizes the received bf16 rows at the receiver (epkit's per-128 cast with the scales
       rounded up to powers of two, as DeepEP's sender-side cast rounds them; twice the bytes on the wire);
     - ``enable_shrink=True`` masks ranks that stop taking part in the low-latency calls (module docstring; CPU

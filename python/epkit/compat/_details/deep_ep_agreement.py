@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from epkit._details.host_memory import mark_host_memory
 from epkit.collectives.bootstrap import Rendezvous
 from epkit.collectives.deadline import deadline_after
 from epkit.collectives.ep.rows import META_MSG, decode_error, encode_error
@@ -147,7 +148,7 @@ class CallAgreement:
         head = [KINDS.index(fn) + 1, self._calls, int(error is not None), tokens, *values]
         if len(head) > HEAD_WORDS:
             raise AssertionError(f"{fn}: {len(fields)} fields do not fit an agreement row")
-        text = encode_error(error or "").view(torch.int64).tolist()
+        text = mark_host_memory(encode_error(error or "").view(torch.int64)).tolist()  # the host's own text
         row = head + [0] * (HEAD_WORDS - len(head)) + text
         names = [(name, name.endswith("dtype")) for name, _ in fields]
         who = self.global_ranks
@@ -182,7 +183,10 @@ class CallAgreement:
 
     def _gather(self, row: list[int], fn: str, timeout: float) -> list[list[int]]:
         mine = torch.tensor(row, dtype=torch.int64, device="cuda" if self.nccl else "cpu")
-        return self.gather(mine, fn, timeout).cpu().tolist()
+        got = self.gather(mine, fn, timeout)
+        if self.nccl:  # an NCCL group gathers on the GPU: the agreement's one read back there (of host values)
+            got = got.cpu()
+        return mark_host_memory(got).tolist()  # a gloo group's gather is host memory
 
     def gather(self, mine: torch.Tensor, fn: str, timeout: float, fill: int = 0) -> torch.Tensor:
         """Every rank's ``mine`` (contiguous, the same shape and dtype on every rank: call it only after an

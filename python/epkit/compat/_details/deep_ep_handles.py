@@ -173,29 +173,51 @@ def sent_rows(routes: torch.Tensor, rank_prefix: torch.Tensor, s: int) -> torch.
 
 
 def normal_handle(
-    in_rank_all: torch.Tensor, tokens: list[int], me: int, num_channels: int, in_rank: torch.Tensor
+    in_rank_all: torch.Tensor,
+    tokens: list[int] | torch.Tensor,
+    me: int,
+    num_channels: int,
+    in_rank: torch.Tensor,
+    num_rows: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """DeepEP's six handle tensors (module docstring) from every rank's routing: ``in_rank_all [W, T_max, W]``
-    bool (rank ``s``'s ``is_token_in_rank`` in its first ``tokens[s]`` rows), this rank ``me``'s
-    ``is_token_in_rank`` as the caller passed it (returned as it is), on its device."""
-    w = in_rank_all.shape[0]
-    mine = [in_rank_all[s, : tokens[s]] for s in range(w)]
-    counts = torch.stack([m.long().sum(0) for m in mine])  # [W src, W dst]
+    bool (rank ``s``'s ``is_token_in_rank`` in its first ``tokens[s]`` rows, False past them), this rank ``me``'s
+    ``is_token_in_rank`` as the caller passed it (returned as it is), on its device.
+
+    By tensor ops on ``in_rank_all``'s device. ``num_rows``: the rows of a worst-case dispatch's ``recv_x``
+    (``num_worst_tokens``): ``recv_src_idx`` has that many entries, -1 past the rows received (DeepEP leaves them
+    unspecified), and nothing is read back to the host; None: exactly the rows received (one count read)."""
+    w, t_max = in_rank_all.shape[:2]
+    dev = in_rank_all.device
+    tok = torch.as_tensor(tokens, device=dev).long()  # [W]
+    hits = (in_rank_all & (torch.arange(t_max, device=dev) < tok.view(-1, 1)).unsqueeze(-1)).long()
+    counts = hits.sum(1)  # [W src, W dst]
     rank_prefix = counts.cumsum(0)
     start = rank_prefix[:, me] - counts[:, me]  # first row of each source's block in my recv_x
-    own = mine[me]
-    channel_prefix = per_channel(own, channel_bounds(tokens[me], num_channels)).cumsum(1)
-    from_each = [per_channel(mine[s], channel_bounds(tokens[s], num_channels))[me] for s in range(w)]  # [C] each
-    recv_channel = torch.stack([start[s] + f.cumsum(0) - f for s, f in enumerate(from_each)])
-    recv_src = torch.cat([m[:, me].nonzero().view(-1) for m in mine])
-    send_head = sent_rows(own, rank_prefix, me)
+    # the channels (channel_bounds for every source at once): [W, C + 1] token bounds, [W src, C, W dst] tokens
+    per = (tok + num_channels - 1) // num_channels
+    bounds = torch.minimum(torch.arange(num_channels + 1, device=dev) * per.view(-1, 1), tok.view(-1, 1))
+    before = torch.nn.functional.pad(hits.cumsum(1), (0, 0, 1, 0))  # [W, T_max + 1, W]: tokens before t
+    edges = before.gather(1, bounds.unsqueeze(-1).expand(w, num_channels + 1, w))
+    chan = edges[:, 1:] - edges[:, :-1]
+    channel_prefix = chan[me].T.cumsum(1)  # [W dst, C]
+    from_each = chan[:, :, me]  # [W src, C]: what each source's channels send me
+    recv_channel = start.view(-1, 1) + from_each.cumsum(1) - from_each
+    # each row I receive: its source token, placed at its row (rows past num_rows, and misses, to one spare entry)
+    to_me = hits[:, :, me]
+    n = int(counts[:, me].sum()) if num_rows is None else num_rows
+    at = start.view(-1, 1) + to_me.cumsum(1) - 1
+    at = torch.where((to_me > 0) & (at < n), at, n)
+    recv_src = torch.full((n + 1,), -1, dtype=torch.long, device=dev)
+    recv_src.scatter_(0, at.reshape(-1), torch.arange(t_max, device=dev).expand(w, t_max).reshape(-1))
+    send_head = sent_rows(in_rank_all[me, : in_rank.shape[0]], rank_prefix, me)
     dev = in_rank.device
     i32 = torch.int32
     return (
         rank_prefix.to(dev, i32),
         channel_prefix.to(dev, i32),
         recv_channel.to(dev, i32),
-        recv_src.to(dev, i32),
+        recv_src[:n].to(dev, i32),
         in_rank,
         send_head.to(dev, i32),
     )

@@ -100,6 +100,20 @@ def _check_worst(session: Session, in_rank_all: torch.Tensor, num_worst_tokens: 
         raise ValueError(f"dispatch: more rows than num_worst_tokens = {num_worst_tokens} ({who})")
 
 
+def _layout(topk_idx: torch.Tensor, num_experts: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``get_dispatch_layout``'s counts (``reference_layout``'s) by tensor ops on ``topk_idx``'s device, no host
+    read: ``(num_tokens_per_rank [W] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, W] bool)``; ids
+    outside ``[0, num_experts)`` count nowhere."""
+    ids = topk_idx.long()
+    ok = (ids >= 0) & (ids < num_experts)
+    bins = torch.where(ok, ids, num_experts).view(-1)  # the misses to one spare bin
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    per_expert.scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.int32))
+    owner = torch.where(ok, ids // (num_experts // w), -1)
+    in_rank = (owner.unsqueeze(-1) == torch.arange(w, device=ids.device)).any(1)
+    return in_rank.sum(0).to(torch.int32), per_expert[:num_experts], in_rank
+
+
 def _channels(config: Config | None, default_sms: int) -> int:
     """DeepEP's channels for a call's ``config`` (its SMs over two), which the handle's channel matrices describe."""
     return max((config.num_sms if config is not None else default_sms) // 2, 1)
@@ -133,10 +147,9 @@ class NormalCalls:
             raise ValueError(
                 f"get_dispatch_layout: num_experts must be a multiple of {self.s.group_size}, got {num_experts!r}"
             )
-        per_rank, per_expert, in_rank = reference_layout(topk_idx.cpu(), num_experts, self.s.group_size)
-        dev = topk_idx.device
-        per_rdma = tokens_per_rdma_rank(in_rank).to(dev) if rdma_ranks(self.s.group_size) > 1 else None
-        return per_rank.to(dev), per_rdma, per_expert.to(dev), in_rank.to(dev), new_event(async_finish)
+        per_rank, per_expert, in_rank = _layout(topk_idx, num_experts, self.s.group_size)
+        per_rdma = tokens_per_rdma_rank(in_rank) if rdma_ranks(self.s.group_size) > 1 else None
+        return per_rank, per_rdma, per_expert, in_rank, new_event(async_finish)
 
     def dispatch(
         self,
@@ -201,13 +214,15 @@ class NormalCalls:
         words: torch.Tensor | None = None
         s, sdtype = 0, None
         x0: torch.Tensor | None = None
+        # a worst-case dispatch inside one domain reads nothing back: EPBuffer's worst-case call judges it
+        worst = bool(num_worst_tokens) and isinstance(num_worst_tokens, int) and rdma_ranks(self.s.group_size) == 1
         try:  # a call rejected on one rank is rejected on every rank (one agreement below)
             check_events(fn, previous_event, async_finish, allocate_on_comm_stream)
             check_config(fn, config)
             check_internode_call(fn, config, self.s.group_size)
             x0, scales = _rows(x, num_worst_tokens)
             self._check_layout(topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                               num_tokens_per_expert, x0.shape[0])  # fmt: skip
+                               num_tokens_per_expert, x0.shape[0], not worst)  # fmt: skip
             if scales is not None:
                 words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
         except ValueError as exc:
@@ -218,6 +233,13 @@ class NormalCalls:
         # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
         assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         num_experts = num_tokens_per_expert.numel()
+        if worst:
+            rows_in = (x0, words) if words is not None else x0
+            got_x, got_s, got_idx, got_w, normal = self._dispatch_worst(
+                rows_in, is_token_in_rank, num_experts, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                config, tokens,
+            )  # fmt: skip
+            return _with_scales(got_x, got_s, s, sdtype), got_idx, got_w, [], normal, new_event(async_finish)
         routes = self.s.routes("dispatch", is_token_in_rank, num_tokens_per_expert, tokens)
         _check_worst(self.s, routes[0], num_worst_tokens)
         with_topk = topk_idx is not None
@@ -246,6 +268,39 @@ class NormalCalls:
             recv_idx_out, recv_w_out, counts = pad_rows(recv_idx_out, n, -1), pad_rows(recv_w_out, n, 0), []
         return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, new_event(async_finish)
 
+    def _dispatch_worst(
+        self, rows: DeepEPRows, is_token_in_rank: torch.Tensor, num_experts: int, topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None, alignment: int, num_worst_tokens: int, config: Config | None, tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, NormalHandle]:  # fmt: skip
+        """A dispatch with ``num_worst_tokens`` inside one domain, with no host read (the call's agreement is the
+        host's own values): EPBuffer's worst-case dispatch (on the device kernels it judges every rank's call on the
+        device, ``EPBuffer.dispatch``), the routing (from ``topk_idx``, or ``is_token_in_rank`` without top-k) and the
+        handle by tensor ops. ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)``, padded to
+        ``num_worst_tokens`` rows."""
+        w, me = self.s.group_size, self.s.rank
+        x0 = rows[0] if isinstance(rows, tuple) else rows
+        local = num_experts // w
+        with_topk = topk_idx is not None
+        if topk_idx is not None:  # the routing the rows take (the layout's values are not read: no host read)
+            owner = torch.where(topk_idx >= 0, topk_idx // local, -1)
+            in_rank = (owner.unsqueeze(-1) == torch.arange(w, device=owner.device)).any(1)
+        else:  # each token once to each of its ranks (their expert 0)
+            in_rank = is_token_in_rank
+            topk_idx = torch.where(in_rank, torch.arange(w, device=x0.device) * local, -1)
+        in_rank_all, per_rank = self.s.device_routes("dispatch", in_rank, tokens)
+        buf = self.s.epbuffer(x0.shape[1], num_experts, topk_idx.shape[1], x0.device, tokens)
+        recv_rows, recv_idx, recv_w, _, h = buf.dispatch(
+            rows, topk_idx, topk_weights, alignment, num_worst_tokens=num_worst_tokens
+        )
+        recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
+        channels = _channels(config, self.default_sms())
+        tensors = normal_handle(in_rank_all, per_rank, me, channels, in_rank, num_rows=num_worst_tokens)
+        handle = NormalHandle(tensors, buf, h, topk_idx.shape[1] if with_topk else None)
+        if not with_topk:
+            return recv_x, recv_s, None, None, handle
+        recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))  # DeepEP: 0 for another rank's
+        return recv_x, recv_s, recv_idx, recv_w, handle
+
     def _summed_counts(self, per_expert_all: torch.Tensor, num_experts: int, alignment: int) -> list[int]:
         """A dispatch without top-k's per-expert counts (DeepEP's): the senders' ``num_tokens_per_expert``
         (``per_expert_all [W, E]``) summed over this rank's experts, aligned up."""
@@ -262,9 +317,12 @@ class NormalCalls:
         in_rank: torch.Tensor | None,
         per_expert: torch.Tensor | None,
         num_tokens: int,
+        values: bool = True,
     ) -> None:
         """A non-cached dispatch's routing arguments: the layout given, and ``topk_idx``'s when top-k is given (a
-        dispatch without top-k routes each token to the ranks ``is_token_in_rank`` names)."""
+        dispatch without top-k routes each token to the ranks ``is_token_in_rank`` names). ``values=False`` (a
+        worst-case dispatch, which reads nothing back): shapes and dtypes only; the routing then comes from
+        ``topk_idx`` alone and EPBuffer judges the expert ids."""
         w, domains = self.s.group_size, rdma_ranks(self.s.group_size)
         if domains == 1 and per_rdma_rank is not None:
             raise ValueError(
@@ -307,12 +365,14 @@ class NormalCalls:
         if (topk_idx is None) != (topk_weights is None):
             raise ValueError("dispatch: topk_idx and topk_weights must both be given, or both None (no top-k)")
         if topk_idx is None:
-            if not torch.equal(in_rank.sum(0).cpu(), per_rank.cpu().to(torch.int64)):
+            if values and not torch.equal(in_rank.sum(0).cpu(), per_rank.cpu().to(torch.int64)):
                 raise ValueError("dispatch: num_tokens_per_rank is not is_token_in_rank's count of tokens per rank")
             return
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
             raise ValueError(f"dispatch: topk_idx must be [num_tokens = {num_tokens}, num_topk], got {topk_idx!r:.60}")
-        check_topk_idx(topk_idx, per_expert.numel())
+        check_topk_idx(topk_idx, per_expert.numel(), check_values=values)
+        if not values:
+            return
         want = reference_layout(topk_idx.cpu(), per_expert.numel(), w)  # get_dispatch_layout's answer
         for name, got, ref in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
                                   (per_rank, per_expert, in_rank), want):  # fmt: skip

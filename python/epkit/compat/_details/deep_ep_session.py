@@ -109,15 +109,28 @@ class Session:
         """Every rank's routing, for DeepEP's handles and a dispatch without top-k (one small all-gather after the
         call's agreement, which made ``tokens_max`` and the experts the same on every rank): ``(is_token_in_rank
         [W, tokens_max, W] bool, tokens per rank, num_tokens_per_expert [W, E] int64)``, on the CPU."""
+        got = self._gather_routes(fn, in_rank, per_expert, tokens_max).cpu()
+        in_rank_all = got[:, 1 : 1 + tokens_max * self.group_size].reshape(-1, tokens_max, self.group_size).bool()
+        return in_rank_all, got[:, 0].tolist(), got[:, 1 + tokens_max * self.group_size :].long()
+
+    def device_routes(self, fn: str, in_rank: torch.Tensor, tokens_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`routes` without the counts and without a host read (a worst-case dispatch's): ``(is_token_in_rank
+        [W, tokens_max, W] bool, tokens per rank [W] int64)`` where the gather left them (the GPU on an NCCL group;
+        there stream-ordered)."""
+        got = self._gather_routes(fn, in_rank, torch.zeros(0, dtype=torch.int32), tokens_max)
+        in_rank_all = got[:, 1:].reshape(-1, tokens_max, self.group_size).bool()
+        return in_rank_all, got[:, 0].long()
+
+    def _gather_routes(self, fn: str, in_rank: torch.Tensor, per_expert: torch.Tensor, tokens_max: int) -> torch.Tensor:
+        """``[W, 1 + tokens_max * W + E]`` int32: each rank's token count, ``is_token_in_rank`` (zero past its
+        tokens) and ``num_tokens_per_expert``."""
         w, t = self.group_size, in_rank.shape[0]
         dev = "cuda" if self.nccl else "cpu"
         mine = torch.zeros(1 + tokens_max * w + per_expert.numel(), dtype=torch.int32, device=dev)
         mine[0] = t
         mine[1 : 1 + t * w] = in_rank.reshape(-1).to(dev, torch.int32)
         mine[1 + tokens_max * w :] = per_expert.reshape(-1).to(dev, torch.int32)
-        got = self.gather(mine, fn).cpu()
-        in_rank_all = got[:, 1 : 1 + tokens_max * w].reshape(w, tokens_max, w).bool()
-        return in_rank_all, got[:, 0].tolist(), got[:, 1 + tokens_max * w :].long()
+        return self.gather(mine, fn)
 
     def epbuffer(
         self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0,

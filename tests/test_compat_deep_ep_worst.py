@@ -1,0 +1,124 @@
+"""DeepEP's ``num_worst_tokens`` through ``epkit.compat.deep_ep.Buffer`` (issue 40: "``num_worst_tokens`` with no
+host read on CUDA"): the shim's worst-case dispatch is EPBuffer's worst-case call, its routing and handle tensor
+ops, so on the device kernels (their source under the Triton interpreter, CPU ranks over shm) the layout, the
+dispatch, its combine and a cached dispatch along its handle read nothing back to the host.
+
+Each worst-case result is checked against the plain dispatch of the same routing on the same Buffer (the plain one
+is checked against DeepEP's meaning in ``test_compat_deep_ep_handles.py``): the rows, ids and weights bit for bit,
+then the padding (zero rows, ids -1, weights 0); the handle's tensors equal, ``recv_src_idx`` -1 past the rows
+received; the combine, with NaN in every padding row of ``x``, equal to the plain combine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import epkit.compat.deep_ep as deep_ep
+from epkit.testing.host_sync import HostSyncDetector
+from epkit.testing.multiprocess import run_ranks
+
+HIDDEN, TOPK, WORST = 128, 2, 24
+
+
+def _inputs(rank: int, num_experts: int):
+    t = (7, 3)[rank % 2]  # unequal token counts
+    g = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(t, HIDDEN, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(t)])
+    ids[torch.rand(ids.shape, generator=g) < 0.2] = -1
+    return x, ids, torch.rand(t, TOPK, generator=g)
+
+
+def _padded(got: torch.Tensor, want: torch.Tensor, fill: float) -> None:
+    r = want.shape[0]
+    assert got.shape == (WORST, *want.shape[1:]), (got.shape, want.shape)
+    assert torch.equal(got[:r], want)
+    assert bool((got[r:] == fill).all())
+
+
+def _case(rank: int, world: int, kernels: str, with_topk: bool) -> list[str]:
+    os.environ["EPKIT_EP_KERNELS"] = kernels
+    num_experts = 2 * world
+    x, ids, weights = _inputs(rank, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0, explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, num_experts)
+    config = deep_ep.Config(8)  # 4 channels
+    kw = {"topk_idx": ids, "topk_weights": weights} if with_topk else {}
+
+    def dispatch(n: int):
+        return buffer.dispatch(x, None, per_rank, None, in_rank, per_expert, config=config, num_worst_tokens=n, **kw)
+
+    plain = dispatch(0)
+    r = plain[0].shape[0]
+    plain_combined = buffer.combine(plain[0] * 2, plain[4], topk_weights=plain[2])
+    plain_cached = buffer.dispatch(x, plain[4])[0]
+    dispatch(WORST)  # warm-up: the first worst-case call of a buffer fills its caches
+    with HostSyncDetector() as reads:
+        layout = buffer.get_dispatch_layout(ids, num_experts)
+        recv_x, recv_ids, recv_w, counts, handle, _ = dispatch(WORST)
+        y = recv_x * 2
+        y[r:] = float("nan")  # padding rows are never read
+        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
+        cached = buffer.dispatch(x, handle)[0]
+    assert counts == []  # DeepEP: no counts without a CPU sync
+    for got, want in zip(layout[:4], (per_rank, None, per_expert, in_rank)):
+        assert got is want is None or torch.equal(got, want)
+    _padded(recv_x, plain[0], 0)
+    _padded(cached, plain_cached, 0)
+    if with_topk:
+        _padded(recv_ids, plain[1], -1)
+        _padded(recv_w, plain[2], 0)
+    else:
+        assert recv_ids is None and recv_w is None
+    for i in (0, 1, 2, 4, 5):  # rank_prefix, channel_prefix, recv_channel_prefix, is_token_in_rank, send_head
+        assert torch.equal(handle[i], plain[4][i]), i
+    _padded(handle[3], plain[4][3], -1)  # recv_src_idx
+    assert torch.equal(combined, plain_combined[0])
+    if with_topk:
+        assert torch.equal(combined_w, plain_combined[1])
+    # the control: the plain dispatch reads the received count back
+    with HostSyncDetector() as plain_reads:
+        dispatch(0)
+    assert plain_reads.events, "the detector sees the plain dispatch's reads"
+    buffer.destroy()
+    return reads.events
+
+
+@pytest.mark.parametrize("with_topk", [True, False], ids=["topk", "is_token_in_rank"])
+@pytest.mark.parametrize("kernels", ["host", "device"])
+def test_worst_case_dispatch_is_the_plain_one_padded_and_reads_nothing_back_on_the_device_kernels(kernels, with_topk):
+    got = run_ranks(_case, 2, kernels, with_topk, timeout=240)
+    if kernels == "device":
+        assert got == [[], []], got
+
+
+def _overflow(rank: int, world: int) -> tuple[str, str]:
+    """Rank 0 sends 7 tokens to every rank: a worst case of 4 rows overflows there; on the device kernels the verdict
+    comes at the next call, on every rank."""
+    os.environ["EPKIT_EP_KERNELS"] = "device"
+    num_experts = 2 * world
+    x, _, weights = _inputs(rank, num_experts)
+    ids = torch.arange(x.shape[0]).view(-1, 1).repeat(1, TOPK) % 2 * (num_experts // world)  # each token, each rank
+    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
+    layout = buffer.get_dispatch_layout(ids, num_experts)
+    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
+    buffer.dispatch(*args, num_worst_tokens=WORST)  # the EPBuffer made (a first call agrees on the host)
+    texts = []
+    for _ in range(2):  # the bad call, then the call that learns of it
+        try:
+            buffer.dispatch(*args, num_worst_tokens=4)
+        except (ValueError, RuntimeError) as exc:
+            texts.append(f"{type(exc).__name__}: {exc}")
+            break
+    return texts[0] if texts else "no error", ""
+
+
+def test_a_worst_case_that_overflows_on_the_device_kernels_is_the_same_error_on_every_rank():
+    got = run_ranks(_overflow, 2, timeout=240)
+    texts = [g[0] for g in got]
+    assert texts[0].startswith("ValueError") and "num_worst_tokens" in texts[0], texts
+    assert texts[0] == texts[1], texts
