@@ -141,6 +141,10 @@ def _child(job, env, stdio, rank, world_size, store_path, results, init_timeout,
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout)
             )
+            # every rank's mesh is whole before any rank goes on: a rank that finished its side of the mesh and
+            # then left at once (a job that needs no peer) closed pairs a slower rank was still connecting
+            # ("Gloo connectFullMesh failed ... Connection closed by peer")
+            dist.barrier()
         msg = ("ok", rank, fn(rank, world_size, *args, **kwargs))
     except BaseException as exc:  # report everything, including SystemExit and KeyboardInterrupt
         msg = ("err", rank, (type(exc).__name__, traceback.format_exc()))
