@@ -127,3 +127,37 @@ def test_a_worst_case_that_overflows_on_the_device_kernels_is_the_same_error_on_
     texts = run_ranks(_overflow, 2, timeout=240)
     assert texts[0].startswith("ValueError") and "num_worst_tokens" in texts[0], texts
     assert texts[0] == texts[1], texts
+
+
+def _under_capture(rank: int, world: int) -> bool:
+    """The shim's normal-mode calls under a (pretended) CUDA graph capture: refused before anything runs, so the
+    Buffer goes on in step; the layout (tensor ops) is not refused."""
+    from epkit.compat._details import deep_ep_session
+
+    num_experts = 2 * world
+    x, ids, weights = _inputs(rank, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
+    layout = buffer.get_dispatch_layout(ids, num_experts)
+    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
+    first = buffer.dispatch(*args, num_worst_tokens=WORST)
+    real = deep_ep_session.capturing
+    deep_ep_session.capturing = lambda: True  # what torch.cuda.graph's capture makes ops.capturing() say
+    try:
+        assert torch.equal(buffer.get_dispatch_layout(ids, num_experts)[3], layout[3])
+        for call in (
+            lambda: buffer.dispatch(*args, num_worst_tokens=WORST),
+            lambda: buffer.dispatch(x, first[4]),
+            lambda: buffer.combine(first[0], first[4]),
+        ):
+            with pytest.raises(RuntimeError, match="dispatch|combine of epkit.compat.deep_ep cannot run under CUDA"):
+                call()
+    finally:
+        deep_ep_session.capturing = real
+    again = buffer.dispatch(*args, num_worst_tokens=WORST)
+    return torch.equal(again[0], first[0]) and torch.equal(
+        buffer.combine(again[0], again[4])[0], buffer.combine(first[0], first[4])[0]
+    )
+
+
+def test_the_shims_normal_mode_calls_are_refused_under_cuda_graph_capture_before_anything_runs():
+    assert run_ranks(_under_capture, 2, timeout=120) == [True, True]

@@ -91,12 +91,14 @@ class Buffer:
       ``async_finish=True`` returns an event recorded on the current stream (on CPU ranks there is nothing
       to wait for: the work is done when the call returns); ``return_recv_hook=True`` defers the receive to
       the hook; ``num_worst_tokens`` gives outputs of that many rows (padding: zero rows, ids -1, weights 0,
-      ``recv_src_idx`` -1) and, inside one domain, is EPBuffer's worst-case dispatch: on the device kernels it,
-      its combine and its cached dispatches read no device data back (the call's agreement exchanges host
-      values only: over a gloo group nothing is read back at all; over an NCCL group that gather is the one
-      read left), a rank that receives more rows raises at its next call, on every rank, and the layout's values
-      are not checked against ``topk_idx`` (its routing is ``topk_idx``'s); ``num_worst_tokens`` pads internode
-      dispatches too (on the host; DeepEP's Python refuses it there);
+      ``recv_src_idx`` -1) and, inside one domain, is EPBuffer's worst-case dispatch: the rows' exchange, its
+      combine's and its cached dispatches' read no count back (on the device kernels a rank that receives more
+      rows raises at its next call, on every rank), the handle is tensor ops, and the layout's values are not
+      checked against ``topk_idx`` (its routing is ``topk_idx``'s); what still meets on the host is the call's
+      agreement (host values) and the routing gather for DeepEP's handle: on CPU ranks nothing is read back
+      from a device, on CUDA those two synchronize, so the shim's normal-mode calls are refused under CUDA graph
+      capture (EPBuffer's own worst-case calls are capturable); ``num_worst_tokens`` pads internode dispatches
+      too (on the host; DeepEP's Python refuses it there);
       ``round_scale`` quantizes the received bf16 rows at the receiver (epkit's per-128 cast with the scales
       rounded up to powers of two, as DeepEP's sender-side cast rounds them; twice the bytes on the wire);
     - ``enable_shrink=True`` masks ranks that stop taking part in the low-latency calls (module docstring; CPU

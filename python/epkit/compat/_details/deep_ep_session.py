@@ -26,6 +26,7 @@ from epkit.collectives.deadline import within
 from epkit.collectives.ep_buffer import EPBuffer
 from epkit.compat._details.deep_ep_agreement import SHRINK_KINDS, CallAgreement, FieldValue
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap
+from epkit.ops import capturing
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -37,16 +38,30 @@ Hook = Callable[[], None]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+#: The calls that read back to the host through this interface (the agreement's and the routing's gathers, and
+#: sizes) and so cannot be captured in a CUDA graph: refused under capture, with what to capture instead.
+UNCAPTURABLE = frozenset({"dispatch", "combine", "internode_dispatch", "internode_combine"})
+
 
 def calls(part: str, method: _F) -> _F:
     """A buffer method that hands the call to its ``part`` (its normal-mode, low-latency, dispatch or combine
     calls): ``method``'s signature and docstring, one definition. The whole call (its agreement, a first EPBuffer's
     construction, the routing gather, the rows' exchange) waits at most the session's timeout, end to end
     (:func:`~epkit.collectives.deadline.within`; not shrink mode's low-latency calls, see below); a receive hook
-    called later has the timeout again."""
+    called later has the timeout again. A call of :data:`UNCAPTURABLE` made while the current CUDA stream captures a
+    graph is a RuntimeError before anything runs (every capturing rank raises it), not a CUDA error from deep inside
+    the call."""
 
     @functools.wraps(method)
     def call(self: object, *args: Any, **kwargs: Any) -> Any:
+        if method.__name__ in UNCAPTURABLE and capturing():
+            raise RuntimeError(
+                f"{method.__name__} of epkit.compat.deep_ep cannot run under CUDA graph capture: its agreement and "
+                "routing gather read back to the host (num_worst_tokens / do_cpu_sync=False give worst-case shapes, "
+                "but through this interface the call still synchronizes). Capture low_latency_dispatch / "
+                "low_latency_combine, or epkit's EPBuffer.dispatch(num_worst_tokens=...) and its combine on the "
+                f"device kernels, or run {method.__name__} outside the graph"
+            )
         calls_of = getattr(self, part)
         session: Session = calls_of.s
         # shrink mode's low-latency calls wait a silent rank out to mask it (their meetings' outcome, not a failure):
