@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import epkit.compat.deep_ep as deep_ep
 from epkit.testing.host_sync import HostSyncDetector
+from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
 
 HIDDEN, TOPK, WORST = 128, 2, 24
@@ -129,6 +130,48 @@ def test_a_worst_case_that_overflows_on_the_device_kernels_is_the_same_error_on_
     assert texts[0] == texts[1], texts
 
 
+def _stream_ordered(rank: int, world: int) -> list[str]:
+    """A worst-case dispatch, its combine and a cached dispatch on an NCCL group (the group's kind as the session
+    sees it, over gloo here), after an eager one: no host agreement, accepted under a (pretended) capture, no host
+    read on the device kernels, and the eager call's results."""
+    from epkit.compat._details import deep_ep_session
+
+    os.environ["EPKIT_EP_KERNELS"] = "device"
+    num_experts = 2 * world
+    x, ids, weights = _inputs(rank, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
+    layout = buffer.get_dispatch_layout(ids, num_experts)
+    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
+    eager = buffer.dispatch(*args, num_worst_tokens=WORST)  # makes the EPBuffer (agreed on the host)
+    eager_combined = buffer.combine(eager[0] * 2, eager[4], topk_weights=eager[2])
+    eager_cached = buffer.dispatch(x, eager[4])[0]
+    session = buffer._session
+    agreed: list[str] = []
+    real_agree, real_capturing = session.agree, deep_ep_session.capturing
+    session.agreement.nccl = True  # what an NCCL group's session says
+    session.agree = lambda fn, *a, **k: agreed.append(fn) or real_agree(fn, *a, **k)
+    deep_ep_session.capturing = lambda: True  # as under torch.cuda.graph
+    try:
+        with HostSyncDetector() as reads:
+            got = buffer.dispatch(*args, num_worst_tokens=WORST)
+            combined = buffer.combine(got[0] * 2, got[4], topk_weights=got[2])
+            cached = buffer.dispatch(x, got[4])[0]
+        with pytest.raises(RuntimeError, match="dispatch of epkit.compat.deep_ep cannot run under CUDA graph"):
+            buffer.dispatch(*args)  # a plain dispatch meets on the host: refused before anything runs
+    finally:
+        session.agreement.nccl, session.agree, deep_ep_session.capturing = False, real_agree, real_capturing
+    assert agreed == [], agreed
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], eager[:3])) and got[3] == []
+    assert all(torch.equal(a, b) for a, b in zip(got[4], eager[4]))
+    assert torch.equal(combined[0], eager_combined[0]) and torch.equal(combined[1], eager_combined[1])
+    assert torch.equal(cached, eager_cached)
+    return reads.events
+
+
+def test_on_an_nccl_group_a_worst_case_dispatch_is_stream_ordered_and_may_be_captured():
+    assert run_ranks(_stream_ordered, 2, timeout=240) == [[], []]
+
+
 def _under_capture(rank: int, world: int) -> bool:
     """The shim's normal-mode calls under a (pretended) CUDA graph capture: refused before anything runs, so the
     Buffer goes on in step; the layout (tensor ops) is not refused."""
@@ -161,3 +204,44 @@ def _under_capture(rank: int, world: int) -> bool:
 
 def test_the_shims_normal_mode_calls_are_refused_under_cuda_graph_capture_before_anything_runs():
     assert run_ranks(_under_capture, 2, timeout=120) == [True, True]
+
+
+def _gpu_capture(rank: int, world: int) -> bool:
+    """Rung 4: on an NCCL group (one GPU), a legacy worst-case dispatch and its combine through the shim captured in
+    a CUDA graph (after an eager call) and replayed on new rows give, each time, the eager plain dispatch's rows
+    (padded) and its combine's bits."""
+    torch.cuda.set_device(0)
+    group = dist.new_group([0], backend="nccl")
+    num_experts = 8
+    x, ids, weights = (t.cuda() for t in _inputs(rank, num_experts))
+    buffer = deep_ep.Buffer(group, 1 << 20, 0)
+    layout = buffer.get_dispatch_layout(ids, num_experts)
+    static_x = x.clone()
+
+    def dispatch(**kw):
+        return buffer.dispatch(static_x, None, layout[0], None, layout[3], layout[2], ids, weights, **kw)
+
+    def step():
+        got = dispatch(num_worst_tokens=WORST)
+        return got, buffer.combine(got[0], got[4])
+
+    step()  # makes the EPBuffer (agreed on the host), compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, out = step()
+    for trial in range(3):
+        static_x.copy_((x.float() * (trial + 2)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        plain = dispatch()
+        want = buffer.combine(plain[0], plain[4])
+        r = plain[0].shape[0]
+        assert torch.equal(captured[0][:r].cpu(), plain[0].cpu()) and bool((captured[0][r:] == 0).all()), trial
+        assert torch.equal(out[0].cpu(), want[0].cpu()), trial
+    return True
+
+
+@requires_cuda
+def test_gpu_a_worst_case_dispatch_through_the_shim_replays_from_a_cuda_graph_on_an_nccl_group():
+    assert run_ranks(_gpu_capture, 1, timeout=240) == [True]

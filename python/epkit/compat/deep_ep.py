@@ -94,11 +94,13 @@ class Buffer:
       ``recv_src_idx`` -1) and, inside one domain, is EPBuffer's worst-case dispatch: the rows' exchange, its
       combine's and its cached dispatches' read no count back (on the device kernels a rank that receives more
       rows raises at its next call, on every rank), the handle is tensor ops, and the layout's values are not
-      checked against ``topk_idx`` (its routing is ``topk_idx``'s); what still meets on the host is the call's
-      agreement (host values) and the routing gather for DeepEP's handle: on CPU ranks nothing is read back
-      from a device, on CUDA those two synchronize, so the shim's normal-mode calls are refused under CUDA graph
-      capture (EPBuffer's own worst-case calls are capturable); ``num_worst_tokens`` pads internode dispatches
-      too (on the host; DeepEP's Python refuses it there);
+      checked against ``topk_idx`` (its routing is ``topk_idx``'s). On an NCCL group, once an eager call made
+      the buffer, such a call, its combine and its cached dispatches are stream-ordered as the low-latency
+      calls are (no host agreement: a bad call raises on its own rank only; the routing gather on the GPU), so
+      a CUDA graph can capture them; elsewhere the call's agreement (host values) and routing gather meet on
+      the host (on CPU ranks nothing is read back from a device; on CUDA over a gloo group they synchronize).
+      A normal-mode call that meets on the host is refused under CUDA graph capture, naming what captures;
+      ``num_worst_tokens`` pads internode dispatches too (on the host; DeepEP's Python refuses it there);
       ``round_scale`` quantizes the received bf16 rows at the receiver (epkit's per-128 cast with the scales
       rounded up to powers of two, as DeepEP's sender-side cast rounds them; twice the bytes on the wire);
     - ``enable_shrink=True`` masks ranks that stop taking part in the low-latency calls (module docstring; CPU

@@ -5,6 +5,11 @@ Every call that moves rows first runs its checks into one agreement of the buffe
 alone: the same ``ValueError`` on every rank, before any row moves), then picks or makes the EPBuffer. A dispatch
 also gathers every rank's routing (one small all-gather) for DeepEP's handle (``deep_ep_handles``), and, without
 top-k, for the per-expert counts DeepEP returns: the senders' ``num_tokens_per_expert``, summed.
+
+A dispatch with ``num_worst_tokens`` inside one domain is EPBuffer's worst-case dispatch, its routing ``topk_idx``'s
+and its handle tensor ops, with no count read back; on an NCCL group, once an eager call made its EPBuffer, it and
+the calls along its handle make no host agreement either (stream-ordered, as the low-latency calls there: a CUDA
+graph can capture them). Any other call that meets on the host is refused under capture (``refuse_capture_here``).
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from epkit.compat._details.deep_ep_internode import (
     tokens_per_rdma_rank,
 )
 from epkit.compat._details.deep_ep_layouts import DeepEPRows, carry_scales, pad_rows, restore_scales
+from epkit.compat._details.deep_ep_session import refuse_capture_here
 from epkit.utils import check_topk_idx
 
 if TYPE_CHECKING:
     from epkit.collectives.ep.handles import DispatchResult
+    from epkit.collectives.ep_buffer import EPBuffer
     from epkit.compat._details.deep_ep_session import Session
 
 __all__ = ["DispatchOutput", "NormalCalls"]
@@ -112,6 +119,13 @@ def _layout(topk_idx: torch.Tensor, num_experts: int, w: int) -> tuple[torch.Ten
     owner = torch.where(ok, ids // (num_experts // w), -1)
     in_rank = (owner.unsqueeze(-1) == torch.arange(w, device=ids.device)).any(1)
     return in_rank.sum(0).to(torch.int32), per_expert[:num_experts], in_rank
+
+
+def _raise_here(error: str | None) -> None:
+    """A stream-ordered call's rejection (an NCCL group's worst-case calls, as its low-latency calls): raised on
+    this rank only, as nothing is agreed with the others (whose kernels then wait for this rank, then time out)."""
+    if error is not None:
+        raise ValueError(f"{error} (this rank only: a worst-case call on an NCCL group makes no host agreement)")
 
 
 def _channels(config: Config | None, default_sms: int) -> int:
@@ -227,8 +241,17 @@ class NormalCalls:
                 words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
         except ValueError as exc:
             error = str(exc)
-        # internode_dispatch is the call dispatch makes on RDMA ranks: one kind of call for the agreement
-        tokens = self.s.agree("dispatch", error, _dispatch_fields(x, topk_idx, num_tokens_per_expert), _rows_of(x0))
+        ordered = self._stream_ordered(worst, x0, topk_idx, num_tokens_per_expert)
+        if ordered is not None:  # an NCCL group's worst-case call: no host agreement, as the low-latency calls
+            tokens = ordered.num_max_tokens_per_rank
+            if error is None and x0 is not None and x0.shape[0] > tokens:
+                error = f"dispatch: {x0.shape[0]} tokens, more than the {tokens} the Buffer's eager calls made room for"
+            _raise_here(error)
+        else:
+            refuse_capture_here(fn)
+            # internode_dispatch is the call dispatch makes on RDMA ranks: one kind of call for the agreement
+            fields = _dispatch_fields(x, topk_idx, num_tokens_per_expert)
+            tokens = self.s.agree("dispatch", error, fields, _rows_of(x0))
         wait_for(previous_event)
         # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
         assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
@@ -267,6 +290,25 @@ class NormalCalls:
             recv_x, recv_s = pad_rows(recv_x, n, 0), pad_rows(recv_s, n, 0)
             recv_idx_out, recv_w_out, counts = pad_rows(recv_idx_out, n, -1), pad_rows(recv_w_out, n, 0), []
         return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, new_event(async_finish)
+
+    def _stream_ordered(
+        self, worst: bool, x0: torch.Tensor | None, topk_idx: object, per_expert: object
+    ) -> EPBuffer | None:
+        """The EPBuffer a worst-case dispatch runs on with no host agreement: on an NCCL group (as the low-latency
+        calls there), once an eager call made the session's buffer for its shapes; None where the call agrees on
+        the host. Every rank decides alike, as its shapes are the same (DeepEP's contract; the agreement checks
+        them on the calls that make it)."""
+        if not (worst and self.s.nccl) or x0 is None or not isinstance(per_expert, torch.Tensor):
+            return None
+        k = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else self.s.group_size
+        return self.s.current.get((x0.shape[1], per_expert.numel(), k))
+
+    def _ordered_handle(self, handle: object) -> bool:
+        """Whether a combine or cached dispatch along ``handle`` is stream-ordered (no host agreement): on an NCCL
+        group, after a worst-case dispatch of this Buffer inside one domain."""
+        if not self.s.nccl or not isinstance(handle, NormalHandle) or self.s.index_of(handle) is None:
+            return False
+        return handle.handle.worst is not None
 
     def _dispatch_worst(
         self, rows: DeepEPRows, is_token_in_rank: torch.Tensor, num_experts: int, topk_idx: torch.Tensor | None,
@@ -414,7 +456,11 @@ class NormalCalls:
                 words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
         except ValueError as exc:
             error = str(exc)
-        self.s.agree(fn, error, self.s.handle_fields(handle) + _dispatch_fields(x, None, None)[:4])
+        if self._ordered_handle(handle):
+            _raise_here(error)
+        else:
+            refuse_capture_here(caller)
+            self.s.agree(fn, error, self.s.handle_fields(handle) + _dispatch_fields(x, None, None)[:4])
         wait_for(previous_event)
         assert x0 is not None  # the agreement raised unless every rank's checks passed
         dispatched: DispatchResult = handle.buffer.dispatch(
@@ -493,7 +539,11 @@ class NormalCalls:
             ("x dtype", x.dtype if isinstance(x, torch.Tensor) else None),
             ("topk_weights given", int(topk_weights is not None)),
         ]
-        self.s.agree("combine", error, fields)  # internode_combine too: the call combine makes on RDMA ranks
+        if self._ordered_handle(handle):
+            _raise_here(error)
+        else:
+            refuse_capture_here(fn)
+            self.s.agree("combine", error, fields)  # internode_combine too: the call combine makes on RDMA ranks
         wait_for(previous_event)
         buf, n = handle.buffer, handle.num_recv
         combined = buf.combine(x[:n], handle.handle, bias=bias)

@@ -31,16 +31,33 @@ from epkit.ops import capturing
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Hook", "Session", "calls", "new_v2_event"]
+__all__ = ["UNCAPTURABLE", "Hook", "Session", "calls", "new_v2_event", "refuse_capture_here"]
 
 #: What a receive hook is: called once (again: nothing), it fills its call's tensors.
 Hook = Callable[[], None]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-#: The calls that read back to the host through this interface (the agreement's and the routing's gathers, and
-#: sizes) and so cannot be captured in a CUDA graph: refused under capture, with what to capture instead.
-UNCAPTURABLE = frozenset({"dispatch", "combine", "internode_dispatch", "internode_combine"})
+#: ``(part, call)``: the calls that always meet on the host through this interface (an agreement of host values, a
+#: routing gather and sizes read back), so that a CUDA graph cannot capture them. The legacy Buffer's ``dispatch`` /
+#: ``combine`` decide per call (``deep_ep_normal``: a worst-case one on an NCCL group is stream-ordered).
+UNCAPTURABLE = frozenset(
+    {("_dispatch", "dispatch"), ("_combine", "combine"), ("_normal", "internode_dispatch"),
+     ("_normal", "internode_combine")}
+)  # fmt: skip
+
+
+def refuse_capture_here(fn: str) -> None:
+    """A RuntimeError, before anything runs, when call ``fn`` that meets on the host is made while the current CUDA
+    stream captures a graph (every capturing rank raises it), instead of a CUDA error from inside the call."""
+    if capturing():
+        raise RuntimeError(
+            f"{fn} of epkit.compat.deep_ep cannot run under CUDA graph capture here: it meets the other ranks on the "
+            "host (its agreement, the routing gather for the handle). Capture low_latency_dispatch / "
+            "low_latency_combine, a legacy dispatch with num_worst_tokens on an NCCL group (after an eager one) "
+            "and its combine, or epkit's EPBuffer.dispatch(num_worst_tokens=...) and its combine on the device "
+            f"kernels; or run {fn} outside the graph"
+        )
 
 
 def calls(part: str, method: _F) -> _F:
@@ -48,20 +65,13 @@ def calls(part: str, method: _F) -> _F:
     calls): ``method``'s signature and docstring, one definition. The whole call (its agreement, a first EPBuffer's
     construction, the routing gather, the rows' exchange) waits at most the session's timeout, end to end
     (:func:`~epkit.collectives.deadline.within`; not shrink mode's low-latency calls, see below); a receive hook
-    called later has the timeout again. A call of :data:`UNCAPTURABLE` made while the current CUDA stream captures a
-    graph is a RuntimeError before anything runs (every capturing rank raises it), not a CUDA error from deep inside
-    the call."""
+    called later has the timeout again. A call of :data:`UNCAPTURABLE` is refused under CUDA graph capture
+    (:func:`refuse_capture_here`)."""
 
     @functools.wraps(method)
     def call(self: object, *args: Any, **kwargs: Any) -> Any:
-        if method.__name__ in UNCAPTURABLE and capturing():
-            raise RuntimeError(
-                f"{method.__name__} of epkit.compat.deep_ep cannot run under CUDA graph capture: its agreement and "
-                "routing gather read back to the host (num_worst_tokens / do_cpu_sync=False give worst-case shapes, "
-                "but through this interface the call still synchronizes). Capture low_latency_dispatch / "
-                "low_latency_combine, or epkit's EPBuffer.dispatch(num_worst_tokens=...) and its combine on the "
-                f"device kernels, or run {method.__name__} outside the graph"
-            )
+        if (part, method.__name__) in UNCAPTURABLE:
+            refuse_capture_here(method.__name__)
         calls_of = getattr(self, part)
         session: Session = calls_of.s
         # shrink mode's low-latency calls wait a silent rank out to mask it (their meetings' outcome, not a failure):
@@ -132,15 +142,18 @@ class Session:
         """:meth:`routes` without the counts and without a host read (a worst-case dispatch's): ``(is_token_in_rank
         [W, tokens_max, W] bool, tokens per rank [W] int64)`` where the gather left them (the GPU on an NCCL group;
         there stream-ordered)."""
-        got = self._gather_routes(fn, in_rank, torch.zeros(0, dtype=torch.int32), tokens_max)
+        got = self._gather_routes(fn, in_rank, torch.zeros(0, dtype=torch.int32), tokens_max, in_rank.device)
         in_rank_all = got[:, 1:].reshape(-1, tokens_max, self.group_size).bool()
         return in_rank_all, got[:, 0].long()
 
-    def _gather_routes(self, fn: str, in_rank: torch.Tensor, per_expert: torch.Tensor, tokens_max: int) -> torch.Tensor:
+    def _gather_routes(
+        self, fn: str, in_rank: torch.Tensor, per_expert: torch.Tensor, tokens_max: int,
+        nccl_device: torch.device | str = "cuda",
+    ) -> torch.Tensor:  # fmt: skip
         """``[W, 1 + tokens_max * W + E]`` int32: each rank's token count, ``is_token_in_rank`` (zero past its
-        tokens) and ``num_tokens_per_expert``."""
+        tokens) and ``num_tokens_per_expert``; gathered on ``nccl_device`` on an NCCL group, else on the CPU."""
         w, t = self.group_size, in_rank.shape[0]
-        dev = "cuda" if self.nccl else "cpu"
+        dev = nccl_device if self.nccl else "cpu"
         mine = torch.zeros(1 + tokens_max * w + per_expert.numel(), dtype=torch.int32, device=dev)
         mine[0] = t
         mine[1 : 1 + t * w] = in_rank.reshape(-1).to(dev, torch.int32)
