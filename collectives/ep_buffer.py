@@ -280,6 +280,7 @@ class EPBuffer:
         handle: DispatchHandle | None = None,
         num_worst_tokens: int = 0,
         num_sms: int | None = None,
+        reject: str | None = None,
     ) -> DispatchResult:
         """Send each token to every rank holding one of its experts.
 
@@ -312,6 +313,10 @@ class EPBuffer:
             cached dispatches keep it (their layout's chunks are its programs). Under the interpreter the count
             is honoured too (programs run one after another); no effect on the host-driven paths, which reject a
             bad value alike (the same ValueError on every rank).
+        reject : str, optional
+            This rank's own verdict on arguments a wrapper checked before the call (``epkit.compat.deep_ep``'s, on
+            a call that makes no agreement of its own): the call is rejected on every rank with this text, as a bad
+            argument of its own would be (pass well-formed stand-ins, e.g. no tokens, for what it could not use).
 
         Returns
         -------
@@ -333,7 +338,7 @@ class EPBuffer:
         if isinstance(x, (tuple, list)):
             x, scales = x
         if handle is not None:  # a cached dispatch keeps its dispatch's num_sms
-            result = self._normal.dispatch_cached(x, scales, handle)
+            result = self._normal.dispatch_cached(x, scales, handle, reject)
             if handle.worst is not None and not self.uses_device_kernels:  # the kernels padded it themselves
                 result = pad_result(result, handle.worst, self.num_local_experts)
             return result
@@ -341,8 +346,10 @@ class EPBuffer:
         if isinstance(self._normal, DeviceNormalPath):
             bad = worst_error(num_worst_tokens)  # a bad value is this rank's rejection: the others learn why
             n = num_worst_tokens if bad is None else 0
-            return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, n, bad, num_sms)
-        sms = routing.num_sms_error(num_sms)  # no effect here, but a bad value is rejected as on the device kernels
+            error = bad or reject
+            return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, n, error, num_sms)
+        # num_sms has no effect here, but a bad value is rejected as on the device kernels
+        sms = reject or routing.num_sms_error(num_sms)
         if plain:
             return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, sms)
         return self._dispatch_worst(x, scales, topk_idx, topk_weights, expert_alignment, expand, num_worst_tokens, sms)
@@ -384,6 +391,7 @@ class EPBuffer:
         topk_weights: torch.Tensor | None = None,
         bias=None,
         num_sms: int | None = None,
+        reject: str | None = None,
     ) -> torch.Tensor:
         """Return every token's expert outputs to its source rank and sum them there.
 
@@ -399,6 +407,8 @@ class EPBuffer:
             Added after the sum (e.g. the shared expert's output).
         num_sms : int, optional
             This call's SM budget on the device kernels (as :meth:`dispatch`'s; no effect elsewhere).
+        reject : str, optional
+            This rank's own verdict on a wrapper's arguments (as :meth:`dispatch`'s).
 
         Returns
         -------
@@ -408,8 +418,8 @@ class EPBuffer:
         if not (isinstance(handle, DispatchHandle) and handle.worst and self.uses_device_kernels):
             refuse_capture("combine", self.device)
         if isinstance(self._normal, DeviceNormalPath):
-            return self._normal.combine(y, handle, topk_weights, bias, num_sms)
-        return self._normal.combine(y, handle, topk_weights, bias, routing.num_sms_error(num_sms))
+            return self._normal.combine(y, handle, topk_weights, bias, num_sms, reject)
+        return self._normal.combine(y, handle, topk_weights, bias, reject or routing.num_sms_error(num_sms))
 
     def combine_unsummed(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None

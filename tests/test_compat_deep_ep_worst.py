@@ -172,6 +172,35 @@ def test_on_an_nccl_group_a_worst_case_dispatch_is_stream_ordered_and_may_be_cap
     assert run_ranks(_stream_ordered, 2, timeout=240) == [[], []]
 
 
+def _ordered_bad_call(rank: int, world: int, kind: str) -> str:
+    """On an NCCL group (told so, gloo underneath) a stream-ordered call rank 1 rejects: the EPBuffer's own call
+    rejects it on every rank (within the call on CPU ranks), with one text."""
+    os.environ["EPKIT_EP_KERNELS"] = "device"
+    num_experts = 2 * world
+    x, ids, weights = _inputs(rank, num_experts)
+    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
+    layout = buffer.get_dispatch_layout(ids, num_experts)
+    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
+    first = buffer.dispatch(*args, num_worst_tokens=WORST)  # makes the EPBuffer (agreed on the host)
+    buffer._session.agreement.nccl = True
+    bad = rank == 1
+    calls = {
+        "dispatch": lambda: buffer.dispatch(*args, num_worst_tokens=WORST, config=7 if bad else None),
+        "combine": lambda: buffer.combine(first[0], first[4], bias=(x, x, x) if bad else None),
+        "cached dispatch": lambda: buffer.dispatch(x, first[4], topk_idx=ids if bad else None),
+    }
+    with pytest.raises(ValueError) as info:
+        calls[kind]()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine", "cached dispatch"])
+def test_on_an_nccl_group_a_call_one_rank_rejects_is_the_same_error_on_every_rank(kind):
+    texts = run_ranks(_ordered_bad_call, 2, kind, timeout=240)
+    assert texts[0] == texts[1], texts
+    assert "rank 1" in texts[0], texts
+
+
 def _under_capture(rank: int, world: int) -> bool:
     """The shim's normal-mode calls under a (pretended) CUDA graph capture: refused before anything runs, so the
     Buffer goes on in step; the layout (tensor ops) is not refused."""

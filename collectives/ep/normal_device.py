@@ -86,20 +86,22 @@ class DeviceNormalPath:
         sms = num_sms if error is None else None
         return self._dispatch(x, scales, topk_idx, topk_weights, alignment, expand, error, worst=worst, num_sms=sms)
 
-    def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
+    def dispatch_cached(
+        self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle, error: str | None = None
+    ) -> DispatchResult:
         """A dispatch along an earlier one's routing: the handle agreement (one launch), then the rows."""
-        error = routing.cached_dispatch_error(self.cfg, self.ctx.device, x, scales, handle)
+        error = error or routing.cached_dispatch_error(self.cfg, self.ctx.device, x, scales, handle)
         self.agree("cached dispatch", handle, error)
         return self.dispatch_cached_rows(x, scales, handle)
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias,
-        num_sms: int | None = None,
+        num_sms: int | None = None, error: str | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Combine on the kernels (see ``EPBuffer.combine``): the agreement (one launch), then the rows;
-        ``num_sms``: the programs of its launches (None: the buffer's)."""
-        error, biases, weights = routing.check_combine(self.cfg, self.ctx.device, y, handle, topk_weights, bias, True)
-        error = error or routing.num_sms_error(num_sms)
+        ``num_sms``: the programs of its launches (None: the buffer's); ``error``: the caller's own verdict."""
+        found, biases, weights = routing.check_combine(self.cfg, self.ctx.device, y, handle, topk_weights, bias, True)
+        error = error or found or routing.num_sms_error(num_sms)
         self.agree("combine", handle, error)
         with self.ctx.retire_on_failure("combine"):
             return self._combine(y, handle, weights, biases, num_sms)

@@ -92,10 +92,12 @@ class FlatNormalPath:
         recv = (*recv[:2], recv[2].to(topk_idx.dtype), recv[3])
         return finish_dispatch(ctx, recv, tokens, recv_counts, x.shape[0], expand, alignment, None)
 
-    def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
+    def dispatch_cached(
+        self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle, error: str | None = None
+    ) -> DispatchResult:
         """A dispatch along an earlier one's routing (``handle``), after the handle agreement."""
         ctx, cfg = self.ctx, self.cfg
-        error = routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
+        error = error or routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
         agree_on_handle(ctx, "cached dispatch", handle, error, fmt=(x.dtype, scales is not None) if not error else None)
         dummy_idx = torch.full((x.shape[0], cfg.num_topk), -1, dtype=torch.int64)
         dummy_w = torch.zeros((x.shape[0], cfg.num_topk), dtype=torch.float32)

@@ -296,10 +296,12 @@ class HierNormalPath:
         k_in = [int(matrix[r, self.cfg.rank]) if split and hy.host != H else 0 for H, r in enumerate(hy.rail_ranks)]
         return RailCall(matrix, place, k_in)
 
-    def dispatch_cached(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle) -> DispatchResult:
+    def dispatch_cached(
+        self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle, error: str | None = None
+    ) -> DispatchResult:
         """A dispatch along an earlier one's routing (``handle``): rows and scales only cross hosts."""
         ctx, cfg = self.ctx, self.cfg
-        error = routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
+        error = error or routing.cached_dispatch_error(cfg, ctx.device, x, scales, handle)
         fmt = (x.dtype, scales is not None) if not error else None
         agree_on_handle(ctx, "cached dispatch", handle, error, fmt=fmt)  # a handle of another buffer is rejected here
         with ctx.retire_on_failure("cached dispatch"):

@@ -9,7 +9,9 @@ top-k, for the per-expert counts DeepEP returns: the senders' ``num_tokens_per_e
 A dispatch with ``num_worst_tokens`` inside one domain is EPBuffer's worst-case dispatch, its routing ``topk_idx``'s
 and its handle tensor ops, with no count read back; on an NCCL group, once an eager call made its EPBuffer, it and
 the calls along its handle make no host agreement either (stream-ordered, as the low-latency calls there: a CUDA
-graph can capture them). Any other call that meets on the host is refused under capture (``refuse_capture_here``).
+graph can capture them); a call one rank rejects is then rejected by the EPBuffer's own call (``reject``): the same
+ValueError on every rank, on CUDA at the others' next call, as EPBuffer's worst-case calls report. Any other call
+that meets on the host is refused under capture (``refuse_capture_here``).
 """
 
 from __future__ import annotations
@@ -119,13 +121,6 @@ def _layout(topk_idx: torch.Tensor, num_experts: int, w: int) -> tuple[torch.Ten
     owner = torch.where(ok, ids // (num_experts // w), -1)
     in_rank = (owner.unsqueeze(-1) == torch.arange(w, device=ids.device)).any(1)
     return in_rank.sum(0).to(torch.int32), per_expert[:num_experts], in_rank
-
-
-def _raise_here(error: str | None) -> None:
-    """A stream-ordered call's rejection (an NCCL group's worst-case calls, as its low-latency calls): raised on
-    this rank only, as nothing is agreed with the others (whose kernels then wait for this rank, then time out)."""
-    if error is not None:
-        raise ValueError(f"{error} (this rank only: a worst-case call on an NCCL group makes no host agreement)")
 
 
 def _channels(config: Config | None, default_sms: int) -> int:
@@ -241,12 +236,18 @@ class NormalCalls:
                 words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
         except ValueError as exc:
             error = str(exc)
-        ordered = self._stream_ordered(worst, x0, topk_idx, num_tokens_per_expert)
+        ordered = self._stream_ordered(worst, x, topk_idx, num_tokens_per_expert)
         if ordered is not None:  # an NCCL group's worst-case call: no host agreement, as the low-latency calls
             tokens = ordered.num_max_tokens_per_rank
             if error is None and x0 is not None and x0.shape[0] > tokens:
                 error = f"dispatch: {x0.shape[0]} tokens, more than the {tokens} the Buffer's eager calls made room for"
-            _raise_here(error)
+            if error is not None:  # rejected on every rank by the EPBuffer's call, as an agreement would have
+                no_route = torch.zeros((0, self.s.group_size), dtype=torch.bool, device=ordered.device)
+                self.s.device_routes("dispatch", no_route, tokens)
+                none = torch.zeros((0, ordered.hidden), dtype=torch.bfloat16, device=ordered.device)
+                idx = torch.full((0, ordered.num_topk), -1, dtype=torch.int64, device=ordered.device)
+                ordered.dispatch(none, idx, num_worst_tokens=num_worst_tokens, reject=error)
+                raise ValueError(error)  # (the EPBuffer raises the verdict of every rank first)
         else:
             refuse_capture_here(fn)
             # internode_dispatch is the call dispatch makes on RDMA ranks: one kind of call for the agreement
@@ -291,14 +292,15 @@ class NormalCalls:
             recv_idx_out, recv_w_out, counts = pad_rows(recv_idx_out, n, -1), pad_rows(recv_w_out, n, 0), []
         return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, new_event(async_finish)
 
-    def _stream_ordered(
-        self, worst: bool, x0: torch.Tensor | None, topk_idx: object, per_expert: object
-    ) -> EPBuffer | None:
+    def _stream_ordered(self, worst: bool, x: object, topk_idx: object, per_expert: object) -> EPBuffer | None:
         """The EPBuffer a worst-case dispatch runs on with no host agreement: on an NCCL group (as the low-latency
         calls there), once an eager call made the session's buffer for its shapes; None where the call agrees on
-        the host. Every rank decides alike, as its shapes are the same (DeepEP's contract; the agreement checks
-        them on the calls that make it)."""
-        if not (worst and self.s.nccl) or x0 is None or not isinstance(per_expert, torch.Tensor):
+        the host. From the arguments' shapes alone, whatever this rank's checks found: every rank decides alike,
+        as its shapes are the same (DeepEP's contract; the agreement checks them on the calls that make it)."""
+        x0 = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+        if not (worst and self.s.nccl) or not isinstance(x0, torch.Tensor) or x0.dim() != 2:
+            return None
+        if not isinstance(per_expert, torch.Tensor):
             return None
         k = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else self.s.group_size
         return self.s.current.get((x0.shape[1], per_expert.numel(), k))
@@ -457,7 +459,11 @@ class NormalCalls:
         except ValueError as exc:
             error = str(exc)
         if self._ordered_handle(handle):
-            _raise_here(error)
+            if error is not None:  # rejected on every rank by the EPBuffer's call, as an agreement would have
+                h = handle.handle
+                handle.buffer.dispatch(torch.zeros((h.num_tokens, handle.buffer.hidden), dtype=torch.bfloat16,
+                                                   device=handle.buffer.device), handle=h, reject=error)  # fmt: skip
+                raise ValueError(error)
         else:
             refuse_capture_here(caller)
             self.s.agree(fn, error, self.s.handle_fields(handle) + _dispatch_fields(x, None, None)[:4])
@@ -540,7 +546,11 @@ class NormalCalls:
             ("topk_weights given", int(topk_weights is not None)),
         ]
         if self._ordered_handle(handle):
-            _raise_here(error)
+            if error is not None:  # rejected on every rank by the EPBuffer's call, as an agreement would have
+                buf = handle.buffer
+                none = torch.zeros((handle.num_recv, buf.hidden), dtype=torch.bfloat16, device=buf.device)
+                buf.combine(none, handle.handle, reject=error)
+                raise ValueError(error)
         else:
             refuse_capture_here(fn)
             self.s.agree("combine", error, fields)  # internode_combine too: the call combine makes on RDMA ranks
