@@ -96,7 +96,8 @@ class Buffer:
       rows raises at its next call, on every rank), the handle is tensor ops, and the layout's values are not
       checked against ``topk_idx`` (its routing is ``topk_idx``'s). On an NCCL group, once an eager call made
       the buffer, such a call, its combine and its cached dispatches are stream-ordered as the low-latency
-      calls are (no host agreement: a bad call raises on its own rank only; the routing gather on the GPU), so
+      calls are (no host agreement: a call one rank rejects is rejected by EPBuffer's own call, the same
+      ValueError on every rank, on CUDA at their next call; the routing gather on the GPU), so
       a CUDA graph can capture them; elsewhere the call's agreement (host values) and routing gather meet on
       the host (on CPU ranks nothing is read back from a device; on CUDA over a gloo group they synchronize).
       A normal-mode call that meets on the host is refused under CUDA graph capture, naming what captures;
