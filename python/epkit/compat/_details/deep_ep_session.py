@@ -142,7 +142,8 @@ class Session:
         """:meth:`routes` without the counts and without a host read (a worst-case dispatch's): ``(is_token_in_rank
         [W, tokens_max, W] bool, tokens per rank [W] int64)`` where the gather left them (the GPU on an NCCL group;
         there stream-ordered)."""
-        got = self._gather_routes(fn, in_rank, torch.zeros(0, dtype=torch.int32), tokens_max, in_rank.device)
+        none = torch.zeros(0, dtype=torch.int32, device=in_rank.device)
+        got = self._gather_routes(fn, in_rank, none, tokens_max, in_rank.device)
         in_rank_all = got[:, 1:].reshape(-1, tokens_max, self.group_size).bool()
         return in_rank_all, got[:, 0].long()
 
