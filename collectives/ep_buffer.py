@@ -314,9 +314,8 @@ class EPBuffer:
             is honoured too (programs run one after another); no effect on the host-driven paths, which reject a
             bad value alike (the same ValueError on every rank).
         reject : str, optional
-            This rank's own verdict on arguments a wrapper checked before the call (``epkit.compat.deep_ep``'s, on
-            a call that makes no agreement of its own): the call is rejected on every rank with this text, as a bad
-            argument of its own would be (pass well-formed stand-ins, e.g. no tokens, for what it could not use).
+            This rank's verdict on a wrapper's arguments (``epkit.compat.deep_ep``'s calls without an agreement of
+            their own): rejected on every rank with this text, as a bad argument would be (pass stand-ins: no rows).
 
         Returns
         -------
@@ -334,9 +333,7 @@ class EPBuffer:
             worst = worst_error(num_worst_tokens) is None and num_worst_tokens > 0
         if not (worst and self.uses_device_kernels):  # only a worst-case call on the kernels reads nothing back
             refuse_capture("dispatch", self.device)
-        scales = None
-        if isinstance(x, (tuple, list)):
-            x, scales = x
+        x, scales = x if isinstance(x, (tuple, list)) else (x, None)
         if handle is not None:  # a cached dispatch keeps its dispatch's num_sms
             result = self._normal.dispatch_cached(x, scales, handle, reject)
             if handle.worst is not None and not self.uses_device_kernels:  # the kernels padded it themselves
@@ -346,10 +343,9 @@ class EPBuffer:
         if isinstance(self._normal, DeviceNormalPath):
             bad = worst_error(num_worst_tokens)  # a bad value is this rank's rejection: the others learn why
             n = num_worst_tokens if bad is None else 0
-            error = bad or reject
-            return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, n, error, num_sms)
-        # num_sms has no effect here, but a bad value is rejected as on the device kernels
-        sms = reject or routing.num_sms_error(num_sms)
+            args = (expert_alignment, expand, n, bad or reject, num_sms)
+            return self._normal.dispatch(x, scales, topk_idx, topk_weights, *args)
+        sms = reject or routing.num_sms_error(num_sms)  # num_sms: no effect here, a bad value rejected alike
         if plain:
             return self._normal.dispatch(x, scales, topk_idx, topk_weights, expert_alignment, expand, sms)
         return self._dispatch_worst(x, scales, topk_idx, topk_weights, expert_alignment, expand, num_worst_tokens, sms)

@@ -236,23 +236,7 @@ class NormalCalls:
                 words, s, sdtype = carry_scales(scales, x0.shape[0], x0.shape[1])
         except ValueError as exc:
             error = str(exc)
-        ordered = self._stream_ordered(worst, x, topk_idx, num_tokens_per_expert)
-        if ordered is not None:  # an NCCL group's worst-case call: no host agreement, as the low-latency calls
-            tokens = ordered.num_max_tokens_per_rank
-            if error is None and x0 is not None and x0.shape[0] > tokens:
-                error = f"dispatch: {x0.shape[0]} tokens, more than the {tokens} the Buffer's eager calls made room for"
-            if error is not None:  # rejected on every rank by the EPBuffer's call, as an agreement would have
-                no_route = torch.zeros((0, self.s.group_size), dtype=torch.bool, device=ordered.device)
-                self.s.device_routes("dispatch", no_route, tokens)
-                none = torch.zeros((0, ordered.hidden), dtype=torch.bfloat16, device=ordered.device)
-                idx = torch.full((0, ordered.num_topk), -1, dtype=torch.int64, device=ordered.device)
-                ordered.dispatch(none, idx, num_worst_tokens=num_worst_tokens, reject=error)
-                raise ValueError(error)  # (the EPBuffer raises the verdict of every rank first)
-        else:
-            refuse_capture_here(fn)
-            # internode_dispatch is the call dispatch makes on RDMA ranks: one kind of call for the agreement
-            fields = _dispatch_fields(x, topk_idx, num_tokens_per_expert)
-            tokens = self.s.agree("dispatch", error, fields, _rows_of(x0))
+        tokens = self._meet(fn, error, x, x0, topk_idx, num_tokens_per_expert, worst, num_worst_tokens)
         wait_for(previous_event)
         # the agreement raised unless every check passed on every rank: x and the routing arguments are all given
         assert x0 is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
@@ -291,6 +275,31 @@ class NormalCalls:
             recv_x, recv_s = pad_rows(recv_x, n, 0), pad_rows(recv_s, n, 0)
             recv_idx_out, recv_w_out, counts = pad_rows(recv_idx_out, n, -1), pad_rows(recv_w_out, n, 0), []
         return _with_scales(recv_x, recv_s, s, sdtype), recv_idx_out, recv_w_out, counts, out, new_event(async_finish)
+
+    def _meet(
+        self, fn: str, error: str | None, x: DeepEPRows, x0: torch.Tensor | None, topk_idx: object,
+        per_expert: object, worst: bool, num_worst_tokens: int,
+    ) -> int:  # fmt: skip
+        """A dispatch's meeting with the other ranks, before any row moves: the call's agreement (the largest token
+        count of any rank, or the same ValueError on every rank), or, for a stream-ordered call (an NCCL group's
+        worst-case one, :meth:`_stream_ordered`), none: its buffer's capacity, and a rejection of this rank's
+        carried by the EPBuffer's own call (``reject``) to every rank, as an agreement would have."""
+        ordered = self._stream_ordered(worst, x, topk_idx, per_expert)
+        if ordered is None:
+            refuse_capture_here(fn)
+            # internode_dispatch is the call dispatch makes on RDMA ranks: one kind of call for the agreement
+            return self.s.agree("dispatch", error, _dispatch_fields(x, topk_idx, per_expert), _rows_of(x0))
+        tokens = int(ordered.num_max_tokens_per_rank)
+        if error is None and x0 is not None and x0.shape[0] > tokens:
+            error = f"dispatch: {x0.shape[0]} tokens, more than the {tokens} the Buffer's eager calls made room for"
+        if error is not None:  # its part of the routing gather, then the EPBuffer's call with no tokens
+            no_route = torch.zeros((0, self.s.group_size), dtype=torch.bool, device=ordered.device)
+            self.s.device_routes("dispatch", no_route, tokens)
+            none = torch.zeros((0, ordered.hidden), dtype=torch.bfloat16, device=ordered.device)
+            idx = torch.full((0, ordered.num_topk), -1, dtype=torch.int64, device=ordered.device)
+            ordered.dispatch(none, idx, num_worst_tokens=num_worst_tokens, reject=error)
+            raise ValueError(error)  # (the EPBuffer raises the verdict of every rank first)
+        return tokens
 
     def _stream_ordered(self, worst: bool, x: object, topk_idx: object, per_expert: object) -> EPBuffer | None:
         """The EPBuffer a worst-case dispatch runs on with no host agreement: on an NCCL group (as the low-latency
