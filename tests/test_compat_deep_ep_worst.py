@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import epkit.compat.deep_ep as deep_ep
+from epkit.testing.cuda_graph import captured
 from epkit.testing.host_sync import HostSyncDetector
 from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
@@ -39,6 +40,19 @@ def _padded(got: torch.Tensor, want: torch.Tensor, fill: float) -> None:
     assert got.shape == (WORST, *want.shape[1:]), (got.shape, want.shape)
     assert torch.equal(got[:r], want)
     assert bool((got[r:] == fill).all())
+
+
+def _warm(rank: int, world: int, ids: torch.Tensor | None = None):
+    """A Buffer whose first worst-case dispatch (agreed on the host) made its EPBuffer: ``(buffer, x, ids, args,
+    first)``, ``args`` the dispatch's positional arguments (``ids``: this rank's routing, ``_inputs``'s by
+    default)."""
+    num_experts = 2 * world
+    x, own, weights = _inputs(rank, num_experts)
+    ids = own if ids is None else ids
+    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
+    layout = buffer.get_dispatch_layout(ids, num_experts)
+    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
+    return buffer, x, ids, args, buffer.dispatch(*args, num_worst_tokens=WORST)
 
 
 def _case(rank: int, world: int, kernels: str) -> list[str]:
@@ -107,13 +121,9 @@ def _overflow(rank: int, world: int) -> str:
     """Rank 0 sends 7 tokens to every rank: a worst case of 4 rows overflows there; on the device kernels the verdict
     is a recorded failure, raised at the rank's next call (on CPU ranks within the call: its kernels have run)."""
     os.environ["EPKIT_EP_KERNELS"] = "device"
-    num_experts = 2 * world
-    x, _, weights = _inputs(rank, num_experts)
-    ids = torch.arange(x.shape[0]).view(-1, 1).repeat(1, TOPK) % 2 * (num_experts // world)  # each token, each rank
-    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
-    layout = buffer.get_dispatch_layout(ids, num_experts)
-    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
-    buffer.dispatch(*args, num_worst_tokens=WORST)  # the EPBuffer made (a first call agrees on the host)
+    tokens = _inputs(rank, 2 * world)[0].shape[0]
+    ids = torch.arange(tokens).view(-1, 1).repeat(1, TOPK) % 2 * 2  # each token to each rank (experts 0 and 2)
+    buffer, _, _, args, _ = _warm(rank, world, ids)
     texts = []
     for _ in range(2):  # the bad call, then the call that learns of it
         try:
@@ -137,12 +147,7 @@ def _stream_ordered(rank: int, world: int) -> list[str]:
     from epkit.compat._details import deep_ep_session
 
     os.environ["EPKIT_EP_KERNELS"] = "device"
-    num_experts = 2 * world
-    x, ids, weights = _inputs(rank, num_experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
-    layout = buffer.get_dispatch_layout(ids, num_experts)
-    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
-    eager = buffer.dispatch(*args, num_worst_tokens=WORST)  # makes the EPBuffer (agreed on the host)
+    buffer, x, _, args, eager = _warm(rank, world)
     eager_combined = buffer.combine(eager[0] * 2, eager[4], topk_weights=eager[2])
     eager_cached = buffer.dispatch(x, eager[4])[0]
     session = buffer._session
@@ -176,12 +181,7 @@ def _ordered_bad_call(rank: int, world: int, kind: str) -> str:
     """On an NCCL group (told so, gloo underneath) a stream-ordered call rank 1 rejects: the EPBuffer's own call
     rejects it on every rank (within the call on CPU ranks), with one text."""
     os.environ["EPKIT_EP_KERNELS"] = "device"
-    num_experts = 2 * world
-    x, ids, weights = _inputs(rank, num_experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
-    layout = buffer.get_dispatch_layout(ids, num_experts)
-    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
-    first = buffer.dispatch(*args, num_worst_tokens=WORST)  # makes the EPBuffer (agreed on the host)
+    buffer, x, ids, args, first = _warm(rank, world)
     buffer._session.agreement.nccl = True
     bad = rank == 1
     calls = {
@@ -206,16 +206,12 @@ def _under_capture(rank: int, world: int) -> bool:
     Buffer goes on in step; the layout (tensor ops) is not refused."""
     from epkit.compat._details import deep_ep_session
 
-    num_experts = 2 * world
-    x, ids, weights = _inputs(rank, num_experts)
-    buffer = deep_ep.Buffer(dist.group.WORLD, 1 << 20, 0)
-    layout = buffer.get_dispatch_layout(ids, num_experts)
-    args = (x, None, layout[0], None, layout[3], layout[2], ids, weights)
-    first = buffer.dispatch(*args, num_worst_tokens=WORST)
+    buffer, x, ids, args, first = _warm(rank, world)
+    layout = buffer.get_dispatch_layout(ids, 2 * world)
     real = deep_ep_session.capturing
     deep_ep_session.capturing = lambda: True  # what torch.cuda.graph's capture makes ops.capturing() say
     try:
-        assert torch.equal(buffer.get_dispatch_layout(ids, num_experts)[3], layout[3])
+        assert torch.equal(buffer.get_dispatch_layout(ids, 2 * world)[3], layout[3])
         for call in (
             lambda: buffer.dispatch(*args, num_worst_tokens=WORST),
             lambda: buffer.dispatch(x, first[4]),
@@ -254,11 +250,7 @@ def _gpu_capture(rank: int, world: int) -> bool:
         got = dispatch(num_worst_tokens=WORST)
         return got, buffer.combine(got[0], got[4])
 
-    step()  # makes the EPBuffer (agreed on the host), compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured, out = step()
+    graph, (got, out) = captured(step)  # the eager step makes the EPBuffer (agreed on the host)
     for trial in range(3):
         static_x.copy_((x.float() * (trial + 2)).bfloat16())
         graph.replay()
@@ -266,7 +258,7 @@ def _gpu_capture(rank: int, world: int) -> bool:
         plain = dispatch()
         want = buffer.combine(plain[0], plain[4])
         r = plain[0].shape[0]
-        assert torch.equal(captured[0][:r].cpu(), plain[0].cpu()) and bool((captured[0][r:] == 0).all()), trial
+        assert torch.equal(got[0][:r].cpu(), plain[0].cpu()) and bool((got[0][r:] == 0).all()), trial
         assert torch.equal(out[0].cpu(), want[0].cpu()), trial
     return True
 

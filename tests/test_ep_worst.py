@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from epkit.collectives.ep_buffer import EPBuffer
+from epkit.testing.cuda_graph import captured
 from epkit.testing.host_sync import HostSyncDetector
 from epkit.testing.hosts import requires_namespaces, run_hosts
 from epkit.testing.markers import requires_cuda
@@ -269,18 +270,14 @@ def _gpu_capture(rank, world_size):
         got = buf.dispatch(static_x, idx, w, expert_alignment=ALIGN, expand=True, num_worst_tokens=N_MAX)
         return got, buf.combine(got.recv_x, got.handle)
 
-    step()  # compiles, allocates the host words
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured, out = step()
+    graph, (got, out) = captured(step)  # the eager step compiles, allocates the host words
     for trial in range(3):
         static_x.copy_((x.float() * (trial + 2)).bfloat16())
         graph.replay()
         torch.cuda.synchronize()
         plain = buf.dispatch(static_x, idx, w, expert_alignment=ALIGN, expand=True)
         want = buf.combine(plain.recv_x, plain.handle)
-        _check_padded(captured.recv_x.cpu(), plain.recv_x.cpu(), _expanded_bound(N_MAX, EXPERTS), 0)
+        _check_padded(got.recv_x.cpu(), plain.recv_x.cpu(), _expanded_bound(N_MAX, EXPERTS), 0)
         assert torch.equal(out.cpu(), want.cpu()), trial
     buf.close()
     return True
