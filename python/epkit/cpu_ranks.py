@@ -37,7 +37,7 @@ import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["RankError", "run_ranks", "start_context", "stop_fork_server", "CallersStdio", "DEFAULT_TIMEOUT"]
+__all__ = ["RankError", "run_ranks", "preload", "start_context", "stop_fork_server", "CallersStdio", "DEFAULT_TIMEOUT"]
 
 #: Seconds a whole multi-rank run may take before every rank is killed.
 DEFAULT_TIMEOUT = float(os.environ.get("EPKIT_TEST_RANK_TIMEOUT", "30"))
@@ -59,6 +59,14 @@ class RankError(RuntimeError):
 #: torch's compiler settings read at import (TORCHDYNAMO_*, TORCHINDUCTOR_*) are the parent's as they were when
 #: the server started. epkit's modules are imported by each rank after it has taken the parent's environment.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too before it forks ranks, instead of every rank importing them
+    (e.g. a test suite's ``pytest``, which the test modules the ranks unpickle import). The server reads the list
+    when it starts (a process's first launch). Only modules whose import reads none of epkit's environment: the
+    server's environment is the parent's at its start, not at each launch."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def start_context():
