@@ -388,6 +388,7 @@ class EPBuffer:
         bias=None,
         num_sms: int | None = None,
         reject: str | None = None,
+        order: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return every token's expert outputs to its source rank and sum them there.
 
@@ -405,16 +406,23 @@ class EPBuffer:
             This call's SM budget on the device kernels (as :meth:`dispatch`'s; no effect elsewhere).
         reject : str, optional
             This rank's own verdict on a wrapper's arguments (as :meth:`dispatch`'s).
+        order : Tensor [T, W] int32 on the buffer's device, optional
+            Another summation order (DeepEP V2's combine): per token, the ranks whose rows are added, in this
+            order (-1, or a value outside ``[0, W)``: no term; list each rank holding one of the token's experts
+            once: the values are not read back to be checked), after the biases. Device kernels only (the
+            host-driven paths reject it alike on every rank: there :meth:`combine_unsummed` gives the rows).
 
         Returns
         -------
-        Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order.
+        Tensor [T, hidden] of ``y.dtype``: float32 accumulation in a fixed order (the rows by destination rank
+        ascending, then the biases; or ``order``'s), rounded once.
         """
         # only a worst-case dispatch's combine on the kernels reads nothing back: a graph can capture it
         if not (isinstance(handle, DispatchHandle) and handle.worst and self.uses_device_kernels):
             refuse_capture("combine", self.device)
+        reject = reject or routing.order_error(order, handle, self.world_size, self.device, self.uses_device_kernels)
         if isinstance(self._normal, DeviceNormalPath):
-            return self._normal.combine(y, handle, topk_weights, bias, num_sms, reject)
+            return self._normal.combine(y, handle, topk_weights, bias, num_sms, reject, order)
         return self._normal.combine(y, handle, topk_weights, bias, reject or routing.num_sms_error(num_sms))
 
     def combine_unsummed(

@@ -96,15 +96,16 @@ class DeviceNormalPath:
 
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Bias,
-        num_sms: int | None = None, error: str | None = None,
+        num_sms: int | None = None, error: str | None = None, order: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Combine on the kernels (see ``EPBuffer.combine``): the agreement (one launch), then the rows;
-        ``num_sms``: the programs of its launches (None: the buffer's); ``error``: the caller's own verdict."""
+        ``num_sms``: the programs of its launches (None: the buffer's); ``error``: the caller's own verdict;
+        ``order``: the per-token rank order (checked by the caller)."""
         found, biases, weights = routing.check_combine(self.cfg, self.ctx.device, y, handle, topk_weights, bias, True)
         error = error or found or routing.num_sms_error(num_sms)
         self.agree("combine", handle, error)
         with self.ctx.retire_on_failure("combine"):
-            return self._combine(y, handle, weights, biases, num_sms)
+            return self._combine(y, handle, weights, biases, num_sms, order)
 
     def bytes_across_hosts(self) -> int:
         return 0  # the kernels run inside one domain only
@@ -379,10 +380,10 @@ class DeviceNormalPath:
 
     def _combine(
         self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, biases: list[torch.Tensor],
-        num_sms: int | None = None,
+        num_sms: int | None = None, order: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """``combine`` on the kernels after the agreement: expert side, then source side (two launches of
-        ``num_sms`` programs, None: the buffer's)."""
+        ``num_sms`` programs, None: the buffer's; ``order``: the source side's per-token rank order)."""
         from epkit.kernels.triton.ep_combine import combine_reduce, combine_send
 
         cgeo = self._geometries()[1]
@@ -399,6 +400,7 @@ class DeviceNormalPath:
         else:
             combine_send(cgeo, y, state.lay, tail, state.rows)
         out = torch.empty((handle.num_tokens, self.cfg.hidden), dtype=y.dtype, device=self.ctx.device)
-        combine_reduce(cgeo, out, state.send_pos, [b.to(self.ctx.device).contiguous() for b in biases])
+        biases = [b.to(self.ctx.device).contiguous() for b in biases]
+        combine_reduce(cgeo, out, state.send_pos, biases, None if order is None else order.contiguous())
         self.dev.poll()
         return out

@@ -118,6 +118,24 @@ def cached_dispatch_error(
     return None
 
 
+def order_error(order: object, handle: object, world: int, device: torch.device, on_device: bool) -> str | None:
+    """The verdict on a combine's ``order`` (``EPBuffer.combine``): None when absent or ``[T, W]`` int32 on the
+    buffer's device with the device kernels (its values are not read back)."""
+    if order is None:
+        return None
+    if not on_device:
+        return "order needs the device kernels (this buffer's normal mode is host-driven: use combine_unsummed)"
+    t = handle.num_tokens if isinstance(handle, DispatchHandle) else None
+    if (
+        not isinstance(order, torch.Tensor)
+        or order.dtype != torch.int32
+        or tuple(order.shape) != (t, world)
+        or order.device != device
+    ):
+        return f"order must be int32 [{t}, {world}] on {device}, got {order!r:.60}"
+    return None
+
+
 def check_combine(
     cfg: EPConfig,
     device: torch.device,

@@ -11,7 +11,8 @@ all addressable. Triton for the reasons ``ep_common.py`` gives.
   reduced over its local slots, ``sum over k ascending of w[j, k] * y[slot(j, k)]`` in float32, rounded to
   ``y``'s dtype (weights applied on the expert rank, as the CPU path does).
 - ``combine_reduce`` (source side): ``out[t] = sum over destination ranks ascending of row(t, r)`` in float32,
-  then up to two biases in order, rounded once: the CPU path's fixed order, bit for bit.
+  then up to two biases in order, rounded once: the CPU path's fixed order, bit for bit. With a per-token
+  ``order`` (``[T, W]`` ranks, -1 skipped) the biases come first, then the rows in that order (DeepEP V2's).
 """
 
 from __future__ import annotations
@@ -153,10 +154,10 @@ def _combine_send(y_addr, slot_ptr, w_ptr, layout_ptr, rows_table, ctrl_table, c
 
 
 @triton.jit(do_not_specialize=["T", "timeout_ns", "W", "n_max"])
-def _combine_reduce(out_ptr, send_pos_ptr, b1_ptr, b2_ptr, status_addr, rows_addr, ctrl_addr, notice_addr,
-                    clock_addr, T, timeout_ns, W, n_max, H: tl.constexpr, DT: tl.constexpr,
-                    NB: tl.constexpr, BDT: tl.constexpr, BDT2: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
+def _combine_reduce(out_ptr, send_pos_ptr, order_ptr, b1_ptr, b2_ptr, status_addr, rows_addr, ctrl_addr,
+                    notice_addr, clock_addr, T, timeout_ns, W, n_max, H: tl.constexpr, DT: tl.constexpr,
+                    NB: tl.constexpr, BDT: tl.constexpr, BDT2: tl.constexpr, ORDER: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HW_TIMER: tl.constexpr):  # fmt: skip
     ctrl = ptr(ctrl_addr, tl.int64)
     if alive(ctrl, W):
         e = sent_epoch(ctrl, _COMBINE, W)
@@ -172,15 +173,27 @@ def _combine_reduce(out_ptr, send_pos_ptr, b1_ptr, b2_ptr, status_addr, rows_add
                     cols = h0 + tl.arange(0, BLOCK_H)
                     m = (t < T)[:, None] & (cols < H)[None, :]
                     acc = tl.full([BLOCK_T, BLOCK_H], 0.0, tl.float32)
-                    for r in range(W):  # destination ranks ascending: the CPU path's order
-                        pos = tl.load(send_pos_ptr + t * W + r, mask=t < T, other=-1)
-                        live = m & (pos[:, None] >= 0)
-                        at = rows_addr + (wide(r) * n_max + pos) * (H * es)
-                        acc += tl.where(live, load_f32(at, cols, live, DT), 0.0)
-                    if NB > 0:
-                        acc += load_f32(ptr(b1_ptr, tl.int8).to(tl.int64) + t * (H * bs), cols, m, BDT)
-                    if NB > 1:
-                        acc += load_f32(ptr(b2_ptr, tl.int8).to(tl.int64) + t * (H * bs2), cols, m, BDT2)
+                    if ORDER:  # the biases first, then each token's ranks in its order
+                        if NB > 0:
+                            acc += load_f32(ptr(b1_ptr, tl.int8).to(tl.int64) + t * (H * bs), cols, m, BDT)
+                        if NB > 1:
+                            acc += load_f32(ptr(b2_ptr, tl.int8).to(tl.int64) + t * (H * bs2), cols, m, BDT2)
+                        for i in range(W):
+                            r = tl.load(order_ptr + t * W + i, mask=t < T, other=-1)
+                            pos = tl.load(send_pos_ptr + t * W + r, mask=(t < T) & (r >= 0) & (r < W), other=-1)
+                            live = m & (pos[:, None] >= 0)
+                            at = rows_addr + (wide(r) * n_max + pos) * (H * es)
+                            acc += tl.where(live, load_f32(at, cols, live, DT), 0.0)
+                    else:
+                        for r in range(W):  # destination ranks ascending: the CPU path's order
+                            pos = tl.load(send_pos_ptr + t * W + r, mask=t < T, other=-1)
+                            live = m & (pos[:, None] >= 0)
+                            at = rows_addr + (wide(r) * n_max + pos) * (H * es)
+                            acc += tl.where(live, load_f32(at, cols, live, DT), 0.0)
+                        if NB > 0:
+                            acc += load_f32(ptr(b1_ptr, tl.int8).to(tl.int64) + t * (H * bs), cols, m, BDT)
+                        if NB > 1:
+                            acc += load_f32(ptr(b2_ptr, tl.int8).to(tl.int64) + t * (H * bs2), cols, m, BDT2)
                     store_f32(ptr(out_ptr, tl.int8).to(tl.int64) + t * (H * es), cols, acc, m, DT)
         if tl.program_id(0) == 0:
             end_exchange(ctrl, _COMBINE, W, e)
@@ -262,15 +275,17 @@ def combine_send(geo: CombineGeometry, y, lay, tail: int, num_rows: int, slot=No
 
 
 @launcher
-def combine_reduce(geo: CombineGeometry, out, send_pos, biases) -> None:
+def combine_reduce(geo: CombineGeometry, out, send_pos, biases, order=None) -> None:
     """Source side (one launch): wait, then ``out [T, hidden]`` = the fixed-order sum (+ up to two biases, in
-    order); ``send_pos [T, W]`` int32 from the dispatch."""
+    order); ``send_pos [T, W]`` int32 from the dispatch; ``order [T, W]`` int32, optional: per token the ranks
+    whose rows are added, in that order (-1: none), after the biases."""
     bt = [b.dtype for b in biases] + [out.dtype] * (2 - len(biases))
     launch(
-        _combine_reduce, (geo.programs(),), geo.device, out, send_pos, biases[0] if biases else out,
-        biases[1] if len(biases) > 1 else out, geo.status, geo.rows_local, geo.ctrl, geo.notices, geo.clock,
-        out.shape[0], geo.timeout_ns, geo.world, geo.n_max,
+        _combine_reduce, (geo.programs(),), geo.device, out, send_pos, send_pos if order is None else order,
+        biases[0] if biases else out, biases[1] if len(biases) > 1 else out, geo.status, geo.rows_local, geo.ctrl,
+        geo.notices, geo.clock, out.shape[0], geo.timeout_ns, geo.world, geo.n_max,
         H=geo.hidden, DT=DTYPE_CODES[out.dtype], NB=len(biases), BDT=DTYPE_CODES[bt[0]], BDT2=DTYPE_CODES[bt[1]],
+        ORDER=order is not None,
         BLOCK_T=4 if target(geo.device) == "cuda" else 8, BLOCK_H=min(1024, triton.next_power_of_2(geo.hidden)),
         HW_TIMER=target(geo.device) == "cuda",
     )  # fmt: skip

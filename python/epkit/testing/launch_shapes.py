@@ -59,6 +59,10 @@ def _rank_body(rank: int, world: int, brief: bool) -> list[dict]:
             rec.label = f"W={world} rank={rank} combine#{call + 1}"
             y = torch.ones(rows, _HIDDEN, dtype=torch.float32 if call == 2 else torch.bfloat16)
             buf.combine(y, handle, bias=[None, (x,), (x.float(), x)][call])
+        if not brief:  # a per-token rank order (DeepEP V2's combine), the biases first
+            rec.label = f"W={world} rank={rank} combine in an order"
+            order = torch.arange(world - 1, -1, -1, dtype=torch.int32).repeat(x.shape[0], 1)
+            buf.combine(y, handle, bias=(x, x), order=order)
         rec.label = f"W={world} rank={rank} cached dispatch"
         buf.dispatch(inp, handle=handle)
         for call, fp8 in enumerate([True, True, False][: 2 if brief else 3]):
@@ -256,7 +260,9 @@ def _normal_target(common: dict, table: dict, local: dict, lay: dict, counts_: t
     cb.combine_send(cgeo, y, lay_words, ngeo.tail(), rows)
     cb.combine_send(cgeo, y, lay_words, ngeo.tail(), rows, out["slot"], torch.empty(rows, topk))
     cb.combine_send(cgeo, y, lay_words, ngeo.tail(), -1)  # after a worst-case dispatch
-    cb.combine_reduce(cgeo, torch.empty(tokens, hidden, dtype=torch.bfloat16), send_pos, [])
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    cb.combine_reduce(cgeo, out, send_pos, [])
+    cb.combine_reduce(cgeo, out, send_pos, [out, out], torch.empty(tokens, world, dtype=torch.int32))  # V2's order
 
 
 def _gemm_target() -> None:

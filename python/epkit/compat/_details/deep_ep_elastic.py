@@ -1,5 +1,5 @@
-"""DeepEP V2's ``ElasticBuffer`` and ``EPHandle`` (``deep_ep.ElasticBuffer``) over EPBuffer's flat normal mode,
-for ``epkit.compat.deep_ep``.
+"""DeepEP V2's ``ElasticBuffer`` and ``EPHandle`` (``deep_ep.ElasticBuffer``) over EPBuffer's normal mode (its device
+kernels where the planner picks them, else a flat host-driven path), for ``epkit.compat.deep_ep``.
 
 How V2's calls map:
 
@@ -13,18 +13,22 @@ How V2's calls map:
   ``deterministic`` order whatever the flag. ``do_expand`` gives one row per (token, local expert), each expert's
   block at an ``expert_alignment``-aligned offset, padding zero (``do_zero_padding`` always holds), and
   ``psum_num_recv_tokens_per_expert`` as DeepGEMM's psum ``grouped_layout``.
-- **Combine** brings each rank's rows back unsummed (``EPBuffer.combine_unsummed``) and sums them at the source in
-  V2's order, in float32: the biases (``bias0 + bias1``) first, then each rank's row, ranks ordered by the last
-  top-k slot of the token that names one of their experts; in expand mode each rank first sums its expanded rows of
-  the token (k ascending, rounded to bf16), or, without ``allow_multiple_reduction``, every (token, k) row comes
-  back and the terms are added k ascending. ``topk_weights`` are routed back, not applied (as V2's).
+- **Combine** sums each token's rows at the source in V2's order, in float32: the biases (``bias0 + bias1``) first,
+  then each rank's row, ranks ordered by the last top-k slot of the token that names one of their experts; in
+  expand mode each rank first sums its expanded rows of the token (k ascending, rounded to bf16), or, without
+  ``allow_multiple_reduction``, every (token, k) row comes back and the terms are added k ascending. On the device
+  kernels the combine kernel sums in that order (``EPBuffer.combine(order=)``); on a host path the rows come back
+  unsummed (``EPBuffer.combine_unsummed``) and are summed here. ``topk_weights`` are routed back, not applied (as
+  V2's). Without ``allow_multiple_reduction`` the buffer takes a host path.
 - ``do_cpu_sync=False`` gives the worst-case shapes V2 gives (``num_max_tokens_per_rank * num_ranks`` rows, the
-  expanded worst case), the valid rows first; epkit's normal mode still reads the counts on the host, so on CUDA
-  such a call is not yet capturable in a graph.
+  expanded worst case), the valid rows first. On the device kernels it is EPBuffer's worst-case dispatch (the
+  kernels size and pad the outputs, the handle is tensor ops): the dispatch, its combine and its cached dispatches
+  read nothing back to the host (the call's agreement is host values over the group); elsewhere a plain dispatch
+  padded. The calls' ``num_sms`` is their launches' programs on the device kernels.
 - Accepted with no effect: the constructor's ``num_bytes`` / ``num_cpu_bytes`` (recorded; epkit sizes its
   EPBuffers per call shape), ``use_fp8_dispatch``, ``allow_hybrid_mode``, ``prefer_overlap_with_compute``,
-  ``sl_idx``, ``num_gpu_timeout_secs`` (checked for type); the calls' ``num_sms`` (recorded in the handle, as
-  V2's) and ``num_qps`` (checked against ``num_allocated_qps``; epkit's host paths use neither),
+  ``sl_idx``, ``num_gpu_timeout_secs`` (checked for type); the calls' ``num_sms`` on a host path (recorded in the
+  handle, as V2's) and ``num_qps`` (checked against ``num_allocated_qps``; no epkit path uses QPs),
   ``previous_event_before_epilogue``, ``allocate_on_comm_stream`` (no communication stream),
   ``async_with_compute_stream`` (an event is returned either way) and ``do_zero_padding`` (padding is always
   zero). ``use_tma_aligned_col_major_sf`` gives the scales V2's TMA strides. ``num_cpu_timeout_secs`` is every
@@ -138,7 +142,9 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
-        self._dispatch = ElasticDispatch(self._session, num_max_tokens_per_rank, self.num_allocated_qps)
+        self._dispatch = ElasticDispatch(
+            self._session, num_max_tokens_per_rank, self.num_allocated_qps, allow_multiple_reduction
+        )
         self._combine = ElasticCombine(self._session, allow_multiple_reduction)
         self._engram = ElasticEngram(self._session, num_bytes, num_cpu_bytes)
         self._pp = ElasticPP(self._session, num_bytes)

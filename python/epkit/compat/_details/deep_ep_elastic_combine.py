@@ -1,6 +1,7 @@
-"""DeepEP V2's ``ElasticBuffer.combine`` for ``epkit.compat.deep_ep``: each rank's rows back unsummed
-(``EPBuffer.combine_unsummed``), summed at the source in V2's order in float32 (``deep_ep_elastic`` says which), and
-the top-k weights routed back to their slots.
+"""DeepEP V2's ``ElasticBuffer.combine`` for ``epkit.compat.deep_ep``: each token's rows summed at the source in
+V2's order in float32 (``deep_ep_elastic`` says which) — by the device kernels in that order, or on a host path
+brought back unsummed (``EPBuffer.combine_unsummed``) and summed here — and the top-k weights routed back to their
+slots.
 """
 
 from __future__ import annotations
@@ -9,11 +10,23 @@ import torch
 
 from epkit.collectives.ep.rows import sum_indexed_rows
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
+from epkit.compat._details.deep_ep_elastic_dispatch import sms_budget
 from epkit.compat._details.deep_ep_handles import EPHandle
 from epkit.compat._details.deep_ep_session import Session, new_v2_event
 from epkit.compat._details.ep_unsummed import rows_in_rank, slot_rows_back
 
-__all__ = ["ElasticCombine"]
+__all__ = ["ElasticCombine", "rank_order"]
+
+
+def rank_order(topk_idx: torch.Tensor, local: int, w: int) -> torch.Tensor:
+    """V2's summation order of a token's ranks: ``[T, W]`` int32, per token the ranks holding one of its experts
+    ordered by the last top-k slot naming one of theirs, then -1; by tensor ops on ``topk_idx``'s device."""
+    ids = topk_idx.long()
+    owner = torch.where(ids >= 0, ids // local, -1)
+    lanes = torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1)
+    last = torch.where(owner.unsqueeze(-1) == torch.arange(w, device=ids.device), lanes, -1).amax(1)  # [T, W]
+    order = torch.sort(torch.where(last >= 0, last, ids.shape[1]), dim=1, stable=True).indices
+    return torch.where(torch.gather(last, 1, order) >= 0, order, -1).to(torch.int32)
 
 
 class ElasticCombine:
@@ -78,9 +91,50 @@ class ElasticCombine:
             error = f"combine: {exc}"
         s.agree("combine", error, [*s.handle_fields(handle), ("topk_weights given", int(topk_weights is not None))])
         wait_for(None if previous_event is None else EventOverlap(previous_event))
-        combined = self._combine_rows(x, handle, bias)
-        weights = self._combine_weights(topk_weights, handle) if topk_weights is not None else None
+        assert handle.buffer is not None
+        if handle.buffer.uses_device_kernels:
+            combined = self._rows_on_kernels(x, handle, bias, num_sms)
+            weights = self._weights_on_kernels(topk_weights, handle, num_sms) if topk_weights is not None else None
+        else:
+            combined = self._combine_rows(x, handle, bias)
+            weights = self._combine_weights(topk_weights, handle) if topk_weights is not None else None
         return combined, weights, new_v2_event()
+
+    def _rows_on_kernels(
+        self, x: torch.Tensor, handle: EPHandle, bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+        num_sms: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The rows back on the device kernels, summed there in V2's order (``EPBuffer.combine(order=)``: the
+        biases, then each rank's row by :func:`rank_order`); an expanded row's slots summed on the expert side
+        unweighted, k ascending. No host read."""
+        assert handle.buffer is not None and handle.handle is not None
+        buf, h = handle.buffer, handle.handle
+        rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+        ones = torch.ones(h.recv_topk_idx.shape, dtype=torch.float32, device=x.device) if handle.do_expand else None
+        order = rank_order(handle.topk_idx.to(x.device), handle.num_experts // self.s.group_size, self.s.group_size)
+        return buf.combine(x[:rows].contiguous(), h, ones, bias, sms_budget(num_sms), order=order)
+
+    def _weights_on_kernels(self, topk_weights: torch.Tensor, handle: EPHandle, num_sms: int) -> torch.Tensor:
+        """The top-k weights back on the device kernels: a float32 combine of rows holding each slot's weight in
+        its column (the expert rank's slots only, others 0), so each token's column j sums one nonzero term, its
+        expert's rank's. No host read (a second combine, float32 rows of ``hidden`` columns)."""
+        assert handle.buffer is not None and handle.handle is not None
+        buf, h = handle.buffer, handle.handle
+        dev, k = topk_weights.device, handle.topk_idx.shape[1]
+        ids = h.recv_topk_idx.to(dev)
+        if handle.do_expand:
+            assert h.expanded_slot is not None  # an expanded dispatch's handle holds its slots
+            n_exp, slot = handle.num_expanded_tokens, h.expanded_slot.to(dev).long()
+            y = torch.zeros((n_exp + 1, buf.hidden), dtype=torch.float32, device=dev)
+            vals = topk_weights[:n_exp].float()[slot.clamp(min=0)]  # each slot's expanded row's weight
+            lanes = torch.arange(k, device=dev).expand_as(slot)
+            y.index_put_((torch.where(slot >= 0, slot, n_exp).reshape(-1), lanes.reshape(-1)), vals.reshape(-1))
+            y, ones = y[:n_exp], torch.ones(ids.shape, dtype=torch.float32, device=dev)
+        else:
+            y = torch.zeros((ids.shape[0], buf.hidden), dtype=torch.float32, device=dev)
+            y[:, :k] = torch.where(ids >= 0, topk_weights[: ids.shape[0]].float(), 0.0)
+            ones = None
+        return buf.combine(y, h, ones, num_sms=sms_budget(num_sms))[:, :k].contiguous()
 
     def _combine_rows(
         self, x: torch.Tensor, handle: EPHandle, bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
@@ -104,14 +158,9 @@ class ElasticCombine:
             ones = torch.ones((n_recv, k), dtype=torch.float32) if handle.do_expand else None
             back = buf.combine_unsummed(y.contiguous(), h, ones)
             terms += [r.float().cpu() for r in back]
-            # each rank's term at the last top-k slot naming one of its experts; ranks in that order
-            last = torch.full((t_num, w), -1, dtype=torch.int64)
-            for j in range(k):
-                hit = owner[:, j] >= 0
-                last[hit, owner[hit, j]] = j
-            order = torch.sort(torch.where(last >= 0, last, k), dim=1, stable=True).indices  # [T, W] ranks
-            src_of = torch.where(torch.gather(last, 1, order) >= 0, first + order, -1)
-            row_of = torch.gather(rows_in_rank(handle.send_tokens, t_num), 1, order)
+            order = rank_order(ids, local, w).long()
+            src_of = torch.where(order >= 0, first + order, -1)
+            row_of = torch.gather(rows_in_rank(handle.send_tokens, t_num), 1, order.clamp(min=0))
         else:  # every (token, k) row back, added k ascending
             slot_terms, src_of, row_of = slot_rows_back(buf, h, x, owner)
             src_of = torch.where(src_of >= 0, src_of + len(terms), -1)

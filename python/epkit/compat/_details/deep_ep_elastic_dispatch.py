@@ -13,7 +13,7 @@ import torch
 from epkit.collectives.ep.rows import align_up
 from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
-from epkit.compat._details.deep_ep_handles import EPHandle, normal_handle
+from epkit.compat._details.deep_ep_handles import EPHandle, in_rank_of, normal_handle
 from epkit.compat._details.deep_ep_layouts import carry_scales, pad_rows, restore_scales, tma_scales
 from epkit.compat._details.deep_ep_session import Session, new_v2_event
 from epkit.utils import check_topk_idx
@@ -23,14 +23,14 @@ __all__ = ["ElasticDispatch"]
 
 class ElasticDispatch:
     """The dispatch of one ElasticBuffer, on its session ``s``; ``num_max_tokens_per_rank`` / ``num_allocated_qps``:
-    the buffer's (the default N, the QP bound)."""
+    the buffer's (the default N, the QP bound); ``kernels_ok``: the rows may take the device kernels (where the
+    planner picks them; not without ``allow_multiple_reduction``, whose combine needs the host path's unsummed rows)."""
 
-    def __init__(self, session: Session, num_max_tokens_per_rank: int, num_allocated_qps: int) -> None:
-        self.s, self.num_max_tokens_per_rank, self.num_allocated_qps = (
-            session,
-            num_max_tokens_per_rank,
-            num_allocated_qps,
-        )
+    def __init__(
+        self, session: Session, num_max_tokens_per_rank: int, num_allocated_qps: int, kernels_ok: bool
+    ) -> None:
+        self.s, self.kernels_ok = session, kernels_ok
+        self.num_max_tokens_per_rank, self.num_allocated_qps = num_max_tokens_per_rank, num_allocated_qps
 
     def dispatch(
         self,
@@ -106,6 +106,14 @@ class ElasticDispatch:
             return (recv_x, scales), recv_idx, recv_w, h, new_v2_event()
         return recv_x, recv_idx, recv_w, h, new_v2_event()
 
+    def on_kernels(self, x0: torch.Tensor, topk_idx: object, num_experts: object) -> bool:
+        """Whether a dispatch of these shapes takes the device kernels: an earlier call made the session's EPBuffer
+        for them (the same on every rank) and it took them."""
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or not isinstance(num_experts, int):
+            return False
+        buf = self.s.current.get((x0.shape[1], num_experts, topk_idx.shape[1]))
+        return buf is not None and buf.uses_device_kernels
+
     def _check_cached(
         self,
         handle: object,
@@ -146,6 +154,7 @@ class ElasticDispatch:
         num_qps: object,
         stats: object,
         previous_event: object,
+        values: bool,
     ) -> None:
         w = self.s.group_size
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0 or num_experts % w:
@@ -158,7 +167,7 @@ class ElasticDispatch:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.shape[0] != x0.shape[0]:
             raise ValueError(f"topk_idx must be [num_tokens = {x0.shape[0]}, num_topk], got {topk_idx!r:.60}")
-        check_topk_idx(topk_idx, num_experts)
+        check_topk_idx(topk_idx, num_experts, check_values=values)
         if topk_weights is not None and (
             not isinstance(topk_weights, torch.Tensor)
             or topk_weights.shape != topk_idx.shape
@@ -193,67 +202,48 @@ class ElasticDispatch:
         do_cpu_sync: bool,
         do_expand: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, EPHandle]:
+        """The rows through the session's EPBuffer and V2's handle by tensor ops. On the device kernels without
+        ``do_cpu_sync`` EPBuffer's worst-case call (``num_worst_tokens = N * W``: V2's worst-case shapes, sized
+        and padded by the kernels, nothing read back); elsewhere a plain dispatch, padded here without it."""
         s = self.s
-        w, me = s.group_size, s.rank
+        w = s.group_size
         x0 = rows[0] if isinstance(rows, tuple) else rows
-        k, local = topk_idx.shape[1], num_experts // w
-        owner = torch.where(topk_idx >= 0, topk_idx // local, -1).cpu()
-        in_rank = (owner.unsqueeze(-1) == torch.arange(w)).any(1)
-        routes = s.routes("dispatch", in_rank, torch.zeros(0, dtype=torch.int32), n_max)
+        dev, k, local, rows_cap = x0.device, topk_idx.shape[1], num_experts // w, n_max * w
+        in_rank = in_rank_of(topk_idx, num_experts, w)
+        routes = s.device_routes("dispatch", in_rank, n_max)
         weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, dtype=torch.float32)
-        buf = s.epbuffer(x0.shape[1], num_experts, k, x0.device, n_max, flat=True)  # combine_unsummed's path
+        buf = s.epbuffer(x0.shape[1], num_experts, k, dev, n_max, flat=True, kernels_ok=self.kernels_ok)
+        worst = buf.uses_device_kernels and not do_cpu_sync
         recv_rows, recv_idx, recv_w, aligned, h = buf.dispatch(
-            rows, topk_idx, weights.to(x0.device), expert_alignment=alignment, expand=do_expand
-        )
+            rows, topk_idx, weights.to(dev), expert_alignment=alignment, expand=do_expand,
+            num_worst_tokens=rows_cap if worst else 0, num_sms=sms_budget(num_sms),
+        )  # fmt: skip
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
-        tensors = normal_handle(routes[0], routes[1], me, 1, in_rank)
-        recv_src, send_head = tensors[3].long(), tensors[5].to(x0.device)
-        n_recv = recv_src.numel()
-        src_rank = torch.repeat_interleave(torch.arange(w), torch.tensor(h.recv_counts))
-        idx_cpu = recv_idx.cpu().long()
-        unaligned = torch.bincount(idx_cpu[idx_cpu >= 0], minlength=local).to(torch.int32)
-        assert isinstance(aligned, list)  # a plain dispatch's (the shim pads the worst case itself)
-        aligned_t = torch.tensor(aligned, dtype=torch.int32)
-        meta = torch.full((n_recv, k + 2), -1, dtype=torch.int32)
-        meta[:, 0] = (src_rank * n_max + recv_src).to(torch.int32)
-        first = torch.where(idx_cpu >= 0, torch.arange(k).expand(n_recv, k), k).min(1).values
-        meta[:, 1] = (src_rank * k + first).to(torch.int32)
+        aligned_t = aligned.to(dev) if isinstance(aligned, torch.Tensor) else torch.tensor(aligned, device=dev)
+        n_rows, n_exp = recv_idx.shape[0], recv_x.shape[0] if do_expand else 0
+        meta, psum_rank, psum_expert, unaligned, send_head = route_tensors(
+            routes, s.rank, in_rank, recv_idx, h.expanded_slot, aligned_t.int(), n_max, local
+        )
         if do_expand:
             assert h.expanded_slot is not None  # an expanded dispatch's handle holds its slots
-            meta[:, 2:] = h.expanded_slot.to(torch.int32)
-            starts = aligned_t.long().cumsum(0) - aligned_t.long()
-            psum_expert = (starts + unaligned).to(torch.int32)
-            n_exp = int(recv_x.shape[0])
-            exp_w = torch.zeros(n_exp, dtype=torch.float32)
-            slot = h.expanded_slot
-            exp_w[slot[slot >= 0]] = h.recv_topk_weights[slot >= 0]
-            out_w: torch.Tensor | None = exp_w.to(x0.device) if topk_weights is not None else None
+            out_w = expanded_weights(h.expanded_slot.to(dev), recv_w, n_exp) if topk_weights is not None else None
             out_idx: torch.Tensor | None = None
         else:
-            psum_expert = aligned_t.cumsum(0).to(torch.int32)
-            n_exp = 0
-            out_w = recv_w if topk_weights is not None else None
-            out_idx = recv_idx
-        dev = x0.device
+            out_w, out_idx = (recv_w if topk_weights is not None else None), recv_idx
+        counts = aligned if isinstance(aligned, list) and do_cpu_sync else []  # a plain dispatch's list
         handle = EPHandle(
-            do_expand, num_experts, alignment, n_max, num_sms,
-            topk_idx.clone() if do_handle_copy else topk_idx,
-            n_recv, n_exp, aligned if do_cpu_sync else [],
-            torch.tensor(h.recv_counts).cumsum(0).to(dev, torch.int32), psum_expert.to(dev), unaligned.to(dev),
-            meta.to(dev), send_head, None, None,
+            do_expand, num_experts, alignment, n_max, num_sms, topk_idx.clone() if do_handle_copy else topk_idx,
+            n_rows, n_exp, counts, psum_rank, psum_expert, unaligned, meta, send_head, None, None,
         )  # fmt: skip
         handle.buffer, handle.handle = buf, h
-        handle.send_tokens = [t.clone() for t in h.send_tokens]
-        if not do_cpu_sync:  # V2's worst-case shapes: the valid rows first
-            rows_cap = n_max * w
-            worst = (
-                rows_cap if not do_expand else align_up(rows_cap * min(k, local) + (alignment - 1) * local, alignment)
-            )
-            recv_x, recv_s = pad_rows(recv_x, worst, 0), pad_rows(recv_s, worst, 0)
-            out_idx, out_w = pad_rows(out_idx, rows_cap, -1), pad_rows(out_w, worst if do_expand else rows_cap, 0)
+        handle.send_tokens = [t.clone() for t in h.send_tokens]  # (none on the device kernels)
+        handle.worst_case = not do_cpu_sync
+        if not do_cpu_sync and not worst:  # V2's worst-case shapes, the valid rows first
+            x_cap = align_up(rows_cap * min(k, local) + (alignment - 1) * local, alignment) if do_expand else rows_cap
+            recv_x, recv_s = pad_rows(recv_x, x_cap, 0), pad_rows(recv_s, x_cap, 0)
+            out_idx, out_w = pad_rows(out_idx, rows_cap, -1), pad_rows(out_w, x_cap if do_expand else rows_cap, 0)
             handle.recv_src_metadata = pad_rows(handle.recv_src_metadata, rows_cap, -1)
-            handle.num_recv_tokens, handle.num_expanded_tokens = rows_cap, worst if do_expand else 0
-            handle.worst_case = True
+            handle.num_recv_tokens, handle.num_expanded_tokens = rows_cap, x_cap if do_expand else 0
         return recv_x, recv_s, out_idx, out_w, handle
 
     def _cached(
@@ -263,23 +253,21 @@ class ElasticDispatch:
         h = handle.handle
         recv_rows = handle.buffer.dispatch(rows, handle=h)[0]
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
+        dev = recv_x.device
         out_w: torch.Tensor | None = None
         if topk_weights is not None:  # new weights travel too: every rank's, gathered, picked by source token
             n_max, w = handle.num_max_tokens_per_rank, self.s.group_size
             padded = torch.zeros((n_max, topk_weights.shape[1]), dtype=torch.float32, device=topk_weights.device)
             padded[: topk_weights.shape[0]] = topk_weights
-            every = self.s.gather(padded, "cached dispatch").cpu().view(w * n_max, -1)
-            n_recv = len(h.recv_topk_idx)
-            got = every[handle.recv_src_metadata[:n_recv, 0].long().cpu()]
+            every = self.s.gather(padded, "cached dispatch").to(dev).view(w * n_max, -1)
+            src = handle.recv_src_metadata[: h.recv_topk_idx.shape[0], 0].long().to(dev)
+            got = torch.where((src >= 0).unsqueeze(1), every[src.clamp(min=0)], 0.0)
             if handle.do_expand:
                 assert h.expanded_slot is not None
-                slot = h.expanded_slot
-                exp_w = torch.zeros(recv_x.shape[0], dtype=torch.float32)
-                exp_w[slot[slot >= 0]] = got[slot >= 0]
-                out_w = exp_w.to(recv_x.device)
+                out_w = expanded_weights(h.expanded_slot.to(dev), got, recv_x.shape[0])
             else:
-                out_w = got.to(recv_x.device)
-        recv_idx = None if handle.do_expand else h.recv_topk_idx.to(recv_x.device)
+                out_w = got
+        recv_idx = None if handle.do_expand else h.recv_topk_idx.to(dev)
         if handle.worst_case:  # the handle's dispatch had worst-case shapes (no host sync): so has this one
             num_rows = handle.num_recv_tokens
             worst = handle.num_expanded_tokens if handle.do_expand else num_rows
@@ -289,6 +277,51 @@ class ElasticDispatch:
                 pad_rows(out_w, worst if handle.do_expand else num_rows, 0),
             )
         return recv_x, recv_s, recv_idx, out_w, handle
+
+
+def sms_budget(num_sms: int) -> int | None:
+    """EPBuffer's ``num_sms`` for V2's (0: the buffer's; the kernels' multi-program launches need 2 or more)."""
+    return max(num_sms, 2) if num_sms else None
+
+
+def route_tensors(
+    routes: tuple[torch.Tensor, torch.Tensor], me: int, in_rank: torch.Tensor, recv_idx: torch.Tensor,
+    slot: torch.Tensor | None, aligned: torch.Tensor, n_max: int, local: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """V2's handle tensors by tensor ops on ``recv_idx``'s device (no host read): ``(recv_src_metadata [R, K + 2],
+    psum_num_recv_tokens_per_scaleup_rank [W], psum_num_recv_tokens_per_expert [L], num_unaligned_recv_tokens_per
+    _expert [L], dst_buffer_slot_idx [T, W])``, all int32 (``EPHandle`` says what each holds).
+
+    ``routes``: every rank's routing (``Session.device_routes``); ``in_rank [T, W]`` this rank's; ``recv_idx [R, K]``
+    the received rows' local expert ids (-1 past the rows received: ``R`` may be a worst case); ``slot [R, K]`` the
+    expanded row of each slot (None: not expanded); ``aligned [L]`` the aligned per-expert counts."""
+    dev, (n_rows, k) = recv_idx.device, recv_idx.shape
+    tensors = normal_handle(routes[0], routes[1], me, 1, in_rank, num_rows=n_rows)
+    psum_rank = tensors[0][:, me].to(dev)  # DeepEP's rank_prefix_matrix: the rows from each source, inclusive
+    recv_src = tensors[3].to(dev).long()  # -1 past the rows received
+    src_rank = torch.searchsorted(psum_rank.long(), torch.arange(n_rows, device=dev), right=True)
+    got = recv_src >= 0
+    first = torch.where(recv_idx >= 0, torch.arange(k, device=dev), k).amin(1)
+    meta = torch.full((n_rows, k + 2), -1, dtype=torch.int32, device=dev)
+    meta[:, 0] = torch.where(got, src_rank * n_max + recv_src, -1)
+    meta[:, 1] = torch.where(got, src_rank * k + first, -1)
+    bins = torch.where(recv_idx >= 0, recv_idx.long(), local).view(-1)
+    unaligned = torch.zeros(local + 1, dtype=torch.int32, device=dev).scatter_add_(0, bins, torch.ones_like(bins).int())
+    unaligned = unaligned[:local]
+    if slot is not None:
+        meta[:, 2:] = slot.to(dev)
+        psum_expert = aligned.cumsum(0) - aligned + unaligned  # each expert's aligned start plus its count
+    else:
+        psum_expert = aligned.cumsum(0)
+    return meta, psum_rank, psum_expert.int(), unaligned, tensors[5].to(dev)
+
+
+def expanded_weights(slot: torch.Tensor, weights: torch.Tensor, n_exp: int) -> torch.Tensor:
+    """``[X]`` float32: each expanded row's top-k weight (``slot [R, K]`` its row of each (row, slot), -1 none;
+    ``weights [R, K]``), 0 on padding; by tensor ops (no host read)."""
+    out = torch.zeros(n_exp + 1, dtype=torch.float32, device=weights.device)
+    out.scatter_(0, torch.where(slot >= 0, slot, n_exp).view(-1).long(), weights.float().reshape(-1))
+    return out[:n_exp]
 
 
 def _rows(x: object) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -330,8 +363,11 @@ class _Call:
                             given_n_max)  # fmt: skip
             self.num_experts, self.alignment = handle.num_experts, handle.expert_alignment
             self.n_max, self.topk_idx = handle.num_max_tokens_per_rank, handle.topk_idx
+        # the ids' values: on the host unless the device kernels check them (a worst-case call there reads nothing
+        # back) or they are a handle's, checked at its dispatch
+        values = handle is None and not (not do_cpu_sync and d.on_kernels(self.x0, self.topk_idx, self.num_experts))
         d._check_dispatch(self.x0, self.topk_idx, topk_weights, self.num_experts, self.n_max, self.alignment,
-                          num_sms, num_qps, stats, previous_event)  # fmt: skip
+                          num_sms, num_qps, stats, previous_event, values)  # fmt: skip
 
     def fields(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Any, Any, Any, Any]:
         """``(x, scales, topk_idx, num_experts, num_max_tokens_per_rank, expert_alignment)`` as resolved."""

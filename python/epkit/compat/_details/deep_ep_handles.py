@@ -41,6 +41,7 @@ __all__ = [
     "LowLatencyHandle",
     "NormalHandle",
     "channel_bounds",
+    "in_rank_of",
     "low_latency_handle",
     "normal_handle",
     "per_channel",
@@ -150,6 +151,14 @@ class EPHandle:
         self.handle: DispatchHandle | None = None
         self.send_tokens: list[torch.Tensor] = []  # per rank, this rank's tokens sent there (ascending)
         self.worst_case = False  # the dispatch gave worst-case shapes (do_cpu_sync=False): its cached ones do too
+
+
+def in_rank_of(topk_idx: torch.Tensor, num_experts: int, w: int) -> torch.Tensor:
+    """``is_token_in_rank [T, W]`` bool of ``topk_idx`` by tensor ops (no host read); ids outside
+    ``[0, num_experts)`` go nowhere."""
+    ids = topk_idx.long()
+    owner = torch.where((ids >= 0) & (ids < num_experts), ids // (num_experts // w), -1)
+    return (owner.unsqueeze(-1) == torch.arange(w, device=ids.device)).any(1)
 
 
 def channel_bounds(num_tokens: int, num_channels: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from epkit.compat._details.deep_ep_config import (
     new_event,
     wait_for,
 )
-from epkit.compat._details.deep_ep_handles import NormalHandle, normal_handle
+from epkit.compat._details.deep_ep_handles import NormalHandle, in_rank_of, normal_handle
 from epkit.compat._details.deep_ep_internode import (
     check_internode_call,
     internode_handle,
@@ -118,16 +118,8 @@ def _layout(topk_idx: torch.Tensor, num_experts: int, w: int) -> tuple[torch.Ten
     bins = torch.where(ok, ids, num_experts).view(-1)  # the misses to one spare bin
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
     per_expert.scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.int32))
-    in_rank = _in_rank(topk_idx, num_experts, w)
+    in_rank = in_rank_of(topk_idx, num_experts, w)
     return in_rank.sum(0).to(torch.int32), per_expert[:num_experts], in_rank
-
-
-def _in_rank(topk_idx: torch.Tensor, num_experts: int, w: int) -> torch.Tensor:
-    """``is_token_in_rank [T, W]`` bool of ``topk_idx`` by tensor ops (no host read); ids outside
-    ``[0, num_experts)`` go nowhere."""
-    ids = topk_idx.long()
-    owner = torch.where((ids >= 0) & (ids < num_experts), ids // (num_experts // w), -1)
-    return (owner.unsqueeze(-1) == torch.arange(w, device=ids.device)).any(1)
 
 
 def _channels(config: Config | None, default_sms: int) -> int:
@@ -342,7 +334,7 @@ class NormalCalls:
         local = num_experts // w
         with_topk = topk_idx is not None
         if topk_idx is not None:  # the routing the rows take (the layout's values are not read: no host read)
-            in_rank = _in_rank(topk_idx, num_experts, w)
+            in_rank = in_rank_of(topk_idx, num_experts, w)
         else:  # each token once to each of its ranks (their expert 0)
             in_rank = is_token_in_rank
             topk_idx = torch.where(in_rank, torch.arange(w, device=x0.device) * local, -1)

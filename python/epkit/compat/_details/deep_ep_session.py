@@ -163,12 +163,13 @@ class Session:
 
     def epbuffer(
         self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0,
-        flat: bool = False,
+        flat: bool = False, kernels_ok: bool = False,
     ) -> EPBuffer:  # fmt: skip
         """The EPBuffer for these shapes, made (collectively: every rank gets here with the same arguments, after
         the call's agreement) when there is none yet or the current one is too small. ``flat``: one on a flat
         host-driven path (``EPBuffer.combine_unsummed`` needs it): the host paths, and where the planner would
-        build a hierarchy (several hosts), the ``torch`` transport."""
+        build a hierarchy (several hosts), the ``torch`` transport; with ``kernels_ok`` the device kernels instead
+        where the planner picks them (their combine sums in a caller's order: ``EPBuffer.combine(order=)``)."""
         if self.destroyed:
             raise RuntimeError("destroy() was called on this buffer; make a new one")
         key = (hidden, num_experts, num_topk)
@@ -185,16 +186,17 @@ class Session:
             ll_tokens = max(ll_tokens, buf.num_max_dispatch_tokens_per_rank)
         transport = "nvshmem" if torch.device(device).type == "cuda" else "auto"
         ll = ll_tokens or None
-        kernels = "host" if flat else "auto"
+        kernels = "host" if flat and not kernels_ok else "auto"
         buf = EPBuffer(
             self.group, hidden, num_experts, cap, num_topk, transport, num_max_dispatch_tokens_per_rank=ll,
             timeout=self.timeout, kernels=kernels,
         )  # fmt: skip
-        if flat and buf.paths[0] != "FlatNormalPath":  # the same plan on every rank: all of them make this one
+        # the same plan on every rank: all of them make this one
+        if flat and buf.paths[0] != "FlatNormalPath" and not (kernels_ok and buf.uses_device_kernels):
             buf.close()
             buf = EPBuffer(
                 self.group, hidden, num_experts, cap, num_topk, "torch", num_max_dispatch_tokens_per_rank=ll,
-                timeout=self.timeout, kernels=kernels,
+                timeout=self.timeout, kernels="host",
             )  # fmt: skip
         self.current[key] = buf
         self.made.append(buf)

@@ -1,0 +1,128 @@
+"""DeepEP V2's ``ElasticBuffer`` on EPBuffer's device kernels (issue 40: "``do_cpu_sync=False`` (worst-case outputs,
+no host read, capturable on CUDA)", "``num_sms`` honoured on the device path"): the kernels' source under the Triton
+interpreter, CPU ranks over shm.
+
+Each call's results are checked against the same call on the host-driven path (``EPKIT_EP_KERNELS=host``), whose
+V2 semantics ``test_compat_deep_ep_elastic.py`` checks against references written from every rank's inputs: the
+rows, ids, weights, every handle tensor, the combine in V2's order with two biases, the routed-back weights and a
+cached dispatch with new weights, bit for bit, with and without ``do_expand`` and ``do_cpu_sync``. Without
+``do_cpu_sync`` the dispatch, its combine and the cached dispatch read nothing back to the host; the calls'
+``num_sms`` are their launches' programs. The summation
+order underneath (``EPBuffer.combine(order=)``) is checked on values whose float32 sum depends on it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import epkit.compat.deep_ep as deep_ep
+from epkit.kernels.triton.launch import observe
+from epkit.testing.host_sync import HostSyncDetector
+from epkit.testing.multiprocess import run_ranks
+
+HIDDEN, TOPK, N_MAX = 128, 3, 8
+
+
+def _grid(grids: dict, made) -> None:
+    grids.setdefault(made.kernel.__name__, set()).add(made.grid)
+
+
+def _calls(rank: int, world: int, kernels: str, sync: bool) -> bytes:
+    """Every V2 call's results on ``kernels`` (torch-saved: tensors leave the rank as bytes), and the host reads
+    of the timed calls (each shape is called twice before: the first call makes the EPBuffer)."""
+    os.environ["EPKIT_EP_KERNELS"] = kernels
+    num_experts = 2 * world
+    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=N_MAX, hidden=HIDDEN,
+                                   explicitly_destroy=True)  # fmt: skip
+    g = torch.Generator().manual_seed(rank)
+    t = (5, 8, 0)[rank % 3]  # a rank with no tokens
+    x = torch.randn(t, HIDDEN, generator=g).bfloat16()
+    rows = [torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(t)]
+    ids = torch.stack(rows) if rows else torch.empty(0, TOPK, dtype=torch.int64)
+    if t:
+        ids[0, 1] = -1
+    w = torch.rand(t, TOPK, generator=g)
+    bias = (torch.randn(t, HIDDEN, generator=g).bfloat16(), torch.randn(t, HIDDEN, generator=g).bfloat16())
+    out = []
+    for expand in (False, True):
+        kw = {"num_experts": num_experts, "do_cpu_sync": sync, "do_expand": expand, "expert_alignment": 4}
+        for _ in range(2):
+            buffer.dispatch(x, ids, w, **kw)
+        grids: dict[str, set] = {}  # the programs of each kernel's launches (as made for CUDA)
+        with HostSyncDetector() as reads, observe(partial(_grid, grids)):
+            recv_x, recv_idx, recv_w, h, _ = buffer.dispatch(x, ids, w, num_sms=5, **kw)
+            y = (recv_x.float() + (2.0**24, 1.0, -(2.0**24))[rank]).bfloat16()  # the sum's order shows in its bits
+            combined, combined_w, _ = buffer.combine(y, h, topk_weights=recv_w, bias=bias, num_sms=3)
+            cached = buffer.dispatch(x * 2, handle=h, topk_weights=w * 2, do_expand=expand)
+        out.append({
+            "on_kernels": h.buffer.uses_device_kernels, "reads": reads.events, "grids": grids, "recv_x": recv_x,
+            "recv_idx": recv_idx, "recv_w": recv_w, "combined": combined, "combined_w": combined_w,
+            "meta": h.recv_src_metadata,
+            "psum_rank": h.psum_num_recv_tokens_per_scaleup_rank, "psum_expert": h.psum_num_recv_tokens_per_expert,
+            "unaligned": h.num_unaligned_recv_tokens_per_expert, "slots": h.dst_buffer_slot_idx,
+            "cached_x": cached[0], "cached_w": cached[2],
+            "sizes": (h.num_recv_tokens, h.num_expanded_tokens, h.num_recv_tokens_per_expert_list),
+        })  # fmt: skip
+    buffer.destroy()
+    f = io.BytesIO()
+    torch.save(out, f)
+    return f.getvalue()
+
+
+def _load(blob: bytes) -> list[dict]:
+    return torch.load(io.BytesIO(blob))
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["worst-case", "cpu-sync"])
+def test_v2_on_the_device_kernels_is_the_host_path_bit_for_bit(sync):
+    host = [_load(b) for b in run_ranks(_calls, 3, "host", sync, timeout=120)]
+    kern = [_load(b) for b in run_ranks(_calls, 3, "device", sync, timeout=300)]
+    for rank in range(3):
+        for a, d in zip(host[rank], kern[rank]):
+            assert not a["on_kernels"] and d["on_kernels"]
+            for key in a:
+                if key in ("on_kernels", "reads", "grids"):
+                    continue
+                va, vd = a[key], d[key]
+                if isinstance(va, torch.Tensor):
+                    assert isinstance(vd, torch.Tensor) and va.shape == vd.shape and torch.equal(va, vd), (rank, key)
+                else:
+                    assert va == vd, (rank, key, va, vd)
+            # num_sms honoured: the dispatch's (5, kept by its cached dispatch) and the combine's (3) programs
+            want = {"_layout": 5, "_notify": 1, "_dispatch_send": 5, "_dispatch_recv": 5, "_agree": 1}
+            want.update(_combine_send=3, _combine_reduce=3)
+            assert d["grids"] == {k: {(n,)} for k, n in want.items()}, (rank, d["grids"])
+            if not sync:  # the worst-case call, its combine and cached dispatch: nothing read back
+                assert d["reads"] == [], (rank, d["reads"])
+            elif rank < 2:  # the control: the detector sees a plain dispatch's count read
+                assert d["reads"], rank
+
+
+def _ordered(rank: int, world: int) -> list[float]:
+    """Rank 0 returns 2**24 for every row, rank 1 -2**24; one bias of 1 per token: the float32 sum depends on the
+    order (bias first, then ranks 0, 1: 0; ranks 1, 0: 1), which alternates by token."""
+    from epkit.collectives.ep_buffer import EPBuffer
+
+    os.environ["EPKIT_EP_KERNELS"] = "device"
+    buf = EPBuffer(dist.group.WORLD, HIDDEN, 2 * world, N_MAX, 2, transport="shm", timeout=60)
+    t = 4
+    ids = torch.tensor([[0, 2]] * t)  # every token to both ranks
+    recv, _, _, _, h = buf.dispatch(torch.zeros(t, HIDDEN, dtype=torch.bfloat16), ids)
+    y = torch.full(recv.shape, 2.0**24 * (1 - 2 * rank), dtype=torch.bfloat16)
+    bias = torch.ones(t, HIDDEN, dtype=torch.bfloat16)
+    order = torch.tensor([[0, 1], [1, 0]] * (t // 2), dtype=torch.int32)
+    got = buf.combine(y, h, bias=bias, order=order)
+    plain = buf.combine(y, h, bias=bias)  # ranks ascending, then the bias: (2**24 - 2**24) + 1
+    buf.close()
+    return got[:, 0].float().tolist() + plain[:, 0].float().tolist()
+
+
+def test_a_combine_in_a_given_order_sums_in_that_order():
+    for got in run_ranks(_ordered, 2, timeout=240):
+        assert got == [0.0, 1.0, 0.0, 1.0] + [1.0] * 4, got
