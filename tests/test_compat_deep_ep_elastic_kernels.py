@@ -126,3 +126,80 @@ def _ordered(rank: int, world: int) -> list[float]:
 def test_a_combine_in_a_given_order_sums_in_that_order():
     for got in run_ranks(_ordered, 2, timeout=240):
         assert got == [0.0, 1.0, 0.0, 1.0] + [1.0] * 4, got
+
+
+def _warm(rank: int, world: int, kernels: str = "device"):
+    """An ElasticBuffer whose first ``do_cpu_sync=False`` dispatch (agreed on the host) made its EPBuffer:
+    ``(buffer, x, ids, weights, kw, first)``, ``kw`` the dispatch's keywords."""
+    os.environ["EPKIT_EP_KERNELS"] = kernels
+    num_experts = 2 * world
+    g = torch.Generator().manual_seed(7 + rank)
+    t = (5, 3)[rank % 2]
+    x = torch.randn(t, HIDDEN, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(t)])
+    w = torch.rand(t, TOPK, generator=g)
+    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=N_MAX, hidden=HIDDEN)
+    kw = {"num_experts": num_experts, "do_cpu_sync": False, "do_expand": True, "expert_alignment": 4}
+    return buffer, x, ids, w, kw, buffer.dispatch(x, ids, w, **kw)
+
+
+def _stream_ordered(rank: int, world: int) -> list[str]:
+    """On an NCCL group (the group's kind as the session sees it, gloo underneath) after an eager call: a
+    ``do_cpu_sync=False`` dispatch, its combine and a cached dispatch make no host agreement, are accepted under a
+    (pretended) capture, read nothing back, and give the eager calls' results; a ``do_cpu_sync=True`` dispatch is
+    refused under the capture before anything runs."""
+    from epkit.compat._details import deep_ep_session
+
+    buffer, x, ids, w, kw, eager = _warm(rank, world)
+    bias = (x, x)
+    eager_combined = buffer.combine(eager[0], eager[3], topk_weights=eager[2], bias=bias)
+    eager_cached = buffer.dispatch(x, handle=eager[3], topk_weights=w, do_expand=True)
+    session = buffer._session
+    agreed: list[str] = []
+    real_agree, real_capturing = session.agree, deep_ep_session.capturing
+    session.agreement.nccl = True  # what an NCCL group's session says
+    session.agree = lambda fn, *a, **k: agreed.append(fn) or real_agree(fn, *a, **k)
+    deep_ep_session.capturing = lambda: True  # as under torch.cuda.graph
+    try:
+        with HostSyncDetector() as reads:
+            got = buffer.dispatch(x, ids, w, **kw)
+            combined = buffer.combine(got[0], got[3], topk_weights=got[2], bias=bias)
+            cached = buffer.dispatch(x, handle=got[3], topk_weights=w, do_expand=True)
+        with pytest.raises(RuntimeError, match="dispatch of epkit.compat.deep_ep cannot run under CUDA graph"):
+            buffer.dispatch(x, ids, w, **{**kw, "do_cpu_sync": True})  # sized on the host: refused
+    finally:
+        session.agreement.nccl, session.agree, deep_ep_session.capturing = False, real_agree, real_capturing
+    assert agreed == [], agreed
+    assert torch.equal(got[0], eager[0]) and got[1] is None and torch.equal(got[2], eager[2])
+    assert torch.equal(got[3].recv_src_metadata, eager[3].recv_src_metadata)
+    assert torch.equal(combined[0], eager_combined[0]) and torch.equal(combined[1], eager_combined[1])
+    assert torch.equal(cached[0], eager_cached[0]) and torch.equal(cached[2], eager_cached[2])
+    return reads.events
+
+
+def test_on_an_nccl_group_a_worst_case_v2_dispatch_is_stream_ordered_and_may_be_captured():
+    assert run_ranks(_stream_ordered, 2, timeout=240) == [[], []]
+
+
+def _ordered_bad_call(rank: int, world: int, kind: str) -> str:
+    """On an NCCL group (told so, gloo underneath) a stream-ordered call rank 1 rejects: the EPBuffer's own call
+    rejects it on every rank (within the call on CPU ranks), with one text."""
+    buffer, x, ids, w, kw, first = _warm(rank, world)
+    buffer._session.agreement.nccl = True
+    bad = rank == 1
+    calls = {
+        "dispatch": lambda: buffer.dispatch(x, ids, w, **{**kw, "num_qps": 10**6 if bad else 0}),
+        "larger N": lambda: buffer.dispatch(x, ids, w, **kw, num_max_tokens_per_rank=4 * N_MAX if bad else N_MAX),
+        "combine": lambda: buffer.combine(first[0], first[3], bias=(x, x, x) if bad else None),
+        "cached dispatch": lambda: buffer.dispatch(x, handle=first[3], do_expand=not bad, topk_weights=w),
+    }
+    with pytest.raises(ValueError) as info:
+        calls[kind]()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "larger N", "combine", "cached dispatch"])
+def test_on_an_nccl_group_a_v2_call_one_rank_rejects_is_the_same_error_on_every_rank(kind):
+    texts = run_ranks(_ordered_bad_call, 2, kind, timeout=240)
+    assert texts[0] == texts[1], texts
+    assert "rank 1" in texts[0], texts

@@ -6,14 +6,19 @@ slots.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from epkit.collectives.ep.rows import sum_indexed_rows
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
 from epkit.compat._details.deep_ep_elastic_dispatch import sms_budget
 from epkit.compat._details.deep_ep_handles import EPHandle
-from epkit.compat._details.deep_ep_session import Session, new_v2_event
+from epkit.compat._details.deep_ep_session import Session, new_v2_event, refuse_capture_here
 from epkit.compat._details.ep_unsummed import rows_in_rank, slot_rows_back
+
+if TYPE_CHECKING:
+    from epkit.collectives.ep_buffer import EPBuffer
 
 __all__ = ["ElasticCombine", "rank_order"]
 
@@ -89,7 +94,16 @@ class ElasticCombine:
                 raise ValueError(f"bias must be a tensor or a pair, got a tuple of {len(bias)}")
         except ValueError as exc:
             error = f"combine: {exc}"
-        s.agree("combine", error, [*s.handle_fields(handle), ("topk_weights given", int(topk_weights is not None))])
+        ordered = self._stream_ordered(handle)
+        if ordered is None:
+            refuse_capture_here("combine")
+            fields = [*s.handle_fields(handle), ("topk_weights given", int(topk_weights is not None))]
+            s.agree("combine", error, fields)
+        elif error is not None:  # the EPBuffer's combine carries this rank's rejection to every rank
+            assert handle.handle is not None  # _stream_ordered found it this buffer's
+            none = torch.zeros((0, ordered.hidden), dtype=torch.bfloat16, device=ordered.device)
+            ordered.combine(none, handle.handle, reject=error)
+            raise ValueError(error)  # (the EPBuffer raised every rank's verdict first)
         wait_for(None if previous_event is None else EventOverlap(previous_event))
         assert handle.buffer is not None
         if handle.buffer.uses_device_kernels:
@@ -99,6 +113,14 @@ class ElasticCombine:
             combined = self._combine_rows(x, handle, bias)
             weights = self._combine_weights(topk_weights, handle) if topk_weights is not None else None
         return combined, weights, new_v2_event()
+
+    def _stream_ordered(self, handle: object) -> EPBuffer | None:
+        """The EPBuffer a combine runs on with no host agreement: on an NCCL group, along the handle of a
+        ``do_cpu_sync=False`` dispatch on the device kernels (``ElasticDispatch._stream_ordered``); else None."""
+        if not self.s.nccl or not isinstance(handle, EPHandle) or self.s.index_of(handle) is None:
+            return None
+        buf = handle.buffer
+        return buf if handle.worst_case and buf is not None and buf.uses_device_kernels else None
 
     def _rows_on_kernels(
         self, x: torch.Tensor, handle: EPHandle, bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,

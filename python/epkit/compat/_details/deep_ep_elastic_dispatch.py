@@ -6,7 +6,7 @@ cached, worst-case without a host sync).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -15,8 +15,11 @@ from epkit.compat._details.deep_ep_agreement import FieldValue, size_of
 from epkit.compat._details.deep_ep_config import EventHandle, EventOverlap, wait_for
 from epkit.compat._details.deep_ep_handles import EPHandle, in_rank_of, normal_handle
 from epkit.compat._details.deep_ep_layouts import carry_scales, pad_rows, restore_scales, tma_scales
-from epkit.compat._details.deep_ep_session import Session, new_v2_event
+from epkit.compat._details.deep_ep_session import Session, new_v2_event, refuse_capture_here
 from epkit.utils import check_topk_idx
+
+if TYPE_CHECKING:
+    from epkit.collectives.ep_buffer import EPBuffer
 
 __all__ = ["ElasticDispatch"]
 
@@ -78,14 +81,8 @@ class ElasticDispatch:
                        cumulative_local_expert_recv_stats, previous_event)  # fmt: skip
         except ValueError as exc:
             error = f"dispatch: {exc}"
-        x0, sf, topk_idx, num_experts, n_max, expert_alignment = call.fields()
-        fields = [
-            *(s.handle_fields(handle) if handle is not None else []),
-            *_fields(x0, sf, num_experts, topk_idx, topk_weights, do_expand, expert_alignment),
-        ]
-        if handle is None:
-            fields.append(("num_max_tokens_per_rank", n_max if error is None else None))
-        s.agree(fn, error, fields, x0.shape[0] if x0 is not None else 0)
+        self._meet(fn, error, call, handle, topk_weights is not None, do_expand, do_cpu_sync)
+        x0, _, topk_idx, num_experts, n_max, expert_alignment = call.fields()
         wait_for(None if previous_event is None else EventOverlap(previous_event))
         assert x0 is not None and isinstance(topk_idx, torch.Tensor) and isinstance(num_experts, int)
         assert isinstance(expert_alignment, int)  # the agreement raised unless every check passed on every rank
@@ -105,6 +102,76 @@ class ElasticDispatch:
             scales = tma_scales(restore_scales(recv_s, cols, sdtype), use_tma_aligned_col_major_sf)
             return (recv_x, scales), recv_idx, recv_w, h, new_v2_event()
         return recv_x, recv_idx, recv_w, h, new_v2_event()
+
+    def _meet(
+        self, fn: str, error: str | None, call: _Call, handle: EPHandle | None, weights_given: bool, do_expand: object,
+        do_cpu_sync: object,
+    ) -> None:  # fmt: skip
+        """The call's meeting with the other ranks before any row moves: the agreement (the same ValueError on every
+        rank unless every rank's call is valid and their fields are the same), or, for a stream-ordered call
+        (:meth:`_stream_ordered`), none, a rejection of this rank's carried by the EPBuffer's own call."""
+        s = self.s
+        x0, sf, topk_idx, num_experts, n_max, alignment = call.fields()
+        ordered = self._stream_ordered(call.x, call.topk_idx, call.num_experts, do_cpu_sync, handle)
+        if ordered is None:
+            refuse_capture_here(fn)
+            fields = [
+                *(s.handle_fields(handle) if handle is not None else []),
+                *_fields(x0, sf, num_experts, topk_idx, weights_given, do_expand, alignment),
+            ]
+            if handle is None:
+                fields.append(("num_max_tokens_per_rank", n_max if error is None else None))
+            s.agree(fn, error, fields, x0.shape[0] if x0 is not None else 0)
+            return
+        cap = ordered.num_max_tokens_per_rank
+        if error is None and handle is None and isinstance(n_max, int) and n_max > cap:
+            error = (
+                f"dispatch: num_max_tokens_per_rank = {n_max} exceeds the {cap} this ElasticBuffer's eager calls made "
+                "room for (on an NCCL group a do_cpu_sync=False dispatch after them is stream-ordered: make the "
+                "first one with the largest num_max_tokens_per_rank)"
+            )
+        if error is not None:
+            self._reject(ordered, error, handle, weights_given)
+
+    def _stream_ordered(
+        self, x: object, topk_idx: object, num_experts: object, do_cpu_sync: object, handle: object
+    ) -> EPBuffer | None:
+        """The EPBuffer a call runs on with no host agreement: on an NCCL group (as the legacy Buffer's worst-case
+        calls there), a ``do_cpu_sync=False`` dispatch once an eager call made the session's buffer for its shapes
+        on the device kernels, and a cached dispatch along its handle; None where the call agrees on the host. From
+        the arguments' shapes alone: every rank decides alike, as its shapes are the same (V2's contract; the
+        agreement checks them on the calls that make the buffer)."""
+        if not self.s.nccl:
+            return None
+        if handle is not None:
+            if not isinstance(handle, EPHandle) or self.s.index_of(handle) is None or not handle.worst_case:
+                return None
+            return handle.buffer if handle.buffer is not None and handle.buffer.uses_device_kernels else None
+        x0 = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+        if do_cpu_sync is None or do_cpu_sync or not isinstance(x0, torch.Tensor) or x0.dim() != 2:
+            return None
+        if not self.on_kernels(x0, topk_idx, num_experts):
+            return None
+        assert isinstance(topk_idx, torch.Tensor) and isinstance(num_experts, int)  # on_kernels checked them
+        return self.s.current[(x0.shape[1], num_experts, topk_idx.shape[1])]
+
+    def _reject(self, buf: EPBuffer, error: str, handle: object, weights_given: bool) -> NoReturn:
+        """A stream-ordered call this rank rejects: its part of the call's collectives with no rows (the routing
+        or weights gather, then the EPBuffer's call, which carries ``error`` to every rank as its own rejection:
+        there the same ValueError, on CUDA at the rank's next call), then the ValueError here."""
+        s, cap, dev = self.s, buf.num_max_tokens_per_rank, buf.device
+        none = torch.zeros((0, buf.hidden), dtype=torch.bfloat16, device=dev)
+        if isinstance(handle, EPHandle):
+            assert handle.handle is not None  # a dispatch of this buffer made it (_stream_ordered)
+            if weights_given:
+                n, k = handle.num_max_tokens_per_rank, handle.topk_idx.shape[1]
+                s.gather(torch.zeros((n, k), dtype=torch.float32, device=dev), "cached dispatch")
+            buf.dispatch(none, handle=handle.handle, reject=error)
+        else:
+            s.device_routes("dispatch", torch.zeros((0, s.group_size), dtype=torch.bool, device=dev), cap)
+            idx = torch.full((0, buf.num_topk), -1, dtype=torch.int64, device=dev)
+            buf.dispatch(none, idx, num_worst_tokens=cap * s.group_size, reject=error)
+        raise ValueError(error)  # (the EPBuffer raised every rank's verdict first)
 
     def on_kernels(self, x0: torch.Tensor, topk_idx: object, num_experts: object) -> bool:
         """Whether a dispatch of these shapes takes the device kernels: an earlier call made the session's EPBuffer
@@ -210,9 +277,9 @@ class ElasticDispatch:
         x0 = rows[0] if isinstance(rows, tuple) else rows
         dev, k, local, rows_cap = x0.device, topk_idx.shape[1], num_experts // w, n_max * w
         in_rank = in_rank_of(topk_idx, num_experts, w)
-        routes = s.device_routes("dispatch", in_rank, n_max)
         weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, dtype=torch.float32)
         buf = s.epbuffer(x0.shape[1], num_experts, k, dev, n_max, flat=True, kernels_ok=self.kernels_ok)
+        routes = s.device_routes("dispatch", in_rank, buf.num_max_tokens_per_rank)  # one size on every rank
         worst = buf.uses_device_kernels and not do_cpu_sync
         recv_rows, recv_idx, recv_w, aligned, h = buf.dispatch(
             rows, topk_idx, weights.to(dev), expert_alignment=alignment, expand=do_expand,
@@ -251,15 +318,18 @@ class ElasticDispatch:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, EPHandle]:
         assert handle.buffer is not None and handle.handle is not None  # a dispatch of this buffer made it
         h = handle.handle
+        every: torch.Tensor | None = None
+        if topk_weights is not None:  # new weights travel too: every rank's, gathered (first: _reject's order)
+            n_max, w = handle.num_max_tokens_per_rank, self.s.group_size
+            padded = torch.zeros((n_max, topk_weights.shape[1]), dtype=torch.float32, device=topk_weights.device)
+            padded[: topk_weights.shape[0]] = topk_weights
+            every = self.s.gather(padded, "cached dispatch").view(w * n_max, -1)
         recv_rows = handle.buffer.dispatch(rows, handle=h)[0]
         recv_x, recv_s = recv_rows if isinstance(recv_rows, tuple) else (recv_rows, None)
         dev = recv_x.device
         out_w: torch.Tensor | None = None
-        if topk_weights is not None:  # new weights travel too: every rank's, gathered, picked by source token
-            n_max, w = handle.num_max_tokens_per_rank, self.s.group_size
-            padded = torch.zeros((n_max, topk_weights.shape[1]), dtype=torch.float32, device=topk_weights.device)
-            padded[: topk_weights.shape[0]] = topk_weights
-            every = self.s.gather(padded, "cached dispatch").to(dev).view(w * n_max, -1)
+        if every is not None:  # picked by source token
+            every = every.to(dev)
             src = handle.recv_src_metadata[: h.recv_topk_idx.shape[0], 0].long().to(dev)
             got = torch.where((src >= 0).unsqueeze(1), every[src.clamp(min=0)], 0.0)
             if handle.do_expand:
@@ -379,7 +449,7 @@ def _fields(
     sf: torch.Tensor | None,
     num_experts: object,
     topk_idx: object,
-    topk_weights: object,
+    weights_given: bool,
     do_expand: object,
     expert_alignment: object,
 ) -> list[tuple[str, FieldValue]]:
@@ -391,7 +461,7 @@ def _fields(
         ("x scales dtype", sf.dtype if sf is not None else None),
         ("num_experts", num_experts if isinstance(num_experts, int) else None),
         ("topk_idx columns (num_topk)", topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) else None),
-        ("topk_weights given", int(topk_weights is not None)),
+        ("topk_weights given", int(weights_given)),
         ("do_expand", int(bool(do_expand))),
         ("expert_alignment", expert_alignment if isinstance(expert_alignment, int) else None),
     ]

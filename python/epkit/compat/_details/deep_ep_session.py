@@ -39,12 +39,10 @@ Hook = Callable[[], None]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 #: ``(part, call)``: the calls that always meet on the host through this interface (an agreement of host values, a
-#: routing gather and sizes read back), so that a CUDA graph cannot capture them. The legacy Buffer's ``dispatch`` /
-#: ``combine`` decide per call (``deep_ep_normal``: a worst-case one on an NCCL group is stream-ordered).
-UNCAPTURABLE = frozenset(
-    {("_dispatch", "dispatch"), ("_combine", "combine"), ("_normal", "internode_dispatch"),
-     ("_normal", "internode_combine")}
-)  # fmt: skip
+#: routing gather and sizes read back), so that a CUDA graph cannot capture them. The legacy Buffer's and V2's
+#: ``dispatch`` / ``combine`` decide per call (a worst-case one on an NCCL group is stream-ordered:
+#: ``deep_ep_normal``, ``deep_ep_elastic_dispatch``).
+UNCAPTURABLE = frozenset({("_normal", "internode_dispatch"), ("_normal", "internode_combine")})
 
 
 def refuse_capture_here(fn: str) -> None:
@@ -54,9 +52,10 @@ def refuse_capture_here(fn: str) -> None:
         raise RuntimeError(
             f"{fn} of epkit.compat.deep_ep cannot run under CUDA graph capture here: it meets the other ranks on the "
             "host (its agreement, the routing gather for the handle). Capture low_latency_dispatch / "
-            "low_latency_combine, a legacy dispatch with num_worst_tokens on an NCCL group (after an eager one) "
-            "and its combine, or epkit's EPBuffer.dispatch(num_worst_tokens=...) and its combine on the device "
-            f"kernels; or run {fn} outside the graph"
+            "low_latency_combine, on an NCCL group (after an eager call) a legacy dispatch with num_worst_tokens "
+            "or an ElasticBuffer dispatch with do_cpu_sync=False on the device kernels and their combines, or "
+            f"epkit's EPBuffer.dispatch(num_worst_tokens=...) and its combine on the device kernels; or run {fn} "
+            "outside the graph"
         )
 
 
