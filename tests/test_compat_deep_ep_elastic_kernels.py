@@ -24,6 +24,7 @@ import torch.distributed as dist
 import epkit.compat.deep_ep as deep_ep
 from epkit.kernels.triton.launch import observe
 from epkit.testing.host_sync import HostSyncDetector
+from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
 
 HIDDEN, TOPK, N_MAX = 128, 3, 8
@@ -33,9 +34,10 @@ def _grid(grids: dict, made) -> None:
     grids.setdefault(made.kernel.__name__, set()).add(made.grid)
 
 
-def _calls(rank: int, world: int, kernels: str, sync: bool) -> bytes:
-    """Every V2 call's results on ``kernels`` (torch-saved: tensors leave the rank as bytes), and the host reads
-    of the timed calls (each shape is called twice before: the first call makes the EPBuffer)."""
+def _calls(rank: int, world: int, kernels: str) -> bytes:
+    """Every V2 call's results on ``kernels`` (torch-saved: tensors leave the rank as bytes), with and without
+    ``do_cpu_sync`` and ``do_expand``, and the host reads of each (after one warm-up call: the first makes the
+    EPBuffer)."""
     os.environ["EPKIT_EP_KERNELS"] = kernels
     num_experts = 2 * world
     buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=N_MAX, hidden=HIDDEN,
@@ -50,10 +52,9 @@ def _calls(rank: int, world: int, kernels: str, sync: bool) -> bytes:
     w = torch.rand(t, TOPK, generator=g)
     bias = (torch.randn(t, HIDDEN, generator=g).bfloat16(), torch.randn(t, HIDDEN, generator=g).bfloat16())
     out = []
-    for expand in (False, True):
+    buffer.dispatch(x, ids, w, num_experts=num_experts, do_cpu_sync=False)
+    for sync, expand in ((False, False), (False, True), (True, False), (True, True)):
         kw = {"num_experts": num_experts, "do_cpu_sync": sync, "do_expand": expand, "expert_alignment": 4}
-        for _ in range(2):
-            buffer.dispatch(x, ids, w, **kw)
         grids: dict[str, set] = {}  # the programs of each kernel's launches (as made for CUDA)
         with HostSyncDetector() as reads, observe(partial(_grid, grids)):
             recv_x, recv_idx, recv_w, h, _ = buffer.dispatch(x, ids, w, num_sms=5, **kw)
@@ -61,8 +62,8 @@ def _calls(rank: int, world: int, kernels: str, sync: bool) -> bytes:
             combined, combined_w, _ = buffer.combine(y, h, topk_weights=recv_w, bias=bias, num_sms=3)
             cached = buffer.dispatch(x * 2, handle=h, topk_weights=w * 2, do_expand=expand)
         out.append({
-            "on_kernels": h.buffer.uses_device_kernels, "reads": reads.events, "grids": grids, "recv_x": recv_x,
-            "recv_idx": recv_idx, "recv_w": recv_w, "combined": combined, "combined_w": combined_w,
+            "on_kernels": h.buffer.uses_device_kernels, "sync": sync, "reads": reads.events, "grids": grids,
+            "recv_x": recv_x, "recv_idx": recv_idx, "recv_w": recv_w, "combined": combined, "combined_w": combined_w,
             "meta": h.recv_src_metadata,
             "psum_rank": h.psum_num_recv_tokens_per_scaleup_rank, "psum_expert": h.psum_num_recv_tokens_per_expert,
             "unaligned": h.num_unaligned_recv_tokens_per_expert, "slots": h.dst_buffer_slot_idx,
@@ -79,11 +80,11 @@ def _load(blob: bytes) -> list[dict]:
     return torch.load(io.BytesIO(blob))
 
 
-@pytest.mark.parametrize("sync", [False, True], ids=["worst-case", "cpu-sync"])
-def test_v2_on_the_device_kernels_is_the_host_path_bit_for_bit(sync):
-    host = [_load(b) for b in run_ranks(_calls, 3, "host", sync, timeout=120)]
-    kern = [_load(b) for b in run_ranks(_calls, 3, "device", sync, timeout=300)]
+def test_v2_on_the_device_kernels_is_the_host_path_bit_for_bit():
+    host = [_load(b) for b in run_ranks(_calls, 3, "host", timeout=120)]
+    kern = [_load(b) for b in run_ranks(_calls, 3, "device", timeout=300)]
     for rank in range(3):
+        assert len(host[rank]) == len(kern[rank]) == 4
         for a, d in zip(host[rank], kern[rank]):
             assert not a["on_kernels"] and d["on_kernels"]
             for key in a:
@@ -98,7 +99,7 @@ def test_v2_on_the_device_kernels_is_the_host_path_bit_for_bit(sync):
             want = {"_layout": 5, "_notify": 1, "_dispatch_send": 5, "_dispatch_recv": 5, "_agree": 1}
             want.update(_combine_send=3, _combine_reduce=3)
             assert d["grids"] == {k: {(n,)} for k, n in want.items()}, (rank, d["grids"])
-            if not sync:  # the worst-case call, its combine and cached dispatch: nothing read back
+            if not d["sync"]:  # the worst-case call, its combine and cached dispatch: nothing read back
                 assert d["reads"] == [], (rank, d["reads"])
             elif rank < 2:  # the control: the detector sees a plain dispatch's count read
                 assert d["reads"], rank
@@ -181,25 +182,65 @@ def test_on_an_nccl_group_a_worst_case_v2_dispatch_is_stream_ordered_and_may_be_
     assert run_ranks(_stream_ordered, 2, timeout=240) == [[], []]
 
 
-def _ordered_bad_call(rank: int, world: int, kind: str) -> str:
-    """On an NCCL group (told so, gloo underneath) a stream-ordered call rank 1 rejects: the EPBuffer's own call
-    rejects it on every rank (within the call on CPU ranks), with one text."""
-    buffer, x, ids, w, kw, first = _warm(rank, world)
-    buffer._session.agreement.nccl = True
-    bad = rank == 1
-    calls = {
-        "dispatch": lambda: buffer.dispatch(x, ids, w, **{**kw, "num_qps": 10**6 if bad else 0}),
-        "larger N": lambda: buffer.dispatch(x, ids, w, **kw, num_max_tokens_per_rank=4 * N_MAX if bad else N_MAX),
-        "combine": lambda: buffer.combine(first[0], first[3], bias=(x, x, x) if bad else None),
-        "cached dispatch": lambda: buffer.dispatch(x, handle=first[3], do_expand=not bad, topk_weights=w),
-    }
-    with pytest.raises(ValueError) as info:
-        calls[kind]()
-    return str(info.value)
+def _ordered_bad_calls(rank: int, world: int) -> list[str]:
+    """On an NCCL group (told so, gloo underneath) each kind of stream-ordered call rank 1 rejects (each on a fresh
+    buffer: a rejected worst-case dispatch retires its EPBuffer): the EPBuffer's own call rejects it on every rank
+    (within the call on CPU ranks), with one text."""
+    texts = []
+    for kind in ("dispatch", "larger N", "combine", "cached dispatch"):
+        buffer, x, ids, w, kw, first = _warm(rank, world)
+        buffer._session.agreement.nccl = True
+        bad = rank == 1
+        with pytest.raises(ValueError) as info:
+            if kind == "dispatch":
+                buffer.dispatch(x, ids, w, **{**kw, "num_qps": 10**6 if bad else 0})
+            elif kind == "larger N":
+                buffer.dispatch(x, ids, w, **kw, num_max_tokens_per_rank=4 * N_MAX if bad else N_MAX)
+            elif kind == "combine":
+                buffer.combine(first[0], first[3], bias=(x, x, x) if bad else None)
+            else:
+                buffer.dispatch(x, handle=first[3], do_expand=not bad, topk_weights=w)
+        texts.append(str(info.value))
+    return texts
 
 
-@pytest.mark.parametrize("kind", ["dispatch", "larger N", "combine", "cached dispatch"])
-def test_on_an_nccl_group_a_v2_call_one_rank_rejects_is_the_same_error_on_every_rank(kind):
-    texts = run_ranks(_ordered_bad_call, 2, kind, timeout=240)
+def test_on_an_nccl_group_a_v2_call_one_rank_rejects_is_the_same_error_on_every_rank():
+    texts = run_ranks(_ordered_bad_calls, 2, timeout=240)
     assert texts[0] == texts[1], texts
-    assert "rank 1" in texts[0], texts
+    for text, what in zip(texts[0], ("num_qps", "num_max_tokens_per_rank = 32", "bias", "do_expand")):
+        assert "rank 1" in text and what in text, texts
+
+
+def _gpu_capture(rank: int, world: int) -> bool:
+    """Rung 4: on an NCCL group (one GPU), a ``do_cpu_sync=False`` V2 dispatch and its combine (with weights and a
+    bias) captured in a CUDA graph after an eager call, replayed on new rows: each time the eager calls' results."""
+    from epkit.testing.cuda_graph import captured
+
+    torch.cuda.set_device(0)
+    group = dist.new_group([0], backend="nccl")
+    num_experts, t = 8, 6
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(t, HIDDEN, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:TOPK] for _ in range(t)]).cuda()
+    w = torch.rand(t, TOPK, generator=g).cuda()
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=N_MAX, hidden=HIDDEN)
+    static_x = x.clone()
+    kw = {"num_experts": num_experts, "do_cpu_sync": False, "do_expand": True, "expert_alignment": 4}
+
+    def step():
+        recv_x, _, recv_w, handle, _ = buffer.dispatch(static_x, ids, w, **kw)
+        return recv_x, buffer.combine(recv_x, handle, topk_weights=recv_w, bias=static_x)
+
+    graph, (got_x, (got_c, got_w, _)) = captured(step)  # the eager step makes the EPBuffer (agreed on the host)
+    for trial in range(3):
+        static_x.copy_((x.float() * (trial + 2)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        want_x, want = step()
+        assert torch.equal(got_x, want_x) and torch.equal(got_c, want[0]) and torch.equal(got_w, want[1]), trial
+    return True
+
+
+@requires_cuda
+def test_gpu_a_worst_case_v2_dispatch_replays_from_a_cuda_graph_on_an_nccl_group():
+    assert run_ranks(_gpu_capture, 1, timeout=240) == [True]

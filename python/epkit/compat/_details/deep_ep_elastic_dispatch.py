@@ -277,7 +277,7 @@ class ElasticDispatch:
         x0 = rows[0] if isinstance(rows, tuple) else rows
         dev, k, local, rows_cap = x0.device, topk_idx.shape[1], num_experts // w, n_max * w
         in_rank = in_rank_of(topk_idx, num_experts, w)
-        weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, dtype=torch.float32)
+        weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, device=dev)
         buf = s.epbuffer(x0.shape[1], num_experts, k, dev, n_max, flat=True, kernels_ok=self.kernels_ok)
         routes = s.device_routes("dispatch", in_rank, buf.num_max_tokens_per_rank)  # one size on every rank
         worst = buf.uses_device_kernels and not do_cpu_sync
