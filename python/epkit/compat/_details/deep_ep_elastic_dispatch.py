@@ -435,7 +435,8 @@ class _Call:
             self.n_max, self.topk_idx = handle.num_max_tokens_per_rank, handle.topk_idx
         # the ids' values: on the host unless the device kernels check them (a worst-case call there reads nothing
         # back) or they are a handle's, checked at its dispatch
-        values = handle is None and not (not do_cpu_sync and d.on_kernels(self.x0, self.topk_idx, self.num_experts))
+        worst = do_cpu_sync is not None and not do_cpu_sync
+        values = handle is None and not (worst and d.on_kernels(self.x0, self.topk_idx, self.num_experts))
         d._check_dispatch(self.x0, self.topk_idx, topk_weights, self.num_experts, self.n_max, self.alignment,
                           num_sms, num_qps, stats, previous_event, values)  # fmt: skip
 
