@@ -157,7 +157,7 @@ PUBLIC_API = {
         "tilelang_build_c",
         "tilelang_compile_cuda",
     ],
-    "epkit.testing.cuda_graph": ["captured"],
+    "epkit.testing.cuda_graph": ["captured", "pretended_nccl_capture"],
     "epkit.testing.host_sync": ["HostSyncDetector"],
     "epkit.testing.ladder": [
         "CompiledKernel",

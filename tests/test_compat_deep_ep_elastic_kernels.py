@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import epkit.compat.deep_ep as deep_ep
 from epkit.kernels.triton.launch import observe
+from epkit.testing.cuda_graph import pretended_nccl_capture
 from epkit.testing.host_sync import HostSyncDetector
 from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
@@ -149,27 +150,17 @@ def _stream_ordered(rank: int, world: int) -> list[str]:
     ``do_cpu_sync=False`` dispatch, its combine and a cached dispatch make no host agreement, are accepted under a
     (pretended) capture, read nothing back, and give the eager calls' results; a ``do_cpu_sync=True`` dispatch is
     refused under the capture before anything runs."""
-    from epkit.compat._details import deep_ep_session
-
     buffer, x, ids, w, kw, eager = _warm(rank, world)
     bias = (x, x)
     eager_combined = buffer.combine(eager[0], eager[3], topk_weights=eager[2], bias=bias)
     eager_cached = buffer.dispatch(x, handle=eager[3], topk_weights=w, do_expand=True)
-    session = buffer._session
-    agreed: list[str] = []
-    real_agree, real_capturing = session.agree, deep_ep_session.capturing
-    session.agreement.nccl = True  # what an NCCL group's session says
-    session.agree = lambda fn, *a, **k: agreed.append(fn) or real_agree(fn, *a, **k)
-    deep_ep_session.capturing = lambda: True  # as under torch.cuda.graph
-    try:
+    with pretended_nccl_capture(buffer) as agreed:
         with HostSyncDetector() as reads:
             got = buffer.dispatch(x, ids, w, **kw)
             combined = buffer.combine(got[0], got[3], topk_weights=got[2], bias=bias)
             cached = buffer.dispatch(x, handle=got[3], topk_weights=w, do_expand=True)
         with pytest.raises(RuntimeError, match="dispatch of epkit.compat.deep_ep cannot run under CUDA graph"):
             buffer.dispatch(x, ids, w, **{**kw, "do_cpu_sync": True})  # sized on the host: refused
-    finally:
-        session.agreement.nccl, session.agree, deep_ep_session.capturing = False, real_agree, real_capturing
     assert agreed == [], agreed
     assert torch.equal(got[0], eager[0]) and got[1] is None and torch.equal(got[2], eager[2])
     assert torch.equal(got[3].recv_src_metadata, eager[3].recv_src_metadata)

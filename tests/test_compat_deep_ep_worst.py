@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import epkit.compat.deep_ep as deep_ep
-from epkit.testing.cuda_graph import captured
+from epkit.testing.cuda_graph import captured, pretended_nccl_capture
 from epkit.testing.host_sync import HostSyncDetector
 from epkit.testing.markers import requires_cuda
 from epkit.testing.multiprocess import run_ranks
@@ -144,27 +144,17 @@ def _stream_ordered(rank: int, world: int) -> list[str]:
     """A worst-case dispatch, its combine and a cached dispatch on an NCCL group (the group's kind as the session
     sees it, over gloo here), after an eager one: no host agreement, accepted under a (pretended) capture, no host
     read on the device kernels, and the eager call's results."""
-    from epkit.compat._details import deep_ep_session
-
     os.environ["EPKIT_EP_KERNELS"] = "device"
     buffer, x, _, args, eager = _warm(rank, world)
     eager_combined = buffer.combine(eager[0] * 2, eager[4], topk_weights=eager[2])
     eager_cached = buffer.dispatch(x, eager[4])[0]
-    session = buffer._session
-    agreed: list[str] = []
-    real_agree, real_capturing = session.agree, deep_ep_session.capturing
-    session.agreement.nccl = True  # what an NCCL group's session says
-    session.agree = lambda fn, *a, **k: agreed.append(fn) or real_agree(fn, *a, **k)
-    deep_ep_session.capturing = lambda: True  # as under torch.cuda.graph
-    try:
+    with pretended_nccl_capture(buffer) as agreed:
         with HostSyncDetector() as reads:
             got = buffer.dispatch(*args, num_worst_tokens=WORST)
             combined = buffer.combine(got[0] * 2, got[4], topk_weights=got[2])
             cached = buffer.dispatch(x, got[4])[0]
         with pytest.raises(RuntimeError, match="dispatch of epkit.compat.deep_ep cannot run under CUDA graph"):
             buffer.dispatch(*args)  # a plain dispatch meets on the host: refused before anything runs
-    finally:
-        session.agreement.nccl, session.agree, deep_ep_session.capturing = False, real_agree, real_capturing
     assert agreed == [], agreed
     assert all(torch.equal(a, b) for a, b in zip(got[:3], eager[:3])) and got[3] == []
     assert all(torch.equal(a, b) for a, b in zip(got[4], eager[4]))
