@@ -5,7 +5,8 @@ interpreter, CPU ranks over shm.
 Each call's results are checked against the same call on the host-driven path (``EPKIT_EP_KERNELS=host``), whose
 V2 semantics ``test_compat_deep_ep_elastic.py`` checks against references written from every rank's inputs: the
 rows, ids, weights, every handle tensor, the combine in V2's order with two biases, the routed-back weights and a
-cached dispatch with new weights, bit for bit, with and without ``do_expand`` and ``do_cpu_sync``. Without
+cached dispatch with new weights, bit for bit, with and without ``do_expand`` and ``do_cpu_sync``, and without
+``allow_multiple_reduction`` (each (token, k) row back alone, added k ascending). Without
 ``do_cpu_sync`` the dispatch, its combine and the cached dispatch read nothing back to the host; the calls'
 ``num_sms`` are their launches' programs. The summation
 order underneath (``EPBuffer.combine(order=)``) is checked on values whose float32 sum depends on it.
@@ -37,12 +38,10 @@ def _grid(grids: dict, made) -> None:
 
 def _calls(rank: int, world: int, kernels: str) -> bytes:
     """Every V2 call's results on ``kernels`` (torch-saved: tensors leave the rank as bytes), with and without
-    ``do_cpu_sync`` and ``do_expand``, and the host reads of each (after one warm-up call: the first makes the
-    EPBuffer)."""
+    ``do_cpu_sync`` and ``do_expand`` (and an expanded one without ``allow_multiple_reduction``), and the host reads
+    of each (after one warm-up call per buffer: the first makes the EPBuffer)."""
     os.environ["EPKIT_EP_KERNELS"] = kernels
     num_experts = 2 * world
-    buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=N_MAX, hidden=HIDDEN,
-                                   explicitly_destroy=True)  # fmt: skip
     g = torch.Generator().manual_seed(rank)
     t = (5, 8, 0)[rank % 3]  # a rank with no tokens
     x = torch.randn(t, HIDDEN, generator=g).bfloat16()
@@ -52,9 +51,14 @@ def _calls(rank: int, world: int, kernels: str) -> bytes:
         ids[0, 1] = -1
     w = torch.rand(t, TOPK, generator=g)
     bias = (torch.randn(t, HIDDEN, generator=g).bfloat16(), torch.randn(t, HIDDEN, generator=g).bfloat16())
-    out = []
-    buffer.dispatch(x, ids, w, num_experts=num_experts, do_cpu_sync=False)
-    for sync, expand in ((False, False), (False, True), (True, False), (True, True)):
+    out, buffers = [], {}
+    # (allow_multiple_reduction, do_cpu_sync, do_expand); without multiple reduction only an expanded combine differs
+    for many, sync, expand in ((1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1), (0, 0, 1), (0, 1, 1)):
+        if many not in buffers:  # and a warm-up call: the first makes the EPBuffer
+            buffers[many] = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=N_MAX, hidden=HIDDEN,
+                                                  allow_multiple_reduction=many, explicitly_destroy=True)  # fmt: skip
+            buffers[many].dispatch(x, ids, w, num_experts=num_experts, do_cpu_sync=False)
+        buffer = buffers[many]
         kw = {"num_experts": num_experts, "do_cpu_sync": sync, "do_expand": expand, "expert_alignment": 4}
         grids: dict[str, set] = {}  # the programs of each kernel's launches (as made for CUDA)
         with HostSyncDetector() as reads, observe(partial(_grid, grids)):
@@ -71,7 +75,8 @@ def _calls(rank: int, world: int, kernels: str) -> bytes:
             "cached_x": cached[0], "cached_w": cached[2],
             "sizes": (h.num_recv_tokens, h.num_expanded_tokens, h.num_recv_tokens_per_expert_list),
         })  # fmt: skip
-    buffer.destroy()
+    for buffer in buffers.values():
+        buffer.destroy()
     f = io.BytesIO()
     torch.save(out, f)
     return f.getvalue()
@@ -85,7 +90,7 @@ def test_v2_on_the_device_kernels_is_the_host_path_bit_for_bit():
     host = [_load(b) for b in run_ranks(_calls, 3, "host", timeout=120)]
     kern = [_load(b) for b in run_ranks(_calls, 3, "device", timeout=300)]
     for rank in range(3):
-        assert len(host[rank]) == len(kern[rank]) == 4
+        assert len(host[rank]) == len(kern[rank]) == 6
         for a, d in zip(host[rank], kern[rank]):
             assert not a["on_kernels"] and d["on_kernels"]
             for key in a:
@@ -97,7 +102,7 @@ def test_v2_on_the_device_kernels_is_the_host_path_bit_for_bit():
                 else:
                     assert va == vd, (rank, key, va, vd)
             # num_sms honoured: the dispatch's (5, kept by its cached dispatch) and the combine's (3) programs
-            want = {"_layout": 5, "_notify": 1, "_dispatch_send": 5, "_dispatch_recv": 5, "_agree": 1}
+            want = {"_layout": 5, "_notify": 1, "_dispatch_send": 5, "_dispatch_recv": 5, "_agree": 1}  # each once
             want.update(_combine_send=3, _combine_reduce=3)
             assert d["grids"] == {k: {(n,)} for k, n in want.items()}, (rank, d["grids"])
             if not d["sync"]:  # the worst-case call, its combine and cached dispatch: nothing read back

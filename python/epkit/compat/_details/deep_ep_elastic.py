@@ -18,8 +18,9 @@ How V2's calls map:
   expand mode each rank first sums its expanded rows of the token (k ascending, rounded to bf16), or, without
   ``allow_multiple_reduction``, every (token, k) row comes back and the terms are added k ascending. On the device
   kernels the combine kernel sums in that order (``EPBuffer.combine(order=)``); on a host path the rows come back
-  unsummed (``EPBuffer.combine_unsummed``) and are summed here. ``topk_weights`` are routed back, not applied (as
-  V2's). Without ``allow_multiple_reduction`` the buffer takes a host path.
+  unsummed (``EPBuffer.combine_unsummed``) and are summed here; without ``allow_multiple_reduction`` on the
+  kernels, one combine per top-k slot brings each (token, k) row back alone, added at the source by tensor ops.
+  ``topk_weights`` are routed back, not applied (as V2's).
 - ``do_cpu_sync=False`` gives the worst-case shapes V2 gives (``num_max_tokens_per_rank * num_ranks`` rows, the
   expanded worst case), the valid rows first. On the device kernels it is EPBuffer's worst-case dispatch (the
   kernels size and pad the outputs, the handle is tensor ops): the dispatch, its combine and its cached dispatches
@@ -142,9 +143,7 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
-        self._dispatch = ElasticDispatch(
-            self._session, num_max_tokens_per_rank, self.num_allocated_qps, allow_multiple_reduction
-        )
+        self._dispatch = ElasticDispatch(self._session, num_max_tokens_per_rank, self.num_allocated_qps)
         self._combine = ElasticCombine(self._session, allow_multiple_reduction)
         self._engram = ElasticEngram(self._session, num_bytes, num_cpu_bytes)
         self._pp = ElasticPP(self._session, num_bytes)

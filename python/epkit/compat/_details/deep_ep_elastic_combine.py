@@ -130,11 +130,37 @@ class ElasticCombine:
         biases, then each rank's row by :func:`rank_order`); an expanded row's slots summed on the expert side
         unweighted, k ascending. No host read."""
         assert handle.buffer is not None and handle.handle is not None
+        if handle.do_expand and not self.allow_multiple_reduction:
+            return self._slots_on_kernels(x, handle, bias, num_sms)
         buf, h = handle.buffer, handle.handle
         rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
         ones = torch.ones(h.recv_topk_idx.shape, dtype=torch.float32, device=x.device) if handle.do_expand else None
         order = rank_order(handle.topk_idx.to(x.device), handle.num_experts // self.s.group_size, self.s.group_size)
         return buf.combine(x[:rows].contiguous(), h, ones, bias, sms_budget(num_sms), order=order)
+
+    def _slots_on_kernels(
+        self, x: torch.Tensor, handle: EPHandle, bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+        num_sms: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Without ``allow_multiple_reduction``, on the device kernels: every (token, k) row back on its own, one
+        combine per top-k slot k (its expanded rows alone: each token's sum there has one term, its row exactly),
+        then at the source ``bias0 + bias1`` and the slots k ascending in float32, rounded once (V2's order, as
+        ``slot_rows_back`` on a host path); tensor ops, no host read, K combines."""
+        buf, h = handle.buffer, handle.handle
+        assert buf is not None and h is not None and h.expanded_slot is not None  # an expanded dispatch's handle
+        dev, n_exp = x.device, handle.num_expanded_tokens
+        slot = h.expanded_slot.to(dev).long()
+        ones = torch.ones(h.recv_topk_idx.shape, dtype=torch.float32, device=dev)
+        rows = torch.cat([x[:n_exp], x.new_zeros((1, x.shape[1]))])  # a zero row for the slots naming none
+        acc = torch.zeros((handle.topk_idx.shape[0], x.shape[1]), dtype=torch.float32, device=dev)
+        for b in bias if isinstance(bias, tuple) else (() if bias is None else (bias,)):
+            acc += b.float()
+        for j in range(slot.shape[1]):
+            lane = torch.zeros_like(rows)
+            at = torch.where(slot[:, j] >= 0, slot[:, j], n_exp)
+            lane[at] = rows[at]
+            acc += buf.combine(lane[:n_exp], h, ones, num_sms=sms_budget(num_sms)).float()
+        return acc.to(x.dtype)
 
     def _weights_on_kernels(self, topk_weights: torch.Tensor, handle: EPHandle, num_sms: int) -> torch.Tensor:
         """The top-k weights back on the device kernels: a float32 combine of rows holding each slot's weight in

@@ -26,13 +26,10 @@ __all__ = ["ElasticDispatch"]
 
 class ElasticDispatch:
     """The dispatch of one ElasticBuffer, on its session ``s``; ``num_max_tokens_per_rank`` / ``num_allocated_qps``:
-    the buffer's (the default N, the QP bound); ``kernels_ok``: the rows may take the device kernels (where the
-    planner picks them; not without ``allow_multiple_reduction``, whose combine needs the host path's unsummed rows)."""
+    the buffer's (the default N, the QP bound)."""
 
-    def __init__(
-        self, session: Session, num_max_tokens_per_rank: int, num_allocated_qps: int, kernels_ok: bool
-    ) -> None:
-        self.s, self.kernels_ok = session, kernels_ok
+    def __init__(self, session: Session, num_max_tokens_per_rank: int, num_allocated_qps: int) -> None:
+        self.s = session
         self.num_max_tokens_per_rank, self.num_allocated_qps = num_max_tokens_per_rank, num_allocated_qps
 
     def dispatch(
@@ -278,7 +275,7 @@ class ElasticDispatch:
         dev, k, local, rows_cap = x0.device, topk_idx.shape[1], num_experts // w, n_max * w
         in_rank = in_rank_of(topk_idx, num_experts, w)
         weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, device=dev)
-        buf = s.epbuffer(x0.shape[1], num_experts, k, dev, n_max, flat=True, kernels_ok=self.kernels_ok)
+        buf = s.epbuffer(x0.shape[1], num_experts, k, dev, n_max, flat=True, kernels_ok=True)
         routes = s.device_routes("dispatch", in_rank, buf.num_max_tokens_per_rank)  # one size on every rank
         worst = buf.uses_device_kernels and not do_cpu_sync
         recv_rows, recv_idx, recv_w, aligned, h = buf.dispatch(
