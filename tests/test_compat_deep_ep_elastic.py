@@ -73,6 +73,9 @@ def _run(rank: int, world: int) -> str:
         assert handle.psum_num_recv_tokens_per_expert.tolist() == torch.tensor(aligned).cumsum(0).tolist()
         per_src = [sum(1 for s, _ in mine if s == r) for r in range(world)]
         assert handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == torch.tensor(per_src).cumsum(0).tolist()
+        for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert", "recv_src_metadata",
+                     "num_unaligned_recv_tokens_per_expert", "dst_buffer_slot_idx"):  # fmt: skip
+            assert getattr(handle, name).is_contiguous(), name  # engines' kernels read them by pointer
         # expanded: one row per (token, local expert), experts' blocks aligned; psum = start + unaligned count
         ex_x, ex_idx, ex_w, ex_handle, _ = buffer.dispatch(
             x, ids, weights, num_experts=num_experts, expert_alignment=alignment, do_expand=True

@@ -364,7 +364,8 @@ def route_tensors(
     expanded row of each slot (None: not expanded); ``aligned [L]`` the aligned per-expert counts."""
     dev, (n_rows, k) = recv_idx.device, recv_idx.shape
     tensors = normal_handle(routes[0], routes[1], me, 1, in_rank, num_rows=n_rows)
-    psum_rank = tensors[0][:, me].to(dev)  # DeepEP's rank_prefix_matrix: the rows from each source, inclusive
+    # DeepEP's rank_prefix_matrix's column: the rows from each source, inclusive (contiguous: kernels read it)
+    psum_rank = tensors[0][:, me].to(dev).contiguous()
     recv_src = tensors[3].to(dev).long()  # -1 past the rows received
     src_rank = torch.searchsorted(psum_rank.long(), torch.arange(n_rows, device=dev), right=True)
     got = recv_src >= 0
@@ -380,7 +381,7 @@ def route_tensors(
         psum_expert = aligned.cumsum(0) - aligned + unaligned  # each expert's aligned start plus its count
     else:
         psum_expert = aligned.cumsum(0)
-    return meta, psum_rank, psum_expert.int(), unaligned, tensors[5].to(dev)
+    return meta, psum_rank, psum_expert.int(), unaligned, tensors[5].to(dev).contiguous()
 
 
 def expanded_weights(slot: torch.Tensor, weights: torch.Tensor, n_exp: int) -> torch.Tensor:
