@@ -157,17 +157,13 @@ class ElasticDispatch:
         or weights gather, then the EPBuffer's call, which carries ``error`` to every rank as its own rejection:
         there the same ValueError, on CUDA at the rank's next call), then the ValueError here."""
         s, cap, dev = self.s, buf.num_max_tokens_per_rank, buf.device
-        none = torch.zeros((0, buf.hidden), dtype=torch.bfloat16, device=dev)
-        if isinstance(handle, EPHandle):
-            assert handle.handle is not None  # a dispatch of this buffer made it (_stream_ordered)
-            if weights_given:
-                n, k = handle.num_max_tokens_per_rank, handle.topk_idx.shape[1]
-                s.gather(torch.zeros((n, k), dtype=torch.float32, device=dev), "cached dispatch")
-            buf.dispatch(none, handle=handle.handle, reject=error)
-        else:
-            s.device_routes("dispatch", torch.zeros((0, s.group_size), dtype=torch.bool, device=dev), cap)
-            idx = torch.full((0, buf.num_topk), -1, dtype=torch.int64, device=dev)
-            buf.dispatch(none, idx, num_worst_tokens=cap * s.group_size, reject=error)
+        if not isinstance(handle, EPHandle):
+            s.reject_worst_dispatch(buf, error, cap, cap * s.group_size)
+        assert handle.handle is not None  # a dispatch of this buffer made it (_stream_ordered)
+        if weights_given:
+            n, k = handle.num_max_tokens_per_rank, handle.topk_idx.shape[1]
+            s.gather(torch.zeros((n, k), dtype=torch.float32, device=dev), "cached dispatch")
+        buf.dispatch(torch.zeros((0, buf.hidden), dtype=torch.bfloat16, device=dev), handle=handle.handle, reject=error)
         raise ValueError(error)  # (the EPBuffer raised every rank's verdict first)
 
     def on_kernels(self, x0: torch.Tensor, topk_idx: object, num_experts: object) -> bool:
@@ -275,7 +271,7 @@ class ElasticDispatch:
         dev, k, local, rows_cap = x0.device, topk_idx.shape[1], num_experts // w, n_max * w
         in_rank = in_rank_of(topk_idx, num_experts, w)
         weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape, device=dev)
-        buf = s.epbuffer(x0.shape[1], num_experts, k, dev, n_max, flat=True, kernels_ok=True)
+        buf = s.epbuffer(x0.shape[1], num_experts, k, dev, n_max, summable=True)
         routes = s.device_routes("dispatch", in_rank, buf.num_max_tokens_per_rank)  # one size on every rank
         worst = buf.uses_device_kernels and not do_cpu_sync
         recv_rows, recv_idx, recv_w, aligned, h = buf.dispatch(

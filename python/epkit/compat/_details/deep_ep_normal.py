@@ -291,13 +291,8 @@ class NormalCalls:
         tokens = int(ordered.num_max_tokens_per_rank)
         if error is None and x0 is not None and x0.shape[0] > tokens:
             error = f"dispatch: {x0.shape[0]} tokens, more than the {tokens} the Buffer's eager calls made room for"
-        if error is not None:  # its part of the routing gather, then the EPBuffer's call with no tokens
-            no_route = torch.zeros((0, self.s.group_size), dtype=torch.bool, device=ordered.device)
-            self.s.device_routes("dispatch", no_route, tokens)
-            none = torch.zeros((0, ordered.hidden), dtype=torch.bfloat16, device=ordered.device)
-            idx = torch.full((0, ordered.num_topk), -1, dtype=torch.int64, device=ordered.device)
-            ordered.dispatch(none, idx, num_worst_tokens=num_worst_tokens, reject=error)
-            raise ValueError(error)  # (the EPBuffer raises the verdict of every rank first)
+        if error is not None:
+            self.s.reject_worst_dispatch(ordered, error, tokens, num_worst_tokens)
         return tokens
 
     def _stream_ordered(self, worst: bool, x: object, topk_idx: object, per_expert: object) -> EPBuffer | None:

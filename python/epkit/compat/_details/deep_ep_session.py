@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -162,13 +162,13 @@ class Session:
 
     def epbuffer(
         self, hidden: int, num_experts: int, num_topk: int, device: torch.device, tokens: int, ll_tokens: int = 0,
-        flat: bool = False, kernels_ok: bool = False,
+        summable: bool = False,
     ) -> EPBuffer:  # fmt: skip
         """The EPBuffer for these shapes, made (collectively: every rank gets here with the same arguments, after
-        the call's agreement) when there is none yet or the current one is too small. ``flat``: one on a flat
-        host-driven path (``EPBuffer.combine_unsummed`` needs it): the host paths, and where the planner would
-        build a hierarchy (several hosts), the ``torch`` transport; with ``kernels_ok`` the device kernels instead
-        where the planner picks them (their combine sums in a caller's order: ``EPBuffer.combine(order=)``)."""
+        the call's agreement) when there is none yet or the current one is too small. ``summable``: one whose combine
+        can sum in a caller's order: the device kernels where the planner picks them (``EPBuffer.combine(order=)``),
+        else a flat host-driven path (``EPBuffer.combine_unsummed``), the ``torch`` transport where the planner would
+        build a hierarchy (several hosts)."""
         if self.destroyed:
             raise RuntimeError("destroy() was called on this buffer; make a new one")
         key = (hidden, num_experts, num_topk)
@@ -185,13 +185,12 @@ class Session:
             ll_tokens = max(ll_tokens, buf.num_max_dispatch_tokens_per_rank)
         transport = "nvshmem" if torch.device(device).type == "cuda" else "auto"
         ll = ll_tokens or None
-        kernels = "host" if flat and not kernels_ok else "auto"
         buf = EPBuffer(
             self.group, hidden, num_experts, cap, num_topk, transport, num_max_dispatch_tokens_per_rank=ll,
-            timeout=self.timeout, kernels=kernels,
+            timeout=self.timeout,
         )  # fmt: skip
         # the same plan on every rank: all of them make this one
-        if flat and buf.paths[0] != "FlatNormalPath" and not (kernels_ok and buf.uses_device_kernels):
+        if summable and buf.paths[0] != "FlatNormalPath" and not buf.uses_device_kernels:
             buf.close()
             buf = EPBuffer(
                 self.group, hidden, num_experts, cap, num_topk, "torch", num_max_dispatch_tokens_per_rank=ll,
@@ -200,6 +199,18 @@ class Session:
         self.current[key] = buf
         self.made.append(buf)
         return buf
+
+    def reject_worst_dispatch(self, buf: EPBuffer, error: str, tokens: int, num_worst_tokens: int) -> NoReturn:
+        """A stream-ordered worst-case dispatch this rank rejects (no host agreement): its part of the routing gather
+        (``tokens`` rows, the others' size) with no tokens, then ``buf``'s worst-case call with none, which carries
+        ``error`` to every rank as its own rejection (there the same ValueError; on CUDA at the rank's next call),
+        then the ValueError here."""
+        no_route = torch.zeros((0, self.group_size), dtype=torch.bool, device=buf.device)
+        self.device_routes("dispatch", no_route, tokens)
+        none = torch.zeros((0, buf.hidden), dtype=torch.bfloat16, device=buf.device)
+        idx = torch.full((0, buf.num_topk), -1, dtype=torch.int64, device=buf.device)
+        buf.dispatch(none, idx, num_worst_tokens=num_worst_tokens, reject=error)
+        raise ValueError(error)  # (the EPBuffer raised every rank's verdict first)
 
     def shrink_buffer(self, hidden: int, num_experts: int, num_topk: int, n_max: int) -> EPBuffer:
         """Shrink mode (``deep_ep_shrink``): the low-latency EPBuffer for these shapes over the ranks not masked now,
