@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import epkit.compat.deep_ep as deep_ep
+from epkit.compat._details.deep_ep_shrink import RankMask
 from epkit.testing.multiprocess import run_ranks
 
 HIDDEN, TOPK, TOKENS, N_MAX = 128, 2, 6, 8
@@ -147,3 +148,63 @@ def test_without_enable_shrink_a_silent_rank_is_a_timeout_naming_it():
     texts = run_ranks(_without_shrink, WORLD, timeout=60)
     for rank, text in enumerate(texts):
         assert rank == SILENT or (f"rank {SILENT}" in text and "did not come" in text), text
+
+
+LATE = 2
+
+
+def _comes_late(rank: int, world: int) -> float:
+    mask = RankMask(dist.group.WORLD, rank, world, list(range(world)))
+    assert mask.exchange(bytes([rank]), "call", 30.0) == {r: bytes([r]) for r in range(world)}
+    store = dist.distributed_c10d._get_default_store()
+    took = 0.0
+    if rank == LATE:  # comes to call 2 only once the others are past call 3
+        store.wait([f"shrink-late/{r}" for r in range(world) if r != LATE], timedelta(seconds=60))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"rank {LATE}: call: the other ranks masked this rank"):
+            mask.exchange(b"late", "call", 30.0)
+        took = time.monotonic() - start
+    else:
+        assert mask.exchange(b"2", "call", 1.0) == {r: b"2" for r in range(world) if r != LATE}  # masked after 1 s
+        assert mask.masked == {LATE}
+        for _ in range(2):  # calls 3 and 4 wait for nobody
+            assert mask.exchange(b"3", "call", 30.0).keys() == {r for r in range(world) if r != LATE}
+        store.set(f"shrink-late/{rank}", "1")
+    dist.barrier()
+    return took
+
+
+def test_a_rank_that_comes_after_the_others_went_on_finds_itself_masked_at_once():
+    """The store's entries of a call are overwritten two calls later: a masked rank that comes late to that call
+    reads the later entries (raises at once), never waits for entries that are gone, never decides alone."""
+    took = run_ranks(_comes_late, 3, timeout=60)
+    assert took[LATE] < 5.0, took
+
+
+def _slow_reader(rank: int, world: int) -> tuple[dict[int, bytes], ...]:
+    mask = RankMask(dist.group.WORLD, rank, world, list(range(world)))
+    mask.exchange(b"1", "call", 30.0)
+    if rank == LATE:  # posts call 2's row, then stops 1.5 s before reading the others'
+        read = mask._read
+
+        def slow(*args):
+            time.sleep(1.5)
+            mask._read = read
+            return read(*args)
+
+        mask._read = slow  # type: ignore[method-assign]
+        got = (mask.exchange(b"2", "call", 30.0),)
+    else:
+        got = (mask.exchange(b"2", "call", 30.0),)
+        mask.update(LATE, True)  # calls 3 and 4 leave it out: call 4 overwrites call 2's entries once it read them
+        got += tuple(mask.exchange(b"x", "call", 30.0) for _ in range(2))
+    dist.barrier()
+    return got
+
+
+def test_a_rank_masked_by_hand_at_the_next_call_still_gets_this_calls_result():
+    """A rank still reading call 2 when the others, who mask it by hand at call 3, are at call 4: its result."""
+    got = run_ranks(_slow_reader, 3, timeout=60)
+    every = {r: b"2" for r in range(3)}
+    assert got[LATE] == (every,)
+    assert got[0] == got[1] == (every, {0: b"x", 1: b"x"}, {0: b"x", 1: b"x"})

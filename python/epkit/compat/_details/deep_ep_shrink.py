@@ -12,6 +12,13 @@ masked on every rank, and finds itself masked: it raises). So the survivors mask
 and the rows then move among them only (``EPBuffer.mask_ranks``, and buffers made over them alone: a
 :class:`~epkit.collectives.bootstrap.SubGroup`, with the experts renumbered, :func:`sub_experts`).
 
+The store holds two entries per rank and two decisions per Buffer (slot ``call % 2``), each starting with its call
+number, and one "read up to call n" entry per rank; they are overwritten, never deleted, and read without waiting
+(:func:`_peek`). A rank overwrites call ``n``'s entries at call ``n + 2`` once the ranks unmasked in call ``n`` have
+read them (or after the timeout): a rank masked by hand at call ``n + 1`` still gets call ``n``'s result, and one that
+stopped inside call ``n`` past the timeout finds later entries there and raises (a read of a deleted key would wait
+for the store's timeout).
+
 A rank masked by hand (``low_latency_update_mask_buffer``) is masked at the next call on every rank (its mask is in
 this rank's row); a mask cleared by hand on every rank (``low_latency_clean_mask_buffer``) makes the next call wait
 for that rank again (a silent one is masked again after the timeout). A rank left out of a buffer's exchanges never
@@ -20,9 +27,8 @@ rejoins that buffer (its exchanges fell behind): a new buffer is made over the u
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +52,23 @@ def _ranks(flags: bytes) -> set[int]:
     return {r for r, f in enumerate(flags) if f}
 
 
+#: What :func:`_peek` returns for a key not in the store: call 0 (no call has it), never a stored value.
+_ABSENT = bytes(8)
+
+
+def _call(value: bytes) -> int:
+    """The call number a row or decision starts with (0: :data:`_ABSENT`)."""
+    return int.from_bytes(value[:8], "little")
+
+
+def _peek(store: Any, key: str) -> bytes:  # Any: torch's stubs type the values str, the binding takes bytes
+    """``key``'s value, or :data:`_ABSENT` at once where it is not set (``store.get`` would wait for it): a
+    compare-and-set that never matches a stored value (each starts with its call number, >= 1) and, for a key
+    not set, an expected value that is not empty, neither of which writes anything."""
+    got: bytes = store.compare_set(key, _ABSENT, _ABSENT)
+    return got
+
+
 class RankMask:
     """The ranks (group positions) masked on one Buffer, and the meeting of the others (module docstring); made
     with the Buffer on every rank, in the same order."""
@@ -55,6 +78,7 @@ class RankMask:
         self.masked: set[int] = set()
         self._rv = Rendezvous(group, 30.0, "deep_ep Buffer shrink")  # its store prefix: no communication
         self._calls = 0
+        self._decisions = [b"", b""]  # the last two calls' decisions as read (calls n % 2): compare_set's expected
 
     def unmasked(self) -> tuple[int, ...]:
         """The positions not masked, ascending (this rank's among them)."""
@@ -83,39 +107,76 @@ class RankMask:
 
     def exchange(self, payload: bytes, what: str, timeout: float) -> dict[int, bytes]:
         """Every unmasked rank's ``payload`` by position (this rank's too), once the ranks silent for ``timeout``
-        seconds are masked on every rank alike (module docstring). Raises RuntimeError on a rank its peers masked."""
+        seconds are masked on every rank alike (module docstring). Raises RuntimeError on a rank its peers masked,
+        also one they masked at a later call while it was still in this one (it finds a later call's entries)."""
         self._calls += 1
-        n, w, store = self._calls, self.world_size, self._rv.store
-        store.set(f"{n}/{self.rank}", _flags(self.masked, w) + payload)
+        n, w, store, slot = self._calls, self.world_size, self._rv.store, self._calls % 2
+        stamp = n.to_bytes(8, "little")
+        self._await_readers(store, n, timeout)
+        store.set(f"{slot}/{self.rank}", stamp + _flags(self.masked, w) + payload)
         others = [r for r in range(w) if r != self.rank and r not in self.masked]
-        keys, decided = [f"{n}/{r}" for r in others], f"{n}/masked"
+        decided = f"{slot}/masked"
         deadline, pause = deadline_after(timeout), 1e-4
-        while not store.check(keys) and not store.check([decided]) and time.monotonic() < deadline:
+        rows: dict[int, bytes] = {}
+        while True:
+            rows.update(self._read(store, [r for r in others if r not in rows], n, what, timeout))
+            if len(rows) == len(others) or time.monotonic() >= deadline or _call(_peek(store, decided)) >= n:
+                break
             time.sleep(pause)
             pause = min(2 * pause, _MAX_PAUSE)
-        present = [r for r, k in zip(others, keys) if store.check([k])]
-        rows = dict(zip(present, store.multi_get([f"{n}/{r}" for r in present]))) if present else {}
-        proposal = self.masked | (set(others) - set(present))
+        proposal = self.masked | (set(others) - set(rows))
         for row in rows.values():
             proposal |= _ranks(row[:w])
-        masked = _ranks(store.compare_set(decided, "", _flags(proposal, w)))  # the first rank's decision wins
+        # the first rank's decision wins: the slot holds call n - 2's decision (this rank read it) until then
+        got = store.compare_set(decided, self._decisions[slot], stamp + _flags(proposal, w))
+        if _call(got) != n:  # a later call's: the others went on without this rank
+            raise self._masked_error(what, timeout)
+        self._decisions[slot] = got
+        masked = _ranks(got[8:])
         if self.rank in masked:
-            raise RuntimeError(
-                f"rank {self.global_ranks[self.rank]}: {what}: the other ranks masked this rank (it did not come "
-                f"within {timeout:g} s, or a rank masked it by hand); it takes no further part in this Buffer's "
-                "low-latency calls"
-            )
+            raise self._masked_error(what, timeout)
         self.masked = masked
         need = [r for r in range(w) if r not in masked and r != self.rank and r not in rows]
-        rows.update(zip(need, store.multi_get([f"{n}/{r}" for r in need])) if need else ())
+        rows.update(self._read(store, need, n, what, timeout))  # posted: the deciding rank saw them
+        store.set(f"done/{self.rank}", stamp)  # read: call n's entries may be overwritten at call n + 2
         rows[self.rank] = _flags(self.masked, w) + payload
-        live = [r for r in sorted(rows) if r not in masked]
-        with contextlib.suppress(Exception):  # every unmasked rank has read the rows of two calls ago: drop mine
-            if n > 2:
-                store.delete_key(f"{n - 2}/{self.rank}")
-                if self.rank == live[0]:  # and the lowest unmasked rank that call's decision
-                    store.delete_key(f"{n - 2}/masked")
-        return {r: rows[r][w:] for r in live}
+        return {r: rows[r][w:] for r in sorted(rows) if r not in masked}
+
+    def _await_readers(self, store: Any, n: int, timeout: float) -> None:
+        """Before call ``n`` overwrites call ``n - 2``'s entries: wait, ``timeout`` at most, until every other rank
+        unmasked in that call has read them (its ``done`` entry). A rank the others leave out of call ``n - 1`` (masked
+        by hand) so still gets call ``n - 2``'s result; one stopped inside that call finds later entries, and raises."""
+        prior = self._decisions[n % 2]  # call n - 2's decision, as read there
+        if not prior:
+            return
+        late = [f"done/{r}" for r in range(self.world_size) if r != self.rank and r not in _ranks(prior[8:])]
+        deadline, pause = deadline_after(timeout), 1e-4
+        while True:
+            late = [k for k in late if _call(_peek(store, k)) < n - 2]
+            if not late or time.monotonic() >= deadline:
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_PAUSE)
+
+    def _read(self, store: Any, ranks: list[int], n: int, what: str, timeout: float) -> dict[int, bytes]:
+        """The rows of ``ranks`` posted for call ``n`` (without the call number); ranks not yet there are left
+        out. A row of a later call means the others went on without this rank: RuntimeError (masked)."""
+        got: dict[int, bytes] = {}
+        for r in ranks:
+            row = _peek(store, f"{n % 2}/{r}")
+            call = _call(row)
+            if call == n:
+                got[r] = row[8:]
+            elif call > n:
+                raise self._masked_error(what, timeout)
+        return got
+
+    def _masked_error(self, what: str, timeout: float) -> RuntimeError:
+        return RuntimeError(
+            f"rank {self.global_ranks[self.rank]}: {what}: the other ranks masked this rank (it did not come "
+            f"within {timeout:g} s, or a rank masked it by hand); it takes no further part in this Buffer's "
+            "low-latency calls"
+        )
 
     def gather(self, mine: torch.Tensor, what: str, timeout: float, fill: int) -> torch.Tensor:
         """Every rank's ``mine`` (one shape and dtype on every rank), ``[W, *mine.shape]`` on the CPU: the masked
