@@ -125,3 +125,59 @@ def test_unpicklable_result_is_an_error_not_a_hang():
     with pytest.raises(RankError, match="cannot be pickled") as info:
         run_ranks(_unpicklable_result, 1, init_dist=False, timeout=30)
     assert info.value.exc_type == "TypeError" and "could not send rank 0's result" in str(info.value)
+
+
+def _environment_seen(rank, world_size):
+
+    import epkit.log
+
+    handlers = [type(h).__name__ for h in epkit.log.logger.handlers]
+    return epkit.log.logger.level, handlers, os.environ.get("TRITON_DEFAULT_FP_FUSION")
+
+
+@pytest.mark.parametrize("level", ["debug", None])
+def test_a_rank_applies_the_callers_environment_to_what_the_server_preloaded(monkeypatch, level):
+    """The fork server imported epkit under the environment it started with; a rank redoes what that import did
+    with the environment under the caller's as it is at the call (epkit.cpu_ranks._ENVIRONMENT_HOOKS)."""
+    import logging
+
+    run_ranks(_environment_seen, 1)  # the server is up, epkit imported there, whatever this test sets next
+    if level is None:
+        monkeypatch.delenv("EPKIT_LOG", raising=False)
+    else:
+        monkeypatch.setenv("EPKIT_LOG", level)
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    [(got_level, handlers, fusion)] = run_ranks(_environment_seen, 1)
+    assert fusion == "0"  # epkit.kernels.triton's default, set again in the rank
+    if level is None:
+        assert (got_level, "_EpkitStderrHandler" in handlers) == (logging.NOTSET, False)
+    else:
+        assert (got_level, handlers.count("_EpkitStderrHandler")) == (logging.DEBUG, 1)
+
+
+_IMPORT_READS = r"""
+import os, torch, torch._dynamo, pytest
+read = set()
+get = type(os.environ).__getitem__
+def spy(self, key):
+    read.add(key)
+    return get(self, key)
+type(os.environ).__getitem__ = spy
+import epkit.cpu_ranks
+for name in epkit.cpu_ranks._PRELOAD + ["epkit.compat.deep_ep", "epkit.testing"]:
+    __import__(name)
+print(sorted(read))
+"""
+
+
+def test_every_environment_variable_read_by_the_preloaded_imports_is_redone_in_each_rank():
+    """What epkit's import reads from the environment is what the hooks redo in a rank (or the parent's own
+    launch timeout): a new read at import needs its hook in epkit.cpu_ranks._ENVIRONMENT_HOOKS."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("EPKIT_LOG", "TRITON_DEFAULT_FP_FUSION")}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_READS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    read = {k for k in eval(out.stdout.strip().splitlines()[-1]) if k.startswith(("EPKIT", "TRITON", "TILELANG"))}
+    assert read == {"EPKIT_LOG", "TRITON_DEFAULT_FP_FUSION", "EPKIT_TEST_RANK_TIMEOUT"}, read

@@ -6,4 +6,12 @@ dialect runs on GPU tensors and is lowered for sm_90 in CI without a GPU.
 
 import os
 
-os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+
+def environment_defaults() -> None:
+    """TileLang's compile messages off unless the environment says otherwise. Runs at import, and again in a rank that
+    :func:`epkit.cpu_ranks.run_ranks` forks from a server that had imported this module, under the rank's
+    environment."""
+    os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+
+
+environment_defaults()

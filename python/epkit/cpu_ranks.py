@@ -3,13 +3,13 @@
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes; rank r
 calls ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``
 and sends back its return value. The processes are forked from a
-multiprocessing fork server that has imported torch and its compiler
-front end (once per parent process; see ``_PRELOAD``), not spawned: a
+multiprocessing fork server that has imported torch, its compiler front end
+and epkit (once per parent process; see ``_PRELOAD``), not spawned: a
 spawned rank spends about 3 s importing them, most of a small test's time. A rank still starts as a fresh interpreter
 would for everything else: it gets the parent's environment, working
-directory, stdout and stderr as they are at the call, and imports ``fn``'s
-module after taking that environment (epkit's own modules read the
-environment when called, not when imported). Where the platform has no fork
+directory, stdout and stderr as they are at the call, redoes what epkit's
+import did with the environment under that one (``_ENVIRONMENT_HOOKS``), and
+imports ``fn``'s module after taking it. Where the platform has no fork
 server, ranks are spawned. The ranks meet through a ``FileStore`` in a new
 temporary file: no port, so no port races, and no socket, so no name lookup
 (c10d names the peer of every TCPStore connection by a reverse lookup, which on
@@ -32,6 +32,7 @@ import multiprocessing.connection as mp_connection
 import multiprocessing.reduction as mp_reduction
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -55,17 +56,28 @@ class RankError(RuntimeError):
 
 #: What the fork server imports before forking ranks: torch, and torch._dynamo, which the first call of any custom
 #: op imports (with sympy and triton: ~1.7 s of CPU per rank, a third of the EP tests' time before it was
-#: preloaded). Triton reads its settings (TRITON_INTERPRET, the cache directory) when they are used, not at import;
-#: torch's compiler settings read at import (TORCHDYNAMO_*, TORCHINDUCTOR_*) are the parent's as they were when
-#: the server started. epkit's modules are imported by each rank after it has taken the parent's environment.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+#: preloaded), and epkit (~0.25 s of CPU per rank after those). Triton reads its settings (TRITON_INTERPRET, the
+#: cache directory) when they are used, not at import; torch's compiler settings read at import (TORCHDYNAMO_*,
+#: TORCHINDUCTOR_*) are the parent's as they were when the server started. What epkit's import does with the
+#: environment is done again in each rank under the caller's environment (:data:`_ENVIRONMENT_HOOKS`).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "epkit"]
+
+#: The modules whose import reads the environment, each with its function that does so: a rank runs those of the
+#: modules the server preloaded once it has taken the caller's environment. A module added here reads the
+#: environment at import only through that function (tests/test_multiprocess.py checks that they are all here).
+_ENVIRONMENT_HOOKS = {
+    "epkit.log": "configure_from_env",
+    "epkit.kernels.triton": "environment_defaults",
+    "epkit.kernels.tilelang": "environment_defaults",
+}
 
 
 def preload(*modules: str) -> None:
     """Have the fork server import ``modules`` too before it forks ranks, instead of every rank importing them
     (e.g. a test suite's ``pytest``, which the test modules the ranks unpickle import). The server reads the list
-    when it starts (a process's first launch). Only modules whose import reads none of epkit's environment: the
-    server's environment is the parent's at its start, not at each launch."""
+    when it starts (a process's first launch). Only modules whose import reads no environment variable (or does
+    it through :data:`_ENVIRONMENT_HOOKS`): the server's environment is the parent's at its start, not at each
+    launch."""
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
@@ -132,6 +144,10 @@ def _child(job, env, stdio, rank, world_size, store_path, results, init_timeout,
     stdio.take()
     os.environ.clear()
     os.environ.update(env)
+    for name, hook in _ENVIRONMENT_HOOKS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            getattr(module, hook)()
     import torch
     import torch.distributed as dist
 

@@ -61,12 +61,14 @@ def configure(level: str | None) -> None:
 
 
 def configure_from_env() -> None:
-    """Apply ``EPKIT_LOG`` (unset or empty: leave the logger silent). Runs once, when ``epkit`` is imported.
+    """Apply ``EPKIT_LOG`` (unset or empty: ``off``). Runs when ``epkit`` is imported, and again in a rank that
+    :func:`epkit.cpu_ranks.run_ranks` forks from a server that had imported epkit, under the rank's environment.
 
     An unknown value is not fatal to the import: epkit prints warnings and errors and says which values work.
     """
     raw = os.environ.get("EPKIT_LOG", "").strip()
     if not raw:
+        configure("off")
         return
     try:
         configure(raw)

@@ -8,7 +8,7 @@ from epkit.cpu_ranks import DEFAULT_TIMEOUT, RankError, preload, run_ranks
 __all__ = ["DEFAULT_TIMEOUT", "RankError", "ranks", "run_ranks"]
 
 # the test modules a rank unpickles import pytest: once in the fork server, not ~0.08 s in every rank of a launch
-preload("pytest")
+preload("pytest", "epkit.compat.deep_ep", "epkit.testing")
 
 
 def ranks(world_size: int, timeout: float | None = None):
