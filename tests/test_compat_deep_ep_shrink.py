@@ -5,7 +5,8 @@ A rank that stops calling (alive: it waits in the job's final barrier) is masked
 timeout, at the same call on every survivor; from then on their dispatch receives nothing from it and their combine
 sums no term of its experts. The results are compared with references built here from every rank's inputs (each
 rank can draw any rank's), with the masked ranks' routing and experts left out. Without ``enable_shrink`` a silent
-rank stays a TimeoutError naming it.
+rank stays a TimeoutError naming it. The meeting itself (``RankMask``): a rank slow inside a call that the others
+mask by hand at the next still gets that call's result; one that comes to a call the others left behind raises.
 """
 
 from __future__ import annotations
