@@ -28,6 +28,7 @@ rejoins that buffer (its exchanges fell behind): a new buffer is made over the u
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +60,15 @@ _ABSENT = bytes(8)
 def _call(value: bytes) -> int:
     """The call number a row or decision starts with (0: :data:`_ABSENT`)."""
     return int.from_bytes(value[:8], "little")
+
+
+def _poll(ready: Callable[[], bool], deadline: float) -> None:
+    """Call ``ready`` until it returns True or ``deadline`` (a ``time.monotonic()`` instant) passes, with pauses from
+    0.1 ms doubling up to :data:`_MAX_PAUSE` between calls."""
+    pause = 1e-4
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(2 * pause, _MAX_PAUSE)
 
 
 def _peek(store: Any, key: str) -> bytes:  # Any: torch's stubs type the values str, the binding takes bytes
@@ -116,14 +126,13 @@ class RankMask:
         store.set(f"{slot}/{self.rank}", stamp + _flags(self.masked, w) + payload)
         others = [r for r in range(w) if r != self.rank and r not in self.masked]
         decided = f"{slot}/masked"
-        deadline, pause = deadline_after(timeout), 1e-4
         rows: dict[int, bytes] = {}
-        while True:
+
+        def arrived() -> bool:  # every row, or the call decided without some
             rows.update(self._read(store, [r for r in others if r not in rows], n, what, timeout))
-            if len(rows) == len(others) or time.monotonic() >= deadline or _call(_peek(store, decided)) >= n:
-                break
-            time.sleep(pause)
-            pause = min(2 * pause, _MAX_PAUSE)
+            return len(rows) == len(others) or _call(_peek(store, decided)) >= n
+
+        _poll(arrived, deadline_after(timeout))
         proposal = self.masked | (set(others) - set(rows))
         for row in rows.values():
             proposal |= _ranks(row[:w])
@@ -150,13 +159,12 @@ class RankMask:
         if not prior:
             return
         late = [f"done/{r}" for r in range(self.world_size) if r != self.rank and r not in _ranks(prior[8:])]
-        deadline, pause = deadline_after(timeout), 1e-4
-        while True:
-            late = [k for k in late if _call(_peek(store, k)) < n - 2]
-            if not late or time.monotonic() >= deadline:
-                return
-            time.sleep(pause)
-            pause = min(2 * pause, _MAX_PAUSE)
+
+        def read() -> bool:
+            late[:] = [k for k in late if _call(_peek(store, k)) < n - 2]
+            return not late
+
+        _poll(read, deadline_after(timeout))
 
     def _read(self, store: Any, ranks: list[int], n: int, what: str, timeout: float) -> dict[int, bytes]:
         """The rows of ``ranks`` posted for call ``n`` (without the call number); ranks not yet there are left
